@@ -1,0 +1,99 @@
+"""The `rlft` command: grpo | reward | demo | doctor | plot.
+
+Training subcommands take `--config run.yaml` plus `--field value` overrides for any
+config field (`rlft grpo --config run.yaml --learning_rate 1e-5`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlft.config import ConfigError
+
+
+def _cmd_grpo(args, extra: list[str]) -> int:
+    from rlft.config import GRPOConfig, load_config, parse_overrides
+
+    cfg = load_config(GRPOConfig, args.config, parse_overrides(extra))
+    from rlft.train.grpo import GRPOTrainer
+
+    GRPOTrainer.from_config(cfg).train(resume_from_checkpoint=args.resume_from_checkpoint)
+    return 0
+
+
+def _cmd_reward(args, extra: list[str]) -> int:
+    from rlft.config import RewardConfig, load_config, parse_overrides
+
+    load_config(RewardConfig, args.config, parse_overrides(extra))
+    print("rlft reward: not implemented yet (tracked in the RewardTrainer issue)", file=sys.stderr)
+    return 2
+
+
+def _cmd_demo(args, extra: list[str]) -> int:
+    from rlft.demo import run_demo
+
+    return run_demo(steps=args.steps, lora=not args.full, seed=args.seed, output_dir=args.output_dir,
+                    seconds=args.max_seconds)
+
+
+def _cmd_doctor(args, extra: list[str]) -> int:
+    print("rlft doctor: not implemented yet (tracked in the demo/doctor/docs issue)", file=sys.stderr)
+    return 2
+
+
+def _cmd_plot(args, extra: list[str]) -> int:
+    from rlft.plots import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO and reward models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    grpo = sub.add_parser("grpo", help="GRPO training from a YAML config (+ --field value overrides)")
+    grpo.add_argument("--config", help="YAML file with GRPOConfig fields")
+    grpo.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", default=None,
+                      help="'true' for the latest checkpoint in output_dir, or a checkpoint path")
+    grpo.set_defaults(func=_cmd_grpo)
+
+    reward = sub.add_parser("reward", help="Bradley-Terry reward-model training from a YAML config")
+    reward.add_argument("--config", help="YAML file with RewardConfig fields")
+    reward.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", default=None)
+    reward.set_defaults(func=_cmd_reward)
+
+    demo = sub.add_parser("demo", help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
+    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: run until --max-seconds)")
+    demo.add_argument("--max-seconds", type=float, default=150.0, help="training time budget in seconds")
+    demo.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--output-dir", default="runs/demo")
+    demo.set_defaults(func=_cmd_demo)
+
+    doctor = sub.add_parser("doctor", help="preflight checks for a grpo or reward config")
+    doctor.add_argument("--config", required=False)
+    doctor.set_defaults(func=_cmd_doctor)
+
+    plot = sub.add_parser("plot", help="PNG curves from RUN_DIR/metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    plot.set_defaults(func=_cmd_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in ("grpo", "reward"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args, extra)
+    except ConfigError as err:
+        print(f"rlft {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Build the tiny, real models and tokenizers that rlft's demos and tests use.
+
+Everything here is a genuine Hugging Face artefact: a BPE tokenizer trained with the
+`tokenizers` library (Qwen2's pre-tokenizer pipeline, so it survives a save/load round trip
+through `AutoTokenizer`), and Qwen2 / Llama models built from a config. They are saved with
+`save_pretrained` and loaded with the Auto classes, exactly like a model from the hub.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+# Qwen2's split regex: every digit is its own pre-token, so numbers tokenize digit by digit.
+QWEN2_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+ANSWER_TOKENS = ["<answer>", "</answer>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_WORDS = (
+    "the a an is of to and in that it for you what answer question assistant user system helpful "
+    "good bad better worse correct wrong number sum plus minus think step reward model policy "
+    "response chosen rejected please write short long sentence summary kind polite rude yes no"
+).split()
+
+
+def _tokenizer_corpus(seed: int, lines: int = 2000) -> list[str]:
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
+        corpus.append(f"What is {a}+{b}? {words.capitalize()}. The answer is {a + b}!")
+    return corpus
+
+
+def build_tokenizer(seed: int = 0, vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer with Qwen2's normalizer and pre-tokenizer.
+
+    Special tokens: `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos); `<answer>` and
+    `</answer>` are single added tokens. The chat template is ChatML, like Qwen2's.
+    Padding is on the left, as generation wants it.
+    """
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(seed), trainer)
+    tok.add_tokens(ANSWER_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=max(hidden_size // 32, 1),
+        num_key_value_heads=max(hidden_size // 64, 1),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        **extra,
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"arch={arch!r}: choose 'qwen2' or 'llama'")
+
+
+def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
+                    seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised Qwen2 or Llama causal LM sized for CPU tests."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch, tokenizer, hidden_size, num_layers))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def build_sequence_classifier(tokenizer, arch: str = "qwen2", hidden_size: int = 64, num_layers: int = 2,
+                              seed: int = 0) -> PreTrainedModel:
+    """The same backbones with a one-output score head (a reward model)."""
+    torch.manual_seed(seed)
+    config = _config(arch, tokenizer, hidden_size, num_layers, num_labels=1)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def save_tiny(model: PreTrainedModel, tokenizer, path: str | Path) -> Path:
+    """Save model and tokenizer side by side, as a hub folder would hold them."""
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_tiny_model_dir(path: str | Path, kind: str = "causal", arch: str = "qwen2", seed: int = 0,
+                        hidden_size: int = 64, num_layers: int = 2) -> Path:
+    """Build tokenizer + model (`kind` 'causal' or 'seq_cls') and save them to `path`."""
+    tokenizer = build_tokenizer(seed)
+    builder = build_causal_lm if kind == "causal" else build_sequence_classifier
+    model = builder(tokenizer, arch=arch, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    return save_tiny(model, tokenizer, path)
