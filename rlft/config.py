@@ -59,6 +59,7 @@ class TrainConfig:
     save_steps: int = 500
     save_total_limit: int | None = None
     eval_steps: int | None = None
+    eval_on_start: bool = False
     report_to: list[str] = field(default_factory=lambda: ["none"])
     run_name: str | None = None
     gradient_checkpointing: bool = False

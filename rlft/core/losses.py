@@ -140,6 +140,8 @@ def policy_loss(
     max_len = logps.shape[1] if max_completion_length is None else max_completion_length
     loss = aggregate(per_token, mask, n_seq, n_tok, max_len)
     metrics = _metrics(ratio.expand_as(logps).detach(), adv, mask, ctx, kl)
+    if kl is not None:  # the KL share of `loss`, aggregated the same way (policy part = loss - kl_loss)
+        metrics["kl_loss"] = aggregate(beta * kl.detach(), mask, n_seq, n_tok, max_len)
     return loss, metrics
 
 

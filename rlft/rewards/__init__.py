@@ -1,0 +1,12 @@
+"""Reward functions: TRL's calling convention, built-ins, and reward models as rewards."""
+
+from rlft.rewards.builtins import (
+    accuracy_reward,
+    format_reward,
+    get_soft_overlong_punishment,
+    math_verify_reward,
+)
+from rlft.rewards.calling import RewardFunctionError, compute_rewards, resolve_reward
+
+__all__ = ["accuracy_reward", "format_reward", "get_soft_overlong_punishment", "math_verify_reward",
+           "RewardFunctionError", "compute_rewards", "resolve_reward"]

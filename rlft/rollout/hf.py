@@ -1,0 +1,71 @@
+"""Generation with transformers' `generate`: the default engine, runs on any device.
+
+The rollout protocol: prompt token ids and a group size in; completion ids, a completion
+mask (every token up to and including the first EOS) and a truncation flag out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlft.data.prompts import left_pad
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # [N, P] left-padded, each prompt repeated G times in a row
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, C] right-padded
+    completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
+    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+
+    def to(self, device) -> Rollout:
+        return Rollout(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
+                                                 self.completion_mask, self.truncated)))
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+def completion_mask_from(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask every token up to and including the first EOS; flag rows that never emit one."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [N, C]
+    has_eos = is_eos.any(dim=1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), completion_ids.shape[1] - 1)  # [N]
+    positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
+    return (positions <= first_eos[:, None]).long(), ~has_eos
+
+
+class HFGenerator:
+    """Sampling with `model.generate`; one call per rollout for all prompts x num_generations."""
+
+    def __init__(self, tokenizer, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int | None = None, repetition_penalty: float = 1.0):
+        self.tokenizer = tokenizer
+        self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k or 0, repetition_penalty=repetition_penalty)
+
+    @torch.no_grad()
+    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False) -> Rollout:
+        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+        ids, mask = left_pad(repeated, self.tokenizer.pad_token_id)
+        device = next(model.parameters()).device
+        ids, mask = ids.to(device), mask.to(device)
+        eos_ids = eos_token_ids(model, self.tokenizer)
+        was_training = model.training
+        model.eval()
+        sampling = dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None) if greedy \
+            else dict(self.sampling, do_sample=True)
+        out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
+                             eos_token_id=eos_ids, use_cache=True, **sampling)
+        model.train(was_training)
+        completion_ids = out[:, ids.shape[1]:]
+        completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
+        return Rollout(ids, mask, completion_ids, completion_mask, truncated)

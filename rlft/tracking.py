@@ -1,0 +1,107 @@
+"""Where metrics go: `metrics.jsonl`, `completions.jsonl`, a rich progress bar, accelerate trackers.
+
+Only the main process writes. On resume, lines of `metrics.jsonl` past the resumed step are
+dropped, so the file reads as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+logger = logging.getLogger("rlft")
+console = Console(stderr=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else value
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunLog:
+    """One run's metrics sink. `log()` is called on every process; only the main one writes."""
+
+    def __init__(self, accelerator, output_dir: str | Path, report_to: list[str], config: dict,
+                 total_steps: int, start_step: int = 0, show_progress: bool = True, project: str = "rlft"):
+        self.accelerator = accelerator
+        self.is_main = accelerator.is_main_process
+        self.dir = Path(output_dir)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.samples_path = self.dir / "completions.jsonl"
+        self.trackers = [r for r in report_to if r != "none"]
+        self.progress = None
+        if not self.is_main:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(start_step)
+        if self.trackers:
+            accelerator.init_trackers(project, config=_flat_config(config))
+        if show_progress:
+            self.progress = Progress(TextColumn("[bold]rlft"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                     TextColumn("{task.fields[status]}"), console=console, transient=False)
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self.progress.start()
+
+    def _truncate_after(self, step: int) -> None:
+        for path in (self.metrics_path, self.samples_path):
+            if not path.exists():
+                continue
+            keep = [line for line in path.read_text().splitlines() if line.strip()
+                    and json.loads(line).get("step", 0) <= step] if step > 0 else []
+            path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.is_main:
+            return
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self.trackers:
+            self.accelerator.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)
+
+    def samples(self, rows: list[dict], step: int) -> None:
+        if not self.is_main or not rows:
+            return
+        with self.samples_path.open("a") as handle:
+            for row in rows:
+                handle.write(json.dumps({"step": step, **row}, default=str) + "\n")
+
+    def advance(self, step: int, status: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, status=status)
+
+    def info(self, message: str) -> None:
+        if self.is_main:
+            console.print(f"[cyan]rlft[/cyan] {message}")
+
+    def warn(self, message: str) -> None:
+        if self.is_main:
+            console.print(f"[yellow]rlft warning[/yellow] {message}")
+            logger.warning(message)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        if self.is_main and self.trackers:
+            self.accelerator.end_training()
+
+
+def _flat_config(config: dict) -> dict:
+    return {k: (v if isinstance(v, int | float | str | bool) or v is None else str(v)) for k, v in config.items()}

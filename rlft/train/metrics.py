@@ -1,0 +1,91 @@
+"""Metric bookkeeping for the GRPO loop: rollout statistics, per-step sums reduced across
+processes, and averaging over the steps between two log lines."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean", "kl")
+
+
+def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, weights: torch.Tensor, names: list[str],
+                    stats: dict[str, float], rollout) -> dict[str, float]:
+    """Reward (total and per function, weighted as used), spread and completion-length statistics."""
+    metrics = {"reward": torch.nanmean(total).item(), **stats}
+    for index, name in enumerate(names):
+        weighted = rewards[:, index] * weights[index]
+        valid = weighted[~torch.isnan(weighted)]
+        metrics[f"rewards/{name}/mean"] = valid.mean().item() if valid.numel() else float("nan")
+        metrics[f"rewards/{name}/std"] = valid.std().item() if valid.numel() > 1 else 0.0
+    lengths = rollout.completion_mask.sum(dim=1).float()
+    metrics.update({
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": rollout.truncated.float().mean().item(),
+    })
+    return metrics
+
+
+class StepSums:
+    """Loss shares summed over micro-batches; token-mean metrics weighted by token counts."""
+
+    def __init__(self):
+        self.loss = 0.0
+        self.kl_loss = 0.0
+        self.tokens = 0.0
+        self.weighted: dict[str, float] = {}
+
+    def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], entropy: torch.Tensor | None,
+            mask: torch.Tensor) -> None:
+        tokens = mask.sum().item()
+        self.loss += loss.item()
+        self.kl_loss += metrics["kl_loss"].item() if "kl_loss" in metrics else 0.0
+        self.tokens += tokens
+        values = {k: metrics[k].item() for k in TOKEN_MEAN_KEYS if k in metrics}
+        if entropy is not None:
+            values["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+        for key, value in values.items():
+            self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
+
+    def reduce(self, accelerator) -> dict[str, float]:
+        keys = sorted(self.weighted)
+        local = torch.tensor([self.loss, self.kl_loss, self.tokens] + [self.weighted[k] for k in keys],
+                             dtype=torch.float64, device=accelerator.device)
+        summed = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
+        loss, kl_loss, tokens, *weighted = summed.tolist()
+        out = {"loss": loss, "policy_loss": loss - kl_loss}
+        out.update({k: v / max(tokens, 1.0) for k, v in zip(keys, weighted)})
+        return out
+
+
+class MetricWindow:
+    """Averages numeric metrics over the steps since the last flush (what one log line shows)."""
+
+    def __init__(self):
+        self.rows: list[dict[str, float]] = []
+        self.last: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float]) -> None:
+        self.rows.append(metrics)
+        self.last = metrics
+
+    def flush(self) -> dict[str, float]:
+        keys = {k for row in self.rows for k in row}
+        out = {}
+        for key in sorted(keys):
+            values = [row[key] for row in self.rows if key in row and not _is_nan(row[key])]
+            if key.endswith("min_length"):
+                out[key] = min(values) if values else float("nan")
+            elif key.endswith("max_length"):
+                out[key] = max(values) if values else float("nan")
+            else:
+                out[key] = sum(values) / len(values) if values else float("nan")
+        self.rows = []
+        return out
+
+
+def _is_nan(value) -> bool:
+    return isinstance(value, float) and math.isnan(value)

@@ -1,0 +1,99 @@
+"""Bad input fails before any model is loaded, with a message naming the field or row."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import rlft.train.grpo as grpo_module
+from rlft import GRPOTrainer
+from rlft.config import ConfigError, GRPOConfig, from_dict
+from rlft.data.prompts import DatasetError
+from rlft.models import load_tokenizer
+from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(grpo_module, "load_causal_lm", refuse)
+
+
+def make(tmp_path, shipped, rows=None, funcs=(correct_answer,), **overrides):
+    return GRPOTrainer(str(shipped), list(funcs), tiny_grpo_config(tmp_path, **overrides),
+                       addition_rows(16) if rows is None else rows)
+
+
+def test_batch_not_divisible_by_num_generations():
+    with pytest.raises(ConfigError, match="not divisible by num_generations=3"):
+        from_dict(GRPOConfig, {"num_generations": 3, "per_device_train_batch_size": 8})
+
+
+def test_num_generations_below_two():
+    with pytest.raises(ConfigError, match="num_generations=1 must be >= 2"):
+        from_dict(GRPOConfig, {"num_generations": 1})
+
+
+def test_unknown_loss_type():
+    with pytest.raises(ConfigError, match="loss_type='ppo' is not allowed"):
+        from_dict(GRPOConfig, {"loss_type": "ppo"})
+
+
+def test_bad_reward_weights_length(tmp_path, shipped_policy_dir, no_model_loading):
+    with pytest.raises(ConfigError, match="reward_weights has 3 values but reward_funcs has 1"):
+        make(tmp_path, shipped_policy_dir, reward_weights=[1.0, 2.0, 3.0])
+
+
+def test_missing_prompt_column_names_the_columns_found(tmp_path, shipped_policy_dir, no_model_loading):
+    rows = [{"question": "What is 1+1?", "answer": "2"}] * 8
+    with pytest.raises(DatasetError, match=r"no 'prompt' column; columns found: \['question', 'answer'\]"):
+        make(tmp_path, shipped_policy_dir, rows=rows)
+
+
+def test_prompt_longer_than_context(tmp_path, shipped_policy_dir, no_model_loading):
+    long_prompt = [{"role": "user", "content": "What is " + "1+" * 300 + "1?"}]
+    rows = addition_rows(8) + [{"prompt": long_prompt, "answer": "301"}]
+    with pytest.raises(DatasetError, match=r"row 8: prompt of \d+ tokens \+ max_completion_length=8 exceeds the "
+                                           r"model's context of 512 tokens"):
+        make(tmp_path, shipped_policy_dir, rows=rows, max_prompt_length=None)
+
+
+def test_prompt_longer_than_max_prompt_length(tmp_path, shipped_policy_dir, no_model_loading):
+    with pytest.raises(DatasetError, match=r"exceed max_prompt_length=5 tokens \(row \d+ has \d+\)"):
+        make(tmp_path, shipped_policy_dir, max_prompt_length=5)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_output_dir(tmp_path, shipped_policy_dir, no_model_loading):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match="is not writable"):
+        make(tmp_path, shipped_policy_dir, output_dir=str(locked / "run"))
+
+
+def test_output_dir_that_is_a_file(tmp_path, shipped_policy_dir, no_model_loading):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"output_dir='.*file/run' is not writable"):
+        make(tmp_path, shipped_policy_dir, output_dir=str(tmp_path / "file" / "run"))
+
+
+def test_chat_prompts_without_chat_template(tmp_path, shipped_policy_dir, no_model_loading):
+    tokenizer = load_tokenizer(shipped_policy_dir)
+    tokenizer.chat_template = None
+    with pytest.raises(DatasetError, match="row 0: the prompt is a list of chat messages but the tokenizer has no "
+                                           "chat template"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), addition_rows(8),
+                    processing_class=tokenizer)
+
+
+def test_unknown_reward_name(tmp_path, shipped_policy_dir, no_model_loading):
+    with pytest.raises(Exception, match="'acuracy' is not a built-in"):
+        make(tmp_path, shipped_policy_dir, funcs=["acuracy"])
+
+
+def test_empty_reward_funcs(tmp_path, shipped_policy_dir, no_model_loading):
+    with pytest.raises(ConfigError, match="reward_funcs is empty"):
+        make(tmp_path, shipped_policy_dir, funcs=())

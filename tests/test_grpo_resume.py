@@ -1,0 +1,70 @@
+"""Checkpoints are atomic and resume continues exactly."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from rlft import GRPOTrainer
+from rlft.tracking import read_metrics
+from rlft.train.state import latest_checkpoint
+from tests.helpers import addition_rows, correct_answer, has_answer_tags, tiny_grpo_config
+from tests.test_grpo_trainer import lora
+
+TIMING = ("time/", "tokens_per_second")
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def run(tmp_path, name, shipped, steps, resume=None, **overrides):
+    args = tiny_grpo_config(tmp_path, output_dir=str(tmp_path / name), max_steps=6, save_steps=3,
+                            lora_dropout=0.1, **overrides)
+    trainer = GRPOTrainer(str(shipped), [correct_answer, has_answer_tags], args, addition_rows(32),
+                          peft_config=lora() if overrides.get("use_peft") is None else None)
+    if steps < 6:
+        trainer.total_steps = steps  # stop early, as a killed job would, right after the checkpoint
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_three_plus_three_equals_six(tmp_path, shipped_policy_dir, num_iterations):
+    straight = run(tmp_path, "straight", shipped_policy_dir, 6, num_iterations=num_iterations, beta=0.04)
+    run(tmp_path, "split", shipped_policy_dir, 3, num_iterations=num_iterations, beta=0.04)
+    assert latest_checkpoint(tmp_path / "split").name == "checkpoint-3"
+    resumed = run(tmp_path, "split", shipped_policy_dir, 6, resume=True, num_iterations=num_iterations, beta=0.04)
+    a, b = comparable(read_metrics(tmp_path / "straight")), comparable(read_metrics(tmp_path / "split"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for row_a, row_b in zip(a, b):
+        assert row_a.keys() == row_b.keys()
+        for key in row_a:
+            assert row_a[key] == pytest.approx(row_b[key], abs=1e-6), key
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_full_finetuning_resume_restores_weights(tmp_path, shipped_policy_dir):
+    straight = run(tmp_path, "straight", shipped_policy_dir, 6, use_peft=False)
+    run(tmp_path, "split", shipped_policy_dir, 3, use_peft=False)
+    resumed = run(tmp_path, "split", shipped_policy_dir, 6, resume=True, use_peft=False)
+    for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_half_written_checkpoints_are_ignored(tmp_path, shipped_policy_dir):
+    run(tmp_path, "run", shipped_policy_dir, 3)
+    good = tmp_path / "run" / "checkpoint-3"
+    shutil.copytree(good, tmp_path / "run" / ".tmp-checkpoint-6")  # killed before the rename
+    partial = tmp_path / "run" / "checkpoint-9"
+    shutil.copytree(good, partial)
+    (partial / "trainer_state.json").unlink()  # killed mid-write (cannot happen with rename, but be safe)
+    assert latest_checkpoint(tmp_path / "run") == good
+
+
+def test_resume_with_nothing_to_resume_is_a_clear_error(tmp_path, shipped_policy_dir):
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        run(tmp_path, "empty", shipped_policy_dir, 6, resume=True)

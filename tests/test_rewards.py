@@ -1,0 +1,133 @@
+"""Reward functions: TRL's calling convention, errors that name the culprit, built-ins."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import pytest
+
+from rlft.rewards import (
+    RewardFunctionError,
+    accuracy_reward,
+    compute_rewards,
+    format_reward,
+    get_soft_overlong_punishment,
+    math_verify_reward,
+    resolve_reward,
+)
+
+
+def call(funcs, completions=("<answer>4</answer>", "<answer>5</answer>"), allow_nan=False, **columns):
+    completions = list(completions)
+    columns = columns or {"answer": ["4"] * len(completions)}
+    return compute_rewards(funcs, [getattr(f, "__name__", "f") for f in funcs], prompts=["q"] * len(completions),
+                           completions=completions, completion_ids=[[1, 2]] * len(completions),
+                           columns=columns, step=7, allow_nan=allow_nan)
+
+
+def test_extra_columns_arrive_as_keyword_arguments_and_none_is_nan():
+    seen = {}
+
+    def reward(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+        seen.update(prompts=prompts, answer=answer, step=trainer_state["global_step"])
+        return [1.0, None]
+
+    rewards = call([reward])
+    assert rewards[0, 0] == 1.0 and math.isnan(rewards[1, 0])
+    assert seen == {"prompts": ["q", "q"], "answer": ["4", "4"], "step": 7}
+
+
+def test_async_reward_functions_run_concurrently():
+    """Each waits for the other's signal: run one after the other, they would time out."""
+    first, second = asyncio.Event(), asyncio.Event()
+
+    async def ping(completions, **kwargs):
+        first.set()
+        await asyncio.wait_for(second.wait(), timeout=5)
+        return [1.0] * len(completions)
+
+    async def pong(completions, **kwargs):
+        second.set()
+        await asyncio.wait_for(first.wait(), timeout=5)
+        return [2.0] * len(completions)
+
+    rewards = call([ping, pong])
+    assert rewards[:, 0].tolist() == [1.0, 1.0] and rewards[:, 1].tolist() == [2.0, 2.0]
+
+
+def test_raising_function_is_named_with_step():
+    def broken(completions, **kwargs):
+        raise KeyError("solution")
+
+    with pytest.raises(RewardFunctionError, match=r"'broken' raised at step 7: KeyError: 'solution'"):
+        call([broken])
+
+
+def test_wrong_length_is_named():
+    def short(completions, **kwargs):
+        return [1.0]
+
+    with pytest.raises(RewardFunctionError, match=r"'short' returned 1 values at step 7; .* one float \(or None\) per "
+                                                  r"completion: 2"):
+        call([short])
+
+
+def test_non_number_names_the_example():
+    def stringy(completions, **kwargs):
+        return [1.0, "yes"]
+
+    with pytest.raises(RewardFunctionError, match=r"'stringy' returned 'yes' \(str\) for completion 1 at step 7: "
+                                                  r"'<answer>5</answer>'"):
+        call([stringy])
+
+
+def test_nan_is_an_error_unless_allowed():
+    def nan(completions, **kwargs):
+        return [float("nan"), 1.0]
+
+    with pytest.raises(RewardFunctionError, match="returned NaN for completion 0 at step 7.*allow_nan_rewards"):
+        call([nan])
+    assert math.isnan(call([nan], allow_nan=True)[0, 0])
+
+
+def test_accuracy_reward_normalises_answers():
+    completions = ["<answer> 1,000 </answer>", "so 42.0", "<answer>x</answer>", "nothing", "<answer>7</answer>"]
+    assert accuracy_reward(completions, ["1000", "42", "X", "3", None]) == [1.0, 1.0, 1.0, 0.0, None]
+
+
+def test_accuracy_reward_reads_chat_completions():
+    assert accuracy_reward([[{"role": "assistant", "content": "<answer>9</answer>"}]], ["9"]) == [1.0]
+
+
+def test_math_verify_reward_is_thread_safe_and_extracts_answer_tags():
+    results = {}
+
+    def work():
+        results["value"] = math_verify_reward(["<answer>\\frac{1}{2}</answer>", "<answer>0.3</answer>", "1/2"],
+                                              solution=["$0.5$", "$\\frac{1}{2}$", "not math at all ###"])
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=60)
+    assert results["value"][:2] == [1.0, 0.0]
+    assert results["value"][2] is None  # unparseable gold: not applicable, not a silent 0
+
+
+def test_format_reward_default_and_custom_pattern():
+    assert format_reward(["<answer>3</answer>", "<think>hm</think> <answer>3</answer>", "3"]) == [1.0, 1.0, 0.0]
+    assert format_reward(["abc", "abd"], pattern=r"^abc$") == [1.0, 0.0]
+
+
+def test_soft_overlong_punishment_follows_dapo():
+    reward = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
+    ids = [[0] * n for n in (6, 8, 10, 11)]
+    assert reward(completion_ids=ids) == [0.0, -0.5, -1.0, -1.0]
+
+
+def test_resolve_builtin_module_path_and_unknown():
+    assert resolve_reward("accuracy", 8) is accuracy_reward
+    assert resolve_reward("tests.helpers:correct_answer", 8).__name__ == "correct_answer"
+    with pytest.raises(RewardFunctionError, match="could not be imported"):
+        resolve_reward("tests.helpers:nope", 8)
