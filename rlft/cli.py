@@ -33,8 +33,7 @@ def _cmd_reward(args, extra: list[str]) -> int:
 def _cmd_demo(args, extra: list[str]) -> int:
     from rlft.demo import run_demo
 
-    return run_demo(steps=args.steps, lora=not args.full, seed=args.seed, output_dir=args.output_dir,
-                    seconds=args.max_seconds)
+    return run_demo(steps=args.steps, lora=not args.full, seed=args.seed, output_dir=args.output_dir)
 
 
 def _cmd_doctor(args, extra: list[str]) -> int:
@@ -65,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     reward.set_defaults(func=_cmd_reward)
 
     demo = sub.add_parser("demo", help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
-    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: run until --max-seconds)")
-    demo.add_argument("--max-seconds", type=float, default=150.0, help="training time budget in seconds")
+    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1500: about 2 minutes on 2 CPU cores)")
     demo.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output-dir", default="runs/demo")

@@ -14,7 +14,7 @@ from rlft.config import GRPOConfig
 from rlft.data.addition import rows, split_problems
 from rlft.models import shipped_policy_path
 
-DEMO_STEPS = 1200
+DEMO_STEPS = 1500
 EVAL_EVERY = 100
 
 

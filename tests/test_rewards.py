@@ -120,6 +120,12 @@ def test_format_reward_default_and_custom_pattern():
     assert format_reward(["abc", "abd"], pattern=r"^abc$") == [1.0, 0.0]
 
 
+def test_format_reward_rejects_repeated_closing_tags():
+    """Seen in a demo run: a policy padded correct answers with extra closing tags."""
+    hacked = ["<answer>106</answer></answer></answer>", "<answer>1</answer><answer>2</answer>", "<answer>1</answer> x"]
+    assert format_reward(hacked) == [0.0, 0.0, 0.0]
+
+
 def test_soft_overlong_punishment_follows_dapo():
     reward = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
     ids = [[0] * n for n in (6, 8, 10, 11)]

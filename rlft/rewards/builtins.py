@@ -11,7 +11,9 @@ from collections.abc import Callable
 
 ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-DEFAULT_FORMAT = r"^\s*(?:<think>.*?</think>\s*)?<answer>.*?</answer>\s*$"
+# Exactly one answer block (optionally after one think block), nothing after it. A lazy `.*?` is
+# not enough: "<answer>1</answer></answer></answer>" would match, and a policy learns to do that.
+DEFAULT_FORMAT = r"^\s*(?:<think>(?:(?!</?think>).)*</think>\s*)?<answer>(?:(?!</?answer>).)*</answer>\s*$"
 
 
 def completion_text(completion) -> str:
