@@ -18,16 +18,25 @@ def _cmd_grpo(args, extra: list[str]) -> int:
     cfg = load_config(GRPOConfig, args.config, parse_overrides(extra))
     from rlft.train.grpo import GRPOTrainer
 
-    GRPOTrainer.from_config(cfg).train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer = GRPOTrainer.from_config(cfg)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_model(f"{cfg.output_dir}/final")
+    print(f"rlft grpo: model saved to {cfg.output_dir}/final")
     return 0
 
 
 def _cmd_reward(args, extra: list[str]) -> int:
     from rlft.config import RewardConfig, load_config, parse_overrides
 
-    load_config(RewardConfig, args.config, parse_overrides(extra))
-    print("rlft reward: not implemented yet (tracked in the RewardTrainer issue)", file=sys.stderr)
-    return 2
+    cfg = load_config(RewardConfig, args.config, parse_overrides(extra))
+    from rlft.train.reward import RewardTrainer
+
+    trainer = RewardTrainer.from_config(cfg)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_model(f"{cfg.output_dir}/final")
+    print(f"rlft reward: reward model saved to {cfg.output_dir}/final (use it in GRPO: reward_funcs: "
+          f"[{cfg.output_dir}/final])")
+    return 0
 
 
 def _cmd_demo(args, extra: list[str]) -> int:

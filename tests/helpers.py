@@ -28,3 +28,42 @@ def correct_answer(completions, answer, **kwargs):
 def has_answer_tags(completions, **kwargs):
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [0.5 if "<answer>" in t and "</answer>" in t else 0.0 for t in texts]
+
+
+SUBJECTS = ["the answer", "your reply", "this response", "the summary", "my review", "that note", "the letter",
+            "his message", "her essay", "our report", "the guide", "the comment"]
+HELDOUT_SUBJECTS = ["the draft", "a story", "their email", "the poem"]
+GOOD = ["kind", "helpful", "polite", "correct", "clear"]
+BAD = ["rude", "wrong", "unclear", "bad", "worse"]
+
+
+def preference_rows(count: int = 64, seed: int = 0, heldout: bool = False, style: str = "implicit") -> list[dict]:
+    """An easy synthetic preference task: chosen responses use good words, rejected ones bad words."""
+    import random
+
+    rng = random.Random(seed)
+    subjects = HELDOUT_SUBJECTS if heldout else SUBJECTS
+    out = []
+    for _ in range(count):
+        subject = rng.choice(subjects)
+        good = f"{subject.capitalize()} is {rng.choice(GOOD)} and {rng.choice(GOOD)}."
+        bad = f"{subject.capitalize()} is {rng.choice(BAD)} and {rng.choice(BAD)}."
+        question = f"Please rate {subject}."
+        if style == "implicit":
+            out.append({"chosen": f"{question} {good}", "rejected": f"{question} {bad}"})
+        elif style == "explicit":
+            out.append({"prompt": f"{question} ", "chosen": good, "rejected": bad})
+        else:  # conversational
+            out.append({"prompt": [{"role": "user", "content": question}],
+                        "chosen": [{"role": "assistant", "content": good}],
+                        "rejected": [{"role": "assistant", "content": bad}]})
+    return out
+
+
+def tiny_reward_config(tmp_path, **overrides):
+    from rlft import RewardConfig
+
+    values = dict(output_dir=str(tmp_path / "rm"), learning_rate=3e-3, max_steps=40, per_device_train_batch_size=16,
+                  logging_steps=5, save_steps=1000, report_to=["none"], disable_tqdm=True, seed=0, max_length=64)
+    values.update(overrides)
+    return RewardConfig(**values)

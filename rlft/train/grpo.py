@@ -72,7 +72,7 @@ class GRPOTrainer:
         ckpt.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
         self.accelerator = Accelerator(log_with=[r for r in args.report_to if r != "none"] or None,
                                        project_dir=args.output_dir)
-        self._check_output_dir()
+        ckpt.check_writable(args.output_dir)
         self._setup_rewards(reward_funcs)
         self.tokenizer = processing_class or load_tokenizer(model if isinstance(model, str | Path)
                                                             else model.name_or_path)
@@ -102,17 +102,6 @@ class GRPOTrainer:
         return cls(cfg.model_name_or_path, cfg.reward_funcs, cfg, cfg.train_dataset, cfg.eval_dataset)
 
     # ---- set-up, all checks before the model is loaded -------------------------------------------
-    def _check_output_dir(self) -> None:
-        path = Path(self.args.output_dir)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            probe = path / ".rlft-write-test"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as err:
-            raise ConfigError(f"output_dir={str(path)!r} is not writable ({err.strerror}); choose another folder") \
-                from err
-
     def _setup_rewards(self, reward_funcs) -> None:
         specs = _listify(reward_funcs)
         if not specs:

@@ -21,8 +21,22 @@ import numpy as np
 import torch
 from transformers import get_scheduler
 
+from rlft.config import ConfigError
+
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
+
+
+def check_writable(output_dir: str | Path) -> None:
+    """Fail before any model is loaded when output_dir cannot be written."""
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".rlft-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"output_dir={str(path)!r} is not writable ({err.strerror}); choose another folder") from err
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:

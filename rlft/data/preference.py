@@ -1,0 +1,123 @@
+"""Preference pairs for reward models: load, check, render, tokenize, truncate (and say so).
+
+Accepted rows: implicit prompt (`chosen`, `rejected` full texts), explicit prompt (`prompt`,
+`chosen`, `rejected`), conversational (lists of chat messages, rendered with the chat
+template), each with an optional numeric `margin`. Nothing is dropped silently: over-long
+pairs follow the `truncation` policy and are counted; pairs that are identical (as given,
+or after truncation) carry no signal, are left out, counted and reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlft.data.prompts import DatasetError, is_conversational
+
+
+@dataclass
+class PairReport:
+    total: int = 0
+    truncated: int = 0
+    identical: int = 0
+    identical_after_truncation: int = 0
+    first_rows: dict[str, int] = field(default_factory=dict)
+
+    def lines(self, max_length: int | None, policy: str) -> list[str]:
+        out = []
+        if self.truncated:
+            out.append(f"{self.truncated} of {self.total} pairs exceed max_length={max_length} tokens and were truncated "
+                       f"with truncation={policy!r} (first: row {self.first_rows['truncated']})")
+        if self.identical:
+            out.append(f"{self.identical} pairs have chosen identical to rejected and were left out "
+                       f"(first: row {self.first_rows['identical']})")
+        if self.identical_after_truncation:
+            out.append(f"{self.identical_after_truncation} pairs became identical after truncation and were left out; "
+                       f"raise max_length or use truncation='keep_end' (first: row "
+                       f"{self.first_rows['identical_after_truncation']})")
+        return out
+
+    def note(self, kind: str, row: int) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        self.first_rows.setdefault(kind, row)
+
+
+def _render(value: Any, prompt: Any, tokenizer, row: int, column: str) -> str:
+    if value is None or (isinstance(value, str | list) and len(value) == 0):
+        raise DatasetError(f"row {row}: '{column}' is empty; every pair needs non-empty chosen and rejected responses")
+    if is_conversational(value) or is_conversational(prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise DatasetError(f"row {row}: '{column}' is a list of chat messages but the tokenizer has no chat template "
+                               "(BERT-style encoders have none); give plain-text pairs or set tokenizer.chat_template")
+        messages = (prompt or []) + (value if isinstance(value, list) else [{"role": "assistant", "content": value}])
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    if not isinstance(value, str):
+        raise DatasetError(f"row {row}: '{column}' must be a string or a list of chat messages, got {type(value).__name__}")
+    return (prompt or "") + value
+
+
+def _truncate(ids: list[int], max_length: int | None, policy: str, row: int) -> tuple[list[int], bool]:
+    if max_length is None or len(ids) <= max_length:
+        return ids, False
+    if policy == "error":
+        raise DatasetError(f"row {row}: {len(ids)} tokens exceed max_length={max_length}; raise max_length or choose "
+                           "truncation='keep_start' / 'keep_end'")
+    return (ids[:max_length] if policy == "keep_start" else ids[-max_length:]), True
+
+
+class PreferencePairs:
+    """Tokenized chosen/rejected pairs (+ margins), checked up front."""
+
+    def __init__(self, dataset, tokenizer, max_length: int | None, truncation: str):
+        missing = [c for c in ("chosen", "rejected") if c not in dataset.column_names]
+        if missing:
+            raise DatasetError(f"preference dataset lacks column(s) {missing}; columns found: {dataset.column_names}. "
+                               "A pair needs 'chosen' and 'rejected' (and optionally 'prompt', 'margin')")
+        self.chosen: list[list[int]] = []
+        self.rejected: list[list[int]] = []
+        self.margins: list[float] | None = [] if "margin" in dataset.column_names else None
+        self.report = PairReport(total=len(dataset))
+        for row, example in enumerate(dataset):
+            self._add(example, row, tokenizer, max_length, truncation)
+        if not self.chosen:
+            raise DatasetError("no usable preference pairs left (see the counts above)")
+
+    def _add(self, example: dict, row: int, tokenizer, max_length, truncation) -> None:
+        prompt = example.get("prompt")
+        texts = [_render(example[c], prompt, tokenizer, row, c) for c in ("chosen", "rejected")]
+        if texts[0] == texts[1]:
+            self.report.note("identical", row)
+            return
+        ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        (chosen, cut_c), (rejected, cut_r) = (_truncate(i, max_length, truncation, row) for i in ids)
+        if cut_c or cut_r:
+            self.report.note("truncated", row)
+        if chosen == rejected:
+            self.report.note("identical_after_truncation", row)
+            return
+        if self.margins is not None:
+            margin = example["margin"]
+            if not isinstance(margin, int | float) or isinstance(margin, bool):
+                raise DatasetError(f"row {row}: 'margin' must be a number, got {margin!r}")
+            self.margins.append(float(margin))
+        self.chosen.append(chosen)
+        self.rejected.append(rejected)
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def batch(self, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+        """Chosen rows then rejected rows, right-padded: input_ids/attention_mask [2B, L], margin [B]."""
+        sequences = [self.chosen[i] for i in indices] + [self.rejected[i] for i in indices]
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, seq in enumerate(sequences):
+            ids[row, :len(seq)] = torch.tensor(seq)
+            mask[row, :len(seq)] = 1
+        out = {"input_ids": ids, "attention_mask": mask}
+        if self.margins is not None:
+            out["margin"] = torch.tensor([self.margins[i] for i in indices])
+        return out
