@@ -1,0 +1,34 @@
+"""Docs promises: every figure has its producing command next to it; links resolve."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
+
+
+def test_every_figure_has_a_producing_command():
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        for number, line in enumerate(lines):
+            for target in IMAGE.findall(line):
+                following = "\n".join(lines[number + 1:number + 4])
+                assert "produced by:" in following, f"{doc.name}:{number + 1} figure {target} has no producing command"
+                assert (doc.parent / target).exists(), f"{doc.name}: figure {target} is missing"
+
+
+def test_relative_links_resolve():
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.name}: broken link {target}"
+
+
+def test_troubleshooting_names_tests_that_exist():
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    for path, name in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text):
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name} does not exist"
+    for name in re.findall(r"`::(\w+)`", text):
+        assert any(f"def {name}(" in p.read_text() for p in (ROOT / "tests").glob("test_*.py")), name
