@@ -46,8 +46,11 @@ def _cmd_demo(args, extra: list[str]) -> int:
 
 
 def _cmd_doctor(args, extra: list[str]) -> int:
-    print("rlft doctor: not implemented yet (tracked in the demo/doctor/docs issue)", file=sys.stderr)
-    return 2
+    from rlft.config import parse_overrides
+    from rlft.doctor import run_doctor
+
+    code, _ = run_doctor(args.config, args.kind, parse_overrides(extra))
+    return code
 
 
 def _cmd_plot(args, extra: list[str]) -> int:
@@ -80,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     doctor = sub.add_parser("doctor", help="preflight checks for a grpo or reward config")
-    doctor.add_argument("--config", required=False)
+    doctor.add_argument("--config", required=True, help="the YAML you would pass to rlft grpo / rlft reward")
+    doctor.add_argument("--kind", choices=["auto", "grpo", "reward"], default="auto",
+                        help="auto: a config with reward-model fields (max_length, truncation, ...) is 'reward'")
     doctor.set_defaults(func=_cmd_doctor)
 
     plot = sub.add_parser("plot", help="PNG curves from RUN_DIR/metrics.jsonl")
@@ -93,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("grpo", "reward"):
+    if extra and args.command not in ("grpo", "reward", "doctor"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra)
