@@ -21,7 +21,8 @@ def _cmd_grpo(args, extra: list[str]) -> int:
     trainer = GRPOTrainer.from_config(cfg)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(f"{cfg.output_dir}/final")
-    print(f"rlft grpo: model saved to {cfg.output_dir}/final")
+    if trainer.accelerator.is_main_process:
+        print(f"rlft grpo: model saved to {cfg.output_dir}/final")
     return 0
 
 
@@ -34,8 +35,9 @@ def _cmd_reward(args, extra: list[str]) -> int:
     trainer = RewardTrainer.from_config(cfg)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(f"{cfg.output_dir}/final")
-    print(f"rlft reward: reward model saved to {cfg.output_dir}/final (use it in GRPO: reward_funcs: "
-          f"[{cfg.output_dir}/final])")
+    if trainer.accelerator.is_main_process:
+        print(f"rlft reward: reward model saved to {cfg.output_dir}/final (use it in GRPO: reward_funcs: "
+              f"[{cfg.output_dir}/final])")
     return 0
 
 

@@ -26,6 +26,7 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
 TRUNCATION = ("keep_start", "keep_end", "error")
+OPTIMIZERS = ("adamw_torch", "sgd")
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,7 @@ class TrainConfig:
     eval_dataset: str | None = None
     seed: int = 42
     learning_rate: float = 1e-6
+    optim: str = "adamw_torch"
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -140,6 +142,7 @@ def _positive(errors: list[str], cfg: Any, *names: str, allow_zero: bool = False
 def _validate_common(cfg: TrainConfig, errors: list[str]) -> None:
     _enum(errors, cfg, "dtype", DTYPES)
     _enum(errors, cfg, "lr_scheduler_type", SCHEDULERS)
+    _enum(errors, cfg, "optim", OPTIMIZERS)
     _positive(errors, cfg, "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
               "gradient_accumulation_steps", "logging_steps", "save_steps", "num_train_epochs", "lora_r")
     _positive(errors, cfg, "weight_decay", "max_grad_norm", "warmup_ratio", "warmup_steps", allow_zero=True)

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from transformers import AutoConfig
 
 from rlft.config import ConfigError, GRPOConfig, to_dict, validate
@@ -70,8 +69,7 @@ class GRPOTrainer:
                  processing_class=None, peft_config=None):
         self.args = args = validate(args or GRPOConfig())
         ckpt.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
-        self.accelerator = Accelerator(log_with=[r for r in args.report_to if r != "none"] or None,
-                                       project_dir=args.output_dir)
+        self.accelerator = ckpt.make_accelerator(args)
         ckpt.check_writable(args.output_dir)
         self._setup_rewards(reward_funcs)
         self.tokenizer = processing_class or load_tokenizer(model if isinstance(model, str | Path)
@@ -91,6 +89,7 @@ class GRPOTrainer:
         self.total_steps = args.max_steps if args.max_steps > 0 else \
             int(args.num_train_epochs * self.rollouts_per_epoch) * args.num_iterations
         self._setup_model(model, peft_config)
+        self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
         self.generator = HFGenerator(self.tokenizer, args.max_completion_length, args.temperature, args.top_p,
                                      args.top_k, args.repetition_penalty)
 
@@ -151,7 +150,6 @@ class GRPOTrainer:
                           start_step, show_progress=not args.disable_tqdm)
         self.log.info(f"GRPO: {self.total_steps} steps, {self.param_summary['trainable']:,} trainable of "
                       f"{self.param_summary['total']:,} parameters ({'LoRA' if self.is_peft else 'full'})")
-        self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
         window, history = MetricWindow(), []
         if args.eval_on_start and start_step == 0 and self.eval_prompts is not None:
             history.append({**self.evaluate(), "step": 0})
@@ -224,8 +222,7 @@ class GRPOTrainer:
         generated = time.perf_counter()
         rewards, completions = self._score(rollout, prompts, args.num_generations, step)
         scored = time.perf_counter()
-        advantages, total, stats = multi_reward_advantages(
-            rewards, self.reward_weights, args.num_generations, args.scale_rewards, args.multi_objective_aggregation)
+        advantages, total, stats, everyone = self._advantages(rewards, rollout)
         if args.mask_truncated_completions:
             rollout.completion_mask[rollout.truncated] = 0
         batch = RolloutBatch(rollout, advantages.to(self.accelerator.device))
@@ -233,13 +230,26 @@ class GRPOTrainer:
             batch.old_logps = self._logps_no_grad(self.model, rollout)
         if args.beta > 0:
             batch.ref_logps = self._reference_logps(rollout)
-        batch.metrics = rollout_metrics(rewards, total, self.reward_weights, self.reward_names, stats, rollout)
+        batch.metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
         batch.metrics.update({"time/generation_seconds": generated - started, "time/reward_seconds": scored - generated})
         batch.samples = [{"prompt": p, "completion": c, "reward": t, "advantage": a,
                           **{n: r for n, r in zip(self.reward_names, row)}}
                          for p, c, t, a, row in zip(self._repeat(prompts["prompts"], args.num_generations),
                                                     completions, total.tolist(), advantages.tolist(), rewards.tolist())]
         return batch
+
+    def _advantages(self, rewards: torch.Tensor, rollout: Rollout):
+        """Advantages from the rewards of ALL processes (groups never span two; batch-level statistics
+        such as scale_rewards='batch' need everyone's rewards), sliced back to this process's rows."""
+        acc, args = self.accelerator, self.args
+        lengths = rollout.completion_mask.sum(dim=1).float()
+        gathered = [acc.gather(t.to(acc.device)).cpu() if acc.num_processes > 1 else t.cpu()
+                    for t in (rewards, lengths, rollout.truncated.float())]
+        advantages, total, stats = multi_reward_advantages(
+            gathered[0], self.reward_weights, args.num_generations, args.scale_rewards, args.multi_objective_aggregation)
+        rows = slice(acc.process_index * rewards.shape[0], (acc.process_index + 1) * rewards.shape[0])
+        everyone = (gathered[0], total, gathered[1], gathered[2].bool())
+        return advantages[rows], total[rows], stats, everyone
 
     @staticmethod
     def _repeat(values: list, times: int) -> list:

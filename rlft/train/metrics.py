@@ -10,21 +10,21 @@ import torch
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean", "kl")
 
 
-def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, weights: torch.Tensor, names: list[str],
-                    stats: dict[str, float], rollout) -> dict[str, float]:
-    """Reward (total and per function, weighted as used), spread and completion-length statistics."""
-    metrics = {"reward": torch.nanmean(total).item(), **stats}
+def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
+                    weights: torch.Tensor, names: list[str], stats: dict[str, float]) -> dict[str, float]:
+    """Reward (total and per function, weighted as used), spread and completion-length statistics,
+    over the rollout of every process."""
+    metrics = {"reward": torch.nanmean(total).item(), "completions/count": float(total.numel()), **stats}
     for index, name in enumerate(names):
         weighted = rewards[:, index] * weights[index]
         valid = weighted[~torch.isnan(weighted)]
         metrics[f"rewards/{name}/mean"] = valid.mean().item() if valid.numel() else float("nan")
         metrics[f"rewards/{name}/std"] = valid.std().item() if valid.numel() > 1 else 0.0
-    lengths = rollout.completion_mask.sum(dim=1).float()
     metrics.update({
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": rollout.truncated.float().mean().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
     })
     return metrics
 

@@ -13,7 +13,6 @@ import copy
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 
 from rlft.config import ConfigError, RewardConfig, to_dict, validate
 from rlft.core.preference import bradley_terry_loss
@@ -61,8 +60,7 @@ class RewardTrainer:
                  processing_class=None, peft_config=None):
         self.args = args = validate(args or RewardConfig())
         ckpt.seed_everything(args.seed)
-        self.accelerator = Accelerator(log_with=[r for r in args.report_to if r != "none"] or None,
-                                       project_dir=args.output_dir)
+        self.accelerator = ckpt.make_accelerator(args)
         ckpt.check_writable(args.output_dir)
         source = model if isinstance(model, str | Path) else model.name_or_path
         self.tokenizer = processing_class or load_tokenizer(source, padding_side="right")
@@ -190,6 +188,11 @@ class RewardTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         all_rewards = torch.cat(rewards)
+        if acc.num_processes > 1:  # every process's pairs, not rank 0's alone
+            keys = sorted(sums)
+            reduced = acc.reduce(torch.tensor([sums[k] for k in keys], device=acc.device), "mean").tolist()
+            sums = dict(zip(keys, reduced))
+            all_rewards = acc.gather(all_rewards)
         return {**sums, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
                 "grad_norm": float(grad_norm), "learning_rate": learning_rate,
                 "nonfinite_skipped": self.nonfinite_skipped}

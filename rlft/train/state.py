@@ -27,12 +27,23 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
 
 
+def make_accelerator(cfg):
+    """The run's Accelerator. Launched as several processes on a machine without CUDA (torchrun,
+    `accelerate launch --multi_gpu` on CPUs), accelerate only forms the gloo process group when told
+    cpu=True; without it every process would train alone as rank 0."""
+    from accelerate import Accelerator
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return Accelerator(log_with=[r for r in cfg.report_to if r != "none"] or None, project_dir=cfg.output_dir,
+                       cpu=world > 1 and not torch.cuda.is_available())
+
+
 def check_writable(output_dir: str | Path) -> None:
     """Fail before any model is loaded when output_dir cannot be written."""
     path = Path(output_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".rlft-write-test"
+        probe = path / f".rlft-write-test-{os.getpid()}"  # one per process: ranks probe at the same time
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
@@ -41,6 +52,8 @@ def check_writable(output_dir: str | Path) -> None:
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optim == "sgd":  # plain gradient steps: what the distributed equivalence tests compare
+        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
 

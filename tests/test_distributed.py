@@ -1,0 +1,96 @@
+"""Two CPU processes (torchrun, gloo) are exactly one process split in two."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlft.tracking import read_metrics
+from tests.helpers import addition_rows, preference_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(args: list[str], processes: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--standalone",
+               *args] if processes > 1 else [sys.executable, *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_one_step_on_two_processes_equals_one_process_for_every_loss_type(tmp_path, tiny_causal_dir):
+    """SGD with lr 1 makes the parameter change equal to the gradient, so this compares gradients."""
+    for processes in (1, 2):
+        result = launch(["tests/dist/grpo_step.py", str(tiny_causal_dir), str(tmp_path / f"{processes}.pt"), "4"],
+                        processes)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    assert sorted(one) == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "sapo"]
+    for loss_type in one:
+        for name, param in one[loss_type]["params"].items():
+            assert torch.allclose(param, two[loss_type]["params"][name], atol=1e-6, rtol=0), (loss_type, name)
+        for key, value in one[loss_type]["metrics"].items():
+            assert value == pytest.approx(two[loss_type]["metrics"][key], abs=1e-6), (loss_type, key)
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_path, shipped_policy_dir):
+    data = write(tmp_path / "train.jsonl", addition_rows(32))
+    out = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {shipped_policy_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
+                      "reward_funcs: [accuracy, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
+                      "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlogging_steps: 1\nsave_steps: 2\n"
+                      "learning_rate: 1e-3\nreport_to: [none]\ndisable_tqdm: true\n")
+    first = launch(["-m", "rlft.cli", "grpo", "--config", str(config), "--max_steps", "2"], 2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]  # one writer, not one per rank
+    assert all(r["completions/count"] == 16 for r in rows)  # 8 completions on each of 2 ranks
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert sorted(p.name for p in (out / "checkpoint-2").glob("rng_state_*.pt")) == ["rng_state_0.pt",
+                                                                                    "rng_state_1.pt"]
+    second = launch(["-m", "rlft.cli", "grpo", "--config", str(config), "--max_steps", "4",
+                     "--resume_from_checkpoint", "true"], 2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
+    data = write(tmp_path / "pairs.jsonl", preference_rows(128))
+    out = tmp_path / "rm"
+    config = tmp_path / "rm.yaml"
+    config.write_text(f"model_name_or_path: {tiny_rm_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
+                      "per_device_train_batch_size: 8\nmax_length: 64\nlogging_steps: 1\nsave_steps: 3\n"
+                      "learning_rate: 3e-3\nreport_to: [none]\ndisable_tqdm: true\n")
+    first = launch(["-m", "rlft.cli", "reward", "--config", str(config), "--max_steps", "3"], 2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    second = launch(["-m", "rlft.cli", "reward", "--config", str(config), "--max_steps", "5",
+                     "--resume_from_checkpoint", "true"], 2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+
+
+def test_mislaunch_fails_before_any_model_is_loaded(tmp_path):
+    """Groups never span processes, so each process's rollout must hold whole groups."""
+    data = write(tmp_path / "train.jsonl", addition_rows(16))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {tmp_path / 'no-such-model'}\ntrain_dataset: {data}\n"
+                      f"output_dir: {tmp_path / 'out'}\nreward_funcs: [accuracy]\nnum_generations: 4\n"
+                      "per_device_train_batch_size: 6\n")
+    result = launch(["-m", "rlft.cli", "grpo", "--config", str(config)], 2)
+    assert result.returncode != 0
+    assert "not divisible by num_generations=4; use a multiple such as [4, 8, 12, 16]" in result.stderr
+    assert "no-such-model" not in result.stderr  # failed before trying to load it
