@@ -12,33 +12,31 @@ import sys
 from rlft.config import ConfigError
 
 
-def _cmd_grpo(args, extra: list[str]) -> int:
-    from rlft.config import GRPOConfig, load_config, parse_overrides
+def _train(args, extra: list[str], kind: str) -> int:
+    """`rlft grpo` / `rlft reward`: validate the config before importing the trainers, train, save."""
+    from rlft.config import GRPOConfig, RewardConfig, load_config, parse_overrides
 
-    cfg = load_config(GRPOConfig, args.config, parse_overrides(extra))
-    from rlft.train.grpo import GRPOTrainer
-
-    trainer = GRPOTrainer.from_config(cfg)
+    cfg = load_config(GRPOConfig if kind == "grpo" else RewardConfig, args.config, parse_overrides(extra))
+    if kind == "grpo":
+        from rlft.train.grpo import GRPOTrainer as Trainer
+    else:
+        from rlft.train.reward import RewardTrainer as Trainer
+    trainer = Trainer.from_config(cfg)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_model(f"{cfg.output_dir}/final")
+    final = f"{cfg.output_dir}/final"
+    trainer.save_model(final)
     if trainer.accelerator.is_main_process:
-        print(f"rlft grpo: model saved to {cfg.output_dir}/final")
+        hint = f" (use it in GRPO: reward_funcs: [{final}])" if kind == "reward" else ""
+        print(f"rlft {kind}: model saved to {final}{hint}")
     return 0
+
+
+def _cmd_grpo(args, extra: list[str]) -> int:
+    return _train(args, extra, "grpo")
 
 
 def _cmd_reward(args, extra: list[str]) -> int:
-    from rlft.config import RewardConfig, load_config, parse_overrides
-
-    cfg = load_config(RewardConfig, args.config, parse_overrides(extra))
-    from rlft.train.reward import RewardTrainer
-
-    trainer = RewardTrainer.from_config(cfg)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_model(f"{cfg.output_dir}/final")
-    if trainer.accelerator.is_main_process:
-        print(f"rlft reward: reward model saved to {cfg.output_dir}/final (use it in GRPO: reward_funcs: "
-              f"[{cfg.output_dir}/final])")
-    return 0
+    return _train(args, extra, "reward")
 
 
 def _cmd_demo(args, extra: list[str]) -> int:

@@ -6,6 +6,14 @@ from rlft import GRPOConfig
 from rlft.data.addition import rows, split_problems
 
 
+def write_jsonl(path, rows: list[dict]):
+    """rows -> a jsonl dataset file; returns the path."""
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def addition_rows(count: int = 64, heldout: bool = False) -> list[dict]:
     train, held = split_problems()
     return rows((held if heldout else train)[:count])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from rlft.tracking import read_metrics
-from tests.helpers import addition_rows, preference_rows
+from tests.helpers import addition_rows, preference_rows, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,13 +38,8 @@ def test_one_step_on_two_processes_equals_one_process_for_every_loss_type(tmp_pa
             assert value == pytest.approx(two[loss_type]["metrics"][key], abs=1e-6), (loss_type, key)
 
 
-def write(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_path, shipped_policy_dir):
-    data = write(tmp_path / "train.jsonl", addition_rows(32))
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
     out = tmp_path / "run"
     config = tmp_path / "run.yaml"
     config.write_text(f"model_name_or_path: {shipped_policy_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
@@ -67,7 +61,7 @@ def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_pa
 
 
 def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
-    data = write(tmp_path / "pairs.jsonl", preference_rows(128))
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(128))
     out = tmp_path / "rm"
     config = tmp_path / "rm.yaml"
     config.write_text(f"model_name_or_path: {tiny_rm_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
@@ -85,7 +79,7 @@ def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
 
 def test_mislaunch_fails_before_any_model_is_loaded(tmp_path):
     """Groups never span processes, so each process's rollout must hold whole groups."""
-    data = write(tmp_path / "train.jsonl", addition_rows(16))
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
     config = tmp_path / "run.yaml"
     config.write_text(f"model_name_or_path: {tmp_path / 'no-such-model'}\ntrain_dataset: {data}\n"
                       f"output_dir: {tmp_path / 'out'}\nreward_funcs: [accuracy]\nnum_generations: 4\n"

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 from transformers import AutoModelForCausalLM
 
 from rlft.cli import main
 from rlft.doctor import run_doctor
 from rlft.tiny import build_causal_lm, build_tokenizer, save_tiny
-from tests.helpers import addition_rows, correct_answer, has_answer_tags, preference_rows
+from tests.helpers import addition_rows, correct_answer, has_answer_tags, preference_rows, write_jsonl
 
 
 def write_grpo_config(tmp_path, model_dir, funcs="[accuracy, 'tests.helpers:has_answer_tags']") -> str:
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in addition_rows(8)))
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
     path = tmp_path / "run.yaml"
     path.write_text(f"model_name_or_path: {model_dir}\ntrain_dataset: {data}\nreward_funcs: {funcs}\n"
                     "num_generations: 4\nper_device_train_batch_size: 8\nmax_completion_length: 8\n"
@@ -23,8 +20,7 @@ def write_grpo_config(tmp_path, model_dir, funcs="[accuracy, 'tests.helpers:has_
 
 
 def write_reward_config(tmp_path, model_dir, extra="") -> str:
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in preference_rows(8)))
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(8))
     path = tmp_path / "rm.yaml"
     path.write_text(f"model_name_or_path: {model_dir}\ntrain_dataset: {data}\nmax_length: 64\n{extra}")
     return str(path)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 from rlft.cli import main
 from rlft.tracking import read_metrics
-from tests.helpers import addition_rows
+from tests.helpers import addition_rows, write_jsonl
 
 
 def test_cli_grpo_runs_from_yaml_with_overrides(tmp_path, shipped_policy_dir):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in addition_rows(16)))
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
     config = tmp_path / "run.yaml"
     config.write_text(
         f"model_name_or_path: {shipped_policy_dir}\n"

@@ -14,7 +14,7 @@ from rlft.data.prompts import DatasetError
 from rlft.models import load_tokenizer
 from rlft.tracking import read_metrics
 from rlft.train.reward import HeadFrozenError, NonFiniteLossError
-from tests.helpers import addition_rows, preference_rows, tiny_grpo_config, tiny_reward_config
+from tests.helpers import addition_rows, preference_rows, tiny_grpo_config, tiny_reward_config, write_jsonl
 
 
 def heldout_accuracy(trainer) -> float:
@@ -162,12 +162,9 @@ def test_resume_continues_exactly(tmp_path, tiny_rm_dir):
 
 
 def test_reward_model_trained_by_cli_is_a_grpo_reward(tmp_path, tiny_rm_dir, shipped_policy_dir):
-    import json
-
     from rlft.cli import main
 
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in preference_rows(64)))
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(64))
     config = tmp_path / "rm.yaml"
     config.write_text(f"model_name_or_path: {tiny_rm_dir}\ntrain_dataset: {data}\noutput_dir: {tmp_path / 'rm'}\n"
                       "max_steps: 4\nper_device_train_batch_size: 8\nuse_peft: true\nlora_r: 4\n"

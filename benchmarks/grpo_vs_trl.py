@@ -1,0 +1,125 @@
+"""rlft vs TRL GRPO on identical work: step time, its split, tokens/s, peak RSS, time-to-target.
+
+Each run is its own process (benchmarks/run_one.py); runs alternate A B B A ... so machine
+drift hits both libraries; the first step of every run is a warm-up and excluded. Writes
+benchmarks/results.json and the table between the markers in docs/benchmarks.md.
+
+    pip install -e ".[bench]"
+    python benchmarks/grpo_vs_trl.py                       # all workloads + time-to-target (~15 min)
+    python benchmarks/grpo_vs_trl.py --workloads b --repeats 2 --no-target
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = {"a": 40, "b": 6, "c": 4}
+TARGET = 0.80
+
+
+def run(lib: str, workload: str, steps: int, eval_every: int = 0) -> dict:
+    command = [sys.executable, "benchmarks/run_one.py", "--lib", lib, "--workload", workload, "--steps", str(steps),
+               "--eval-every", str(eval_every)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"{lib}/{workload} failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return q[0], statistics.median(values), q[-1]
+
+
+def summarise(runs: list[dict]) -> dict:
+    steps = [s for r in runs for s in r["steps"][1:]]  # drop each run's warm-up step
+    low, median, high = quartiles([s["seconds"] for s in steps])
+    split = {k: statistics.median(s[k] for s in steps) for k in ("generation", "logprobs", "backward", "other")}
+    return {"median_step_seconds": median, "p25": low, "p75": high, "steps_measured": len(steps),
+            "generated_tokens_per_second": sum(s["generated_tokens"] for s in steps) / sum(s["seconds"] for s in steps),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "split_seconds": split,
+            "reward_trajectory": [round(s["reward"], 4) for s in runs[0]["steps"]]}
+
+
+def time_to_target(runs: list[dict]) -> dict:
+    out = {}
+    for r in runs:
+        hit = next((e for e in r["evals"] if e["accuracy"] >= TARGET), None)
+        out.setdefault(r["lib"], []).append({"train_seconds": hit["train_seconds"] if hit else None,
+                                             "step": hit["step"] if hit else None,
+                                             "final_accuracy": r["evals"][-1]["accuracy"] if r["evals"] else None})
+    return out
+
+
+def table(results: dict, versions: dict) -> str:
+    lines = ["| workload | library | median s/step (p25-p75) | vs TRL | generation / log-probs / backward / other (s) "
+             "| generated tok/s | peak RSS MB |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for workload, libs in results["workloads"].items():
+        trl = libs["trl"]["median_step_seconds"]
+        for lib in ("rlft", "trl"):
+            r = libs[lib]
+            split = " / ".join(f"{r['split_seconds'][k]:.3f}" for k in ("generation", "logprobs", "backward", "other"))
+            lines.append(f"| {workload} | {lib} | {r['median_step_seconds']:.3f} ({r['p25']:.3f}-{r['p75']:.3f}) | "
+                         f"{r['median_step_seconds'] / trl:.2f}x | {split} | {r['generated_tokens_per_second']:.0f} | "
+                         f"{r['peak_rss_mb']:.0f} |")
+    if results.get("time_to_target"):
+        lines += ["", f"Time to {TARGET:.0%} held-out greedy accuracy on the demo task (training seconds, evaluation "
+                      "excluded; same hyperparameters as workload a):", "", "| library | runs: seconds (step) |",
+                  "| --- | --- |"]
+        for lib, hits in results["time_to_target"].items():
+            cells = ", ".join(f"{h['train_seconds']:.0f} s ({h['step']})" if h["train_seconds"] else
+                              f"not reached (final {h['final_accuracy']:.0%})" for h in hits)
+            lines.append(f"| {lib} | {cells} |")
+    lines += ["", f"Measured {results['date']} on {results['machine']}; " + ", ".join(f"{k} {v}" for k, v in
+                                                                                      versions.items()) + "."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="abc")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per library per workload (alternating)")
+    parser.add_argument("--no-target", action="store_true", help="skip the time-to-target runs")
+    parser.add_argument("--target-steps", type=int, default=800)
+    args = parser.parse_args()
+    import accelerate
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                "accelerate": accelerate.__version__, "trl": trl.__version__}
+    machine = f"{os.cpu_count()} CPU cores ({platform.machine()}), no GPU, float32"
+    results = {"date": str(date.today()), "machine": machine, "versions": versions, "workloads": {}}
+    for workload in args.workloads:
+        runs: dict[str, list] = {"rlft": [], "trl": []}
+        for repeat in range(args.repeats):
+            for lib in (("rlft", "trl") if repeat % 2 == 0 else ("trl", "rlft")):
+                runs[lib].append(run(lib, workload, STEPS[workload]))
+                print(f"{workload} {lib} run {repeat}: median {statistics.median(s['seconds'] for s in runs[lib][-1]['steps'][1:]):.3f} s/step", flush=True)
+        results["workloads"][workload] = {lib: summarise(r) for lib, r in runs.items()}
+    if not args.no_target:
+        target_runs = [run(lib, "a", args.target_steps, eval_every=50) for lib in ("rlft", "trl", "trl", "rlft")]
+        results["time_to_target"] = time_to_target(target_runs)
+    (ROOT / "benchmarks" / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    markdown = table(results, versions)
+    docs = ROOT / "docs" / "benchmarks.md"
+    text = docs.read_text()
+    start, end = text.index("<!-- bench:start -->"), text.index("<!-- bench:end -->")
+    docs.write_text(text[:start] + "<!-- bench:start -->\n" + markdown + "\n" + text[end:])
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
