@@ -73,3 +73,17 @@ def test_entropy_matches_definition_and_bounds():
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="disagree"):
         selective_log_softmax(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_sliced_logits_view_is_not_copied_whole():
+    """The trainer passes logits[:, :-1] (a non-contiguous view): no [B, T, V] copy may be made."""
+    batch, seq, vocab, chunk = 4, 64, 32000, 32
+    full = torch.randn(batch, seq + 1, vocab).bfloat16()
+    view = full[:, :-1]
+    ids = torch.randint(0, vocab, (batch, seq))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = selective_log_softmax(view, ids, chunk_size=chunk)
+        entropy_from_logits(view, chunk_size=chunk)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= chunk * vocab * 4 * 2 < view.numel() * view.element_size()
+    assert torch.allclose(out, reference(view, ids), atol=1e-6, rtol=1e-6)

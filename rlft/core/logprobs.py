@@ -2,9 +2,10 @@
 
     log pi(y_t) = z_{t, y_t} / T - logsumexp_v(z_{t, v} / T)
 
-The full [batch, seq, vocab] float32 tensor is never materialised: rows are processed
-`chunk_size` at a time, and the backward pass recomputes each chunk's softmax instead of
-keeping float32 copies alive, so the extra memory is O(chunk_size * vocab) in both passes.
+The full [batch, seq, vocab] float32 tensor is never materialised: about `chunk_size`
+positions are processed at a time, taken as 3-D blocks so that a sliced view such as
+`logits[:, :-1]` is not copied whole, and the backward pass recomputes each block's softmax
+instead of keeping float32 copies alive: extra memory is O(chunk_size * vocab) in both passes.
 """
 
 from __future__ import annotations
@@ -12,9 +13,20 @@ from __future__ import annotations
 import torch
 
 
-def _chunks(rows: int, chunk_size: int):
-    for start in range(0, rows, chunk_size):
-        yield start, min(start + chunk_size, rows)
+def _blocks(batch: int, seq: int, chunk_size: int):
+    """(batch slice, seq slice) pieces of about `chunk_size` positions each.
+
+    Pieces are taken from the 3-D tensor directly: reshaping a non-contiguous view such as
+    `logits[:, :-1]` to 2-D would silently copy all of it, which is what chunking avoids.
+    """
+    if seq <= chunk_size:
+        rows = max(chunk_size // max(seq, 1), 1)
+        for start in range(0, batch, rows):
+            yield slice(start, min(start + rows, batch)), slice(0, seq)
+    else:
+        for b in range(batch):
+            for start in range(0, seq, chunk_size):
+                yield slice(b, b + 1), slice(start, min(start + chunk_size, seq))
 
 
 def _work_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -25,35 +37,29 @@ def _work_dtype(logits: torch.Tensor) -> torch.dtype:
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, token_ids, temperature, chunk_size):
-        flat = logits.reshape(-1, logits.shape[-1])  # [rows, vocab]
-        ids = token_ids.reshape(-1)  # [rows]
         work = _work_dtype(logits)
-        out = torch.empty(flat.shape[0], dtype=work, device=logits.device)
+        out = torch.empty(token_ids.shape, dtype=work, device=logits.device)  # [B, T]
         lse = torch.empty_like(out)
-        for start, end in _chunks(flat.shape[0], chunk_size):
-            scaled = flat[start:end].to(work) / temperature  # [chunk, vocab]
-            lse[start:end] = torch.logsumexp(scaled, dim=-1)
-            out[start:end] = scaled.gather(-1, ids[start:end, None]).squeeze(-1) - lse[start:end]
+        for b, t in _blocks(*token_ids.shape, chunk_size):
+            scaled = logits[b, t].to(work) / temperature  # [b, t, vocab]
+            lse[b, t] = torch.logsumexp(scaled, dim=-1)
+            out[b, t] = scaled.gather(-1, token_ids[b, t, None]).squeeze(-1) - lse[b, t]
         ctx.save_for_backward(logits, token_ids, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out.view(token_ids.shape)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, token_ids, lse = ctx.saved_tensors
-        flat = logits.reshape(-1, logits.shape[-1])
-        ids = token_ids.reshape(-1)
-        work = lse.dtype
-        grad_flat = grad_out.reshape(-1).to(work)
-        grad_logits = torch.empty_like(flat)
-        for start, end in _chunks(flat.shape[0], ctx.chunk_size):
+        grad_out = grad_out.to(lse.dtype)
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for b, t in _blocks(*token_ids.shape, ctx.chunk_size):
             # d logp_y / d z_v = (1[v == y] - softmax_v) / T
-            probs = torch.exp(flat[start:end].to(work) / ctx.temperature - lse[start:end, None])  # [chunk, vocab]
-            grad = -probs
-            grad.scatter_add_(-1, ids[start:end, None], torch.ones_like(grad[:, :1]))
-            grad *= grad_flat[start:end, None] / ctx.temperature
-            grad_logits[start:end] = grad.to(flat.dtype)
-        return grad_logits.view_as(logits), None, None, None
+            grad = -torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])  # [b, t, vocab]
+            grad.scatter_add_(-1, token_ids[b, t, None], torch.ones_like(grad[..., :1]))
+            grad *= grad_out[b, t, None] / ctx.temperature
+            grad_logits[b, t] = grad.to(logits.dtype)
+        return grad_logits, None, None, None
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0,
@@ -76,10 +82,9 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_si
 
     logits: [batch, seq, vocab] -> [batch, seq]. A metric: no gradient.
     """
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=_work_dtype(logits), device=logits.device)
-    for start, end in _chunks(flat.shape[0], chunk_size):
-        scaled = flat[start:end].to(out.dtype) / temperature  # [chunk, vocab]
+    out = torch.empty(logits.shape[:-1], dtype=_work_dtype(logits), device=logits.device)  # [B, T]
+    for b, t in _blocks(*logits.shape[:-1], chunk_size):
+        scaled = logits[b, t].to(out.dtype) / temperature  # [b, t, vocab]
         lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-        out[start:end] = (lse.squeeze(-1) - (torch.exp(scaled - lse) * scaled).sum(-1))
-    return out.view(logits.shape[:-1])
+        out[b, t] = lse.squeeze(-1) - (torch.exp(scaled - lse) * scaled).sum(-1)
+    return out
