@@ -25,7 +25,7 @@ class RewardModelScorer:
         if torch.cuda.is_available():
             self.model.to("cuda")
         self.batch_size = batch_size
-        self.max_length = max_length or getattr(self.tokenizer, "model_max_length", None)
+        self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)
 
     def _text(self, prompt, completion) -> str:
         if isinstance(prompt, list):
@@ -45,7 +45,6 @@ class RewardModelScorer:
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                 truncation=self.max_length is not None and self.max_length < 10**6,
-                                 max_length=self.max_length).to(device)
+                                 truncation=self.max_length is not None, max_length=self.max_length).to(device)
             scores += self.model(**enc).logits[:, 0].float().tolist()
         return scores
