@@ -198,10 +198,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _coerce(name: str, value: Any, annotation: Any) -> Any:
     """Turn YAML/CLI values into the field's type (YAML reads '1e-5' as a string)."""
     if value is None:
@@ -234,7 +230,7 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
 
 def from_dict(cls: type[TrainConfig], values: dict[str, Any]) -> TrainConfig:
     """Build and validate a config; unknown keys raise with the nearest known key."""
-    types = _field_types(cls)
+    types = typing.get_type_hints(cls)
     unknown = [key for key in values if key not in types]
     if unknown:
         hints = []

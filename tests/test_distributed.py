@@ -38,6 +38,11 @@ def test_one_step_on_two_processes_equals_one_process_for_every_loss_type(tmp_pa
             assert value == pytest.approx(two[loss_type]["metrics"][key], abs=1e-6), (loss_type, key)
 
 
+def cli_on_two_processes(*args: str) -> None:
+    result = launch(["-m", "rlft.cli", *args], 2)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_path, shipped_policy_dir):
     data = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
     out = tmp_path / "run"
@@ -46,17 +51,14 @@ def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_pa
                       "reward_funcs: [accuracy, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
                       "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlogging_steps: 1\nsave_steps: 2\n"
                       "learning_rate: 1e-3\nreport_to: [none]\ndisable_tqdm: true\n")
-    first = launch(["-m", "rlft.cli", "grpo", "--config", str(config), "--max_steps", "2"], 2)
-    assert first.returncode == 0, first.stderr[-3000:]
+    cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "2")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]  # one writer, not one per rank
     assert all(r["completions/count"] == 16 for r in rows)  # 8 completions on each of 2 ranks
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert sorted(p.name for p in (out / "checkpoint-2").glob("rng_state_*.pt")) == ["rng_state_0.pt",
                                                                                     "rng_state_1.pt"]
-    second = launch(["-m", "rlft.cli", "grpo", "--config", str(config), "--max_steps", "4",
-                     "--resume_from_checkpoint", "true"], 2)
-    assert second.returncode == 0, second.stderr[-3000:]
+    cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "4", "--resume_from_checkpoint", "true")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
@@ -67,13 +69,10 @@ def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
     config.write_text(f"model_name_or_path: {tiny_rm_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
                       "per_device_train_batch_size: 8\nmax_length: 64\nlogging_steps: 1\nsave_steps: 3\n"
                       "learning_rate: 3e-3\nreport_to: [none]\ndisable_tqdm: true\n")
-    first = launch(["-m", "rlft.cli", "reward", "--config", str(config), "--max_steps", "3"], 2)
-    assert first.returncode == 0, first.stderr[-3000:]
+    cli_on_two_processes("reward", "--config", str(config), "--max_steps", "3")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
-    second = launch(["-m", "rlft.cli", "reward", "--config", str(config), "--max_steps", "5",
-                     "--resume_from_checkpoint", "true"], 2)
-    assert second.returncode == 0, second.stderr[-3000:]
+    cli_on_two_processes("reward", "--config", str(config), "--max_steps", "5", "--resume_from_checkpoint", "true")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
 
 

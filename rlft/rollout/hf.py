@@ -21,10 +21,6 @@ class Rollout:
     completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
     truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
 
-    def to(self, device) -> Rollout:
-        return Rollout(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
-                                                 self.completion_mask, self.truncated)))
-
 
 def eos_token_ids(model, tokenizer) -> list[int]:
     ids = {tokenizer.eos_token_id}

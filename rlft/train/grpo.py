@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from transformers import AutoConfig
 
 from rlft.config import ConfigError, GRPOConfig, to_dict, validate
@@ -125,7 +126,7 @@ class GRPOTrainer:
         if peft_config is None and args.use_peft:
             peft_config = lora_config_from(args, "CAUSAL_LM")
         model = apply_lora(model, peft_config, "CAUSAL_LM")
-        self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+        self.is_peft = isinstance(model, PeftModel)
         if args.gradient_checkpointing:
             enable_checkpointing(model, args.gradient_checkpointing_kwargs)
         self.param_summary = parameter_summary(model)
@@ -163,10 +164,12 @@ class GRPOTrainer:
                 metrics["time/step_seconds"] = time.perf_counter() - started
                 metrics["tokens_per_second"] = batch.rollout.completion_mask.sum().item() / metrics["time/step_seconds"]
                 window.add(metrics)
-                history.append({**self._after_step(step + 1, window, batch), "step": step + 1})  # log -> checkpoint
+                logged = self._after_step(step + 1, window, batch)  # log -> checkpoint
+                if logged:
+                    history.append({"step": step + 1, **logged})
         finally:
             self.log.close()
-        return [h for h in history if len(h) > 1]
+        return history
 
     def _after_step(self, step: int, window: MetricWindow, batch: RolloutBatch) -> dict:
         args, logged = self.args, {}
