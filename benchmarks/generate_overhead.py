@@ -6,7 +6,7 @@ Times `model.generate` against a minimal KV-cached sampling loop on workload b's
 generate 1.68 s, minimal loop 1.62-1.66 s: 2-4%, so generation time is the model's own
 forward, not generate's bookkeeping, and a hand-written engine is not worth it here.
 
-    python benchmarks/generate_overhead.py
+    python -m benchmarks.generate_overhead
 """
 
 from __future__ import annotations

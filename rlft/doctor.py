@@ -139,7 +139,8 @@ def doctor_grpo(cfg: GRPOConfig, report: Report, model=None, reward_funcs=None, 
 
     def backward():  # synthetic +-1 advantages: tests the wiring whatever the rewards were
         logps, _ = trainer._forward(trainer.model, batch.rollout, slice(0, None))
-        loss, _ = policy_loss(logps, logps.detach(), signs, batch.rollout.completion_mask, loss_type=cfg.loss_type)
+        mask = batch.rollout.completion_mask[:, :logps.shape[1]]
+        loss, _ = policy_loss(logps, logps.detach(), signs, mask, loss_type=cfg.loss_type)
         loss.backward()
 
     _grad_check(report, unwrapped, backward)

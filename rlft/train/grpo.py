@@ -272,25 +272,39 @@ class GRPOTrainer:
         return rewards, completions
 
     # ---- log-probs ----------------------------------------------------------------------------------------
-    def _forward(self, model, rollout: Rollout, rows: slice, entropy: bool = False):
-        """Per-token log-probs [b, C] of the completion tokens (and their entropy [b, C])."""
-        completion_ids = rollout.completion_ids[rows]
-        ids = torch.cat([rollout.prompt_ids[rows], completion_ids], dim=1)
-        mask = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows]], dim=1)
+    def _forward(self, model, rollout: Rollout, rows, entropy: bool = False):
+        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]) for `rows` (a slice
+        or an index tensor). The batch is cut to its own longest completion (c <= C) and its longest prompt:
+        columns that are padding in every row cost a forward pass and change nothing."""
+        completion_mask = rollout.completion_mask[rows]
+        width = max(int(completion_mask.sum(dim=1).max()), 1)
+        prompt_mask = rollout.prompt_mask[rows]
+        first = int((prompt_mask.sum(dim=0) > 0).int().argmax())  # prompts are left-padded
+        completion_ids = rollout.completion_ids[rows, :width]
+        ids = torch.cat([rollout.prompt_ids[rows, first:], completion_ids], dim=1)
+        mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-        width = completion_ids.shape[1]
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                       logits_to_keep=width + 1).logits[:, :-1]  # [b, C, V]: position t predicts token t
+                       logits_to_keep=width + 1).logits[:, :-1]  # [b, c, V]: position t predicts token t
         logps = selective_log_softmax(logits, completion_ids, self.args.temperature, self.args.logprob_chunk_size)
         ent = entropy_from_logits(logits.detach(), self.args.temperature, self.args.logprob_chunk_size) if entropy \
             else None
         return logps, ent
 
+    def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
+        """Row indices of each micro-batch, longest completions first, so a micro-batch pads only to its own
+        longest row (the step's loss is a sum over rows with global normalisers: row order changes nothing)."""
+        lengths = rollout.completion_mask.sum(dim=1)
+        order = torch.argsort(lengths, descending=True, stable=True)
+        return list(order.split(self.args.per_device_train_batch_size))
+
     @torch.no_grad()
     def _logps_no_grad(self, model, rollout: Rollout) -> torch.Tensor:
-        size = self.args.per_device_train_batch_size
-        return torch.cat([self._forward(model, rollout, slice(s, s + size))[0]
-                          for s in range(0, rollout.completion_ids.shape[0], size)])
+        out = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)  # [N, C]
+        for rows in self._micro_batches(rollout):
+            logps = self._forward(model, rollout, rows)[0]
+            out[rows, :logps.shape[1]] = logps.float()
+        return out
 
     def _reference_logps(self, rollout: Rollout) -> torch.Tensor:
         if self.ref_model is not None:
@@ -307,19 +321,19 @@ class GRPOTrainer:
         num_items = acc.reduce(rollout.completion_mask.sum().float(), "sum")
         num_sequences = rollout.completion_ids.shape[0] * acc.num_processes
         sums = StepSums()
-        size = args.per_device_train_batch_size
-        starts = list(range(0, rollout.completion_ids.shape[0], size))
+        batches = self._micro_batches(rollout)
         self.model.train()
-        for k, start in enumerate(starts):
-            rows = slice(start, start + size)
-            sync = contextlib.nullcontext() if k == len(starts) - 1 else acc.no_sync(self.model)
+        for k, rows in enumerate(batches):
+            sync = contextlib.nullcontext() if k == len(batches) - 1 else acc.no_sync(self.model)
             with sync:
                 logps, entropy = self._forward(self.model, rollout, rows, entropy=True)
-                old = batch.old_logps[rows] if batch.old_logps is not None else logps.detach()
+                width = logps.shape[1]
+                mask = rollout.completion_mask[rows, :width]
+                old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
                 loss, metrics = policy_loss(
-                    logps, old, batch.advantages[rows], rollout.completion_mask[rows], loss_type=args.loss_type,
+                    logps, old, batch.advantages[rows], mask, loss_type=args.loss_type,
                     epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-                    ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows], beta=args.beta,
+                    ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], beta=args.beta,
                     kl_estimator=args.kl_estimator, importance_sampling_level=args.importance_sampling_level,
                     max_completion_length=args.max_completion_length, num_items=num_items,
                     num_sequences=num_sequences, sapo_temperature_pos=args.sapo_temperature_pos,
@@ -329,7 +343,7 @@ class GRPOTrainer:
                                             "it (all parameters frozen, or adapters disabled)")
                 # DDP averages gradients over processes; the normalisers are global sums, so undo the mean.
                 acc.backward(loss * acc.num_processes)
-            sums.add(loss, metrics, entropy, rollout.completion_mask[rows])
+            sums.add(loss, metrics, entropy, mask)
         return self._finish_step(batch, sums, started)
 
     def _finish_step(self, batch: RolloutBatch, sums: StepSums, started: float) -> dict[str, float]:

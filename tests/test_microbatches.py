@@ -1,0 +1,66 @@
+"""Length-sorted, trimmed micro-batches: the same step as one big batch, with less padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlft import GRPOConfig, GRPOTrainer
+from tests.dist.grpo_step import FixedGenerator, token_sum_reward
+from tests.helpers import addition_rows
+
+
+def one_step(model_dir, tmp_path, per_device: int, accumulation: int, **overrides):
+    """Parameters after one SGD step (lr 1: the change is the gradient) and the shapes fed to the model."""
+    cfg = GRPOConfig(output_dir=str(tmp_path / f"run{per_device}"), optim="sgd", learning_rate=1.0,
+                     max_grad_norm=1e9, seed=0, num_generations=4, per_device_train_batch_size=per_device,
+                     gradient_accumulation_steps=accumulation, max_steps=1, max_completion_length=8,
+                     report_to=["none"], disable_tqdm=True, **overrides)
+    trainer = GRPOTrainer(str(model_dir), [token_sum_reward], cfg, addition_rows(16))
+    trainer.generator = FixedGenerator(trainer.tokenizer)
+    batch = trainer._make_rollout(0)
+    shapes = []
+    hook = trainer.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                                   with_kwargs=True)
+    metrics = trainer._optimizer_step(batch)
+    hook.remove()
+    params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    return params, metrics, shapes, batch
+
+
+@pytest.mark.parametrize("overrides", [dict(loss_type="grpo"), dict(loss_type="dapo", beta=0.04),
+                                       dict(loss_type="dr_grpo", num_iterations=2),
+                                       dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04)])
+def test_sorted_trimmed_micro_batches_give_the_one_batch_step(tmp_path, tiny_causal_dir, overrides):
+    whole, whole_metrics, whole_shapes, batch = one_step(tiny_causal_dir, tmp_path, 16, 1, **overrides)
+    split, split_metrics, split_shapes, _ = one_step(tiny_causal_dir, tmp_path, 2, 8, **overrides)
+    for name, param in whole.items():
+        assert torch.allclose(param, split[name], atol=1e-6, rtol=0), name
+    for key in ("loss", "kl", "entropy", "clip_ratio/region_mean"):
+        if key in whole_metrics:
+            assert whole_metrics[key] == pytest.approx(split_metrics[key], abs=1e-6), key
+    # The fixed completions have 3..7 tokens: the big batch pads every row to the longest, the
+    # micro-batches (longest first) only to their own longest.
+    lengths = sorted(batch.rollout.completion_mask.sum(dim=1).tolist(), reverse=True)
+    prompt_width = batch.rollout.prompt_ids.shape[1]
+    widths = [shape[1] - prompt_width for shape in split_shapes[-8:]]
+    assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
+    assert widths == [max(lengths[i:i + 2]) for i in range(0, 16, 2)]
+    assert sum(s[0] * s[1] for s in split_shapes[-8:]) < whole_shapes[-1][0] * whole_shapes[-1][1]
+
+
+def test_no_grad_log_probs_fill_every_row_in_its_place(tmp_path, tiny_causal_dir):
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), seed=0, num_generations=4, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=8, num_iterations=2, max_steps=1, max_completion_length=8,
+                     report_to=["none"], disable_tqdm=True)
+    trainer = GRPOTrainer(str(tiny_causal_dir), [token_sum_reward], cfg, addition_rows(16))
+    trainer.generator = FixedGenerator(trainer.tokenizer)
+    batch = trainer._make_rollout(0)  # old log-probs from 8 sorted, trimmed micro-batches
+    mask = batch.rollout.completion_mask.bool()
+    with torch.no_grad():
+        whole, _ = trainer._forward(trainer.model, batch.rollout, slice(0, None))  # one batch, no sorting
+    assert batch.old_logps.shape == mask.shape
+    width = whole.shape[1]  # the longest completion; the rollout is padded wider
+    assert width < mask.shape[1] and not mask[:, width:].any()
+    assert torch.allclose(batch.old_logps[:, :width][mask[:, :width]], whole[mask[:, :width]], atol=1e-5, rtol=0)
+    assert (batch.old_logps[:, width:] == 0).all()
