@@ -15,6 +15,7 @@ import sys
 import torch
 
 from rlft import GRPOConfig, GRPOTrainer
+from rlft.cli import release_processes
 from rlft.core.losses import LOSS_TYPES
 from rlft.data.prompts import left_pad
 from rlft.rollout.hf import Rollout, completion_mask_from
@@ -67,6 +68,9 @@ def main() -> None:
                                                              and k != "tokens_per_second"}}
     if trainer.accelerator.is_main_process:
         torch.save(results, out)
+    accelerator = trainer.accelerator
+    trainer = batch = None
+    release_processes(accelerator)
 
 
 if __name__ == "__main__":
