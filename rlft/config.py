@@ -20,6 +20,7 @@ import yaml
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALE_REWARDS = ("group", "batch", "none")
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")  # transformers' names
 IS_LEVELS = ("token", "sequence")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -92,6 +93,8 @@ class GRPOConfig(TrainConfig):
     top_p: float = 1.0
     top_k: int | None = None
     repetition_penalty: float = 1.0
+    cache_implementation: str | None = None  # passed to generate, e.g. "static"; None: transformers' dynamic cache
+    shared_prompt_prefill: bool = True  # dynamic cache: prefill each prompt once, not num_generations times
     beta: float = 0.0
     kl_estimator: str = "k3"
     epsilon: float = 0.2
@@ -159,7 +162,8 @@ def _validate_common(cfg: TrainConfig, errors: list[str]) -> None:
 def _validate_grpo(cfg: GRPOConfig, errors: list[str]) -> None:
     for name, allowed in [("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
                           ("importance_sampling_level", IS_LEVELS), ("kl_estimator", KL_ESTIMATORS),
-                          ("multi_objective_aggregation", AGGREGATIONS)]:
+                          ("multi_objective_aggregation", AGGREGATIONS),
+                          ("cache_implementation", CACHE_IMPLEMENTATIONS)]:
         _enum(errors, cfg, name, allowed)
     if cfg.num_generations < 2:
         errors.append(f"num_generations={cfg.num_generations!r} must be >= 2: group-relative advantages "

@@ -92,7 +92,8 @@ class GRPOTrainer:
         self._setup_model(model, peft_config)
         self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
         self.generator = HFGenerator(self.tokenizer, args.max_completion_length, args.temperature, args.top_p,
-                                     args.top_k, args.repetition_penalty)
+                                     args.top_k, args.repetition_penalty, args.cache_implementation,
+                                     args.shared_prompt_prefill)
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig) -> GRPOTrainer:
