@@ -6,11 +6,13 @@ Times `model.generate` against a minimal KV-cached sampling loop on workload b's
 generate 1.68 s, minimal loop 1.62-1.66 s: 2-4%, so generation time is the model's own
 forward, not generate's bookkeeping, and a hand-written engine is not worth it here.
 
-    python -m benchmarks.generate_overhead
+    python -m benchmarks.generate_overhead             # the two timings
+    python -m benchmarks.generate_overhead --profile   # and where generate's time goes, by operator
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -22,6 +24,7 @@ NEW_TOKENS = 128
 
 
 def main() -> None:
+    parser_args()  # --help before the model is built
     work = build(WORKLOADS["b"])
     model, tokenizer = work.model.eval(), work.tokenizer
     text = tokenizer.apply_chat_template(work.rows[0]["prompt"], tokenize=False, add_generation_prompt=True)
@@ -51,6 +54,16 @@ def main() -> None:
             started = time.perf_counter()
             fn()
             print(f"{fn.__name__}: {time.perf_counter() - started:.3f} s")
+        if parser_args().profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                hf_generate()
+            print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+
+def parser_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", action="store_true", help="also print the operator profile of one generate")
+    return parser.parse_args()
 
 
 if __name__ == "__main__":
