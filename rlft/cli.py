@@ -21,6 +21,8 @@ def _train(args, extra: list[str], kind: str) -> int:
         from rlft.train.grpo import GRPOTrainer as Trainer
     else:
         from rlft.train.reward import RewardTrainer as Trainer
+    from rlft.train.state import release_processes
+
     trainer = Trainer.from_config(cfg)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final = f"{cfg.output_dir}/final"
@@ -32,21 +34,6 @@ def _train(args, extra: list[str], kind: str) -> int:
     del trainer
     release_processes(accelerator)
     return 0
-
-
-def release_processes(accelerator) -> None:
-    """Free the (DDP-wrapped) model while the process group is still registered, then destroy the group.
-
-    Left to interpreter exit, the last DDP Reducer destroys the gloo group while holding the GIL, and
-    a gloo worker finishing its last work item waits for the GIL: a hang or 'terminate called without
-    an active exception' after all work is saved (seen about 1 run in 8 on 2 CPU processes)."""
-    import gc
-
-    accelerator.wait_for_everyone()
-    accelerator.free_memory()  # the caller holds no trainer any more: this drops the last model references
-    gc.collect()
-    accelerator.wait_for_everyone()
-    accelerator.state.destroy_process_group()
 
 
 def _cmd_grpo(args, extra: list[str]) -> int:

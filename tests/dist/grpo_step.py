@@ -15,10 +15,10 @@ import sys
 import torch
 
 from rlft import GRPOConfig, GRPOTrainer
-from rlft.cli import release_processes
 from rlft.core.losses import LOSS_TYPES
 from rlft.data.prompts import left_pad
 from rlft.rollout.hf import Rollout, completion_mask_from
+from rlft.train.state import release_processes
 from tests.helpers import addition_rows
 
 GROUP, PROMPTS, PER_DEVICE = 4, 4, 4
