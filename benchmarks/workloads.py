@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rlft.data.addition import rows, split_problems
 from rlft.models import shipped_policy_path
-from rlft.rewards.builtins import accuracy_reward, format_reward
+from rlft.rewards.builtins import exact_match_reward, format_reward
 from rlft.tiny import build_tokenizer
 
 
@@ -73,7 +73,7 @@ def build(spec: Spec) -> Work:
         from transformers import AutoTokenizer
 
         return Work(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), rows(train),
-                    [accuracy_reward, format_reward])
+                    [exact_match_reward, format_reward])
     tokenizer = build_tokenizer(seed=0)
     if spec.vocab:  # pad the vocabulary with real (added) tokens so every sampled id decodes
         tokenizer.add_tokens([f"<tok{i}>" for i in range(spec.vocab - len(tokenizer))])

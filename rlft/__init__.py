@@ -1,6 +1,10 @@
 """rlft: reinforcement-learning fine-tuning of language models (GRPO and reward models)."""
 
+import logging
+
 from rlft.config import GRPOConfig, RewardConfig
+
+logging.getLogger("rlft").addHandler(logging.NullHandler())  # a library logs; the application configures handlers
 
 __all__ = ["GRPOConfig", "RewardConfig", "GRPOTrainer", "RewardTrainer"]
 __version__ = "0.1.0"

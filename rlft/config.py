@@ -1,9 +1,11 @@
 """Run configuration: `GRPOConfig` and `RewardConfig`, YAML loading, overrides and validation.
 
-Field names follow TRL's (`GRPOConfig`, `RewardConfig`, `ModelConfig`) wherever TRL has a
-name for the thing, so a TRL user's arguments carry over. Defaults run on a CPU-only
-machine. Every check lives in `validate()`; an error names the field, the value and what
-is allowed, and an unknown key gets a "did you mean" suggestion.
+Field names and defaults follow TRL's (`GRPOConfig`, `RewardConfig`, `ModelConfig`, and
+transformers' `TrainingArguments`), so a TRL user's arguments carry over; docs/migration.md lists
+every deliberate difference with its reason. Every TRL field name is accepted (rlft/compat.py): the
+implemented ones work, an unimplemented one set to a non-default value is an error naming it.
+Configs validate on construction, like TRL's; an error names the field, the value and what is
+allowed, and an unknown key gets a "did you mean" suggestion.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from rlft.compat import compat_fields, unimplemented_errors
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALE_REWARDS = ("group", "batch", "none")
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")  # transformers' names
@@ -25,22 +29,42 @@ IS_LEVELS = ("token", "sequence")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "cosine_with_restarts",
+              "polynomial", "inverse_sqrt", "warmup_stable_decay")
 TRUNCATION = ("keep_start", "keep_end", "error")
-OPTIMIZERS = ("adamw_torch", "sgd")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+STRATEGIES = ("no", "steps", "epoch")
+# accelerate's tracker names ("all": every one that is installed, as in transformers).
+TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
+# Keyword arguments rlft passes to every reward function; a dataset column must not shadow one.
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message says which field and what to do."""
 
 
+def normalize_report_to(value: Any) -> list[str]:
+    """transformers' semantics: "none" -> [], "all" -> every installed tracker, a name -> [name], a list as is."""
+    if value is None or value == "none":
+        return []
+    names = [value] if isinstance(value, str) else [str(v) for v in value]
+    if "all" in names:
+        from accelerate.utils import is_tensorboard_available, is_trackio_available, is_wandb_available
+
+        found = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available(),
+                 "trackio": is_trackio_available()}
+        return [name for name, ok in found.items() if ok]
+    return [n for n in names if n != "none"]
+
+
 @dataclass
-class TrainConfig:
+class _TrainFields:
     """Fields shared by GRPO and reward-model training (TRL / transformers names)."""
 
     model_name_or_path: str | None = None
     output_dir: str = "runs/rlft"
-    train_dataset: str | None = None
+    train_dataset: str | None = None  # a local file, a dataset folder or a hub dataset id
     eval_dataset: str | None = None
     seed: int = 42
     learning_rate: float = 1e-6
@@ -51,26 +75,40 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict | None = None
     warmup_ratio: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: float = 0  # below 1: a fraction of the total steps, as in transformers
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     max_steps: int = -1
-    num_train_epochs: float = 1.0
-    logging_steps: int = 10
-    save_steps: int = 500
+    num_train_epochs: float = 3.0
+    logging_strategy: str = "steps"
+    logging_steps: float = 10  # below 1: a fraction of the total steps
+    logging_first_step: bool = False
+    save_strategy: str = "steps"
+    save_steps: float = 500
     save_total_limit: int | None = None
-    eval_steps: int | None = None
+    eval_strategy: str = "no"
+    eval_steps: float | None = None
+    eval_delay: float = 0
     eval_on_start: bool = False
-    report_to: list[str] = field(default_factory=lambda: ["none"])
+    report_to: str | list[str] = "none"
     run_name: str | None = None
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | None = True
     gradient_checkpointing_kwargs: dict | None = None
     dtype: str = "auto"
     bf16: bool | None = None
     fp16: bool | None = None
-    disable_tqdm: bool = False
+    disable_tqdm: bool | None = False
+    dataloader_num_workers: int = 0
+    trust_remote_code: bool = False
+    model_init_kwargs: dict | None = None
+    chat_template_path: str | None = None
+    pad_token: str | None = None
+    eos_token: str | None = None
+    pad_to_multiple_of: int | str | None = "auto"
+    max_nonfinite_steps: int = 3
     # LoRA, as TRL's ModelConfig names it.
     use_peft: bool = False
     lora_r: int = 16
@@ -79,29 +117,50 @@ class TrainConfig:
     lora_target_modules: list[str] | str = "all-linear"
     lora_task_type: str | None = None
 
+    def __post_init__(self):
+        # TRL/transformers spellings normalised to one form; then every check runs.
+        self.report_to = normalize_report_to(self.report_to)
+        self.disable_tqdm = bool(self.disable_tqdm)
+        self.gradient_checkpointing = bool(self.gradient_checkpointing)
+        if self.eval_steps is not None and self.eval_strategy == "no":
+            self.eval_strategy = "steps"  # rlft: eval_steps alone asks for evaluation (docs/migration.md)
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.logging_steps  # transformers' rule
+        validate(self)
+
 
 @dataclass
-class GRPOConfig(TrainConfig):
+class _GRPOFields(_TrainFields):
     """GRPO run. `per_device_train_batch_size` counts completions, as in TRL."""
 
     reward_funcs: list[str] = field(default_factory=list)
     reward_weights: list[float] | None = None
     num_generations: int = 8
+    num_generations_eval: int | None = None
+    steps_per_generation: int | None = None
+    generation_batch_size: int | None = None
     max_prompt_length: int | None = 512
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int | None = None
+    top_k: int | None = 0
+    min_p: float | None = None
     repetition_penalty: float = 1.0
+    generation_kwargs: dict | None = None
+    chat_template_kwargs: dict | None = None
     cache_implementation: str | None = None  # passed to generate, e.g. "static"; None: transformers' dynamic cache
     shared_prompt_prefill: bool = True  # dynamic cache: prefill each prompt once, not num_generations times
+    shuffle_dataset: bool = True
+    disable_dropout: bool = False
+    cast_lm_head_to_fp32: bool = False
     beta: float = 0.0
     kl_estimator: str = "k3"
+    use_bias_correction_kl: bool = True
     epsilon: float = 0.2
     epsilon_high: float | None = None
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
-    scale_rewards: str = "group"
+    scale_rewards: str | bool = "group"
     multi_objective_aggregation: str = "sum_then_normalize"
     num_iterations: int = 1
     mask_truncated_completions: bool = False
@@ -109,25 +168,44 @@ class GRPOConfig(TrainConfig):
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     logprob_chunk_size: int = 1024
-    log_completions: bool = True
+    log_completions: bool = False
     num_completions_to_log: int = 8
     zero_signal_warning_steps: int = 5
 
+    def __post_init__(self):
+        if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
+            self.scale_rewards = self.scale_rewards.lower() == "true"
+        if isinstance(self.scale_rewards, bool):  # TRL's spellings: True = "group", False = "none"
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        super().__post_init__()
+
 
 @dataclass
-class RewardConfig(TrainConfig):
+class _RewardFields(_TrainFields):
     """Bradley-Terry reward-model run on chosen/rejected pairs."""
 
     learning_rate: float = 1e-4
     max_length: int | None = 1024
     truncation: str = "keep_start"
     center_rewards_coefficient: float | None = None
-    max_nonfinite_steps: int = 3
     disable_dropout: bool = True
+
+
+def _with_trl_names(base: type, kind: str, doc: str) -> type:
+    implemented = {f.name for f in dataclasses.fields(base)}
+    cls = dataclasses.make_dataclass(kind, compat_fields(kind, implemented), bases=(base,))
+    cls.__module__, cls.__doc__ = __name__, doc
+    return cls
+
+
+TrainConfig = _TrainFields
+GRPOConfig = _with_trl_names(_GRPOFields, "GRPOConfig", _GRPOFields.__doc__)
+RewardConfig = _with_trl_names(_RewardFields, "RewardConfig", _RewardFields.__doc__)
 
 
 def _enum(errors: list[str], cfg: Any, name: str, allowed: tuple) -> None:
     value = getattr(cfg, name)
+    value = getattr(value, "value", value)  # transformers' str enums
     if value not in allowed:
         errors.append(f"{name}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
@@ -143,12 +221,15 @@ def _positive(errors: list[str], cfg: Any, *names: str, allow_zero: bool = False
 
 
 def _validate_common(cfg: TrainConfig, errors: list[str]) -> None:
-    _enum(errors, cfg, "dtype", DTYPES)
-    _enum(errors, cfg, "lr_scheduler_type", SCHEDULERS)
-    _enum(errors, cfg, "optim", OPTIMIZERS)
+    for name, allowed in [("dtype", DTYPES), ("lr_scheduler_type", SCHEDULERS), ("optim", OPTIMIZERS),
+                          ("logging_strategy", STRATEGIES), ("save_strategy", STRATEGIES),
+                          ("eval_strategy", STRATEGIES)]:
+        _enum(errors, cfg, name, allowed)
     _positive(errors, cfg, "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
-              "gradient_accumulation_steps", "logging_steps", "save_steps", "num_train_epochs", "lora_r")
-    _positive(errors, cfg, "weight_decay", "max_grad_norm", "warmup_ratio", "warmup_steps", allow_zero=True)
+              "gradient_accumulation_steps", "logging_steps", "save_steps", "num_train_epochs", "lora_r",
+              "max_nonfinite_steps")
+    _positive(errors, cfg, "weight_decay", "max_grad_norm", "warmup_ratio", "warmup_steps", "dataloader_num_workers",
+              "eval_delay", allow_zero=True)
     if cfg.max_steps == 0 or cfg.max_steps < -1:
         errors.append(f"max_steps={cfg.max_steps!r} must be > 0, or -1 to run num_train_epochs")
     if cfg.bf16 and cfg.fp16:
@@ -157,9 +238,33 @@ def _validate_common(cfg: TrainConfig, errors: list[str]) -> None:
         errors.append(f"lora_dropout={cfg.lora_dropout!r} must be in [0, 1)")
     if cfg.eval_steps is not None and cfg.eval_steps <= 0:
         errors.append(f"eval_steps={cfg.eval_steps!r} must be > 0 or null")
+    unknown = [r for r in cfg.report_to if r not in TRACKERS]
+    if unknown:
+        errors.append(f"report_to has unknown tracker(s) {unknown}; use 'none', 'all' or any of {list(TRACKERS)}")
+    if not (cfg.pad_to_multiple_of in (None, "auto") or (isinstance(cfg.pad_to_multiple_of, int)
+                                                         and cfg.pad_to_multiple_of > 0)):
+        errors.append(f"pad_to_multiple_of={cfg.pad_to_multiple_of!r} must be a positive int, 'auto' or null")
+    errors.extend(unimplemented_errors(cfg))
 
 
-def _validate_grpo(cfg: GRPOConfig, errors: list[str]) -> None:
+def _validate_generation_batch(cfg, errors: list[str]) -> None:
+    if cfg.steps_per_generation is not None and cfg.generation_batch_size is not None:
+        errors.append("steps_per_generation and generation_batch_size are both set: give one (TRL's rule)")
+    _positive(errors, cfg, "steps_per_generation", "generation_batch_size", "num_generations_eval")
+    spg = cfg.steps_per_generation or cfg.gradient_accumulation_steps
+    if spg % cfg.gradient_accumulation_steps:
+        errors.append(f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps="
+                      f"{cfg.gradient_accumulation_steps}: one generation must feed whole optimiser steps")
+    rollout = cfg.per_device_train_batch_size * spg
+    if cfg.num_generations >= 2 and cfg.generation_batch_size is None and rollout % cfg.num_generations:
+        valid = [cfg.num_generations * k for k in range(1, 5)]
+        errors.append(
+            f"per_device_train_batch_size * steps_per_generation = {rollout} completions is not divisible by "
+            f"num_generations={cfg.num_generations}; use a multiple such as {valid} (steps_per_generation "
+            "defaults to gradient_accumulation_steps)")
+
+
+def _validate_grpo(cfg, errors: list[str]) -> None:
     for name, allowed in [("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
                           ("importance_sampling_level", IS_LEVELS), ("kl_estimator", KL_ESTIMATORS),
                           ("multi_objective_aggregation", AGGREGATIONS),
@@ -170,32 +275,27 @@ def _validate_grpo(cfg: GRPOConfig, errors: list[str]) -> None:
                       "compare completions of the same prompt, so a group of 1 has no signal")
     _positive(errors, cfg, "max_completion_length", "max_prompt_length", "temperature", "num_iterations",
               "logprob_chunk_size", "num_completions_to_log", "sapo_temperature_pos", "sapo_temperature_neg")
-    _positive(errors, cfg, "beta", "epsilon", "epsilon_high", allow_zero=True)
+    _positive(errors, cfg, "beta", "epsilon", "epsilon_high", "top_k", "min_p", allow_zero=True)
     if not 0 < cfg.top_p <= 1:
         errors.append(f"top_p={cfg.top_p!r} must be in (0, 1]")
     if cfg.reward_weights is not None and cfg.reward_funcs and len(cfg.reward_weights) != len(cfg.reward_funcs):
         errors.append(f"reward_weights has {len(cfg.reward_weights)} values but reward_funcs has "
                       f"{len(cfg.reward_funcs)}: give one weight per reward function")
-    generation_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    if cfg.num_generations >= 2 and generation_batch % cfg.num_generations:
-        valid = [cfg.num_generations * k for k in range(1, 5)]
-        errors.append(
-            f"per_device_train_batch_size * gradient_accumulation_steps = {generation_batch} completions is "
-            f"not divisible by num_generations={cfg.num_generations}; use a multiple such as {valid}")
+    _validate_generation_batch(cfg, errors)
 
 
-def _validate_reward(cfg: RewardConfig, errors: list[str]) -> None:
+def _validate_reward(cfg, errors: list[str]) -> None:
     _enum(errors, cfg, "truncation", TRUNCATION)
-    _positive(errors, cfg, "max_length", "max_nonfinite_steps")
+    _positive(errors, cfg, "max_length")
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every field; raise one ConfigError listing all problems."""
     errors: list[str] = []
     _validate_common(cfg, errors)
-    if isinstance(cfg, GRPOConfig):
+    if hasattr(cfg, "num_generations"):
         _validate_grpo(cfg, errors)
-    if isinstance(cfg, RewardConfig):
+    if hasattr(cfg, "truncation"):
         _validate_reward(cfg, errors)
     if errors:
         raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))
@@ -206,6 +306,8 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     """Turn YAML/CLI values into the field's type (YAML reads '1e-5' as a string)."""
     if value is None:
         return None
+    if annotation is Any:
+        return yaml.safe_load(value) if isinstance(value, str) else value
     is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     args = [a for a in typing.get_args(annotation) if a is not type(None)] if is_union else [annotation]
     if isinstance(value, str):
@@ -221,9 +323,11 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
                     return target(value)
                 except ValueError:
                     continue
-            if typing.get_origin(target) is list:
+            if typing.get_origin(target) in (list, dict) or target in (list, dict):
                 parsed = yaml.safe_load(value)
-                return parsed if isinstance(parsed, list) else [x for x in value.split(",") if x]
+                if isinstance(parsed, list | dict):
+                    return parsed
+                return [x for x in value.split(",") if x]
         raise ConfigError(f"{name}={value!r} cannot be read as {annotation}")
     if float in args and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -232,18 +336,23 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+def field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+
 def from_dict(cls: type[TrainConfig], values: dict[str, Any]) -> TrainConfig:
     """Build and validate a config; unknown keys raise with the nearest known key."""
-    types = typing.get_type_hints(cls)
-    unknown = [key for key in values if key not in types]
+    types_ = field_types(cls)
+    unknown = [key for key in values if key not in types_]
     if unknown:
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(key, list(types), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(key, list(types_), n=1, cutoff=0.6)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(hints)}")
-    kwargs = {key: _coerce(key, value, types[key]) for key, value in values.items()}
-    return validate(cls(**kwargs))
+    kwargs = {key: _coerce(key, value, types_[key]) for key, value in values.items()}
+    return cls(**kwargs)
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, str]:
@@ -271,7 +380,12 @@ def load_config(cls: type[TrainConfig], path: str | Path | None, overrides: dict
     values: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}:{where}: not valid YAML ({getattr(err, 'problem', err)})") from err
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of field: value, got {type(loaded).__name__}")
         values.update(loaded)
@@ -280,7 +394,15 @@ def load_config(cls: type[TrainConfig], path: str | Path | None, overrides: dict
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The fields rlft implements plus any TRL field set away from its default."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.metadata.get("trl_compat") and value == (f.default if f.default is not dataclasses.MISSING
+                                                       else f.default_factory()):
+            continue
+        out[f.name] = value
+    return out
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:

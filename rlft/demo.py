@@ -15,6 +15,7 @@ from rlft.data.addition import rows, split_problems
 from rlft.models import shipped_policy_path
 
 DEMO_STEPS = 1500
+HELDOUT_KEY = "eval_rewards/exact_match_reward/mean"
 EVAL_EVERY = 100
 
 
@@ -25,22 +26,23 @@ def demo_config(output_dir: str, steps: int, lora: bool, seed: int) -> GRPOConfi
         lr_scheduler_type="constant", num_generations=8, per_device_train_batch_size=64,
         max_completion_length=8, temperature=0.7, loss_type="dapo", beta=0.0,
         use_peft=lora, lora_r=16, lora_alpha=32, lora_dropout=0.0,
-        logging_steps=20, eval_steps=EVAL_EVERY, eval_on_start=True, save_steps=steps, report_to=["none"],
+        logging_steps=20, logging_first_step=True, eval_steps=EVAL_EVERY, eval_on_start=True, save_steps=steps,
+        report_to="none", gradient_checkpointing=False, log_completions=True,
     )
 
 
 def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_dir: str = "runs/demo") -> int:
     started = time.perf_counter()
     from rlft.plots import plot_run
-    from rlft.rewards.builtins import accuracy_reward, format_reward
+    from rlft.rewards.builtins import exact_match_reward, format_reward
     from rlft.train.grpo import GRPOTrainer
 
     train, heldout = split_problems()
     cfg = demo_config(output_dir, steps or DEMO_STEPS, lora, seed)
-    trainer = GRPOTrainer(str(shipped_policy_path()), [accuracy_reward, format_reward], cfg,
+    trainer = GRPOTrainer(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
                           train_dataset=rows(train), eval_dataset=rows(heldout))
     history = trainer.train()
-    accuracy = [h["eval/rewards/accuracy_reward/mean"] for h in history if "eval/rewards/accuracy_reward/mean" in h]
+    accuracy = [h[HELDOUT_KEY] for h in history if HELDOUT_KEY in h]
     before, after = accuracy[0], accuracy[-1]
     trainer.save_model(Path(output_dir) / "final")
     png = plot_run(output_dir, title=f"rlft demo: GRPO {'LoRA' if lora else 'full'} on tiny-adder")

@@ -166,7 +166,7 @@ def doctor_reward(cfg: RewardConfig, report: Report, model=None, train_dataset=N
     cfg = dataclasses.replace(cfg, per_device_train_batch_size=len(dataset), gradient_accumulation_steps=1,
                               max_steps=1, report_to=["none"], disable_tqdm=True,
                               output_dir=tempfile.mkdtemp(prefix="rlft-doctor-"))
-    trainer = RewardTrainer(source, cfg, dataset, processing_class=tokenizer)
+    trainer = RewardTrainer(source, cfg, train_dataset=dataset, processing_class=tokenizer)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     report.add("PASS", "score head trainable", ", ".join(trainer.head_parameters[:3]))
     report.add("PASS", "model", _summarise_trainable(unwrapped))

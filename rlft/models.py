@@ -20,6 +20,7 @@ from transformers import (
 )
 
 logger = logging.getLogger("rlft")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 
 
 class GradientFlowError(RuntimeError):
@@ -46,32 +47,126 @@ def resolve_dtype(dtype: str = "auto", bf16: bool | None = None, fp16: bool | No
     return torch.float32
 
 
-def load_tokenizer(name_or_path: str | Path, padding_side: str = "left"):
+def load_tokenizer(name_or_path: str | Path, padding_side: str = "left", trust_remote_code: bool = False):
     """AutoTokenizer with a pad token (eos when the tokenizer has none) and the requested padding side."""
-    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    path = Path(str(name_or_path))
+    if path.is_dir() and not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the "
+                                "tokenizer beside the model (tokenizer.save_pretrained) or pass processing_class=")
+    if not path.exists() and _looks_local(str(name_or_path)):
+        raise FileNotFoundError(f"model path {name_or_path} does not exist (and is not a hub id 'org/name')")
+    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
     tokenizer.padding_side = padding_side
+    return ensure_pad_token(tokenizer, str(name_or_path))
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith((".json", ".safetensors"))
+
+
+def ensure_pad_token(tokenizer, where: str = "the tokenizer"):
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer at {name_or_path} has neither a pad nor an eos token; add a pad token "
-                             "(tokenizer.add_special_tokens({'pad_token': ...})) and save it")
+            raise ValueError(f"tokenizer of {where} has neither a pad nor an eos token; add a pad token "
+                             "(tokenizer.add_special_tokens({'pad_token': ...})) or set pad_token in the config")
         logger.info("tokenizer has no pad token; using eos %r as pad", tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_causal_lm(model: str | Path | PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+def prepare_tokenizer(processing_class, source, args, padding_side: str):
+    """The run's tokenizer: the one passed in or loaded from `source`, with the config's chat_template_path,
+    pad_token and eos_token applied, and a pad token guaranteed."""
+    if processing_class is None:
+        if source is None:
+            raise ValueError("the model object has no name_or_path to load a tokenizer from: pass processing_class=")
+        processing_class = load_tokenizer(source, padding_side, args.trust_remote_code)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor wraps its tokenizer
+    tokenizer.padding_side = padding_side
+    if args.chat_template_path:
+        template = Path(args.chat_template_path)
+        if template.is_dir():
+            template = template / "chat_template.jinja"
+        if not template.is_file():
+            raise FileNotFoundError(f"chat_template_path={args.chat_template_path!r}: no such template file")
+        tokenizer.chat_template = template.read_text()
+    if args.pad_token:
+        tokenizer.pad_token = args.pad_token
+    if args.eos_token:
+        tokenizer.eos_token = args.eos_token
+    return ensure_pad_token(tokenizer, str(source))
+
+
+def _init_kwargs(dtype: torch.dtype, model_init_kwargs: dict | None, trust_remote_code: bool) -> dict:
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
+    if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
+        kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    return kwargs
+
+
+def _check_model_path(model) -> None:
+    if not Path(str(model)).exists() and _looks_local(str(model)):
+        raise FileNotFoundError(f"model path {model} does not exist (and is not a hub id 'org/name')")
+
+
+def load_causal_lm(model, dtype: torch.dtype, model_init_kwargs: dict | None = None,
+                   trust_remote_code: bool = False) -> PreTrainedModel:
     if isinstance(model, torch.nn.Module):
+        if model_init_kwargs:
+            raise ValueError("model_init_kwargs only applies when the model is given as a name or path; the model "
+                             "passed in is already loaded")
         return model
-    return AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+    _check_model_path(model)
+    return AutoModelForCausalLM.from_pretrained(str(model), **_init_kwargs(dtype, model_init_kwargs, trust_remote_code))
 
 
-def load_sequence_classifier(model: str | Path | PreTrainedModel, dtype: torch.dtype,
-                             pad_token_id: int | None) -> PreTrainedModel:
+def load_sequence_classifier(model, dtype: torch.dtype, pad_token_id: int | None, model_init_kwargs: dict | None = None,
+                             trust_remote_code: bool = False) -> PreTrainedModel:
     if not isinstance(model, torch.nn.Module):
-        model = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, dtype=dtype)
+        _check_model_path(model)
+        kwargs = {"num_labels": 1, **_init_kwargs(dtype, model_init_kwargs, trust_remote_code)}
+        model = AutoModelForSequenceClassification.from_pretrained(str(model), **kwargs)
+    check_single_score(model)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
+
+
+def check_single_score(model) -> None:
+    """A Bradley-Terry reward model outputs one score per sequence."""
+    labels = getattr(model.config, "num_labels", 1)
+    if labels != 1:
+        raise ValueError(f"the reward model has num_labels={labels}; a reward model needs exactly one output score. "
+                         "Load it with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)")
+
+
+def context_length(model, trust_remote_code: bool = False) -> int | None:
+    from transformers import AutoConfig
+
+    if hasattr(model, "config"):
+        config = model.config
+    else:
+        _check_model_path(model)
+        config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def disable_dropout(model) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def cast_lm_head_to_fp32(model) -> None:
+    """ScaleRL's float32 LM head (arXiv:2510.13786): the head's weights and its input in float32, so the
+    logits behind the log-probs are computed in full precision. Untied heads only: a tied head shares its
+    weight with the input embeddings, which would be cast too."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("cast_lm_head_to_fp32 needs an untied LM head: this model ties lm_head to the input "
+                         "embeddings (tie_word_embeddings=True), so casting it would cast the embeddings too")
+    head = model.get_output_embeddings()
+    head.float()
+    head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
 
 
 def lora_config_from(cfg, task_type: str):

@@ -23,7 +23,7 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else value
+        return None  # JSON has no inf/NaN: metrics.jsonl stays valid JSON
     return value
 
 
@@ -70,6 +70,7 @@ class RunLog:
         if not self.is_main:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        logger.info("step %d: %s", step, json.dumps(row))
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         if self.trackers:
@@ -80,7 +81,7 @@ class RunLog:
             return
         with self.samples_path.open("a") as handle:
             for row in rows:
-                handle.write(json.dumps({"step": step, **row}, default=str) + "\n")
+                handle.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in row.items()}}, default=str) + "\n")
 
     def advance(self, step: int, status: str) -> None:
         if self.progress is not None:
@@ -89,6 +90,7 @@ class RunLog:
     def info(self, message: str) -> None:
         if self.is_main:
             console.print(f"[cyan]rlft[/cyan] {message}")
+            logger.info(message)
 
     def warn(self, message: str) -> None:
         if self.is_main:

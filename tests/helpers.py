@@ -22,7 +22,7 @@ def addition_rows(count: int = 64, heldout: bool = False) -> list[dict]:
 def tiny_grpo_config(tmp_path, **overrides) -> GRPOConfig:
     values = dict(output_dir=str(tmp_path / "run"), learning_rate=1e-3, max_steps=2, num_generations=4,
                   per_device_train_batch_size=8, max_completion_length=8, logging_steps=1, save_steps=1000,
-                  report_to=["none"], disable_tqdm=True, seed=0)
+                  report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=False, log_completions=True)
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -72,6 +72,7 @@ def tiny_reward_config(tmp_path, **overrides):
     from rlft import RewardConfig
 
     values = dict(output_dir=str(tmp_path / "rm"), learning_rate=3e-3, max_steps=40, per_device_train_batch_size=16,
-                  logging_steps=5, save_steps=1000, report_to=["none"], disable_tqdm=True, seed=0, max_length=64)
+                  logging_steps=5, save_steps=1000, report_to="none", disable_tqdm=True, seed=0, max_length=64,
+                  gradient_checkpointing=False)
     values.update(overrides)
     return RewardConfig(**values)

@@ -58,7 +58,7 @@ def test_unknown_key_suggests_nearest():
     ("max_steps", 0, r"max_steps=0 must be > 0, or -1"),
     ("lora_dropout", 1.0, r"lora_dropout=1.0 must be in \[0, 1\)"),
     ("max_completion_length", 0, r"max_completion_length=0 must be > 0"),
-    ("eval_steps", 0, r"eval_steps=0 must be > 0"),
+    ("eval_steps", 0, r"eval_steps=0(\.0)? must be > 0"),
 ])
 def test_each_validation_error_names_its_field(field, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -66,7 +66,7 @@ def test_each_validation_error_names_its_field(field, value, message):
 
 
 def test_batch_not_divisible_by_num_generations_gives_valid_sizes():
-    with pytest.raises(ConfigError, match=r"= 12 completions is not divisible by num_generations=8; use a multiple such as \[8, 16"):
+    with pytest.raises(ConfigError, match=r"steps_per_generation = 12 completions is not divisible by num_generations=8; use a multiple such as \[8, 16"):
         from_dict(GRPOConfig, {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2})
 
 

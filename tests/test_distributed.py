@@ -48,7 +48,7 @@ def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_pa
     out = tmp_path / "run"
     config = tmp_path / "run.yaml"
     config.write_text(f"model_name_or_path: {shipped_policy_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
-                      "reward_funcs: [accuracy, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
+                      "reward_funcs: [exact_match, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
                       "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlogging_steps: 1\nsave_steps: 2\n"
                       "learning_rate: 1e-3\nreport_to: [none]\ndisable_tqdm: true\n")
     cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "2")
@@ -56,8 +56,8 @@ def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_pa
     assert [r["step"] for r in rows] == [1, 2]  # one writer, not one per rank
     assert all(r["completions/count"] == 16 for r in rows)  # 8 completions on each of 2 ranks
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
-    assert sorted(p.name for p in (out / "checkpoint-2").glob("rng_state_*.pt")) == ["rng_state_0.pt",
-                                                                                    "rng_state_1.pt"]
+    assert sorted(p.name for p in (out / "checkpoint-2").glob("rng_state_*.json")) == ["rng_state_0.json",
+                                                                                    "rng_state_1.json"]
     cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "4", "--resume_from_checkpoint", "true")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
@@ -81,7 +81,7 @@ def test_mislaunch_fails_before_any_model_is_loaded(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
     config = tmp_path / "run.yaml"
     config.write_text(f"model_name_or_path: {tmp_path / 'no-such-model'}\ntrain_dataset: {data}\n"
-                      f"output_dir: {tmp_path / 'out'}\nreward_funcs: [accuracy]\nnum_generations: 4\n"
+                      f"output_dir: {tmp_path / 'out'}\nreward_funcs: [exact_match]\nnum_generations: 4\n"
                       "per_device_train_batch_size: 6\n")
     result = launch(["-m", "rlft.cli", "grpo", "--config", str(config)], 2)
     assert result.returncode != 0

@@ -10,7 +10,7 @@ from rlft.tiny import build_causal_lm, build_tokenizer, save_tiny
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, preference_rows, write_jsonl
 
 
-def write_grpo_config(tmp_path, model_dir, funcs="[accuracy, 'tests.helpers:has_answer_tags']") -> str:
+def write_grpo_config(tmp_path, model_dir, funcs="[exact_match, 'tests.helpers:has_answer_tags']") -> str:
     data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
     path = tmp_path / "run.yaml"
     path.write_text(f"model_name_or_path: {model_dir}\ntrain_dataset: {data}\nreward_funcs: {funcs}\n"

@@ -9,11 +9,11 @@ import torch
 
 from rlft import GRPOTrainer
 from rlft.tracking import read_metrics
-from rlft.train.state import latest_checkpoint
+from rlft.train.checkpoint import latest_checkpoint
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, tiny_grpo_config
 from tests.test_grpo_trainer import lora
 
-TIMING = ("time/", "tokens_per_second")
+TIMING = ("time/", "tokens_per_second", "step_time")
 
 
 def comparable(rows):
@@ -61,7 +61,7 @@ def test_half_written_checkpoints_are_ignored(tmp_path, shipped_policy_dir):
     shutil.copytree(good, tmp_path / "run" / ".tmp-checkpoint-6")  # killed before the rename
     partial = tmp_path / "run" / "checkpoint-9"
     shutil.copytree(good, partial)
-    (partial / "trainer_state.json").unlink()  # killed mid-write (cannot happen with rename, but be safe)
+    (partial / "rlft_state.json").unlink()  # killed mid-write (cannot happen with rename, but be safe)
     assert latest_checkpoint(tmp_path / "run") == good
 
 

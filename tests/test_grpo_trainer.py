@@ -143,5 +143,5 @@ def test_eval_dataset_logs_greedy_rewards(tmp_path, shipped_policy_dir):
     args = tiny_grpo_config(tmp_path, max_steps=2, eval_steps=2)
     GRPOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16),
                 eval_dataset=addition_rows(20, heldout=True)).train()
-    evals = [r for r in read_metrics(tmp_path / "run") if "eval/reward" in r]
-    assert len(evals) == 1 and 0.0 <= evals[0]["eval/rewards/correct_answer/mean"] <= 1.0
+    evals = [r for r in read_metrics(tmp_path / "run") if "eval_reward" in r]
+    assert len(evals) == 1 and 0.0 <= evals[0]["eval_rewards/correct_answer/mean"] <= 1.0

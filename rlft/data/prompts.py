@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -19,34 +20,113 @@ class DatasetError(ValueError):
     """Unusable dataset rows or columns; the message names the row/column and the fix."""
 
 
-def load_dataset_any(source: Any):
-    """A `datasets.Dataset`, a list of dicts, or a local jsonl/json/parquet/csv file."""
+def _load_named(source: str):
+    """A local file, a local dataset folder, or a hub dataset id ('name' or 'name:config', split 'train').
+
+    Local files and folders go through `datasets.load_dataset` exactly as a hub id does, with the
+    network off for them (datasets would otherwise make a request even for a local file)."""
+    import datasets
+
+    path = Path(source)
+    if path.is_file():
+        fmt = FILE_FORMATS.get(path.suffix)
+        if fmt is None:
+            raise DatasetError(f"dataset file {path}: unknown format {path.suffix!r}; use one of {sorted(FILE_FORMATS)}")
+        with _offline():
+            return datasets.load_dataset(fmt, data_files=str(path), split="train")
+    if path.is_dir():
+        with _offline():
+            loaded = datasets.load_from_disk(str(path)) if (path / "dataset_info.json").exists() or \
+                (path / "dataset_dict.json").exists() else datasets.load_dataset(str(path))
+        return loaded
+    name, _, config = source.partition(":")
+    if path.suffix in FILE_FORMATS or "/" not in name:
+        raise DatasetError(f"dataset {source!r} is neither an existing file or folder nor a hub dataset id "
+                           "('org/name', or 'org/name:config'); check the path")
+    try:
+        return datasets.load_dataset(name, config or None)
+    except Exception as err:  # offline, private, misspelled: datasets' own message says which
+        raise DatasetError(f"dataset {source!r} could not be loaded from the hub: {type(err).__name__}: {err}") from err
+
+
+class _offline:
+    """HF_DATASETS_OFFLINE=1 for the duration of a local load (datasets reads it at call time)."""
+
+    def __enter__(self):
+        import datasets.config
+
+        self.saved = datasets.config.HF_HUB_OFFLINE
+        datasets.config.HF_HUB_OFFLINE = True
+
+    def __exit__(self, *exc):
+        import datasets.config
+
+        datasets.config.HF_HUB_OFFLINE = self.saved
+
+
+def load_dataset_any(source: Any, split: str = "train"):
+    """A `datasets.Dataset` / `IterableDataset`, a `DatasetDict` (its `split`), a list of dicts, or a name
+    (`_load_named`). Anything else is an error naming the type."""
     import datasets
 
     if source is None:
-        raise DatasetError("no training dataset: pass train_dataset= (a datasets.Dataset or a file path)")
-    if isinstance(source, datasets.Dataset):
+        raise DatasetError("no training dataset: pass train_dataset= (a datasets.Dataset, a file, a folder or a "
+                           "hub dataset id)")
+    if isinstance(source, str | Path):
+        source = _load_named(str(source))
+    if isinstance(source, datasets.Dataset | datasets.IterableDataset):
         return source
-    if isinstance(source, datasets.DatasetDict):
-        if "train" not in source:
-            raise DatasetError(f"DatasetDict has splits {list(source)}; pass one split, e.g. dataset['train']")
-        return source["train"]
+    if isinstance(source, datasets.DatasetDict | datasets.IterableDatasetDict):
+        if split not in source:
+            raise DatasetError(f"the DatasetDict has splits {list(source)} and no {split!r}; pass one split, e.g. "
+                               f"dataset[{next(iter(source), 'train')!r}]")
+        return source[split]
     if isinstance(source, list):
+        if not source:
+            raise DatasetError("the dataset is an empty list")
+        if not all(isinstance(row, dict) for row in source):
+            bad = next(i for i, row in enumerate(source) if not isinstance(row, dict))
+            raise DatasetError(f"row {bad} of the dataset list is a {type(source[bad]).__name__}, not a dict")
         return datasets.Dataset.from_list(source)
-    path = Path(str(source))
-    if not path.exists():
-        raise DatasetError(f"dataset file {path} does not exist")
-    fmt = FILE_FORMATS.get(path.suffix)
-    if fmt is None:
-        raise DatasetError(f"dataset file {path}: unknown format {path.suffix!r}; use one of {sorted(FILE_FORMATS)}")
-    return datasets.load_dataset(fmt, data_files=str(path), split="train")
+    raise DatasetError(f"unsupported dataset type {type(source).__name__}: pass a datasets.Dataset, IterableDataset, "
+                       "DatasetDict, a list of dicts, a file path, a dataset folder or a hub dataset id")
+
+
+def load_eval_datasets(source: Any) -> dict[str | None, Any]:
+    """None -> {}; a dict of datasets -> {name: dataset} (metrics `eval_<name>_*`); else {None: dataset}.
+    A DatasetDict or hub id contributes its 'test' split."""
+    import datasets
+
+    if source is None:
+        return {}
+    if isinstance(source, dict) and not isinstance(source, datasets.DatasetDict | datasets.IterableDatasetDict):
+        return {str(name): load_dataset_any(value, split="test") for name, value in source.items()}
+    return {None: load_dataset_any(source, split="test")}
+
+
+def materialize(dataset, rows_needed: int | None):
+    """An IterableDataset (streaming) is read only as far as the run needs, which requires max_steps;
+    returns (Dataset, streamed?)."""
+    import itertools
+
+    import datasets
+
+    if not isinstance(dataset, datasets.IterableDataset):
+        return dataset, False
+    if rows_needed is None:
+        raise DatasetError("an IterableDataset (streaming) has no length: set max_steps so rlft knows how many rows "
+                           "to read")
+    rows = list(itertools.islice(iter(dataset), rows_needed))
+    if not rows:
+        raise DatasetError("the IterableDataset yielded no rows")
+    return datasets.Dataset.from_list(rows), True
 
 
 def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def render_prompt(prompt: Any, tokenizer, row: int) -> str:
+def render_prompt(prompt: Any, tokenizer, row: int, chat_template_kwargs: dict | None = None) -> str:
     if isinstance(prompt, str):
         if not prompt:
             raise DatasetError(f"row {row}: empty prompt")
@@ -55,7 +135,13 @@ def render_prompt(prompt: Any, tokenizer, row: int) -> str:
         if not getattr(tokenizer, "chat_template", None):
             raise DatasetError(f"row {row}: the prompt is a list of chat messages but the tokenizer has no chat "
                                "template; set tokenizer.chat_template or give prompts as plain strings")
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        for index, message in enumerate(prompt):
+            if message.get("role") not in CHAT_ROLES:
+                raise DatasetError(f"row {row}: message {index} has role {message.get('role')!r}; use one of {CHAT_ROLES}")
+            if message.get("content") is None and not message.get("tool_calls"):
+                raise DatasetError(f"row {row}: message {index} ({message['role']}) has no 'content'")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
     raise DatasetError(f"row {row}: prompt must be a string or a list of {{'role', 'content'}} messages, "
                        f"got {type(prompt).__name__}")
 
@@ -64,15 +150,21 @@ class PromptSet:
     """Rendered, tokenized prompts plus their extra columns, checked once up front."""
 
     def __init__(self, dataset, tokenizer, max_prompt_length: int | None, max_completion_length: int,
-                 context_length: int | None):
+                 context_length: int | None, chat_template_kwargs: dict | None = None):
+        from rlft.config import REWARD_ARGUMENTS
+
         if "prompt" not in dataset.column_names:
             raise DatasetError(f"dataset has no 'prompt' column; columns found: {dataset.column_names}. "
                                "Rename the column holding prompts to 'prompt'")
         if len(dataset) == 0:
             raise DatasetError("dataset is empty")
+        clash = [c for c in dataset.column_names if c in REWARD_ARGUMENTS]
+        if clash:
+            raise DatasetError(f"dataset column(s) {clash} have the names of arguments rlft passes to reward functions "
+                               f"({', '.join(REWARD_ARGUMENTS)}); rename them")
         self.rows = dataset.to_list()
         self.extra_columns = [c for c in dataset.column_names if c != "prompt"]
-        self.texts = [render_prompt(r["prompt"], tokenizer, i) for i, r in enumerate(self.rows)]
+        self.texts = [render_prompt(r["prompt"], tokenizer, i, chat_template_kwargs) for i, r in enumerate(self.rows)]
         encoded = tokenizer(self.texts, add_special_tokens=False)["input_ids"]
         self.token_ids: list[list[int]] = encoded
         self._check_lengths(max_prompt_length, max_completion_length, context_length)

@@ -44,7 +44,7 @@ def normalize_answer(answer: str) -> str:
         return text
 
 
-def accuracy_reward(completions, answer, **kwargs) -> list[float | None]:
+def exact_match_reward(completions, answer, **kwargs) -> list[float | None]:
     """1.0 when the completion's final answer equals `answer` after normalisation, else 0.0.
 
     Normalisation: case, surrounding spaces, thousands separators, trailing '.', and numeric
@@ -57,6 +57,48 @@ def accuracy_reward(completions, answer, **kwargs) -> list[float | None]:
             continue
         predicted = extract_final_answer(completion_text(completion))
         out.append(float(predicted is not None and normalize_answer(predicted) == normalize_answer(str(gold))))
+    return out
+
+
+def _math_verify_timeouts() -> dict:
+    """math-verify's timeouts use signals, which only work in the main thread."""
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    return {"parsing_timeout": 10 if main else None}, {"timeout_seconds": 5 if main else None}
+
+
+def accuracy_reward(completions, solution, log_extra=None, **kwargs) -> list[float | None]:
+    """TRL's `accuracy_reward`: math-verify equivalence of the completion with the `solution` column.
+
+    The gold solution is parsed as LaTeX/expressions; when it does not parse the row is not applicable
+    (None). The completion must state its answer in LaTeX (a `\\boxed{}` answer is tried first). With
+    `log_extra` (passed by the trainer) the parsed gold and answer go to the completions log.
+    """
+    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify.parser import NormalizationConfig
+
+    parse_kw, verify_kw = _math_verify_timeouts()
+    extraction = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
+                                        try_extract_without_anchor=False)]
+    out: list[float | None] = []
+    golds, answers = [], []
+    for completion, gold in zip(completions, solution, strict=True):
+        gold_parsed = parse(str(gold), **parse_kw)
+        if not gold_parsed:
+            out.append(None)
+            golds.append("[unparseable]")
+            answers.append("[skipped]")
+            continue
+        answer = parse(completion_text(completion), extraction_config=extraction, extraction_mode="first_match",
+                       **parse_kw)
+        out.append(float(verify(gold_parsed, answer, **verify_kw)))
+        golds.append(str(gold_parsed))
+        answers.append(str(answer) if answer else "[unparseable]")
+    if log_extra is not None:
+        log_extra("solution", [str(s) for s in solution])
+        log_extra("gold_parsed", golds)
+        log_extra("answer_parsed", answers)
     return out
 
 
@@ -118,7 +160,9 @@ def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int
 
 
 BUILTIN_REWARDS: dict[str, Callable] = {
-    "accuracy": accuracy_reward,
+    "accuracy": accuracy_reward,  # TRL's: math-verify against the `solution` column
+    "accuracy_reward": accuracy_reward,
+    "exact_match": exact_match_reward,  # rlft's: normalised exact match against the `answer` column
     "math_verify": math_verify_reward,
     "format": format_reward,
 }

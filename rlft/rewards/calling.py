@@ -1,8 +1,9 @@
 """Resolve reward functions and call them the way TRL does, with errors that say what went wrong.
 
 A reward function is called with keyword arguments `prompts`, `completions`,
-`completion_ids`, `trainer_state` and every extra dataset column, and returns one float
-or None (not applicable) per completion. `async def` functions run concurrently.
+`completion_ids`, `trainer_state` (transformers' TrainerState), `log_extra(column, values)`,
+`log_metric(name, value)` and every extra dataset column, and returns one float or None (not
+applicable) per completion. `async def` functions run concurrently.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 
 from rlft.rewards.builtins import BUILTIN_REWARDS, get_soft_overlong_punishment
 
+MAX_REWARD = 1e15  # beyond this, squared deviations in the group statistics overflow float32
+
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised or returned something unusable."""
@@ -29,8 +32,15 @@ def reward_name(func: Any) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
-def resolve_reward(spec: Any, max_completion_length: int) -> Callable:
-    """A callable, a built-in name, 'module.path:function', or a reward-model folder."""
+def resolve_reward(spec: Any, max_completion_length: int, processing_class=None) -> Callable:
+    """A callable, a loaded sequence-classification model, a built-in name, 'module.path:function', a
+    reward-model folder or a hub model id."""
+    import torch.nn
+
+    if isinstance(spec, torch.nn.Module):
+        from rlft.rewards.model import RewardModelScorer
+
+        return RewardModelScorer(spec, tokenizer=processing_class)
     if callable(spec):
         return spec
     if not isinstance(spec, str):
@@ -45,13 +55,65 @@ def resolve_reward(spec: Any, max_completion_length: int) -> Callable:
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
             raise RewardFunctionError(f"reward function {spec!r} could not be imported: {err}") from err
-    if Path(spec).is_dir():
+    if Path(spec).is_dir() or (spec.count("/") == 1 and not Path(spec).suffix and not spec.startswith(".")):
         from rlft.rewards.model import RewardModelScorer
 
-        return RewardModelScorer(spec)
+        try:
+            return RewardModelScorer(spec, tokenizer=processing_class)
+        except (OSError, ValueError) as err:
+            raise RewardFunctionError(f"reward model {spec!r} could not be loaded: {err}") from err
     known = sorted([*BUILTIN_REWARDS, "soft_overlong"])
     raise RewardFunctionError(f"reward function {spec!r} is not a built-in ({known}), not 'module:function', "
-                              "and not a reward-model folder")
+                              "not a reward-model folder and not a hub model id 'org/name'")
+
+
+def resolve_rewards(specs: Any, weights: list[float] | None, processing_classes: Any, max_completion_length: int):
+    """(functions, unique names, weights tensor) for the trainer's reward_funcs."""
+    from rlft.config import ConfigError
+
+    specs = list(specs) if isinstance(specs, list | tuple) else ([] if specs is None else [specs])
+    if not specs:
+        raise ConfigError("reward_funcs is empty: give at least one reward function")
+    if weights is not None and len(weights) != len(specs):
+        raise ConfigError(f"reward_weights has {len(weights)} values but reward_funcs has {len(specs)}: "
+                          "give one weight per reward function")
+    classes = processing_classes if isinstance(processing_classes, list | tuple) else [processing_classes] * len(specs)
+    if len(classes) != len(specs):
+        raise ConfigError(f"reward_processing_classes has {len(classes)} entries but reward_funcs has {len(specs)}")
+    funcs = [resolve_reward(s, max_completion_length, c) for s, c in zip(specs, classes)]
+    names = [reward_name(f) for f in funcs]
+    names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+    return funcs, names, torch.tensor(weights if weights is not None else [1.0] * len(specs), dtype=torch.float32)
+
+
+class RewardLog:
+    """What reward functions log during one rollout: `log_metric(name, value)` scalars (averaged, and over
+    processes) and `log_extra(column, values)` columns for the completions log."""
+
+    def __init__(self):
+        self.scalars: dict[str, list[float]] = {}
+        self.extra: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.scalars.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra.setdefault(str(column), []).extend(list(values))
+
+    def metrics(self, accelerator) -> dict[str, float]:
+        names = sorted(self.scalars)
+        if accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            names = sorted({n for part in gather_object([names]) for n in part})
+        local = torch.tensor([[sum(self.scalars.get(n, [])), len(self.scalars.get(n, []))] for n in names],
+                             dtype=torch.float64, device=accelerator.device).reshape(-1, 2)
+        totals = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
+        return {n: (s / c if c else float("nan")) for n, (s, c) in zip(names, totals.tolist())}
+
+    def columns(self, rows: int) -> dict[str, list]:
+        """Columns with one value per completion (others are dropped: they cannot be lined up)."""
+        return {k: v for k, v in self.extra.items() if len(v) == rows}
 
 
 async def _gather(calls):
@@ -103,17 +165,22 @@ def _check(name: str, values: Any, expected: int, step: int, completions: list, 
             raise RewardFunctionError(f"reward function {name!r} returned NaN for completion {row} at step {step}: "
                                       f"{completions[row]!r}. Return None for 'not applicable', or set "
                                       "allow_nan_rewards: true to treat NaN the same way")
+        if math.isinf(value) or abs(value) > MAX_REWARD:
+            raise RewardFunctionError(f"reward function {name!r} returned {value!r} for completion {row} at step "
+                                      f"{step}: {completions[row]!r}. Rewards must be finite and below {MAX_REWARD:g} "
+                                      "in magnitude (group statistics would overflow); rescale the reward")
         out.append(float(value))
     return out
 
 
 def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, completions: list,
-                    completion_ids: list[list[int]], columns: dict[str, list], step: int,
-                    allow_nan: bool = False) -> torch.Tensor:
+                    completion_ids: list[list[int]], columns: dict[str, list], trainer_state: Any,
+                    reward_log: RewardLog, allow_nan: bool = False) -> torch.Tensor:
     """Call every reward function once on the whole rollout -> rewards [N, F] (NaN = not applicable)."""
     kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
-                  trainer_state={"global_step": step})
+                  trainer_state=trainer_state, log_extra=reward_log.log_extra, log_metric=reward_log.log_metric)
     results = _invoke_all(funcs, kwargs)
+    step = getattr(trainer_state, "global_step", trainer_state)
     rows = [_check(name, values, len(completions), step, completions, allow_nan)
             for name, values in zip(names, results)]
     return torch.tensor(rows, dtype=torch.float32).T.contiguous()

@@ -10,19 +10,25 @@ from pathlib import Path
 
 import torch
 
-from rlft.models import load_sequence_classifier, load_tokenizer, resolve_dtype
+from rlft.models import ensure_pad_token, load_sequence_classifier, load_tokenizer, resolve_dtype
 
 
 class RewardModelScorer:
-    """Callable reward: `scorer(prompts=..., completions=...) -> list[float]`."""
+    """Callable reward: `scorer(prompts=..., completions=...) -> list[float]`.
 
-    def __init__(self, path: str | Path, batch_size: int = 16, max_length: int | None = None):
-        self.path = Path(path)
-        self.__name__ = self.path.name
-        self.tokenizer = load_tokenizer(self.path, padding_side="right")
-        self.model = load_sequence_classifier(self.path, resolve_dtype("auto"), self.tokenizer.pad_token_id)
+    `model`: a folder, a hub model id, or a loaded sequence-classification model (TRL's reward_funcs
+    entries); `tokenizer`: its processing class (TRL's reward_processing_classes), else loaded with it."""
+
+    def __init__(self, model, tokenizer=None, batch_size: int = 16, max_length: int | None = None):
+        source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", "") or "reward_model"
+        self.__name__ = Path(str(source)).name
+        if tokenizer is None:
+            tokenizer = load_tokenizer(source, padding_side="right")
+        self.tokenizer = ensure_pad_token(tokenizer, str(source))
+        self.tokenizer.padding_side = "right"
+        self.model = load_sequence_classifier(model, resolve_dtype("auto"), self.tokenizer.pad_token_id)
         self.model.eval().requires_grad_(False)
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not isinstance(model, torch.nn.Module):
             self.model.to("cuda")
         self.batch_size = batch_size
         self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)

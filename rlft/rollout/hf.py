@@ -43,12 +43,16 @@ def shared_prompt_cache(model, prompt_ids: list[list[int]], copies: int, pad_tok
     """The KV cache of every prompt but its last token, computed once per prompt and repeated `copies`
     times in place (row i*copies + j holds prompt i, as in the repeated batch). `generate` then runs only
     the last prompt token and the completion: the same tokens as a full prefill (tested), with 1/copies
-    of the prefill work. None when a prompt has a single token (its row would be all padding)."""
+    of the prefill work. None when a prompt has a single token (its row would be all padding), or when the
+    model's cache cannot be repeated per row (hybrid / linear-attention layers, e.g. NemotronH): then
+    generate prefills every row itself."""
     if min(len(ids) for ids in prompt_ids) < 2:
+        return None
+    cache = DynamicCache(config=model.config)
+    if not all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [])):
         return None
     ids, mask = (t.to(device) for t in left_pad(prompt_ids, pad_token_id))  # [P, L]
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-    cache = DynamicCache(config=model.config)
     model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
           past_key_values=cache, use_cache=True, logits_to_keep=1)
     cache.batch_repeat_interleave(copies)
@@ -63,12 +67,15 @@ class HFGenerator:
 
     def __init__(self, tokenizer, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int | None = None, repetition_penalty: float = 1.0, cache_implementation: str | None = None,
-                 shared_prompt_prefill: bool = True):
+                 shared_prompt_prefill: bool = True, min_p: float | None = None, generation_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k or 0, repetition_penalty=repetition_penalty)
+        if min_p is not None:
+            self.sampling["min_p"] = min_p
         if cache_implementation is not None:
             self.sampling["cache_implementation"] = cache_implementation
+        self.sampling.update(generation_kwargs or {})  # TRL's generation_kwargs: passed to generate, win over the rest
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic")
 
     @torch.no_grad()
@@ -80,7 +87,7 @@ class HFGenerator:
         eos_ids = eos_token_ids(model, self.tokenizer)
         was_training = model.training
         model.eval()
-        sampling = dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None) if greedy \
+        sampling = dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None) if greedy \
             else dict(self.sampling, do_sample=True)
         cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \
             if self.shared_prompt_prefill and num_generations > 1 else None

@@ -1,44 +1,45 @@
 """GRPOTrainer: rollout -> rewards -> advantages -> policy updates -> log -> checkpoint.
 
-One optimiser step takes a rollout (prompts x num_generations completions), or reuses the
-current one when num_iterations > 1, and runs gradient_accumulation_steps micro-batches whose
-losses are shares of one step loss: the normalisers (completion count, token count) are
-counted over the whole step and all processes before the first micro-batch.
+One rollout (generation batch) holds per_device_train_batch_size x steps_per_generation
+completions per process and feeds steps_per_generation / gradient_accumulation_steps optimiser
+steps, each on its own slice, repeated num_iterations times (TRL's semantics). With more than one
+optimiser step per rollout, the old policy's log-probs are computed once per rollout.
+The loop keeps a transformers TrainerState and fires TrainerCallback events (rlft/train/flow.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoConfig
 
 from rlft.config import ConfigError, GRPOConfig, to_dict, validate
 from rlft.core.advantages import multi_reward_advantages
-from rlft.core.logprobs import entropy_from_logits, selective_log_softmax
-from rlft.core.losses import policy_loss
-from rlft.data.prompts import PromptSet, epoch_order, is_conversational, load_dataset_any
+from rlft.data.prompts import PromptSet, epoch_order, load_dataset_any, load_eval_datasets, materialize
 from rlft.models import (
     GradientFlowError,
     apply_lora,
-    check_gradient_flow,
+    cast_lm_head_to_fp32,
+    context_length,
+    disable_dropout,
     enable_checkpointing,
     load_causal_lm,
-    load_tokenizer,
     lora_config_from,
     parameter_summary,
+    prepare_tokenizer,
     resolve_dtype,
 )
-from rlft.rewards.calling import compute_rewards, resolve_reward, reward_name
-from rlft.rollout.hf import HFGenerator, Rollout
+from rlft.rewards.calling import RewardLog, compute_rewards, resolve_rewards
+from rlft.rollout import make_generator
 from rlft.tracking import RunLog
-from rlft.train import state as ckpt
-from rlft.train.metrics import MetricWindow, StepSums, rollout_metrics
+from rlft.train import checkpoint as ckpt
+from rlft.train import state as run_state
+from rlft.train.flow import Flow
+from rlft.train.grpo_update import PolicyUpdate, RolloutBatch
+from rlft.train.metrics import MetricWindow, rollout_metrics
 
 ZERO_LOSS_NOTE = (
     "loss is ~0 while grad_norm > 0: expected. With one update per rollout the ratio is exactly 1, so the "
@@ -47,53 +48,40 @@ ZERO_LOSS_NOTE = (
 )
 
 
-@dataclass
-class RolloutBatch:
-    rollout: Rollout
-    advantages: torch.Tensor  # [N]
-    old_logps: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
-    ref_logps: torch.Tensor | None = None  # [N, C], only when beta > 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    samples: list[dict] = field(default_factory=list)
+def _repeat(values: list, times: int) -> list:
+    return [v for v in values for _ in range(times)]
 
 
-def _listify(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
-
-
-class GRPOTrainer:
+class GRPOTrainer(PolicyUpdate):
     """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`."""
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None):
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None, tools=None, rollout_func=None):
         self.args = args = validate(args or GRPOConfig())
-        ckpt.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
-        self.accelerator = ckpt.make_accelerator(args)
-        ckpt.check_writable(args.output_dir)
-        self._setup_rewards(reward_funcs)
-        self.tokenizer = processing_class or load_tokenizer(model if isinstance(model, str | Path)
-                                                            else model.name_or_path)
-        self.tokenizer.padding_side = "left"
-        context = self._context_length(model)
-        self.train_prompts = PromptSet(load_dataset_any(train_dataset), self.tokenizer, args.max_prompt_length,
-                                       args.max_completion_length, context)
-        self.eval_prompts = None if eval_dataset is None else PromptSet(
-            load_dataset_any(eval_dataset), self.tokenizer, args.max_prompt_length, args.max_completion_length, context)
-        self.prompts_per_rollout = args.per_device_train_batch_size * args.gradient_accumulation_steps \
-            // args.num_generations
-        self.rollouts_per_epoch = len(self.train_prompts) // (self.prompts_per_rollout * self.accelerator.num_processes)
-        if self.rollouts_per_epoch == 0:
-            raise ConfigError(f"train_dataset has {len(self.train_prompts)} prompts, fewer than one rollout needs "
-                              f"({self.prompts_per_rollout * self.accelerator.num_processes})")
-        self.total_steps = args.max_steps if args.max_steps > 0 else \
-            int(args.num_train_epochs * self.rollouts_per_epoch) * args.num_iterations
-        self._setup_model(model, peft_config)
+        if tools is not None or rollout_func is not None:
+            raise ConfigError("tools= and rollout_func= are not supported by rlft yet (tool-calling rollouts are "
+                              "not built); remove them")
+        run_state.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
+        self.accelerator = run_state.make_accelerator(args)
+        run_state.check_writable(args.output_dir)
+        self.reward_funcs, self.reward_names, self.reward_weights = resolve_rewards(
+            reward_funcs, args.reward_weights, reward_processing_classes, args.max_completion_length)
+        source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", None)
+        self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "left")
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self._setup_batches(load_dataset_any(train_dataset), model)
+        self.eval_datasets = load_eval_datasets(eval_dataset)
+        self._eval_prompts: dict[str, PromptSet] = {}
+        self._setup_model(model, peft_config, optimizers)
         self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
-        self.generator = HFGenerator(self.tokenizer, args.max_completion_length, args.temperature, args.top_p,
-                                     args.top_k, args.repetition_penalty, args.cache_implementation,
-                                     args.shared_prompt_prefill)
+        self.steps_skipped, self._nonfinite_in_a_row = 0, 0
+        self.generator = make_generator(args, self.tokenizer)
+        self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
+                         self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
+                         args.per_device_train_batch_size)
+        self.state = self.flow.state
+        self.flow.fire("on_init_end")
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig) -> GRPOTrainer:
@@ -103,31 +91,56 @@ class GRPOTrainer:
         return cls(cfg.model_name_or_path, cfg.reward_funcs, cfg, cfg.train_dataset, cfg.eval_dataset)
 
     # ---- set-up, all checks before the model is loaded -------------------------------------------
-    def _setup_rewards(self, reward_funcs) -> None:
-        specs = _listify(reward_funcs)
-        if not specs:
-            raise ConfigError("reward_funcs is empty: give at least one reward function")
-        weights = self.args.reward_weights
-        if weights is not None and len(weights) != len(specs):
-            raise ConfigError(f"reward_weights has {len(weights)} values but reward_funcs has {len(specs)}: "
-                              "give one weight per reward function")
-        self.reward_funcs = [resolve_reward(s, self.args.max_completion_length) for s in specs]
-        names = [reward_name(f) for f in self.reward_funcs]
-        self.reward_names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
-        self.reward_weights = torch.tensor(weights if weights is not None else [1.0] * len(specs))
+    def _setup_batches(self, dataset, model) -> None:
+        """Generation batch (TRL's steps_per_generation / generation_batch_size) and the run's length."""
+        args, processes = self.args, self.accelerator.num_processes
+        spg = args.steps_per_generation or args.gradient_accumulation_steps
+        if args.generation_batch_size is not None:
+            per_step = args.per_device_train_batch_size * processes
+            if args.generation_batch_size % per_step:
+                raise ConfigError(f"generation_batch_size={args.generation_batch_size} is not a multiple of "
+                                  f"per_device_train_batch_size x processes = {per_step}")
+            spg = args.generation_batch_size // per_step
+        rollout = args.per_device_train_batch_size * spg  # completions per process per generation
+        if spg % args.gradient_accumulation_steps or rollout % args.num_generations:
+            raise ConfigError(f"a generation batch of {rollout} completions per process ({spg} steps) must hold whole "
+                              f"groups of num_generations={args.num_generations} and whole optimiser steps of "
+                              f"gradient_accumulation_steps={args.gradient_accumulation_steps}")
+        self.steps_per_generation = spg
+        self.rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self.steps_per_rollout = spg // args.gradient_accumulation_steps * args.num_iterations
+        self.prompts_per_rollout = rollout // args.num_generations
+        needed = None
+        if args.max_steps > 0:
+            rollouts = -(-args.max_steps // self.steps_per_rollout)
+            needed = rollouts * self.prompts_per_rollout * processes
+        dataset, self.streaming = materialize(dataset, needed)
+        context = context_length(model, args.trust_remote_code)
+        self.train_prompts = PromptSet(dataset, self.tokenizer, args.max_prompt_length, args.max_completion_length,
+                                       context, args.chat_template_kwargs)
+        self.rollouts_per_epoch = len(self.train_prompts) // (self.prompts_per_rollout * processes)
+        if self.rollouts_per_epoch == 0:
+            raise ConfigError(f"train_dataset has {len(self.train_prompts)} prompts, fewer than one generation batch "
+                              f"needs ({self.prompts_per_rollout * processes})")
+        self.total_steps = args.max_steps if args.max_steps > 0 else \
+            int(args.num_train_epochs * self.rollouts_per_epoch) * self.steps_per_rollout
+        self.context = context
 
-    def _context_length(self, model) -> int | None:
-        config = model.config if hasattr(model, "config") else AutoConfig.from_pretrained(str(model))
-        return getattr(config, "max_position_embeddings", None)
-
-    def _setup_model(self, model, peft_config) -> None:
+    def _setup_model(self, model, peft_config, optimizers) -> None:
         args = self.args
         dtype = resolve_dtype(args.dtype, args.bf16, args.fp16, self.accelerator.device)
-        model = load_causal_lm(model, dtype)
+        model = load_causal_lm(model, dtype, args.model_init_kwargs, args.trust_remote_code)
+        if args.disable_dropout:
+            disable_dropout(model)
+        if args.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(model)
         if peft_config is None and args.use_peft:
             peft_config = lora_config_from(args, "CAUSAL_LM")
         model = apply_lora(model, peft_config, "CAUSAL_LM")
         self.is_peft = isinstance(model, PeftModel)
+        if next(model.parameters()).dtype == torch.float16 and not self.is_peft:
+            raise ConfigError("float16 full fine-tuning is refused: AdamW would keep float16 state and overflow "
+                              "within a step (inf/NaN weights). Use bf16 / dtype: bfloat16, float32, or LoRA")
         if args.gradient_checkpointing:
             enable_checkpointing(model, args.gradient_checkpointing_kwargs)
         self.param_summary = parameter_summary(model)
@@ -138,62 +151,94 @@ class GRPOTrainer:
         self.ref_model = None
         if args.beta > 0 and not self.is_peft:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        optimizer = ckpt.build_optimizer(model, args)
-        scheduler = ckpt.build_scheduler(optimizer, args, self.total_steps)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        optimizer, scheduler = optimizers
+        optimizer = optimizer or run_state.build_optimizer(model, args)
+        self.scheduler = scheduler or run_state.build_scheduler(optimizer, args, self.total_steps)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
 
+    def add_callback(self, callback) -> None:
+        self.flow.handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.flow.handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.flow.handler.remove_callback(callback)
+
     # ---- the loop -------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None) -> list[dict]:
-        args = self.args
-        start_step, batch = self._resume(resume_from_checkpoint)
+    def train(self, resume_from_checkpoint=None):
+        args, flow = self.args, self.flow
+        start_step, batch, window = self._resume(resume_from_checkpoint)
         self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
                           start_step, show_progress=not args.disable_tqdm)
         self.log.info(f"GRPO: {self.total_steps} steps, {self.param_summary['trainable']:,} trainable of "
                       f"{self.param_summary['total']:,} parameters ({'LoRA' if self.is_peft else 'full'})")
-        window, history = MetricWindow(), []
-        if args.eval_on_start and start_step == 0 and self.eval_prompts is not None:
-            history.append({**self.evaluate(), "step": 0})
-            self.log.log(history[-1], 0)
+        flow.fire("on_train_begin")
         try:
+            if args.eval_on_start and start_step == 0 and self.eval_datasets:
+                self.evaluate()
             for step in range(start_step, self.total_steps):
-                started = time.perf_counter()
-                if batch is None or step % args.num_iterations == 0:
-                    batch = self._make_rollout(step)  # rollout -> rewards -> advantages
-                metrics = {**batch.metrics, **self._optimizer_step(batch)}  # policy updates
-                metrics["time/step_seconds"] = time.perf_counter() - started
-                metrics["tokens_per_second"] = batch.rollout.completion_mask.sum().item() / metrics["time/step_seconds"]
-                window.add(metrics)
-                logged = self._after_step(step + 1, window, batch)  # log -> checkpoint
-                if logged:
-                    history.append({"step": step + 1, **logged})
+                batch = self._train_step(step, batch, window)
+                if flow.control.should_training_stop:
+                    break
+            flow.record(flow.summary(self.rows_per_step * self.accelerator.num_processes))
+            flow.fire("on_train_end")
         finally:
             self.log.close()
-        return history
+        return flow.state.log_history
 
-    def _after_step(self, step: int, window: MetricWindow, batch: RolloutBatch) -> dict:
-        args, logged = self.args, {}
-        if step % args.logging_steps == 0 or step == self.total_steps or step == 1:
+    def _train_step(self, step: int, batch: RolloutBatch | None, window: MetricWindow) -> RolloutBatch:
+        flow, per_epoch = self.flow, self.rollouts_per_epoch * self.steps_per_rollout
+        if step % per_epoch == 0:
+            flow.fire("on_epoch_begin")
+        flow.fire("on_step_begin")
+        started = time.perf_counter()
+        if batch is None or step % self.steps_per_rollout == 0:
+            batch = self._make_rollout(step // self.steps_per_rollout)  # rollout -> rewards -> advantages
+        part = (step % self.steps_per_rollout) % (self.steps_per_rollout // self.args.num_iterations)
+        metrics = {**batch.metrics, **self._optimizer_step(batch.part(part, self.rows_per_step))}  # policy updates
+        seconds = time.perf_counter() - started
+        metrics.update({"step_time": seconds, "time/step_seconds": seconds, "num_tokens": flow.state.num_input_tokens_seen,
+                        "tokens_per_second": batch.rollout.completion_mask.sum().item() / seconds})
+        flow.loss_sum += metrics.get("loss", 0.0)
+        window.add(metrics)
+        flow.set_step(step + 1)
+        flow.fire("on_step_end")
+        if (step + 1) % per_epoch == 0:
+            flow.fire("on_epoch_end")
+        self._log_save_evaluate(step + 1, window, batch)  # log -> checkpoint
+        return batch
+
+    def _log_save_evaluate(self, step: int, window: MetricWindow, batch: RolloutBatch) -> None:
+        control = self.flow.control
+        if (control.should_log or step == self.total_steps) and window.rows:  # rlft also logs the final step
             logged = window.flush()
-            logged["epoch"] = (step - 1) // args.num_iterations / self.rollouts_per_epoch
             self._explain(logged)
-            if args.log_completions:
-                self.log.samples(batch.samples[: args.num_completions_to_log], step)
-            self.log.log(logged, step)
-        if self.eval_prompts is not None and args.eval_steps and (step % args.eval_steps == 0 or step == self.total_steps):
-            eval_metrics = self.evaluate()
-            self.log.log(eval_metrics, step)
-            logged.update(eval_metrics)
-        status = f"reward {window.last.get('reward', float('nan')):.3f}"
-        self.log.advance(step, status)
-        if step % args.save_steps == 0 or step == self.total_steps:
-            mid_rollout = step % args.num_iterations != 0
-            extra = {"rollout_batch": batch} if mid_rollout else None
-            ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler,
-                                 args.output_dir, step, {"num_processes": self.accelerator.num_processes},
-                                 extra, args.save_total_limit)
-        return logged
+            if self.args.log_completions:
+                self.log.samples(batch.samples[: self.args.num_completions_to_log], step)
+            self._log_row(logged)
+        if control.should_evaluate and self.eval_datasets:
+            self.evaluate()
+        self.log.advance(step, f"reward {window.last.get('reward', float('nan')):.3f}")
+        if control.should_save:
+            mid_rollout = step % self.steps_per_rollout != 0
+            ckpt.save_checkpoint(
+                self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler, self.args.output_dir,
+                step, self._rlft_state(window), batch.tensors() if mid_rollout else None,
+                {"metrics": batch.metrics, "samples": batch.samples} if mid_rollout else None, self.flow,
+                self.args.save_total_limit)
+            self.flow.fire("on_save")
+
+    def _log_row(self, row: dict) -> None:
+        logs = self.flow.record(row)
+        self.log.log(logs, self.flow.state.global_step)
+
+    def _rlft_state(self, window: MetricWindow) -> dict:
+        return {"num_processes": self.accelerator.num_processes, "loss_sum": self.flow.loss_sum,
+                "steps_skipped": self.steps_skipped, "metric_window": window.rows,
+                "flow_checked": self._flow_checked}
 
     def _explain(self, logged: dict) -> None:
         """Say in the run itself what a zero loss or a zero-signal batch means."""
@@ -213,36 +258,45 @@ class GRPOTrainer:
     # ---- rollout -> rewards -> advantages ------------------------------------------------------------
     def _prompt_indices(self, rollout_index: int) -> list[int]:
         epoch, offset = divmod(rollout_index, self.rollouts_per_epoch)
-        order = epoch_order(len(self.train_prompts), self.args.seed, epoch)
+        shuffle = self.args.shuffle_dataset and not self.streaming
+        order = epoch_order(len(self.train_prompts), self.args.seed, epoch) if shuffle \
+            else list(range(len(self.train_prompts)))
         per_process = self.prompts_per_rollout
         start = (offset * self.accelerator.num_processes + self.accelerator.process_index) * per_process
         return order[start:start + per_process]
 
-    def _make_rollout(self, step: int) -> RolloutBatch:
+    def _make_rollout(self, rollout_index: int) -> RolloutBatch:
         args, started = self.args, time.perf_counter()
-        prompts = self.train_prompts.batch(self._prompt_indices(step // args.num_iterations))
+        prompts = self.train_prompts.batch(self._prompt_indices(rollout_index))
         unwrapped = self.accelerator.unwrap_model(self.model)
         rollout = self.generator(unwrapped, prompts["prompt_ids"], args.num_generations)
         generated = time.perf_counter()
-        rewards, completions = self._score(rollout, prompts, args.num_generations, step)
+        reward_log = RewardLog()
+        rewards, completions = self._score(rollout, prompts, args.num_generations, reward_log)
         scored = time.perf_counter()
         advantages, total, stats, everyone = self._advantages(rewards, rollout)
         if args.mask_truncated_completions:
             rollout.completion_mask[rollout.truncated] = 0
         batch = RolloutBatch(rollout, advantages.to(self.accelerator.device))
-        if args.num_iterations > 1:
+        if self.steps_per_rollout > 1:
             batch.old_logps = self._logps_no_grad(self.model, rollout)
         if args.beta > 0:
             batch.ref_logps = self._reference_logps(rollout)
         batch.metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
+        batch.metrics.update(reward_log.metrics(self.accelerator))
         batch.metrics.update({"time/generation_seconds": generated - started, "time/reward_seconds": scored - generated})
+        tokens = rollout.prompt_mask.sum() + everyone[2].sum() / self.accelerator.num_processes
+        self.flow.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens.float().to(self.accelerator.device),
+                                                                             "sum").item())
+        columns = reward_log.columns(len(completions))
         batch.samples = [{"prompt": p, "completion": c, "reward": t, "advantage": a,
-                          **{n: r for n, r in zip(self.reward_names, row)}}
-                         for p, c, t, a, row in zip(self._repeat(prompts["prompts"], args.num_generations),
-                                                    completions, total.tolist(), advantages.tolist(), rewards.tolist())]
+                          **{n: r for n, r in zip(self.reward_names, row)}, **{k: v[i] for k, v in columns.items()}}
+                         for i, (p, c, t, a, row) in enumerate(zip(_repeat(prompts["prompts"], args.num_generations),
+                                                                   completions, total.tolist(), advantages.tolist(),
+                                                                   rewards.tolist()))]
         return batch
 
-    def _advantages(self, rewards: torch.Tensor, rollout: Rollout):
+    def _advantages(self, rewards: torch.Tensor, rollout):
         """Advantages from the rewards of ALL processes (groups never span two; batch-level statistics
         such as scale_rewards='batch' need everyone's rewards), sliced back to this process's rows."""
         acc, args = self.accelerator, self.args
@@ -255,145 +309,84 @@ class GRPOTrainer:
         everyone = (gathered[0], total, gathered[1], gathered[2].bool())
         return advantages[rows], total[rows], stats, everyone
 
-    @staticmethod
-    def _repeat(values: list, times: int) -> list:
-        return [v for v in values for _ in range(times)]
-
-    def _score(self, rollout: Rollout, prompts: dict, group: int, step: int) -> tuple[torch.Tensor, list]:
+    def _score(self, rollout, prompts: dict, group: int, reward_log: RewardLog | None = None):
         mask = rollout.completion_mask.bool()
         ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), mask.cpu())]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        repeated_prompts = self._repeat(prompts["prompts"], group)
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+        repeated_prompts = _repeat(prompts["prompts"], group)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
                        for p, t in zip(repeated_prompts, texts)]
-        columns = {k: self._repeat(v, group) for k, v in prompts.items() if k not in ("prompts", "prompt_ids")}
+        columns = {k: _repeat(v, group) for k, v in prompts.items() if k not in ("prompts", "prompt_ids")}
         rewards = compute_rewards(self.reward_funcs, self.reward_names, prompts=repeated_prompts,
-                                  completions=completions, completion_ids=ids, columns=columns, step=step,
+                                  completions=completions, completion_ids=ids, columns=columns,
+                                  trainer_state=self.flow.state, reward_log=reward_log or RewardLog(),
                                   allow_nan=self.args.allow_nan_rewards)
         return rewards, completions
 
-    # ---- log-probs ----------------------------------------------------------------------------------------
-    def _forward(self, model, rollout: Rollout, rows, entropy: bool = False):
-        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]) for `rows` (a slice
-        or an index tensor). The batch is cut to its own longest completion (c <= C) and its longest prompt:
-        columns that are padding in every row cost a forward pass and change nothing."""
-        completion_mask = rollout.completion_mask[rows]
-        width = max(int(completion_mask.sum(dim=1).max()), 1)
-        prompt_mask = rollout.prompt_mask[rows]
-        first = int((prompt_mask.sum(dim=0) > 0).int().argmax())  # prompts are left-padded
-        completion_ids = rollout.completion_ids[rows, :width]
-        ids = torch.cat([rollout.prompt_ids[rows, first:], completion_ids], dim=1)
-        mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                       logits_to_keep=width + 1).logits[:, :-1]  # [b, c, V]: position t predicts token t
-        logps = selective_log_softmax(logits, completion_ids, self.args.temperature, self.args.logprob_chunk_size)
-        ent = entropy_from_logits(logits.detach(), self.args.temperature, self.args.logprob_chunk_size) if entropy \
-            else None
-        return logps, ent
-
-    def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
-        """Row indices of each micro-batch, longest completions first, so a micro-batch pads only to its own
-        longest row (the step's loss is a sum over rows with global normalisers: row order changes nothing)."""
-        lengths = rollout.completion_mask.sum(dim=1)
-        order = torch.argsort(lengths, descending=True, stable=True)
-        return list(order.split(self.args.per_device_train_batch_size))
-
-    @torch.no_grad()
-    def _logps_no_grad(self, model, rollout: Rollout) -> torch.Tensor:
-        out = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)  # [N, C]
-        for rows in self._micro_batches(rollout):
-            logps = self._forward(model, rollout, rows)[0]
-            out[rows, :logps.shape[1]] = logps.float()
-        return out
-
-    def _reference_logps(self, rollout: Rollout) -> torch.Tensor:
-        if self.ref_model is not None:
-            return self._logps_no_grad(self.ref_model, rollout)
-        with self.accelerator.unwrap_model(self.model).disable_adapter():  # LoRA: the base model is the reference
-            return self._logps_no_grad(self.model, rollout)
-
-    # ---- policy update ---------------------------------------------------------------------------------
-    def _optimizer_step(self, batch: RolloutBatch) -> dict[str, float]:
-        args, acc = self.args, self.accelerator
-        started = time.perf_counter()
-        rollout = batch.rollout
-        # Global normalisers: the whole step, every micro-batch, every process.
-        num_items = acc.reduce(rollout.completion_mask.sum().float(), "sum")
-        num_sequences = rollout.completion_ids.shape[0] * acc.num_processes
-        sums = StepSums()
-        batches = self._micro_batches(rollout)
-        self.model.train()
-        for k, rows in enumerate(batches):
-            sync = contextlib.nullcontext() if k == len(batches) - 1 else acc.no_sync(self.model)
-            with sync:
-                logps, entropy = self._forward(self.model, rollout, rows, entropy=True)
-                width = logps.shape[1]
-                mask = rollout.completion_mask[rows, :width]
-                old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
-                loss, metrics = policy_loss(
-                    logps, old, batch.advantages[rows], mask, loss_type=args.loss_type,
-                    epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-                    ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], beta=args.beta,
-                    kl_estimator=args.kl_estimator, importance_sampling_level=args.importance_sampling_level,
-                    max_completion_length=args.max_completion_length, num_items=num_items,
-                    num_sequences=num_sequences, sapo_temperature_pos=args.sapo_temperature_pos,
-                    sapo_temperature_neg=args.sapo_temperature_neg)
-                if not loss.requires_grad:
-                    raise GradientFlowError("the loss does not require grad: no trainable parameter is connected to "
-                                            "it (all parameters frozen, or adapters disabled)")
-                # DDP averages gradients over processes; the normalisers are global sums, so undo the mean.
-                acc.backward(loss * acc.num_processes)
-            sums.add(loss, metrics, entropy, mask)
-        return self._finish_step(batch, sums, started)
-
-    def _finish_step(self, batch: RolloutBatch, sums: StepSums, started: float) -> dict[str, float]:
-        # Checked at the first step with a learning signal: with all advantages 0 (and LoRA's B = 0 making
-        # policy == reference) a zero gradient is correct, not a wiring fault.
-        if not self._flow_checked and batch.advantages.abs().sum() > 0:
-            check_gradient_flow(self.accelerator.unwrap_model(self.model))
-            self._flow_checked = True
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        learning_rate = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = sums.reduce(self.accelerator)
-        metrics.update({"grad_norm": float(grad_norm), "learning_rate": learning_rate,
-                        "time/train_seconds": time.perf_counter() - started})
-        return metrics
-
     # ---- evaluation, resume, save ----------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Greedy completion per eval prompt, scored by every reward function -> eval/* metrics."""
-        assert self.eval_prompts is not None
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        rows, chunk = list(range(len(self.eval_prompts))), 256
-        all_rewards = []
-        for start in range(0, len(rows), chunk):
-            prompts = self.eval_prompts.batch(rows[start:start + chunk])
-            rollout = self.generator(unwrapped, prompts["prompt_ids"], 1, greedy=True)
-            all_rewards.append(self._score(rollout, prompts, 1, step=-1)[0])
-        rewards = torch.cat(all_rewards)  # [E, F]
-        metrics = {f"eval/rewards/{n}/mean": torch.nanmean(rewards[:, i]).item() for i, n in enumerate(self.reward_names)}
-        metrics["eval/reward"] = torch.nanmean(torch.nansum(rewards * self.reward_weights, dim=1)).item()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Completions for every eval prompt (greedy; num_generations_eval sampled ones when set), scored by
+        every reward function -> `<prefix>_reward`, `<prefix>_rewards/<name>/mean`. A dict of datasets is
+        evaluated per name with prefix `<prefix>_<name>`."""
+        datasets = self.eval_datasets if eval_dataset is None else load_eval_datasets(eval_dataset)
+        if not datasets:
+            raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or the call)")
+        metrics = {}
+        for name, dataset in datasets.items():
+            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            metrics.update(self._evaluate_one(self._eval_set(name, dataset, eval_dataset is None), prefix))
+        self._log_row(metrics)
+        self.flow.fire("on_evaluate", metrics=metrics)
         return metrics
 
-    def _resume(self, resume_from_checkpoint) -> tuple[int, RolloutBatch | None]:
-        path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        if path is None:
-            ckpt.seed_everything(self.args.seed)
-            return 0, None
-        trainer_state, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path)
-        if trainer_state.get("num_processes", 1) != self.accelerator.num_processes:
-            raise ConfigError(f"{path} was written by {trainer_state['num_processes']} processes; resume with the same "
-                              f"number (now {self.accelerator.num_processes})")
-        return trainer_state["global_step"], extra.get("rollout_batch")
+    def _eval_set(self, name, dataset, cached: bool) -> PromptSet:
+        if cached and name in self._eval_prompts:
+            return self._eval_prompts[name]
+        args = self.args
+        prompts = PromptSet(materialize(dataset, None)[0], self.tokenizer, args.max_prompt_length,
+                            args.max_completion_length, self.context, args.chat_template_kwargs)
+        if cached:
+            self._eval_prompts[name] = prompts
+        return prompts
 
-    def save_model(self, output_dir: str | Path) -> None:
+    def _evaluate_one(self, prompts: PromptSet, prefix: str) -> dict[str, float]:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        n = self.args.num_generations_eval or 1
+        rows, chunk, all_rewards = list(range(len(prompts))), max(256 // n, 1), []
+        for start in range(0, len(rows), chunk):
+            batch = prompts.batch(rows[start:start + chunk])
+            rollout = self.generator(unwrapped, batch["prompt_ids"], n, greedy=self.args.num_generations_eval is None)
+            all_rewards.append(self._score(rollout, batch, n)[0])
+        rewards = torch.cat(all_rewards)  # [E * n, F]
+        metrics = {f"{prefix}_rewards/{r}/mean": torch.nanmean(rewards[:, i]).item()
+                   for i, r in enumerate(self.reward_names)}
+        metrics[f"{prefix}_reward"] = torch.nanmean(torch.nansum(rewards * self.reward_weights, dim=1)).item()
+        return metrics
+
+    def _resume(self, resume_from_checkpoint) -> tuple[int, RolloutBatch | None, MetricWindow]:
+        path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        window = MetricWindow()
+        if path is None:
+            run_state.seed_everything(self.args.seed)
+            return 0, None, window
+        state, tensors, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler,
+                                                     path)
+        if state.get("num_processes", 1) != self.accelerator.num_processes:
+            raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same "
+                              f"number (now {self.accelerator.num_processes})")
+        self.flow.load(path, state.get("loss_sum", 0.0))
+        self.steps_skipped, self._flow_checked = state.get("steps_skipped", 0), state.get("flow_checked", False)
+        window.rows = state.get("metric_window", [])
+        batch = RolloutBatch.from_saved(tensors, extra, self.accelerator.device) if tensors else None
+        return state["global_step"], batch, window
+
+    def save_model(self, output_dir: str | Path | None = None) -> None:
         """A normal transformers folder (full fine-tuning) or peft adapter folder (LoRA), plus the tokenizer."""
+        output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            self.accelerator.unwrap_model(self.model).save_pretrained(output_dir)
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            ckpt.check_finite(unwrapped)
+            unwrapped.save_pretrained(output_dir)
             self.tokenizer.save_pretrained(output_dir)

@@ -7,14 +7,17 @@ import math
 
 import torch
 
+LAST_KEYS = ("num_tokens", "steps_skipped", "learning_rate")  # a window shows the latest value, not a mean
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean", "kl")
 
 
 def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
                     weights: torch.Tensor, names: list[str], stats: dict[str, float]) -> dict[str, float]:
     """Reward (total and per function, weighted as used), spread and completion-length statistics,
-    over the rollout of every process."""
-    metrics = {"reward": torch.nanmean(total).item(), "completions/count": float(total.numel()), **stats}
+    over the rollout of every process. `reward_std` is TRL's: the std of the total reward over the batch."""
+    valid_total = total[~torch.isnan(total)]
+    metrics = {"reward": torch.nanmean(total).item(), "completions/count": float(total.numel()), **stats,
+               "reward_std": valid_total.std().item() if valid_total.numel() > 1 else 0.0}
     for index, name in enumerate(names):
         weighted = rewards[:, index] * weights[index]
         valid = weighted[~torch.isnan(weighted)]
@@ -26,6 +29,10 @@ def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.T
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": truncated.float().mean().item(),
     })
+    terminated = lengths[~truncated] if (~truncated).any() else lengths.new_zeros(1)  # TRL logs 0 when none ended
+    metrics.update({"completions/mean_terminated_length": terminated.mean().item(),
+                    "completions/min_terminated_length": terminated.min().item(),
+                    "completions/max_terminated_length": terminated.max().item()})
     return metrics
 
 
@@ -37,6 +44,7 @@ class StepSums:
         self.kl_loss = 0.0
         self.tokens = 0.0
         self.weighted: dict[str, float] = {}
+        self.low_min, self.high_max = math.inf, -math.inf  # over micro-batches (and processes, in reduce)
 
     def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], entropy: torch.Tensor | None,
             mask: torch.Tensor) -> None:
@@ -45,6 +53,9 @@ class StepSums:
         self.kl_loss += metrics["kl_loss"].item() if "kl_loss" in metrics else 0.0
         self.tokens += tokens
         values = {k: metrics[k].item() for k in TOKEN_MEAN_KEYS if k in metrics}
+        if tokens:
+            self.low_min = min(self.low_min, values["clip_ratio/low_mean"])
+            self.high_max = max(self.high_max, values["clip_ratio/high_mean"])
         if entropy is not None:
             values["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
         for key, value in values.items():
@@ -58,6 +69,13 @@ class StepSums:
         loss, kl_loss, tokens, *weighted = summed.tolist()
         out = {"loss": loss, "policy_loss": loss - kl_loss}
         out.update({k: v / max(tokens, 1.0) for k, v in zip(keys, weighted)})
+        extremes = torch.tensor([self.low_min, -self.high_max], dtype=torch.float64, device=accelerator.device)
+        if accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
+        if math.isfinite(extremes[0].item()):
+            out["clip_ratio/low_min"], out["clip_ratio/high_max"] = extremes[0].item(), -extremes[1].item()
         return out
 
 
@@ -77,9 +95,11 @@ class MetricWindow:
         out = {}
         for key in sorted(keys):
             values = [row[key] for row in self.rows if key in row and not _is_nan(row[key])]
-            if key.endswith("min_length"):
+            if key in LAST_KEYS:
+                out[key] = values[-1] if values else float("nan")
+            elif "/min_" in key or key.endswith("_min"):
                 out[key] = min(values) if values else float("nan")
-            elif key.endswith("max_length"):
+            elif "/max_" in key or key.endswith("_max"):
                 out[key] = max(values) if values else float("nan")
             else:
                 out[key] = sum(values) / len(values) if values else float("nan")

@@ -17,18 +17,21 @@ import torch
 from rlft.config import ConfigError, RewardConfig, to_dict, validate
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
-from rlft.data.prompts import epoch_order, load_dataset_any
+from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
 from rlft.models import (
     apply_lora,
+    disable_dropout,
     enable_checkpointing,
     load_sequence_classifier,
-    load_tokenizer,
     lora_config_from,
     parameter_summary,
+    prepare_tokenizer,
     resolve_dtype,
 )
 from rlft.tracking import RunLog
-from rlft.train import state as ckpt
+from rlft.train import checkpoint as ckpt
+from rlft.train import state as run_state
+from rlft.train.flow import Flow
 
 HEAD_NAMES = ("score", "classifier")
 
@@ -56,41 +59,57 @@ def check_head_trainable(model) -> list[str]:
 class RewardTrainer:
     """`RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config).train()`."""
 
-    def __init__(self, model, args: RewardConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None):
+    def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None):
         self.args = args = validate(args or RewardConfig())
-        ckpt.seed_everything(args.seed)
-        self.accelerator = ckpt.make_accelerator(args)
-        ckpt.check_writable(args.output_dir)
-        source = model if isinstance(model, str | Path) else model.name_or_path
-        self.tokenizer = processing_class or load_tokenizer(source, padding_side="right")
-        self.train_pairs = PreferencePairs(load_dataset_any(train_dataset), self.tokenizer, args.max_length,
-                                           args.truncation)
-        self.eval_pairs = None if eval_dataset is None else PreferencePairs(
-            load_dataset_any(eval_dataset), self.tokenizer, args.max_length, args.truncation)
+        if isinstance(data_collator, list) or hasattr(data_collator, "column_names"):
+            raise ConfigError("the third positional argument of RewardTrainer is data_collator (TRL's order); pass "
+                              "the dataset as train_dataset=")
+        if data_collator is not None or compute_metrics is not None:
+            raise ConfigError("data_collator= and compute_metrics= are not supported: rlft pads pairs itself and "
+                              "reports loss, accuracy and margins")
+        run_state.seed_everything(args.seed)
+        self.accelerator = run_state.make_accelerator(args)
+        run_state.check_writable(args.output_dir)
+        source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", None)
+        self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "right")
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pairs_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps \
             * self.accelerator.num_processes
+        dataset, _ = materialize(load_dataset_any(train_dataset), args.max_steps * pairs_per_step
+                                 if args.max_steps > 0 else None)
+        self.train_pairs = PreferencePairs(dataset, self.tokenizer, args.max_length, args.truncation)
+        self.eval_sets = {name: PreferencePairs(materialize(d, None)[0], self.tokenizer, args.max_length,
+                                                args.truncation)
+                          for name, d in load_eval_datasets(eval_dataset).items()}
         self.steps_per_epoch = len(self.train_pairs) // pairs_per_step
         if self.steps_per_epoch == 0:
             raise ConfigError(f"{len(self.train_pairs)} usable pairs are fewer than one step needs ({pairs_per_step})")
         self.total_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * self.steps_per_epoch)
-        self._setup_model(model, peft_config)
+        self._setup_model(model, peft_config, optimizers)
+        self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
+                         self.total_steps, self.steps_per_epoch, self.accelerator, args.per_device_train_batch_size)
+        self.state = self.flow.state
+        self.flow.fire("on_init_end")
 
     @classmethod
     def from_config(cls, cfg: RewardConfig) -> RewardTrainer:
         """Everything from one config (what `rlft reward --config` runs)."""
         if not cfg.model_name_or_path:
             raise ConfigError("model_name_or_path is not set: give a hub id or a local model folder")
-        return cls(cfg.model_name_or_path, cfg, cfg.train_dataset, cfg.eval_dataset)
+        return cls(cfg.model_name_or_path, cfg, train_dataset=cfg.train_dataset, eval_dataset=cfg.eval_dataset)
 
-    def _setup_model(self, model, peft_config) -> None:
+    def _setup_model(self, model, peft_config, optimizers) -> None:
         args = self.args
         dtype = resolve_dtype(args.dtype, args.bf16, args.fp16, self.accelerator.device)
-        model = load_sequence_classifier(model, dtype, self.tokenizer.pad_token_id)
+        try:
+            model = load_sequence_classifier(model, dtype, self.tokenizer.pad_token_id, args.model_init_kwargs,
+                                             args.trust_remote_code)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         if args.disable_dropout:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+            disable_dropout(model)
         if peft_config is None and args.use_peft:
             peft_config = lora_config_from(args, "SEQ_CLS")
         model = apply_lora(model, peft_config, "SEQ_CLS")
@@ -104,13 +123,14 @@ class RewardTrainer:
         if args.gradient_checkpointing:
             enable_checkpointing(model, args.gradient_checkpointing_kwargs)
         self.param_summary = parameter_summary(model)
-        optimizer = ckpt.build_optimizer(model, args)
-        scheduler = ckpt.build_scheduler(optimizer, args, self.total_steps)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        optimizer, scheduler = optimizers
+        optimizer = optimizer or run_state.build_optimizer(model, args)
+        self.scheduler = scheduler or run_state.build_scheduler(optimizer, args, self.total_steps)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)  # the scheduler is stepped once
 
     # ---- the loop -------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None) -> list[dict]:
-        args = self.args
+    def train(self, resume_from_checkpoint=None):
+        args, flow = self.args, self.flow
         start_step = self._resume(resume_from_checkpoint)
         self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
                           start_step, show_progress=not args.disable_tqdm, project="rlft-reward")
@@ -118,27 +138,44 @@ class RewardTrainer:
             self.log.warn(line)
         self.log.info(f"reward model: {len(self.train_pairs)} pairs, {self.total_steps} steps, "
                       f"{self.param_summary['trainable']:,} trainable parameters, head: {self.head_parameters[:2]}")
-        history, self.nonfinite_skipped, consecutive = [], 0, 0
+        flow.fire("on_train_begin")
         try:
+            if args.eval_on_start and start_step == 0 and self.eval_sets:
+                self.evaluate()
             for step in range(start_step, self.total_steps):
+                if step % self.steps_per_epoch == 0:
+                    flow.fire("on_epoch_begin")
+                flow.fire("on_step_begin")
                 metrics = self._optimizer_step(step)  # pairs -> scores -> loss -> update
-                consecutive = consecutive + 1 if metrics is None else 0
+                self._consecutive = self._consecutive + 1 if metrics is None else 0
                 if metrics is None:
-                    self._skip(step, consecutive)
-                    continue
-                history.append(self._after_step(step + 1, metrics))  # log -> checkpoint
+                    self._skip(step, self._consecutive)
+                    metrics = {"nonfinite_skipped": self.nonfinite_skipped}
+                flow.loss_sum += metrics.get("loss", 0.0)
+                flow.set_step(step + 1)
+                flow.fire("on_step_end")
+                if (step + 1) % self.steps_per_epoch == 0:
+                    flow.fire("on_epoch_end")
+                self._after_step(step + 1, metrics)  # log -> checkpoint
+                if flow.control.should_training_stop:
+                    break
+            flow.record(flow.summary(args.per_device_train_batch_size * args.gradient_accumulation_steps
+                                       * self.accelerator.num_processes))
+            flow.fire("on_train_end")
         finally:
             self.log.close()
-        return history
+        return flow.state.log_history
 
     def _skip(self, step: int, consecutive: int) -> None:
         self.nonfinite_skipped += 1
-        self.log.warn(f"step {step + 1}: non-finite loss, step skipped ({self.nonfinite_skipped} so far)")
+        self.log.warn(f"step {step + 1}: non-finite loss or gradient norm, step skipped, weights unchanged "
+                      f"({self.nonfinite_skipped} so far)")
         if consecutive >= self.args.max_nonfinite_steps:
             raise NonFiniteLossError(
-                f"{consecutive} consecutive steps had an inf/NaN loss. Likely causes: float16 weights overflowing "
-                "(use dtype bfloat16 or float32), or a learning rate too high (now "
-                f"{self.args.learning_rate}); lower it or set max_grad_norm")
+                f"{consecutive} consecutive steps had an inf/NaN loss or gradient norm (max_nonfinite_steps="
+                f"{self.args.max_nonfinite_steps}). Likely causes: a learning rate too high (now "
+                f"{self.args.learning_rate}; lower it or set max_grad_norm), or float16 weights overflowing "
+                "(use dtype bfloat16 or float32)")
 
     def _indices(self, step: int, micro: int) -> list[int]:
         epoch, offset = divmod(step, self.steps_per_epoch)
@@ -166,25 +203,31 @@ class RewardTrainer:
     def _optimizer_step(self, step: int) -> dict[str, float] | None:
         args, acc = self.args, self.accelerator
         self.model.train()
-        sums, rewards = {}, []
+        sums, rewards, finite = {}, [], True
         for micro in range(args.gradient_accumulation_steps):
-            batch = self.train_pairs.batch(self._indices(step, micro), self.tokenizer.pad_token_id)
+            batch = self.train_pairs.batch(self._indices(step, micro), self.tokenizer.pad_token_id,
+                                           self.pad_multiple)
             last = micro == args.gradient_accumulation_steps - 1
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 loss, metrics, chosen, rejected = self._pair_loss(batch)
-                if not torch.isfinite(loss):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    return None
-                acc.backward(loss / args.gradient_accumulation_steps)
+                finite = finite and bool(torch.isfinite(loss))
+                if loss.requires_grad:  # every process runs backward, finite or not: DDP syncs there
+                    acc.backward(torch.nan_to_num(loss) / args.gradient_accumulation_steps)
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 sums[key] = sums.get(key, 0.0) + value.item() / args.gradient_accumulation_steps
             rewards.append(torch.cat([chosen, rejected]))
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        if not torch.isfinite(torch.as_tensor(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
+        flags = torch.tensor([float(finite and torch.isfinite(torch.as_tensor(grad_norm)))], device=acc.device)
+        if acc.num_processes > 1:  # every process must skip together: a local inf loss may leave a finite norm
+            flags = acc.reduce(flags, "min")
         learning_rate = self.scheduler.get_last_lr()[0]
+        if flags.item() < 1:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            return None
+        self.flow.fire("on_pre_optimizer_step")
         self.optimizer.step()
+        self.flow.fire("on_optimizer_step")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         all_rewards = torch.cat(rewards)
@@ -197,50 +240,94 @@ class RewardTrainer:
                 "grad_norm": float(grad_norm), "learning_rate": learning_rate,
                 "nonfinite_skipped": self.nonfinite_skipped}
 
-    def _after_step(self, step: int, metrics: dict[str, float]) -> dict:
-        args = self.args
-        if step % args.logging_steps == 0 or step in (1, self.total_steps):
-            self.log.log(metrics, step)
-        if self.eval_pairs is not None and args.eval_steps and (step % args.eval_steps == 0 or step == self.total_steps):
-            eval_metrics = self.evaluate()
-            self.log.log(eval_metrics, step)
-            metrics = {**metrics, **eval_metrics}
-        self.log.advance(step, f"loss {metrics['loss']:.3f} acc {metrics['accuracy']:.2f}")
-        if step % args.save_steps == 0 or step == self.total_steps:
+    def _after_step(self, step: int, metrics: dict[str, float]) -> None:
+        control = self.flow.control
+        if control.should_log or step in (1, self.total_steps):
+            self._log_row(metrics)
+        if control.should_evaluate and self.eval_sets:
+            self.evaluate()
+        self.log.advance(step, f"loss {metrics.get('loss', float('nan')):.3f} acc {metrics.get('accuracy', 0):.2f}")
+        if control.should_save:
             ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler,
-                                 args.output_dir, step, {"num_processes": self.accelerator.num_processes},
-                                 None, args.save_total_limit)
-        return {"step": step, **metrics}
+                                 self.args.output_dir, step, {"num_processes": self.accelerator.num_processes,
+                                                              "loss_sum": self.flow.loss_sum,
+                                                              "nonfinite_skipped": self.nonfinite_skipped},
+                                 flow=self.flow, save_total_limit=self.args.save_total_limit)
+            self.flow.fire("on_save")
+
+    def _log_row(self, row: dict) -> None:
+        logs = self.flow.record(row)
+        self.log.log(logs, self.flow.state.global_step)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Loss, accuracy and mean margin over the whole eval set -> eval/* metrics."""
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss, accuracy and mean margin over a whole eval set -> `eval_loss`, `eval_accuracy`, ...; a dict of
+        eval datasets gives `eval_<name>_*` per name."""
+        if eval_dataset is None:
+            sets = self.eval_sets
+        else:
+            sets = {name: PreferencePairs(materialize(d, None)[0], self.tokenizer, self.args.max_length,
+                                          self.args.truncation) for name, d in load_eval_datasets(eval_dataset).items()}
+        if not sets:
+            raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or the call)")
+        metrics = {}
+        for name, pairs in sets.items():
+            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            metrics.update({f"{prefix}_{k}": v for k, v in self._evaluate_pairs(pairs).items()})
+        if hasattr(self, "log"):
+            self._log_row(metrics)
+        self.flow.fire("on_evaluate", metrics=metrics)
+        return metrics
+
+    def _evaluate_pairs(self, pairs: PreferencePairs) -> dict[str, float]:
         self.model.eval()
         size, chosen_all, rejected_all = self.args.per_device_eval_batch_size, [], []
-        for start in range(0, len(self.eval_pairs), size):
-            batch = self.eval_pairs.batch(list(range(start, min(start + size, len(self.eval_pairs)))),
-                                          self.tokenizer.pad_token_id)
+        for start in range(0, len(pairs), size):
+            batch = pairs.batch(list(range(start, min(start + size, len(pairs)))), self.tokenizer.pad_token_id,
+                                self.pad_multiple)
             chosen, rejected = self._scores(batch)
             chosen_all.append(chosen)
             rejected_all.append(rejected)
         loss, metrics = bradley_terry_loss(torch.cat(chosen_all), torch.cat(rejected_all))
-        return {"eval/loss": loss.item(), **{f"eval/{k}": v.item() for k, v in metrics.items()}}
+        return {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}}
 
     def _resume(self, resume_from_checkpoint) -> int:
+        self.nonfinite_skipped, self._consecutive = 0, 0
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if path is None:
-            ckpt.seed_everything(self.args.seed)
+            run_state.seed_everything(self.args.seed)
             return 0
-        trainer_state, _ = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path)
-        return trainer_state["global_step"]
+        state, _, _ = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path)
+        if state.get("num_processes", 1) != self.accelerator.num_processes:
+            raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same "
+                              f"number (now {self.accelerator.num_processes})")
+        self.flow.load(path, state.get("loss_sum", 0.0))
+        self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
+        return state["global_step"]
 
-    def save_model(self, output_dir: str | Path) -> None:
+    def save_model(self, output_dir: str | Path | None = None) -> None:
         """A plain sequence-classification folder (LoRA merged in), loadable by any Auto class and by GRPO."""
+        output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
         if not self.accelerator.is_main_process:
             return
         model = self.accelerator.unwrap_model(self.model)
+        ckpt.check_finite(model)
         if hasattr(model, "merge_and_unload"):
             model = copy.deepcopy(model).merge_and_unload()
         model.save_pretrained(output_dir)
         self.tokenizer.save_pretrained(output_dir)
+
+    @property
+    def pad_multiple(self) -> int | None:
+        multiple = self.args.pad_to_multiple_of
+        return multiple if isinstance(multiple, int) else None
+
+    def add_callback(self, callback) -> None:
+        self.flow.handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.flow.handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.flow.handler.remove_callback(callback)

@@ -58,7 +58,7 @@ def main() -> None:
                          num_generations=GROUP, per_device_train_batch_size=PER_DEVICE,
                          gradient_accumulation_steps=global_accumulation // world, max_steps=1, beta=0.04,
                          loss_type=loss_type, max_completion_length=8, report_to=["none"], disable_tqdm=True,
-                         scale_rewards="batch")
+                         scale_rewards="batch", gradient_checkpointing=False)
         trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(PROMPTS))
         trainer.generator = FixedGenerator(trainer.tokenizer)
         batch = trainer._make_rollout(0)

@@ -1,0 +1,246 @@
+"""Checkpoints that hold no pickle, verified by checksums, written atomically.
+
+`output_dir/checkpoint-<step>/` holds:
+  model/                 a normal transformers or peft folder (safetensors) + tokenizer
+  optimizer.pt           the optimizer's state dict: tensors and plain containers, loaded with weights_only=True
+  scheduler.json         the LR scheduler's state dict
+  rng_state_<rank>.json  every process's python / numpy / torch RNG states
+  extra.safetensors      tensors the trainer needs to continue (a GRPO rollout in flight), + extra.json
+  trainer_state.json     transformers' TrainerState (global_step, log_history, ...)
+  rlft_state.json        written last: rlft's own state and the sha256 of every file above
+
+Nothing is unpickled on resume: a planted file cannot run code, it can only fail to load, and the
+error names it. A checkpoint is written to a temporary folder and renamed into place. Resume
+verifies the checksums; `resume_from_checkpoint=True` falls back to the previous complete
+checkpoint when the newest is corrupt (with a warning), a checkpoint named explicitly stops.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("rlft")
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "rlft_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupt, or not rlft's; the message names the file."""
+
+
+# ---- RNG states as JSON ---------------------------------------------------------------------------
+def _tensor_b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode()
+
+
+def _b64_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+             "torch": _tensor_b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [_tensor_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_b64_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_b64_tensor(s) for s in state["cuda"]])
+
+
+# ---- finding and verifying -----------------------------------------------------------------------
+def _checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    if output_dir.is_dir():
+        for child in output_dir.iterdir():
+            match = CHECKPOINT_RE.match(child.name)
+            if match and (child / STATE_FILE).is_file():
+                found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = _checkpoints(Path(output_dir))
+    return found[-1][1] if found else None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path / STATE_FILE} cannot be read as JSON ({err}); not an rlft checkpoint") from err
+    if not isinstance(state, dict) or not isinstance(state.get("files"), dict):
+        raise CheckpointError(f"{path / STATE_FILE} has no file checksums: not a checkpoint written by this rlft")
+    return state
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Check every file against the checksum recorded when it was written; return rlft's state."""
+    state = read_state(path)
+    for name, expected in state["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing from the checkpoint")
+        if _sha256(file) != expected:
+            raise CheckpointError(f"{file} is corrupt or truncated (its sha256 differs from the one recorded)")
+    return state
+
+
+def resolve_resume(resume: bool | str | Path | None, output_dir: str | Path) -> Path | None:
+    """None/False -> None; True/'true' -> the newest checkpoint in output_dir that verifies (a corrupt one is
+    skipped with a warning); a path -> that checkpoint, which must verify."""
+    if resume in (None, False, "false", "False", ""):
+        return None
+    if resume in (True, "true", "True"):
+        found = _checkpoints(Path(output_dir))
+        if not found:
+            raise FileNotFoundError(f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint")
+        for _, path in reversed(found):
+            try:
+                verify(path)
+                return path
+            except CheckpointError as err:
+                logger.warning("%s; falling back to the previous checkpoint", err)
+        raise CheckpointError(f"no checkpoint in {output_dir} verifies (see the warnings above)")
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a complete rlft checkpoint (no {STATE_FILE})")
+    verify(path)
+    return path
+
+
+# ---- writing --------------------------------------------------------------------------------------
+def check_finite(model) -> None:
+    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model)."""
+    bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise CheckpointError(f"refusing to save: {len(bad)} parameter tensors hold inf/NaN (e.g. {bad[:3]})")
+
+
+def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_dir: str | Path, step: int,
+                    state: dict[str, Any], extra_tensors: dict[str, torch.Tensor] | None = None,
+                    extra_json: dict[str, Any] | None = None, flow=None, save_total_limit: int | None = None) -> Path:
+    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files)."""
+    from safetensors.torch import save_file
+
+    output_dir = Path(output_dir)
+    final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
+    unwrapped = accelerator.unwrap_model(model)
+    check_finite(unwrapped)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    (tmp / f"rng_state_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
+        if extra_tensors:
+            save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
+                      str(tmp / "extra.safetensors"))
+        if extra_json is not None:
+            (tmp / "extra.json").write_text(json.dumps(extra_json, default=str))
+        if flow is not None:
+            flow.save(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        files = {str(f.relative_to(tmp)): _sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / STATE_FILE).write_text(json.dumps({"global_step": step, **state, "files": files}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _rotate(output_dir, save_total_limit)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _rotate(output_dir: Path, limit: int | None) -> None:
+    if not limit:
+        return
+    for _, path in _checkpoints(output_dir)[:-limit]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- reading --------------------------------------------------------------------------------------
+def load_model_weights(model, folder: Path) -> None:
+    """Load trainable weights saved by `save_pretrained` (peft adapter or full model) in place."""
+    from peft import PeftModel, set_peft_model_state_dict
+
+    if isinstance(model, PeftModel):
+        set_peft_model_state_dict(model, _load_safetensors(folder / "adapter_model.safetensors"))
+        return
+    state = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(_load_safetensors(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {name for name in missing if "lm_head" in name}  # tied to the embeddings, not saved twice
+    if unexpected or set(missing) - tied:
+        raise CheckpointError(f"checkpoint {folder} does not match the model: missing "
+                              f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for a malformed header
+        raise CheckpointError(f"{path} is not a valid safetensors file ({err})") from err
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} cannot be read as JSON ({err})") from err
+
+
+def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path) -> tuple[dict, dict, dict]:
+    """Restore weights, optimizer, scheduler and this process's RNG.
+    Returns (rlft state, extra tensors, extra json)."""
+    state = verify(path)
+    load_model_weights(accelerator.unwrap_model(model), path / "model")
+    try:
+        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    except Exception as err:  # weights_only refuses anything but tensors and plain containers
+        raise CheckpointError(f"{path / 'optimizer.pt'} is not a plain optimizer state dict; refusing to load it "
+                              f"({type(err).__name__})") from err
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(_load_json(path / "scheduler.json"))
+    rng_file = path / f"rng_state_{accelerator.process_index}.json"
+    if not rng_file.is_file():
+        raise CheckpointError(f"{rng_file} is missing: the checkpoint was written by fewer processes")
+    set_rng_state(_load_json(rng_file))
+    tensors = _load_safetensors(path / "extra.safetensors") if (path / "extra.safetensors").exists() else {}
+    extra = _load_json(path / "extra.json") if (path / "extra.json").exists() else {}
+    return state, tensors, extra

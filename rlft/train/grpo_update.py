@@ -1,0 +1,189 @@
+"""The policy-update half of GRPOTrainer: log-probs, micro-batches, one guarded optimiser step.
+
+One optimiser step runs gradient_accumulation_steps micro-batches whose losses are shares of one
+step loss: the normalisers (completion count, token count) are counted over the whole step and
+all processes before the first micro-batch. A step with no trainable token, or whose loss or
+gradient norm is not finite, is skipped (no optimiser step), counted and explained; the weights
+never see a non-finite value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rlft.core.logprobs import entropy_from_logits, selective_log_softmax
+from rlft.core.losses import policy_loss
+from rlft.models import GradientFlowError, check_gradient_flow
+from rlft.rollout.hf import Rollout
+from rlft.train.metrics import StepSums
+
+
+class NonFiniteStepError(RuntimeError):
+    """Too many consecutive GRPO steps with an inf/NaN loss or gradient norm."""
+
+
+@dataclass
+class RolloutBatch:
+    rollout: Rollout
+    advantages: torch.Tensor  # [N]
+    old_logps: torch.Tensor | None = None  # [N, C], only when one rollout feeds several optimiser steps
+    ref_logps: torch.Tensor | None = None  # [N, C], only when beta > 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)
+
+    def part(self, index: int, size: int) -> RolloutBatch:
+        """Rows [index * size, (index + 1) * size): what one optimiser step trains on."""
+        rows = slice(index * size, (index + 1) * size)
+        r = self.rollout
+        return RolloutBatch(Rollout(r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
+                                    r.completion_mask[rows], r.truncated[rows]), self.advantages[rows],
+                            None if self.old_logps is None else self.old_logps[rows],
+                            None if self.ref_logps is None else self.ref_logps[rows], self.metrics, self.samples)
+
+    TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {name: getattr(self.rollout, name) for name in self.TENSORS}
+        out["truncated"] = out["truncated"].to(torch.uint8)
+        out["advantages"] = self.advantages
+        for name in ("old_logps", "ref_logps"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_saved(cls, tensors: dict[str, torch.Tensor], extra: dict, device) -> RolloutBatch:
+        t = {k: v.to(device) for k, v in tensors.items()}
+        rollout = Rollout(t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"],
+                          t["truncated"].bool())
+        return cls(rollout, t["advantages"], t.get("old_logps"), t.get("ref_logps"), extra["metrics"],
+                   extra["samples"])
+
+
+class PolicyUpdate:
+    """Mixed into GRPOTrainer; uses its args, accelerator, model, optimizer, scheduler, log."""
+
+    def _forward(self, model, rollout: Rollout, rows, entropy: bool = False):
+        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]) for `rows` (a slice
+        or an index tensor). The batch is cut to its own longest completion (c <= C) and its longest prompt:
+        columns that are padding in every row cost a forward pass and change nothing."""
+        completion_mask = rollout.completion_mask[rows]
+        width = max(int(completion_mask.sum(dim=1).max()), 1)
+        multiple = self.args.pad_to_multiple_of
+        if isinstance(multiple, int):
+            width = min(-(-width // multiple) * multiple, completion_mask.shape[1])
+        prompt_mask = rollout.prompt_mask[rows]
+        first = int((prompt_mask.sum(dim=0) > 0).int().argmax())  # prompts are left-padded
+        completion_ids = rollout.completion_ids[rows, :width]
+        ids = torch.cat([rollout.prompt_ids[rows, first:], completion_ids], dim=1)
+        mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                       logits_to_keep=width + 1).logits[:, :-1]  # [b, c, V]: position t predicts token t
+        logps = selective_log_softmax(logits, completion_ids, self.args.temperature, self.args.logprob_chunk_size)
+        ent = entropy_from_logits(logits.detach(), self.args.temperature, self.args.logprob_chunk_size) if entropy \
+            else None
+        return logps, ent
+
+    def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
+        """Row indices of each micro-batch, longest completions first, so a micro-batch pads only to its own
+        longest row (the step's loss is a sum over rows with global normalisers: row order changes nothing)."""
+        lengths = rollout.completion_mask.sum(dim=1)
+        order = torch.argsort(lengths, descending=True, stable=True)
+        return list(order.split(self.args.per_device_train_batch_size))
+
+    @torch.no_grad()
+    def _logps_no_grad(self, model, rollout: Rollout) -> torch.Tensor:
+        out = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)  # [N, C]
+        for rows in self._micro_batches(rollout):
+            logps = self._forward(model, rollout, rows)[0]
+            out[rows, :logps.shape[1]] = logps.float()
+        return out
+
+    def _reference_logps(self, rollout: Rollout) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._logps_no_grad(self.ref_model, rollout)
+        with self.accelerator.unwrap_model(self.model).disable_adapter():  # LoRA: the base model is the reference
+            return self._logps_no_grad(self.model, rollout)
+
+    def _optimizer_step(self, batch: RolloutBatch) -> dict[str, float]:
+        args, acc = self.args, self.accelerator
+        started = time.perf_counter()
+        rollout = batch.rollout
+        # Global normalisers: the whole step, every micro-batch, every process.
+        num_items = acc.reduce(rollout.completion_mask.sum().float(), "sum")
+        num_sequences = rollout.completion_ids.shape[0] * acc.num_processes
+        if float(num_items) == 0:  # e.g. mask_truncated_completions and every completion truncated
+            return self._skip_step("no completion token is left to train on (every completion was masked, e.g. "
+                                   "mask_truncated_completions with every completion truncated): raise "
+                                   "max_completion_length", started, nonfinite=False)
+        sums = StepSums()
+        batches = self._micro_batches(rollout)
+        self.model.train()
+        for k, rows in enumerate(batches):
+            sync = contextlib.nullcontext() if k == len(batches) - 1 else acc.no_sync(self.model)
+            with sync:
+                logps, entropy = self._forward(self.model, rollout, rows, entropy=True)
+                width = logps.shape[1]
+                mask = rollout.completion_mask[rows, :width]
+                old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
+                loss, metrics = policy_loss(
+                    logps, old, batch.advantages[rows], mask, loss_type=args.loss_type,
+                    epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
+                    ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], beta=args.beta,
+                    kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
+                    importance_sampling_level=args.importance_sampling_level,
+                    max_completion_length=args.max_completion_length, num_items=num_items,
+                    num_sequences=num_sequences, sapo_temperature_pos=args.sapo_temperature_pos,
+                    sapo_temperature_neg=args.sapo_temperature_neg)
+                if not loss.requires_grad:
+                    raise GradientFlowError("the loss does not require grad: no trainable parameter is connected to "
+                                            "it (all parameters frozen, or adapters disabled)")
+                # DDP averages gradients over processes; the normalisers are global sums, so undo the mean.
+                acc.backward(loss * acc.num_processes)
+            sums.add(loss, metrics, entropy, mask)
+        return self._finish_step(batch, sums, started)
+
+    def _finish_step(self, batch: RolloutBatch, sums: StepSums, started: float) -> dict[str, float]:
+        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))
+        metrics = sums.reduce(self.accelerator)
+        if not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"])):
+            return self._skip_step(f"the loss ({metrics['loss']}) or gradient norm ({grad_norm}) is not finite. "
+                                   "Likely causes: a learning rate too high (now "
+                                   f"{self.args.learning_rate}), rewards so large they overflow, or float16 "
+                                   "weights overflowing (use bfloat16 or float32)", started, nonfinite=True)
+        # Checked at the first step with a learning signal: with all advantages 0 (and LoRA's B = 0 making
+        # policy == reference) a zero gradient is correct, not a wiring fault.
+        if not self._flow_checked and batch.advantages.abs().sum() > 0:
+            check_gradient_flow(self.accelerator.unwrap_model(self.model))
+            self._flow_checked = True
+        learning_rate = self.scheduler.get_last_lr()[0]
+        self.flow.fire("on_pre_optimizer_step")
+        self.optimizer.step()
+        self.flow.fire("on_optimizer_step")
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._nonfinite_in_a_row = 0
+        metrics.update({"grad_norm": grad_norm, "learning_rate": learning_rate, "steps_skipped": self.steps_skipped,
+                        "time/train_seconds": time.perf_counter() - started})
+        return metrics
+
+    def _skip_step(self, reason: str, started: float, nonfinite: bool) -> dict[str, float]:
+        """No optimiser step; the schedule still advances, so the learning rate stays a function of the step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        learning_rate = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.steps_skipped += 1
+        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if nonfinite else 0
+        step = self.flow.state.global_step + 1
+        self.log.warn(f"step {step} skipped, weights unchanged ({self.steps_skipped} skipped so far): {reason}")
+        if self._nonfinite_in_a_row >= self.args.max_nonfinite_steps:
+            raise NonFiniteStepError(f"{self._nonfinite_in_a_row} consecutive steps were non-finite "
+                                     f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping. {reason}")
+        return {"learning_rate": learning_rate, "steps_skipped": self.steps_skipped,
+                "time/train_seconds": time.perf_counter() - started}
