@@ -97,7 +97,7 @@ def _same(value: Any, default: Any) -> bool:
         return True
     if default in (None, "", [], {}) and value in (None, "", [], {}):
         return True
-    return getattr(value, "value", None) == default  # transformers' enums (IntervalStrategy.STEPS == "steps")
+    return hasattr(value, "value") and value.value == default  # transformers' enums (IntervalStrategy.STEPS)
 
 
 def unimplemented_errors(cfg: Any) -> list[str]:

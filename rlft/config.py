@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -123,7 +124,8 @@ class _TrainFields:
         self.disable_tqdm = bool(self.disable_tqdm)
         self.gradient_checkpointing = bool(self.gradient_checkpointing)
         if self.eval_steps is not None and self.eval_strategy == "no":
-            self.eval_strategy = "steps"  # rlft: eval_steps alone asks for evaluation (docs/migration.md)
+            logging.getLogger("rlft").warning("eval_steps=%s is set but eval_strategy='no': no evaluation will run "
+                                              "(set eval_strategy='steps')", self.eval_steps)
         if self.eval_strategy == "steps" and self.eval_steps is None:
             self.eval_steps = self.logging_steps  # transformers' rule
         validate(self)

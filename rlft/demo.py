@@ -26,7 +26,7 @@ def demo_config(output_dir: str, steps: int, lora: bool, seed: int) -> GRPOConfi
         lr_scheduler_type="constant", num_generations=8, per_device_train_batch_size=64,
         max_completion_length=8, temperature=0.7, loss_type="dapo", beta=0.0,
         use_peft=lora, lora_r=16, lora_alpha=32, lora_dropout=0.0,
-        logging_steps=20, logging_first_step=True, eval_steps=EVAL_EVERY, eval_on_start=True, save_steps=steps,
+        logging_steps=20, logging_first_step=True, eval_strategy="steps", eval_steps=EVAL_EVERY, eval_on_start=True, save_steps=steps,
         report_to="none", gradient_checkpointing=False, log_completions=True,
     )
 

@@ -54,6 +54,8 @@ def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_pa
     cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "2")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]  # one writer, not one per rank
+    # the linear schedule advances once per optimiser step, not once per process (1e-3 over 2 steps)
+    assert [r["learning_rate"] for r in rows] == pytest.approx([1e-3, 5e-4])
     assert all(r["completions/count"] == 16 for r in rows)  # 8 completions on each of 2 ranks
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert sorted(p.name for p in (out / "checkpoint-2").glob("rng_state_*.json")) == ["rng_state_0.json",
@@ -71,6 +73,7 @@ def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
                       "learning_rate: 3e-3\nreport_to: [none]\ndisable_tqdm: true\n")
     cli_on_two_processes("reward", "--config", str(config), "--max_steps", "3")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert [r["learning_rate"] for r in read_metrics(out)] == pytest.approx([3e-3, 2e-3, 1e-3])  # as on 1 process
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
     cli_on_two_processes("reward", "--config", str(config), "--max_steps", "5", "--resume_from_checkpoint", "true")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]

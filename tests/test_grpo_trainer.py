@@ -140,7 +140,7 @@ def test_reward_model_folder_as_reward_function(tmp_path, shipped_policy_dir, ti
 
 
 def test_eval_dataset_logs_greedy_rewards(tmp_path, shipped_policy_dir):
-    args = tiny_grpo_config(tmp_path, max_steps=2, eval_steps=2)
+    args = tiny_grpo_config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2)
     GRPOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16),
                 eval_dataset=addition_rows(20, heldout=True)).train()
     evals = [r for r in read_metrics(tmp_path / "run") if "eval_reward" in r]

@@ -130,13 +130,13 @@ class GRPOTrainer(PolicyUpdate):
         args = self.args
         dtype = resolve_dtype(args.dtype, args.bf16, args.fp16, self.accelerator.device)
         model = load_causal_lm(model, dtype, args.model_init_kwargs, args.trust_remote_code)
-        if args.disable_dropout:
-            disable_dropout(model)
         if args.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(model)
         if peft_config is None and args.use_peft:
             peft_config = lora_config_from(args, "CAUSAL_LM")
         model = apply_lora(model, peft_config, "CAUSAL_LM")
+        if args.disable_dropout:  # after LoRA: its adapters' dropout too
+            disable_dropout(model)
         self.is_peft = isinstance(model, PeftModel)
         if next(model.parameters()).dtype == torch.float16 and not self.is_peft:
             raise ConfigError("float16 full fine-tuning is refused: AdamW would keep float16 state and overflow "
@@ -233,7 +233,8 @@ class GRPOTrainer(PolicyUpdate):
 
     def _log_row(self, row: dict) -> None:
         logs = self.flow.record(row)
-        self.log.log(logs, self.flow.state.global_step)
+        if getattr(self, "log", None) is not None:  # evaluate() may run before train()
+            self.log.log(logs, self.flow.state.global_step)
 
     def _rlft_state(self, window: MetricWindow) -> dict:
         return {"num_processes": self.accelerator.num_processes, "loss_sum": self.flow.loss_sum,

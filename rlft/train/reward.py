@@ -108,11 +108,11 @@ class RewardTrainer:
                                              args.trust_remote_code)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        if args.disable_dropout:
-            disable_dropout(model)
         if peft_config is None and args.use_peft:
             peft_config = lora_config_from(args, "SEQ_CLS")
         model = apply_lora(model, peft_config, "SEQ_CLS")
+        if args.disable_dropout:  # after LoRA: its adapters' dropout too
+            disable_dropout(model)
         self.head_parameters = check_head_trainable(model)
         self.autocast_dtype = None
         if dtype == torch.float16:  # float32 master weights for what trains; float16 only where frozen
@@ -257,7 +257,8 @@ class RewardTrainer:
 
     def _log_row(self, row: dict) -> None:
         logs = self.flow.record(row)
-        self.log.log(logs, self.flow.state.global_step)
+        if getattr(self, "log", None) is not None:  # evaluate() may run before train()
+            self.log.log(logs, self.flow.state.global_step)
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -274,8 +275,7 @@ class RewardTrainer:
         for name, pairs in sets.items():
             prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
             metrics.update({f"{prefix}_{k}": v for k, v in self._evaluate_pairs(pairs).items()})
-        if hasattr(self, "log"):
-            self._log_row(metrics)
+        self._log_row(metrics)
         self.flow.fire("on_evaluate", metrics=metrics)
         return metrics
 

@@ -1,0 +1,224 @@
+"""Faults and bad input: nothing in a checkpoint runs code, no non-finite value reaches the weights,
+every bad input is named."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+
+import pytest
+import torch
+import transformers
+
+from rlft import GRPOTrainer
+from rlft.config import ConfigError, GRPOConfig, load_config
+from rlft.models import load_tokenizer
+from rlft.rewards import RewardFunctionError
+from rlft.rollout.hf import shared_prompt_cache
+from rlft.tracking import read_metrics
+from rlft.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, resolve_resume
+from rlft.train.grpo_update import NonFiniteStepError
+from tests.helpers import addition_rows, correct_answer, tiny_grpo_config, write_jsonl
+
+
+class Planted:
+    """Unpickling this writes a marker file: proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant(folder, marker, keep_checksums_valid: bool) -> None:
+    """Overwrite every file of a checkpoint with a code-executing pickle."""
+    import hashlib
+
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    for file in files:
+        file.write_bytes(pickle.dumps(Planted(marker)))
+    if keep_checksums_valid:  # an attacker who also rewrites the checksums
+        state = {"global_step": 2, "num_processes": 1, "files": {
+            str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files
+            if f.name != STATE_FILE}}
+        (folder / STATE_FILE).write_text(json.dumps(state))
+
+
+def trained(tmp_path, shipped, **overrides):
+    args = tiny_grpo_config(tmp_path, max_steps=2, save_steps=1, **overrides)
+    trainer = GRPOTrainer(str(shipped), [correct_answer], args, addition_rows(16))
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("keep_checksums_valid", [False, True])
+def test_planted_pickle_checkpoint_is_refused_and_runs_nothing(tmp_path, shipped_policy_dir, keep_checksums_valid):
+    trained(tmp_path, shipped_policy_dir)
+    marker = tmp_path / "code-ran"
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    plant(checkpoint, marker, keep_checksums_valid)
+    fresh = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, max_steps=3),
+                        addition_rows(16))
+    with pytest.raises(CheckpointError, match=r"checkpoint-2/\S+ (cannot be read|is not|is corrupt)"):
+        fresh.train(resume_from_checkpoint=str(checkpoint))
+    assert not marker.exists()
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path, shipped_policy_dir, caplog):
+    trained(tmp_path, shipped_policy_dir)
+    newest = tmp_path / "run" / "checkpoint-2"
+    optimizer = newest / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # truncated
+    with caplog.at_level(logging.WARNING, logger="rlft"):
+        assert resolve_resume(True, tmp_path / "run") == tmp_path / "run" / "checkpoint-1"
+    assert "optimizer.pt is corrupt or truncated" in caplog.text and "falling back" in caplog.text
+    with pytest.raises(CheckpointError, match="optimizer.pt is corrupt or truncated"):
+        resolve_resume(str(newest), tmp_path / "run")
+
+
+def test_resume_from_a_verified_checkpoint_has_the_same_state(tmp_path, shipped_policy_dir):
+    first = trained(tmp_path, shipped_policy_dir)
+    again = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, max_steps=2),
+                        addition_rows(16))
+    again.train(resume_from_checkpoint=True)  # resumes at step 2 of 2: nothing left to train
+    assert again.state.log_history[:2] == first.state.log_history[:2]
+    for p, q in zip(first.model.parameters(), again.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_non_finite_steps_are_skipped_then_stop_and_nothing_non_finite_is_saved(tmp_path, shipped_policy_dir):
+    args = tiny_grpo_config(tmp_path, max_steps=6, save_steps=1, max_nonfinite_steps=2)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    calls = {"n": 0}
+
+    def overflow_after_first_step(module, inputs, output):  # logits overflow from step 2 on
+        if module.training and trainer.state.global_step >= 1:
+            calls["n"] += 1
+            output.logits = output.logits * float("inf")
+        return output
+
+    model.register_forward_hook(overflow_after_first_step)
+    with pytest.raises(NonFiniteStepError, match="2 consecutive steps were non-finite"):
+        trainer.train()
+    assert calls["n"] > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # step 2 skipped and saved (weights of step 1), step 3 skipped: two in a row stop the run before its save
+    assert latest_checkpoint(tmp_path / "run").name == "checkpoint-2"
+    rows = read_metrics(tmp_path / "run")
+    assert [r.get("steps_skipped") for r in rows] == [0, 1]
+
+
+def test_every_completion_truncated_and_masked_skips_the_step(tmp_path, shipped_policy_dir, caplog):
+    args = tiny_grpo_config(tmp_path, max_steps=2, max_completion_length=1, mask_truncated_completions=True)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16))
+    before = [p.clone() for p in trainer.model.parameters()]
+    with caplog.at_level(logging.WARNING, logger="rlft"):
+        trainer.train()  # no GradientFlowError blaming precision, no NaN
+    assert "every completion was masked" in caplog.text
+    assert all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+    assert [r["steps_skipped"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), 3e38])
+def test_infinite_or_overflowing_rewards_are_named(tmp_path, shipped_policy_dir, bad):
+    def explodes(completions, **kwargs):
+        return [bad] + [0.0] * (len(completions) - 1)
+
+    trainer = GRPOTrainer(str(shipped_policy_dir), [explodes], tiny_grpo_config(tmp_path), addition_rows(16))
+    with pytest.raises(RewardFunctionError, match=r"reward function 'explodes' returned .* for completion 0 at step 0"):
+        trainer.train()
+
+
+def test_metrics_file_never_holds_non_json_tokens(tmp_path):
+    from rlft.tracking import _jsonable
+
+    assert [_jsonable(v) for v in (float("nan"), float("inf"), -float("inf"), 1.5)] == [None, None, None, 1.5]
+
+
+def test_local_dataset_file_makes_no_network_request(tmp_path, monkeypatch):
+    import datasets.load
+
+    from rlft.data.prompts import load_dataset_any
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a network session was opened for a local file")
+
+    monkeypatch.setattr(datasets.load, "get_session", no_network)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    rows = load_dataset_any(str(write_jsonl(tmp_path / "d.jsonl", addition_rows(4))))
+    assert len(rows) == 4
+
+
+def test_dataset_folder_loads_through_the_named_dataset_path(tmp_path):
+    import datasets
+
+    from rlft.data.prompts import load_dataset_any
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(addition_rows(6))}).save_to_disk(str(tmp_path / "ds"))
+    assert len(load_dataset_any(str(tmp_path / "ds"))) == 6
+
+
+def test_shared_prefill_falls_back_on_caches_that_cannot_repeat(tmp_path, shipped_policy_dir):
+    """NemotronH's linear-attention cache layers have no batch_repeat_interleave: generate prefills itself."""
+    tokenizer = load_tokenizer(shipped_policy_dir)
+    config = transformers.NemotronHConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert shared_prompt_cache(model, [[5, 6, 7], [8, 9, 10]], 4, tokenizer.pad_token_id, "cpu") is None
+    trainer = GRPOTrainer(model, [correct_answer], tiny_grpo_config(tmp_path, max_steps=1, max_completion_length=4),
+                          addition_rows(16), processing_class=tokenizer)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_bad_config_values_are_named(tmp_path):
+    (tmp_path / "bad.yaml").write_text("learning_rate: 1e-5\nbeta: [0.1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: line \d+, column \d+: not valid YAML"):
+        load_config(GRPOConfig, tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match=r"report_to has unknown tracker"):
+        GRPOConfig(report_to=["wandbb"])
+
+
+def test_missing_model_path_and_model_folder_without_tokenizer(tmp_path, shipped_policy_dir):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        GRPOTrainer(str(tmp_path / "no" / "such" / "model"), [correct_answer], tiny_grpo_config(tmp_path),
+                    addition_rows(16))
+    bare = tmp_path / "bare"
+    transformers.AutoModelForCausalLM.from_pretrained(shipped_policy_dir).save_pretrained(bare)
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer files"):
+        GRPOTrainer(str(bare), [correct_answer], tiny_grpo_config(tmp_path), addition_rows(16))
+
+
+def test_tokenizer_without_pad_token_gets_eos_as_pad(tmp_path, shipped_policy_dir):
+    tokenizer = load_tokenizer(shipped_policy_dir)
+    tokenizer.pad_token = None
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), addition_rows(16),
+                          processing_class=tokenizer)
+    assert trainer.tokenizer.pad_token == trainer.tokenizer.eos_token
+
+
+def test_chat_message_with_unknown_role_or_no_content(tmp_path, shipped_policy_dir):
+    from rlft.data.prompts import DatasetError
+
+    rows = addition_rows(16)
+    rows[3] = {"prompt": [{"role": "robot", "content": "hi"}], "answer": "1"}
+    with pytest.raises(DatasetError, match="row 3: message 0 has role 'robot'"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), rows)
+    rows[3] = {"prompt": [{"role": "user", "content": None}], "answer": "1"}
+    with pytest.raises(DatasetError, match=r"row 3: message 0 \(user\) has no 'content'"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), rows)
+
+
+def test_float16_full_finetuning_is_refused_with_the_reason(tmp_path, shipped_policy_dir):
+    with pytest.raises(ConfigError, match="float16 full fine-tuning is refused: AdamW would keep float16 state"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, dtype="float16"),
+                    addition_rows(16))
+
