@@ -25,8 +25,9 @@ def make_batch(seed=0, batch=6, length=7, equal_lengths=False):
     return logps, old, ref, adv, mask
 
 
-def reference_loss(logps, old, ref, adv, mask, loss_type, level, beta):
-    """Token by token, as the papers write it (DeepSeekMath, DAPO, Dr. GRPO, GSPO, CISPO, SAPO)."""
+def reference_loss(logps, old, ref, adv, mask, loss_type, level, beta, kl_weighted=False):
+    """Token by token, as the papers write it (DeepSeekMath, DAPO, Dr. GRPO, GSPO, CISPO, SAPO); with
+    kl_weighted the KL sample is importance-weighted by the same ratio the policy term uses."""
     n_seq = logps.shape[0]
     n_tok = float(mask.sum())
     total, seq_means = 0.0, 0.0
@@ -47,7 +48,7 @@ def reference_loss(logps, old, ref, adv, mask, loss_type, level, beta):
                 l_it = -torch.min(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
             if beta > 0:
                 d = ref[i, t] - logps[i, t]
-                l_it = l_it + beta * (torch.exp(d) - d - 1)
+                l_it = l_it + beta * (torch.exp(d) - d - 1) * (r if kl_weighted else 1.0)
             row = row + l_it
         total = total + row
         if tokens:
@@ -90,6 +91,39 @@ def test_gradcheck_float64(loss_type, level):
         old = logps - 1.0
     logps.requires_grad_()
     assert torch.autograd.gradcheck(lambda lp: ours(lp, old, ref, adv, mask, loss_type, level, 0.04)[0], (logps,))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_importance_weighted_kl_matches_float64_reference(loss_type, level):
+    """TRL's use_bias_correction_kl: beta * r_it * k3_it, r_it with its gradient."""
+    logps, old, ref, adv, mask = make_batch(seed=5)
+    mine = logps.clone().requires_grad_()
+    loss, metrics = ours(mine, old, ref, adv, mask, loss_type, level, 0.04, kl_importance_weighted=True)
+    (grad,) = torch.autograd.grad(loss, mine)
+    theirs = logps.clone().requires_grad_()
+    expected = reference_loss(theirs, old, ref, adv, mask, loss_type, level, 0.04, kl_weighted=True)
+    (expected_grad,) = torch.autograd.grad(expected, theirs)
+    assert math.isclose(loss.item(), expected.item(), rel_tol=1e-6, abs_tol=1e-12)
+    assert torch.allclose(grad, expected_grad, rtol=1e-6, atol=1e-12)
+    assert torch.all(grad[2] == 0)
+    if loss_type != "cispo":
+        assert torch.autograd.gradcheck(
+            lambda lp: ours(lp, old, ref, adv, mask, loss_type, level, 0.04, kl_importance_weighted=True)[0],
+            (logps.clone().requires_grad_(),))
+
+
+def test_importance_weighted_kl_changes_the_gradient_even_on_policy():
+    """With old = current the weight is 1 in value but not in gradient: r * k3 has gradient k3 + grad k3."""
+    logps, _, ref, adv, mask = make_batch(seed=6)
+    grads = []
+    for weighted in (False, True):
+        mine = logps.clone().requires_grad_()
+        loss, _ = ours(mine, mine.detach(), ref, adv, mask, "dapo", "token", 0.04, kl_importance_weighted=weighted)
+        grads.append(torch.autograd.grad(loss, mine)[0])
+    d = ref - logps
+    k3 = torch.exp(d) - d - 1
+    assert torch.allclose(grads[1] - grads[0], 0.04 * k3 * mask / mask.sum(), atol=1e-12)
 
 
 def test_seed_loss_is_zero_but_gradient_is_not():

@@ -32,3 +32,18 @@ def test_troubleshooting_names_tests_that_exist():
         assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name} does not exist"
     for name in re.findall(r"`::(\w+)`", text):
         assert any(f"def {name}(" in p.read_text() for p in (ROOT / "tests").glob("test_*.py")), name
+
+
+def test_migration_page_names_every_no_effect_field_and_default_difference():
+    from rlft.compat import NO_EFFECT
+
+    text = (ROOT / "docs" / "migration.md").read_text()
+    for name in NO_EFFECT:
+        assert f"`{name}`" in text or name.startswith("vllm_importance_sampling_"), name
+    for name in ("bf16", "output_dir", "optim", "max_prompt_length"):  # the defaults that differ from TRL's
+        assert f"`{name}`" in text, name
+
+
+def test_docs_refer_to_nothing_outside_the_repository():
+    for doc in DOCS:
+        assert "../shared" not in doc.read_text(), f"{doc.name} points outside the repository"

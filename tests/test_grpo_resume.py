@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from rlft import GRPOTrainer
 from rlft.tracking import read_metrics
@@ -68,3 +69,44 @@ def test_half_written_checkpoints_are_ignored(tmp_path, shipped_policy_dir):
 def test_resume_with_nothing_to_resume_is_a_clear_error(tmp_path, shipped_policy_dir):
     with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
         run(tmp_path, "empty", shipped_policy_dir, 6, resume=True)
+
+
+class StopAfter(TrainerCallback):
+    """Stops the loop after a step, as a kill right after that step's checkpoint would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def untimed(history):
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING) and not k.startswith("train_")}
+            for row in history]
+
+
+def test_trainer_state_and_a_logging_window_spanning_the_checkpoint_resume_exactly(tmp_path, shipped_policy_dir):
+    """logging_steps=2, save_steps=3: the window holding step 3 is in the checkpoint, so rows match."""
+    def make(name, callbacks=()):
+        args = tiny_grpo_config(tmp_path, output_dir=str(tmp_path / name), max_steps=6, save_steps=3, logging_steps=2)
+        return GRPOTrainer(str(shipped_policy_dir), [correct_answer, has_answer_tags], args, addition_rows(32),
+                           peft_config=lora(), callbacks=list(callbacks))
+
+    straight = make("straight")
+    straight.train()
+    make("split", [StopAfter(3)]).train()
+    resumed = make("split")
+    resumed.train(resume_from_checkpoint=True)
+    a, b = comparable(read_metrics(tmp_path / "straight")), comparable(read_metrics(tmp_path / "split"))
+    assert [r["step"] for r in b] == [2, 4, 6]
+    for row_a, row_b in zip(a, b):
+        assert row_a == pytest.approx(row_b, abs=1e-6)
+    history_a, history_b = untimed(straight.state.log_history)[:-1], untimed(resumed.state.log_history)[:-1]
+    assert len(history_a) == len(history_b) == 3
+    for row_a, row_b in zip(history_a, history_b):
+        assert row_a == pytest.approx(row_b, abs=1e-6)
+    assert resumed.state.log_history[-1]["train_loss"] == pytest.approx(straight.state.log_history[-1]["train_loss"])
+    assert resumed.state.num_input_tokens_seen == straight.state.num_input_tokens_seen
