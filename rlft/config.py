@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import types
 import typing
@@ -291,9 +292,39 @@ def _validate_reward(cfg, errors: list[str]) -> None:
     _positive(errors, cfg, "max_length")
 
 
+def _type_ok(value: Any, annotation: Any) -> bool:
+    if annotation is Any or value is None:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation) if a is not type(None))
+    target = origin or annotation
+    if target is bool:
+        return isinstance(value, bool)
+    if target is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if target is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if target is list:
+        inner = typing.get_args(annotation)
+        return isinstance(value, list | tuple) and (not inner or all(_type_ok(v, inner[0]) for v in value))
+    return isinstance(value, target) if isinstance(target, type) else True
+
+
+def _validate_types(cfg, errors: list[str]) -> None:
+    for name, annotation in field_types(type(cfg)).items():
+        value = getattr(cfg, name)
+        if not _type_ok(value, annotation):
+            shown = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+            errors.append(f"{name}={value!r} is a {type(value).__name__}; the field takes {shown}")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every field; raise one ConfigError listing all problems."""
     errors: list[str] = []
+    _validate_types(cfg, errors)
+    if errors:  # the checks below assume the types are right
+        raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))
     _validate_common(cfg, errors)
     if hasattr(cfg, "num_generations"):
         _validate_grpo(cfg, errors)
@@ -338,6 +369,7 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+@functools.cache
 def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}

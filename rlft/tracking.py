@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,24 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _rows(text: str) -> list[dict]:
+    """jsonl rows; a partial last line (a kill mid-append) is dropped, a bad line elsewhere is an error."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if number < len(lines) - 1:
+                raise
+    return rows
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _rows(path.read_text())
 
 
 class RunLog:
@@ -59,12 +73,15 @@ class RunLog:
             self.progress.start()
 
     def _truncate_after(self, step: int) -> None:
+        """Drop rows past the resumed step. Written to a temporary file and renamed into place: a kill
+        during the rewrite leaves the old file whole, never a cut one."""
         for path in (self.metrics_path, self.samples_path):
             if not path.exists():
                 continue
-            keep = [line for line in path.read_text().splitlines() if line.strip()
-                    and json.loads(line).get("step", 0) <= step] if step > 0 else []
-            path.write_text("".join(line + "\n" for line in keep))
+            keep = [row for row in _rows(path.read_text()) if row.get("step", 0) <= step] if step > 0 else []
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
+            os.replace(tmp, path)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.is_main:

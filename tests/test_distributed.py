@@ -50,7 +50,7 @@ def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_pa
     config.write_text(f"model_name_or_path: {shipped_policy_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
                       "reward_funcs: [exact_match, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
                       "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlogging_steps: 1\nsave_steps: 2\n"
-                      "learning_rate: 1e-3\nreport_to: [none]\ndisable_tqdm: true\n")
+                      "learning_rate: 1e-3\nreport_to: none\ndisable_tqdm: true\n")
     cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "2")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]  # one writer, not one per rank

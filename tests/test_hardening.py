@@ -222,3 +222,28 @@ def test_float16_full_finetuning_is_refused_with_the_reason(tmp_path, shipped_po
         GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, dtype="float16"),
                     addition_rows(16))
 
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"num_generations": 8.0}, r"num_generations=8.0 is a float; the field takes int"),
+    ({"use_peft": [False]}, r"use_peft=\[False\] is a list; the field takes bool"),
+    ({"reward_weights": "heavy"}, r"reward_weights=\['heavy'\] is a list; the field takes list\[float\]"),
+])
+def test_config_values_are_type_checked_against_their_fields(values, message):
+    from rlft.config import from_dict
+
+    with pytest.raises(ConfigError, match=message):
+        from_dict(GRPOConfig, values)
+
+
+def test_metrics_rewrite_at_resume_is_atomic_and_tolerates_a_partial_last_line(tmp_path, shipped_policy_dir):
+    trained(tmp_path, shipped_policy_dir)  # 2 steps, checkpoints 1 and 2
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 3, "loss": 0.1')  # killed mid-append
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2]
+    resumed = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, max_steps=3,
+                                                                                       save_steps=1),
+                          addition_rows(16))
+    resumed.train(resume_from_checkpoint=True)
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]
+    assert not list((tmp_path / "run").glob(".*.tmp"))

@@ -455,3 +455,17 @@ def test_trl_style_script_with_callbacks_eval_and_trl_accuracy_reward(tmp_path, 
     assert all("rewards/accuracy_reward/mean" in r and "penalty_scale" in r for r in history if "loss" in r)
     assert logged_steps[:2] == [2, 2] and logged_steps[-1] == 4
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_trust_remote_code_reaches_from_pretrained(tmp_path, shipped_policy_dir, monkeypatch):
+    seen = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, trust_remote_code=True),
+                addition_rows(16))
+    assert seen == [True]
