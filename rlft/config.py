@@ -99,6 +99,9 @@ class _TrainFields:
     run_name: str | None = None
     gradient_checkpointing: bool | None = True
     gradient_checkpointing_kwargs: dict | None = None
+    activation_checkpointing: bool | None = None  # transformers 5's name for gradient_checkpointing; wins when set
+    activation_checkpointing_kwargs: dict | None = None
+    ddp_timeout: int = 1800  # seconds a collective may wait for another process (transformers' default)
     dtype: str = "auto"
     bf16: bool | None = None
     fp16: bool | None = None
@@ -123,6 +126,10 @@ class _TrainFields:
         # TRL/transformers spellings normalised to one form; then every check runs.
         self.report_to = normalize_report_to(self.report_to)
         self.disable_tqdm = bool(self.disable_tqdm)
+        if self.activation_checkpointing is not None:
+            self.gradient_checkpointing = self.activation_checkpointing
+        if self.activation_checkpointing_kwargs is not None:
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
         self.gradient_checkpointing = bool(self.gradient_checkpointing)
         if self.eval_steps is not None and self.eval_strategy == "no":
             logging.getLogger("rlft").warning("eval_steps=%s is set but eval_strategy='no': no evaluation will run "
@@ -230,7 +237,7 @@ def _validate_common(cfg: TrainConfig, errors: list[str]) -> None:
         _enum(errors, cfg, name, allowed)
     _positive(errors, cfg, "learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
               "gradient_accumulation_steps", "logging_steps", "save_steps", "num_train_epochs", "lora_r",
-              "max_nonfinite_steps")
+              "max_nonfinite_steps", "ddp_timeout")
     _positive(errors, cfg, "weight_decay", "max_grad_norm", "warmup_ratio", "warmup_steps", "dataloader_num_workers",
               "eval_delay", allow_zero=True)
     if cfg.max_steps == 0 or cfg.max_steps < -1:

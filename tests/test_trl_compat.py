@@ -469,3 +469,16 @@ def test_trust_remote_code_reaches_from_pretrained(tmp_path, shipped_policy_dir,
     GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, trust_remote_code=True),
                 addition_rows(16))
     assert seen == [True]
+
+
+def test_activation_checkpointing_is_transformers_5_name_for_gradient_checkpointing():
+    assert GRPOConfig(activation_checkpointing=False).gradient_checkpointing is False
+    cfg = RewardConfig(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})
+    assert cfg.gradient_checkpointing is True and cfg.gradient_checkpointing_kwargs == {"use_reentrant": True}
+
+
+def test_ddp_timeout_reaches_the_process_group(tmp_path, shipped_policy_dir):
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, ddp_timeout=120),
+                          addition_rows(16))
+    handler = trainer.accelerator.init_handler
+    assert handler is not None and handler.timeout.total_seconds() == 120

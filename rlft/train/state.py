@@ -23,11 +23,15 @@ def make_accelerator(cfg):
     `accelerate launch --multi_gpu` on CPUs), accelerate only forms the gloo process group when told
     cpu=True; without it every process would train alone as rank 0. The LR scheduler is never handed
     to accelerate: a prepared scheduler advances once per process per optimiser step."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))  # TrainingArguments' ddp_timeout
     return Accelerator(log_with=cfg.report_to or None, project_dir=cfg.output_dir,
-                       cpu=world > 1 and not torch.cuda.is_available())
+                       cpu=world > 1 and not torch.cuda.is_available(), kwargs_handlers=[timeout])
 
 
 def release_processes(accelerator) -> None:
