@@ -76,3 +76,17 @@ def tiny_reward_config(tmp_path, **overrides):
                   gradient_checkpointing=False)
     values.update(overrides)
     return RewardConfig(**values)
+
+
+def stop_after(step: int, save: bool = False):
+    """A TrainerCallback that stops training after `step` (as a kill right after it would), optionally saving."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                control.should_training_stop = True
+                control.should_save = control.should_save or save
+            return control
+
+    return StopAfter()

@@ -6,12 +6,11 @@ import shutil
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from rlft import GRPOTrainer
 from rlft.tracking import read_metrics
 from rlft.train.checkpoint import latest_checkpoint
-from tests.helpers import addition_rows, correct_answer, has_answer_tags, tiny_grpo_config
+from tests.helpers import addition_rows, correct_answer, has_answer_tags, stop_after, tiny_grpo_config
 from tests.test_grpo_trainer import lora
 
 TIMING = ("time/", "tokens_per_second", "step_time")
@@ -71,18 +70,6 @@ def test_resume_with_nothing_to_resume_is_a_clear_error(tmp_path, shipped_policy
         run(tmp_path, "empty", shipped_policy_dir, 6, resume=True)
 
 
-class StopAfter(TrainerCallback):
-    """Stops the loop after a step, as a kill right after that step's checkpoint would."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-        return control
-
-
 def untimed(history):
     return [{k: v for k, v in row.items() if not k.startswith(TIMING) and not k.startswith("train_")}
             for row in history]
@@ -97,7 +84,7 @@ def test_trainer_state_and_a_logging_window_spanning_the_checkpoint_resume_exact
 
     straight = make("straight")
     straight.train()
-    make("split", [StopAfter(3)]).train()
+    make("split", [stop_after(3)]).train()
     resumed = make("split")
     resumed.train(resume_from_checkpoint=True)
     a, b = comparable(read_metrics(tmp_path / "straight")), comparable(read_metrics(tmp_path / "split"))

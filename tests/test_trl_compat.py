@@ -28,7 +28,14 @@ from rlft.config import ConfigError
 from rlft.data.prompts import DatasetError
 from rlft.models import load_tokenizer
 from rlft.tracking import read_metrics
-from tests.helpers import addition_rows, correct_answer, preference_rows, tiny_grpo_config, tiny_reward_config
+from tests.helpers import (
+    addition_rows,
+    correct_answer,
+    preference_rows,
+    stop_after,
+    tiny_grpo_config,
+    tiny_reward_config,
+)
 
 # ---- config surface ------------------------------------------------------------------------------
 
@@ -147,20 +154,9 @@ def test_standard_callback_events_fire_in_order(tmp_path, shipped_policy_dir):
     assert ("on_save", 2) in recorder.events and ("on_evaluate", 2) in recorder.events
 
 
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-            control.should_save = True
-        return control
-
-
 def test_trainer_control_is_honoured(tmp_path, shipped_policy_dir):
     trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, max_steps=5),
-                          addition_rows(16), callbacks=[StopAt(2)])
+                          addition_rows(16), callbacks=[stop_after(2, save=True)])
     trainer.train()
     assert trainer.state.global_step == 2
     assert (tmp_path / "run" / "checkpoint-2").is_dir()  # should_save from the callback

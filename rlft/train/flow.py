@@ -82,3 +82,16 @@ class Flow:
             setattr(self.state, name, getattr(loaded, name))
         self.loss_sum = loss_sum
         self.start_step = loaded.global_step
+
+
+class CallbackMethods:
+    """transformers.Trainer's callback list methods, for a trainer that has a `flow`."""
+
+    def add_callback(self, callback) -> None:
+        self.flow.handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.flow.handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.flow.handler.remove_callback(callback)

@@ -37,7 +37,7 @@ from rlft.rollout import make_generator
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import state as run_state
-from rlft.train.flow import Flow
+from rlft.train.flow import CallbackMethods, Flow
 from rlft.train.grpo_update import PolicyUpdate, RolloutBatch
 from rlft.train.metrics import MetricWindow, rollout_metrics
 
@@ -52,7 +52,7 @@ def _repeat(values: list, times: int) -> list:
     return [v for v in values for _ in range(times)]
 
 
-class GRPOTrainer(PolicyUpdate):
+class GRPOTrainer(PolicyUpdate, CallbackMethods):
     """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`."""
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
@@ -157,15 +157,6 @@ class GRPOTrainer(PolicyUpdate):
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
-
-    def add_callback(self, callback) -> None:
-        self.flow.handler.add_callback(callback)
-
-    def pop_callback(self, callback):
-        return self.flow.handler.pop_callback(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.flow.handler.remove_callback(callback)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None):

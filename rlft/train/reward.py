@@ -31,7 +31,7 @@ from rlft.models import (
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import state as run_state
-from rlft.train.flow import Flow
+from rlft.train.flow import CallbackMethods, Flow
 
 HEAD_NAMES = ("score", "classifier")
 
@@ -56,7 +56,7 @@ def check_head_trainable(model) -> list[str]:
     return trainable
 
 
-class RewardTrainer:
+class RewardTrainer(CallbackMethods):
     """`RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config).train()`."""
 
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
@@ -322,12 +322,3 @@ class RewardTrainer:
     def pad_multiple(self) -> int | None:
         multiple = self.args.pad_to_multiple_of
         return multiple if isinstance(multiple, int) else None
-
-    def add_callback(self, callback) -> None:
-        self.flow.handler.add_callback(callback)
-
-    def pop_callback(self, callback):
-        return self.flow.handler.pop_callback(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.flow.handler.remove_callback(callback)
