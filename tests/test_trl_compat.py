@@ -82,8 +82,10 @@ def test_unimplemented_trl_field_set_away_from_default_is_refused_by_name(field,
 
 
 def test_fields_with_no_effect_are_accepted_at_any_value():
-    cfg = GRPOConfig(do_train=True, remove_unused_columns=True, dataloader_pin_memory=False)
-    assert cfg.do_train is True and "do_train" in NO_EFFECT
+    cfg = GRPOConfig(do_train=True, remove_unused_columns=True, dataloader_pin_memory=False, dataloader_num_workers=4)
+    assert cfg.do_train is True and "do_train" in NO_EFFECT and cfg.dataloader_num_workers == 4
+    with pytest.raises(ConfigError, match="dataloader_num_workers=-1 must be >= 0"):
+        GRPOConfig(dataloader_num_workers=-1)
 
 
 def test_defaults_follow_trl_except_the_documented_differences():
