@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,17 @@ class RunLog:
         self.samples_path = self.dir / "completions.jsonl"
         self.trackers = [r for r in report_to if r != "none"]
         self.progress = None
+        self.total_steps = total_steps
+        # Not a terminal (a log file, CI, SLURM, nohup): the rich bar would draw nothing, so one plain line
+        # per logged row goes to stderr instead.
+        self.plain = show_progress and not console.is_terminal
         if not self.is_main:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         if self.trackers:
             accelerator.init_trackers(project, config=_flat_config(config))
-        if show_progress:
+        if show_progress and not self.plain:
             self.progress = Progress(TextColumn("[bold]rlft"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                      TextColumn("{task.fields[status]}"), console=console, transient=False)
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
@@ -88,6 +93,8 @@ class RunLog:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         logger.info("step %d: %s", step, json.dumps(row))
+        if self.plain:
+            print(plain_line(row, self.total_steps), file=sys.stderr, flush=True)
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         if self.trackers:
@@ -120,6 +127,18 @@ class RunLog:
             self.progress = None
         if self.is_main and self.trackers:
             self.accelerator.end_training()
+
+
+PLAIN_KEYS = ("reward", "loss", "grad_norm", "accuracy", "step_time")
+
+
+def plain_line(row: dict, total_steps: int) -> str:
+    """One readable progress line: `rlft step 20/1500 reward 1.250 loss -0.0012 grad_norm 0.31 ...`; evaluation
+    results (eval_*) are shown as they come."""
+    shown = [(k, row[k]) for k in PLAIN_KEYS if isinstance(row.get(k), int | float)]
+    shown += [(k, v) for k, v in row.items() if k.startswith("eval") and isinstance(v, int | float)]
+    text = " ".join(f"{k} {v:.4g}" for k, v in shown)
+    return f"rlft step {row['step']}/{total_steps} {text}".rstrip()
 
 
 def _flat_config(config: dict) -> dict:
