@@ -263,6 +263,7 @@ class GRPOTrainer(PolicyUpdate, CallbackMethods):
         unwrapped = self.accelerator.unwrap_model(self.model)
         rollout = self.generator(unwrapped, prompts["prompt_ids"], args.num_generations)
         generated = time.perf_counter()
+        tokens = (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()  # before any masking
         reward_log = RewardLog()
         rewards, completions = self._score(rollout, prompts, args.num_generations, reward_log)
         scored = time.perf_counter()
@@ -277,8 +278,7 @@ class GRPOTrainer(PolicyUpdate, CallbackMethods):
         batch.metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
         batch.metrics.update(reward_log.metrics(self.accelerator))
         batch.metrics.update({"time/generation_seconds": generated - started, "time/reward_seconds": scored - generated})
-        tokens = rollout.prompt_mask.sum() + everyone[2].sum() / self.accelerator.num_processes
-        self.flow.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens.float().to(self.accelerator.device),
+        self.flow.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens.to(self.accelerator.device),
                                                                              "sum").item())
         columns = reward_log.columns(len(completions))
         batch.samples = [{"prompt": p, "completion": c, "reward": t, "advantage": a,

@@ -242,7 +242,7 @@ class RewardTrainer(CallbackMethods):
 
     def _after_step(self, step: int, metrics: dict[str, float]) -> None:
         control = self.flow.control
-        if control.should_log or step in (1, self.total_steps):
+        if control.should_log or step == self.total_steps:  # rlft also logs the final step, as GRPO does
             self._log_row(metrics)
         if control.should_evaluate and self.eval_sets:
             self.evaluate()
