@@ -53,8 +53,7 @@ def load_tokenizer(name_or_path: str | Path, padding_side: str = "left", trust_r
     if path.is_dir() and not any((path / f).exists() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the "
                                 "tokenizer beside the model (tokenizer.save_pretrained) or pass processing_class=")
-    if not path.exists() and _looks_local(str(name_or_path)):
-        raise FileNotFoundError(f"model path {name_or_path} does not exist (and is not a hub id 'org/name')")
+    _check_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
     tokenizer.padding_side = padding_side
     return ensure_pad_token(tokenizer, str(name_or_path))

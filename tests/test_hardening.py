@@ -247,3 +247,22 @@ def test_metrics_rewrite_at_resume_is_atomic_and_tolerates_a_partial_last_line(t
     resumed.train(resume_from_checkpoint=True)
     assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]
     assert not list((tmp_path / "run").glob(".*.tmp"))
+
+
+def test_resume_with_another_process_count_is_refused_by_both_trainers(tmp_path, shipped_policy_dir, tiny_rm_dir):
+    from rlft import RewardTrainer
+    from tests.helpers import preference_rows, tiny_reward_config
+
+    trained(tmp_path, shipped_policy_dir)
+    reward = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=1), train_dataset=preference_rows(32))
+    reward.train()
+    for folder in (tmp_path / "run" / "checkpoint-2", tmp_path / "rm" / "checkpoint-1"):
+        state = json.loads((folder / STATE_FILE).read_text())
+        (folder / STATE_FILE).write_text(json.dumps({**state, "num_processes": 2}))
+    again = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, max_steps=3),
+                        addition_rows(16))
+    with pytest.raises(ConfigError, match="written by 2 processes; resume with the same number"):
+        again.train(resume_from_checkpoint=True)
+    reward = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=2), train_dataset=preference_rows(32))
+    with pytest.raises(ConfigError, match="written by 2 processes; resume with the same number"):
+        reward.train(resume_from_checkpoint=True)

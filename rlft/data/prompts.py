@@ -7,6 +7,7 @@ its prompt and reaches reward functions as a keyword argument.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -49,19 +50,18 @@ def _load_named(source: str):
         raise DatasetError(f"dataset {source!r} could not be loaded from the hub: {type(err).__name__}: {err}") from err
 
 
-class _offline:
-    """HF_DATASETS_OFFLINE=1 for the duration of a local load (datasets reads it at call time)."""
+@contextlib.contextmanager
+def _offline():
+    """datasets' offline flag on for one local load: datasets reads `datasets.config.HF_HUB_OFFLINE` at call
+    time, and without it counts a download (a network request) even for a local file."""
+    import datasets.config
 
-    def __enter__(self):
-        import datasets.config
-
-        self.saved = datasets.config.HF_HUB_OFFLINE
-        datasets.config.HF_HUB_OFFLINE = True
-
-    def __exit__(self, *exc):
-        import datasets.config
-
-        datasets.config.HF_HUB_OFFLINE = self.saved
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
 
 
 def load_dataset_any(source: Any, split: str = "train"):

@@ -229,6 +229,11 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path) -> tup
     """Restore weights, optimizer, scheduler and this process's RNG.
     Returns (rlft state, extra tensors, extra json)."""
     state = verify(path)
+    if state.get("num_processes", 1) != accelerator.num_processes:
+        from rlft.config import ConfigError
+
+        raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same number "
+                          f"(now {accelerator.num_processes}): the RNG states and data order are per process")
     load_model_weights(accelerator.unwrap_model(model), path / "model")
     try:
         optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)

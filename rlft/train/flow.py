@@ -84,8 +84,14 @@ class Flow:
         self.start_step = loaded.global_step
 
 
-class CallbackMethods:
-    """transformers.Trainer's callback list methods, for a trainer that has a `flow`."""
+class TrainerSurface:
+    """What both trainers share on top of their `flow` (and `log` once training runs): transformers.Trainer's
+    callback-list methods, and one row logged to log_history, callbacks and metrics.jsonl."""
+
+    def _log_row(self, row: dict) -> None:
+        logs = self.flow.record(row)
+        if getattr(self, "log", None) is not None:  # evaluate() may run before train()
+            self.log.log(logs, self.flow.state.global_step)
 
     def add_callback(self, callback) -> None:
         self.flow.handler.add_callback(callback)

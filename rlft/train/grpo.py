@@ -37,7 +37,7 @@ from rlft.rollout import make_generator
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import state as run_state
-from rlft.train.flow import CallbackMethods, Flow
+from rlft.train.flow import Flow, TrainerSurface
 from rlft.train.grpo_update import PolicyUpdate, RolloutBatch
 from rlft.train.metrics import MetricWindow, rollout_metrics
 
@@ -52,7 +52,7 @@ def _repeat(values: list, times: int) -> list:
     return [v for v in values for _ in range(times)]
 
 
-class GRPOTrainer(PolicyUpdate, CallbackMethods):
+class GRPOTrainer(PolicyUpdate, TrainerSurface):
     """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`."""
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
@@ -106,7 +106,6 @@ class GRPOTrainer(PolicyUpdate, CallbackMethods):
             raise ConfigError(f"a generation batch of {rollout} completions per process ({spg} steps) must hold whole "
                               f"groups of num_generations={args.num_generations} and whole optimiser steps of "
                               f"gradient_accumulation_steps={args.gradient_accumulation_steps}")
-        self.steps_per_generation = spg
         self.rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
         self.steps_per_rollout = spg // args.gradient_accumulation_steps * args.num_iterations
         self.prompts_per_rollout = rollout // args.num_generations
@@ -221,11 +220,6 @@ class GRPOTrainer(PolicyUpdate, CallbackMethods):
                 {"metrics": batch.metrics, "samples": batch.samples} if mid_rollout else None, self.flow,
                 self.args.save_total_limit)
             self.flow.fire("on_save")
-
-    def _log_row(self, row: dict) -> None:
-        logs = self.flow.record(row)
-        if getattr(self, "log", None) is not None:  # evaluate() may run before train()
-            self.log.log(logs, self.flow.state.global_step)
 
     def _rlft_state(self, window: MetricWindow) -> dict:
         return {"num_processes": self.accelerator.num_processes, "loss_sum": self.flow.loss_sum,
@@ -364,9 +358,6 @@ class GRPOTrainer(PolicyUpdate, CallbackMethods):
             return 0, None, window
         state, tensors, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler,
                                                      path)
-        if state.get("num_processes", 1) != self.accelerator.num_processes:
-            raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same "
-                              f"number (now {self.accelerator.num_processes})")
         self.flow.load(path, state.get("loss_sum", 0.0))
         self.steps_skipped, self._flow_checked = state.get("steps_skipped", 0), state.get("flow_checked", False)
         window.rows = state.get("metric_window", [])

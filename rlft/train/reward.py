@@ -31,7 +31,7 @@ from rlft.models import (
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import state as run_state
-from rlft.train.flow import CallbackMethods, Flow
+from rlft.train.flow import Flow, TrainerSurface
 
 HEAD_NAMES = ("score", "classifier")
 
@@ -56,7 +56,7 @@ def check_head_trainable(model) -> list[str]:
     return trainable
 
 
-class RewardTrainer(CallbackMethods):
+class RewardTrainer(TrainerSurface):
     """`RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config).train()`."""
 
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
@@ -80,9 +80,7 @@ class RewardTrainer(CallbackMethods):
         dataset, _ = materialize(load_dataset_any(train_dataset), args.max_steps * pairs_per_step
                                  if args.max_steps > 0 else None)
         self.train_pairs = PreferencePairs(dataset, self.tokenizer, args.max_length, args.truncation)
-        self.eval_sets = {name: PreferencePairs(materialize(d, None)[0], self.tokenizer, args.max_length,
-                                                args.truncation)
-                          for name, d in load_eval_datasets(eval_dataset).items()}
+        self.eval_sets = self._eval_pairs(eval_dataset)
         self.steps_per_epoch = len(self.train_pairs) // pairs_per_step
         if self.steps_per_epoch == 0:
             raise ConfigError(f"{len(self.train_pairs)} usable pairs are fewer than one step needs ({pairs_per_step})")
@@ -255,20 +253,11 @@ class RewardTrainer(CallbackMethods):
                                  flow=self.flow, save_total_limit=self.args.save_total_limit)
             self.flow.fire("on_save")
 
-    def _log_row(self, row: dict) -> None:
-        logs = self.flow.record(row)
-        if getattr(self, "log", None) is not None:  # evaluate() may run before train()
-            self.log.log(logs, self.flow.state.global_step)
-
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss, accuracy and mean margin over a whole eval set -> `eval_loss`, `eval_accuracy`, ...; a dict of
         eval datasets gives `eval_<name>_*` per name."""
-        if eval_dataset is None:
-            sets = self.eval_sets
-        else:
-            sets = {name: PreferencePairs(materialize(d, None)[0], self.tokenizer, self.args.max_length,
-                                          self.args.truncation) for name, d in load_eval_datasets(eval_dataset).items()}
+        sets = self.eval_sets if eval_dataset is None else self._eval_pairs(eval_dataset)
         if not sets:
             raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or the call)")
         metrics = {}
@@ -278,6 +267,10 @@ class RewardTrainer(CallbackMethods):
         self._log_row(metrics)
         self.flow.fire("on_evaluate", metrics=metrics)
         return metrics
+
+    def _eval_pairs(self, eval_dataset) -> dict[str | None, PreferencePairs]:
+        return {name: PreferencePairs(materialize(d, None)[0], self.tokenizer, self.args.max_length,
+                                      self.args.truncation) for name, d in load_eval_datasets(eval_dataset).items()}
 
     def _evaluate_pairs(self, pairs: PreferencePairs) -> dict[str, float]:
         self.model.eval()
@@ -298,9 +291,6 @@ class RewardTrainer(CallbackMethods):
             run_state.seed_everything(self.args.seed)
             return 0
         state, _, _ = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path)
-        if state.get("num_processes", 1) != self.accelerator.num_processes:
-            raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same "
-                              f"number (now {self.accelerator.num_processes})")
         self.flow.load(path, state.get("loss_sum", 0.0))
         self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
         return state["global_step"]
