@@ -66,6 +66,7 @@ class _TrainFields:
 
     model_name_or_path: str | None = None
     output_dir: str = "runs/rlft"
+    overwrite_output_dir: bool = False  # a new run into a folder holding an earlier run: replace it (else refused)
     train_dataset: str | None = None  # a local file, a dataset folder or a hub dataset id
     eval_dataset: str | None = None
     seed: int = 42

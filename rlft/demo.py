@@ -22,7 +22,7 @@ EVAL_EVERY = 100
 def demo_config(output_dir: str, steps: int, lora: bool, seed: int) -> GRPOConfig:
     """The demo's hyperparameters, in one place (docs/quickstart.md quotes them)."""
     return GRPOConfig(
-        output_dir=output_dir, seed=seed, max_steps=steps, learning_rate=5e-4 if lora else 3e-5,
+        output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps, learning_rate=5e-4 if lora else 3e-5,
         lr_scheduler_type="constant", num_generations=8, per_device_train_batch_size=64,
         max_completion_length=8, temperature=0.7, loss_type="dapo", beta=0.0,
         use_peft=lora, lora_r=16, lora_alpha=32, lora_dropout=0.0,

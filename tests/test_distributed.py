@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,12 @@ def test_mislaunch_fails_before_any_model_is_loaded(tmp_path):
     assert result.returncode != 0
     assert "not divisible by num_generations=4; use a multiple such as [4, 8, 12, 16]" in result.stderr
     assert "no-such-model" not in result.stderr  # failed before trying to load it
+
+
+def test_a_rank_that_stops_answering_is_named_within_ddp_timeout(tmp_path, shipped_policy_dir):
+    started = time.monotonic()
+    result = launch(["tests/dist/stuck_rank.py", str(shipped_policy_dir), str(tmp_path / "run")], 2, timeout=200)
+    assert result.returncode != 0
+    assert "rank 0: rank(s) [1] did not answer a collective within ddp_timeout=5 s" in result.stderr, \
+        result.stderr[-3000:]
+    assert time.monotonic() - started < 150  # not the 300 s rank 1 sleeps, nor 30 minutes

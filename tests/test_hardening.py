@@ -266,3 +266,79 @@ def test_resume_with_another_process_count_is_refused_by_both_trainers(tmp_path,
     reward = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=2), train_dataset=preference_rows(32))
     with pytest.raises(ConfigError, match="written by 2 processes; resume with the same number"):
         reward.train(resume_from_checkpoint=True)
+
+
+def test_empty_and_malformed_jsonl_files_are_named_by_line(tmp_path):
+    from rlft.data.prompts import DatasetError, load_dataset_any
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DatasetError, match=r"empty.jsonl is empty"):
+        load_dataset_any(str(empty))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
+    with pytest.raises(DatasetError, match=r"broken.jsonl: line 3 is not valid JSON"):
+        load_dataset_any(str(broken))
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text('{"prompt": "a"}\n[1, 2]\n')
+    with pytest.raises(DatasetError, match=r"listed.jsonl: line 2 is a JSON list, not an object"):
+        load_dataset_any(str(listed))
+
+
+def reward_with_typo(completions, answr=None, **kwargs):
+    return [0.0] * len(completions)
+
+
+def reward_needing_a_missing_column(completions, solution, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_reward_keywords_that_match_nothing_warn_or_fail_up_front(tmp_path, shipped_policy_dir, caplog):
+    trainer = GRPOTrainer(str(shipped_policy_dir), [reward_with_typo], tiny_grpo_config(tmp_path, max_steps=1),
+                          addition_rows(16))
+    with caplog.at_level(logging.WARNING, logger="rlft"):
+        trainer.train()
+    assert "reward function 'reward_with_typo': keyword 'answr' matches no dataset column" in caplog.text
+    assert "Did you mean 'answer'?" in caplog.text
+    with pytest.raises(RewardFunctionError, match=r"'reward_needing_a_missing_column' requires keyword 'solution'"):
+        GRPOTrainer(str(shipped_policy_dir), [reward_needing_a_missing_column], tiny_grpo_config(tmp_path),
+                    addition_rows(16))
+
+
+KILL_DURING_REWRITE = """
+import os, sys
+sys.path.insert(0, {root!r})
+import rlft.tracking
+from rlft import GRPOTrainer
+from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+from pathlib import Path
+
+def killed(src, dst):  # the temporary file is written; the process dies before the rename
+    os.kill(os.getpid(), 9)
+
+rlft.tracking.os.replace = killed
+trainer = GRPOTrainer({model!r}, [correct_answer], tiny_grpo_config(Path({tmp!r}), max_steps=3, save_steps=1),
+                      addition_rows(16))
+trainer.train(resume_from_checkpoint={checkpoint!r})
+"""
+
+
+def test_a_kill_during_the_metrics_rewrite_loses_no_row(tmp_path, shipped_policy_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    trained(tmp_path, shipped_policy_dir)  # 2 steps, checkpoints 1 and 2, metrics rows 1 and 2
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    before = metrics.read_text()
+    root = str(Path(__file__).resolve().parents[1])
+    script = KILL_DURING_REWRITE.format(root=root, model=str(shipped_policy_dir), tmp=str(tmp_path),
+                                        checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == -9, result.stderr[-2000:]
+    assert metrics.read_text() == before  # the kill came between writing the new file and renaming it
+    resumed = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, max_steps=3,
+                                                                                       save_steps=1),
+                          addition_rows(16))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]

@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForSequenceClassification
 
 from rlft import GRPOTrainer, RewardTrainer
+from rlft.config import ConfigError
 from rlft.data.prompts import DatasetError
 from rlft.models import load_tokenizer
 from rlft.tracking import read_metrics
@@ -135,7 +136,8 @@ def test_conversational_rows_without_chat_template(tmp_path, tiny_rm_dir):
 def test_nonfinite_losses_skip_then_stop_with_cause(tmp_path, tiny_rm_dir, monkeypatch):
     trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_nonfinite_steps=3), train_dataset=preference_rows(64))
     monkeypatch.setattr(trainer, "_scores", lambda batch: (torch.full((16,), float("nan")),) * 2)
-    with pytest.raises(NonFiniteLossError, match="3 consecutive steps had an inf/NaN loss.*bfloat16 or float32"):
+    with pytest.raises(NonFiniteLossError, match="3 consecutive steps had an inf/NaN loss.*learning rate too high.*"
+                                                "runs in torch.float32, so not a float16 overflow"):
         trainer.train()
 
 
@@ -199,3 +201,18 @@ def test_packaged_minilm_with_lora(tmp_path):
     assert any("classifier" in n for n in trainer.head_parameters)
     trainer.train()
     assert heldout_accuracy(trainer) >= 0.9
+
+
+def test_nan_margins_and_too_few_pairs_are_explained_with_their_counts(tmp_path, tiny_rm_dir):
+    rows = [{**row, "margin": 1.0} for row in preference_rows(16)]
+    rows[3]["margin"] = float("nan")
+    with pytest.raises(DatasetError, match=r"row 3: 'margin' must be a finite number, got nan"):
+        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), train_dataset=rows)
+    same = [{"chosen": r["chosen"], "rejected": r["chosen"]} for r in preference_rows(4)]
+    with pytest.raises(DatasetError, match=r"no usable preference pairs in 4 rows: 4 pairs have chosen identical"):
+        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), train_dataset=same)
+    few = preference_rows(12) + same
+    with pytest.raises(ConfigError, match=r"12 usable pairs \(of 16 rows: 4 pairs have chosen identical to rejected"
+                                          r".*per_device_train_batch_size 16 x gradient_accumulation_steps 1 x 1 "
+                                          r"process\(es\) = 16"):
+        RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path), train_dataset=few)

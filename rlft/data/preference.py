@@ -9,6 +9,7 @@ or after truncation) carry no signal, are left out, counted and reported.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +87,8 @@ class PreferencePairs:
         for row, example in enumerate(dataset):
             self._add(example, row, tokenizer, max_length, truncation)
         if not self.chosen:
-            raise DatasetError("no usable preference pairs left (see the counts above)")
+            raise DatasetError(f"no usable preference pairs in {len(dataset)} rows: "
+                               + ("; ".join(self.report.lines(max_length, truncation)) or "the dataset is empty"))
 
     def _token_ids(self, example: dict, row: int, tokenizer) -> list[list[int]] | None:
         if self.tokenized:
@@ -114,8 +116,8 @@ class PreferencePairs:
             return
         if self.margins is not None:
             margin = example["margin"]
-            if not isinstance(margin, int | float) or isinstance(margin, bool):
-                raise DatasetError(f"row {row}: 'margin' must be a number, got {margin!r}")
+            if not isinstance(margin, int | float) or isinstance(margin, bool) or not math.isfinite(margin):
+                raise DatasetError(f"row {row}: 'margin' must be a finite number, got {margin!r}")
             self.margins.append(float(margin))
         self.chosen.append(chosen)
         self.rejected.append(rejected)

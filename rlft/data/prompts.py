@@ -33,8 +33,14 @@ def _load_named(source: str):
         fmt = FILE_FORMATS.get(path.suffix)
         if fmt is None:
             raise DatasetError(f"dataset file {path}: unknown format {path.suffix!r}; use one of {sorted(FILE_FORMATS)}")
-        with _offline():
-            return datasets.load_dataset(fmt, data_files=str(path), split="train")
+        if not path.read_bytes().strip():
+            raise DatasetError(f"dataset file {path} is empty; it needs one row per line (jsonl) or a table")
+        try:
+            with _offline():
+                return datasets.load_dataset(fmt, data_files=str(path), split="train")
+        except Exception as err:  # datasets wraps the parser's error in DatasetGenerationError, without the file
+            raise DatasetError(f"dataset file {path}: {_first_bad_line(path) or f'{type(err).__name__}: {err}'}") \
+                from err
     if path.is_dir():
         with _offline():
             loaded = datasets.load_from_disk(str(path)) if (path / "dataset_info.json").exists() or \
@@ -48,6 +54,27 @@ def _load_named(source: str):
         return datasets.load_dataset(name, config or None)
     except Exception as err:  # offline, private, misspelled: datasets' own message says which
         raise DatasetError(f"dataset {source!r} could not be loaded from the hub: {type(err).__name__}: {err}") from err
+
+
+def _first_bad_line(path: Path) -> str | None:
+    """For a JSON-lines file: 'line N: <why>' for the first line that is not one JSON object."""
+    import json
+
+    if path.suffix not in (".jsonl", ".json"):
+        return None
+    lines = path.read_text(errors="replace").splitlines()
+    if path.suffix == ".json" and lines and lines[0].lstrip().startswith("["):
+        return None  # one JSON array, not JSON lines
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as err:
+            return f"line {number} is not valid JSON ({err.msg} at column {err.colno}); fix or remove that line"
+        if not isinstance(value, dict):
+            return f"line {number} is a JSON {type(value).__name__}, not an object with one field per column"
+    return None
 
 
 @contextlib.contextmanager

@@ -86,6 +86,36 @@ def resolve_rewards(specs: Any, weights: list[float] | None, processing_classes:
     return funcs, names, torch.tensor(weights if weights is not None else [1.0] * len(specs), dtype=torch.float32)
 
 
+def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) -> list[str]:
+    """Each reward function's keywords against what it will be passed: the dataset's extra columns and the
+    standard arguments. A required keyword that nothing supplies is an error now (not a TypeError at the
+    first step); a keyword with a default that nothing supplies is likely a typo: one warning each."""
+    import difflib
+
+    from rlft.config import REWARD_ARGUMENTS
+
+    supplied = [*columns, *REWARD_ARGUMENTS]
+    warnings = []
+    for func, name in zip(funcs, names):
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable without a signature
+            continue
+        for param in params:
+            if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) or param.name in supplied:
+                continue
+            near = difflib.get_close_matches(param.name, supplied, n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            where = f"no dataset column (columns: {columns or 'only prompt'}) and no argument rlft passes " \
+                    f"({', '.join(REWARD_ARGUMENTS)})."
+            if param.default is param.empty:
+                raise RewardFunctionError(f"reward function {name!r} requires keyword {param.name!r}, which matches "
+                                          f"{where}{hint}")
+            warnings.append(f"reward function {name!r}: keyword {param.name!r} matches {where} It will always get "
+                            f"its default {param.default!r}.{hint}")
+    return warnings
+
+
 class RewardLog:
     """What reward functions log during one rollout: `log_metric(name, value)` scalars (averaged, and over
     processes) and `log_extra(column, values)` columns for the completions log."""

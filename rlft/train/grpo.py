@@ -32,10 +32,11 @@ from rlft.models import (
     prepare_tokenizer,
     resolve_dtype,
 )
-from rlft.rewards.calling import RewardLog, compute_rewards, resolve_rewards
+from rlft.rewards.calling import RewardLog, check_keywords, compute_rewards, resolve_rewards
 from rlft.rollout import make_generator
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
+from rlft.train import runs
 from rlft.train import state as run_state
 from rlft.train.flow import Flow, TrainerSurface
 from rlft.train.grpo_update import PolicyUpdate, RolloutBatch
@@ -71,6 +72,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "left")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self._setup_batches(load_dataset_any(train_dataset), model)
+        self._setup_notes = check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
         self._setup_model(model, peft_config, optimizers)
@@ -165,16 +167,19 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
                           start_step, show_progress=not args.disable_tqdm)
         self.log.info(f"GRPO: {self.total_steps} steps, {self.param_summary['trainable']:,} trainable of "
                       f"{self.param_summary['total']:,} parameters ({'LoRA' if self.is_peft else 'full'})")
+        for note in [*self._setup_notes, *filter(None, self._notes)]:
+            self.log.warn(note)
         flow.fire("on_train_begin")
         try:
-            if args.eval_on_start and start_step == 0 and self.eval_datasets:
-                self.evaluate()
-            for step in range(start_step, self.total_steps):
-                batch = self._train_step(step, batch, window)
-                if flow.control.should_training_stop:
-                    break
-            flow.record(flow.summary(self.rows_per_step * self.accelerator.num_processes))
-            flow.fire("on_train_end")
+            with run_state.named_timeouts(self.accelerator, args):
+                if args.eval_on_start and start_step == 0 and self.eval_datasets:
+                    self.evaluate()
+                for step in range(start_step, self.total_steps):
+                    batch = self._train_step(step, batch, window)
+                    if flow.control.should_training_stop:
+                        break
+                flow.record(flow.summary(self.rows_per_step * self.accelerator.num_processes))
+                flow.fire("on_train_end")
         finally:
             self.log.close()
         return flow.state.log_history
@@ -222,7 +227,8 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
             self.flow.fire("on_save")
 
     def _rlft_state(self, window: MetricWindow) -> dict:
-        return {"num_processes": self.accelerator.num_processes, "loss_sum": self.flow.loss_sum,
+        return {"num_processes": self.accelerator.num_processes, "config": self._record,
+                "config_hash": runs.config_hash(self._record), "loss_sum": self.flow.loss_sum,
                 "steps_skipped": self.steps_skipped, "metric_window": window.rows,
                 "flow_checked": self._flow_checked}
 
@@ -353,11 +359,16 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
     def _resume(self, resume_from_checkpoint) -> tuple[int, RolloutBatch | None, MetricWindow]:
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         window = MetricWindow()
+        self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model), self.reward_names)
         if path is None:
+            self._notes = [runs.claim_output_dir(self.accelerator, self.args)]
             run_state.seed_everything(self.args.seed)
             return 0, None, window
+        self._notes = runs.check_resume(path, ckpt.read_state(path), self._record)
         state, tensors, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler,
                                                      path)
+        if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:
+            runs.apply_learning_rate(self.optimizer, self.scheduler, self.args.learning_rate)
         self.flow.load(path, state.get("loss_sum", 0.0))
         self.steps_skipped, self._flow_checked = state.get("steps_skipped", 0), state.get("flow_checked", False)
         window.rows = state.get("metric_window", [])

@@ -30,6 +30,7 @@ from rlft.models import (
 )
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
+from rlft.train import runs
 from rlft.train import state as run_state
 from rlft.train.flow import Flow, TrainerSurface
 
@@ -83,7 +84,12 @@ class RewardTrainer(TrainerSurface):
         self.eval_sets = self._eval_pairs(eval_dataset)
         self.steps_per_epoch = len(self.train_pairs) // pairs_per_step
         if self.steps_per_epoch == 0:
-            raise ConfigError(f"{len(self.train_pairs)} usable pairs are fewer than one step needs ({pairs_per_step})")
+            report = self.train_pairs.report
+            left_out = "; ".join(report.lines(args.max_length, args.truncation)) or "none left out"
+            raise ConfigError(
+                f"{len(self.train_pairs)} usable pairs (of {report.total} rows: {left_out}) are fewer than one step "
+                f"needs: per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+                f"{args.gradient_accumulation_steps} x {self.accelerator.num_processes} process(es) = {pairs_per_step}")
         self.total_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * self.steps_per_epoch)
         self._setup_model(model, peft_config, optimizers)
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
@@ -132,34 +138,35 @@ class RewardTrainer(TrainerSurface):
         start_step = self._resume(resume_from_checkpoint)
         self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
                           start_step, show_progress=not args.disable_tqdm, project="rlft-reward")
-        for line in self.train_pairs.report.lines(args.max_length, args.truncation):
+        for line in [*self.train_pairs.report.lines(args.max_length, args.truncation), *filter(None, self._notes)]:
             self.log.warn(line)
         self.log.info(f"reward model: {len(self.train_pairs)} pairs, {self.total_steps} steps, "
                       f"{self.param_summary['trainable']:,} trainable parameters, head: {self.head_parameters[:2]}")
         flow.fire("on_train_begin")
         try:
-            if args.eval_on_start and start_step == 0 and self.eval_sets:
-                self.evaluate()
-            for step in range(start_step, self.total_steps):
-                if step % self.steps_per_epoch == 0:
-                    flow.fire("on_epoch_begin")
-                flow.fire("on_step_begin")
-                metrics = self._optimizer_step(step)  # pairs -> scores -> loss -> update
-                self._consecutive = self._consecutive + 1 if metrics is None else 0
-                if metrics is None:
-                    self._skip(step, self._consecutive)
-                    metrics = {"nonfinite_skipped": self.nonfinite_skipped}
-                flow.loss_sum += metrics.get("loss", 0.0)
-                flow.set_step(step + 1)
-                flow.fire("on_step_end")
-                if (step + 1) % self.steps_per_epoch == 0:
-                    flow.fire("on_epoch_end")
-                self._after_step(step + 1, metrics)  # log -> checkpoint
-                if flow.control.should_training_stop:
-                    break
-            flow.record(flow.summary(args.per_device_train_batch_size * args.gradient_accumulation_steps
-                                       * self.accelerator.num_processes))
-            flow.fire("on_train_end")
+            with run_state.named_timeouts(self.accelerator, args):
+                if args.eval_on_start and start_step == 0 and self.eval_sets:
+                    self.evaluate()
+                for step in range(start_step, self.total_steps):
+                    if step % self.steps_per_epoch == 0:
+                        flow.fire("on_epoch_begin")
+                    flow.fire("on_step_begin")
+                    metrics = self._optimizer_step(step)  # pairs -> scores -> loss -> update
+                    self._consecutive = self._consecutive + 1 if metrics is None else 0
+                    if metrics is None:
+                        self._skip(step, self._consecutive)
+                        metrics = {"nonfinite_skipped": self.nonfinite_skipped}
+                    flow.loss_sum += metrics.get("loss", 0.0)
+                    flow.set_step(step + 1)
+                    flow.fire("on_step_end")
+                    if (step + 1) % self.steps_per_epoch == 0:
+                        flow.fire("on_epoch_end")
+                    self._after_step(step + 1, metrics)  # log -> checkpoint
+                    if flow.control.should_training_stop:
+                        break
+                flow.record(flow.summary(args.per_device_train_batch_size * args.gradient_accumulation_steps
+                                           * self.accelerator.num_processes))
+                flow.fire("on_train_end")
         finally:
             self.log.close()
         return flow.state.log_history
@@ -169,11 +176,14 @@ class RewardTrainer(TrainerSurface):
         self.log.warn(f"step {step + 1}: non-finite loss or gradient norm, step skipped, weights unchanged "
                       f"({self.nonfinite_skipped} so far)")
         if consecutive >= self.args.max_nonfinite_steps:
+            half = self.autocast_dtype == torch.float16 or self.accelerator.unwrap_model(self.model).dtype == \
+                torch.float16
             raise NonFiniteLossError(
                 f"{consecutive} consecutive steps had an inf/NaN loss or gradient norm (max_nonfinite_steps="
-                f"{self.args.max_nonfinite_steps}). Likely causes: a learning rate too high (now "
-                f"{self.args.learning_rate}; lower it or set max_grad_norm), or float16 weights overflowing "
-                "(use dtype bfloat16 or float32)")
+                f"{self.args.max_nonfinite_steps}). Likely cause: a learning rate too high (now "
+                f"{self.args.learning_rate}; lower it or set max_grad_norm)"
+                + (", or float16 activations overflowing (use dtype bfloat16 or float32)" if half else
+                   f"; the model runs in {self.accelerator.unwrap_model(self.model).dtype}, so not a float16 overflow"))
 
     def _indices(self, step: int, micro: int) -> list[int]:
         epoch, offset = divmod(step, self.steps_per_epoch)
@@ -248,6 +258,8 @@ class RewardTrainer(TrainerSurface):
         if control.should_save:
             ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler,
                                  self.args.output_dir, step, {"num_processes": self.accelerator.num_processes,
+                                                              "config": self._record,
+                                                              "config_hash": runs.config_hash(self._record),
                                                               "loss_sum": self.flow.loss_sum,
                                                               "nonfinite_skipped": self.nonfinite_skipped},
                                  flow=self.flow, save_total_limit=self.args.save_total_limit)
@@ -287,10 +299,15 @@ class RewardTrainer(TrainerSurface):
     def _resume(self, resume_from_checkpoint) -> int:
         self.nonfinite_skipped, self._consecutive = 0, 0
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model))
         if path is None:
+            self._notes = [runs.claim_output_dir(self.accelerator, self.args)]
             run_state.seed_everything(self.args.seed)
             return 0
+        self._notes = runs.check_resume(path, ckpt.read_state(path), self._record)
         state, _, _ = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path)
+        if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:
+            runs.apply_learning_rate(self.optimizer, self.scheduler, self.args.learning_rate)
         self.flow.load(path, state.get("loss_sum", 0.0))
         self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
         return state["global_step"]

@@ -9,6 +9,7 @@ import gc
 import math
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ import torch
 from transformers import get_scheduler
 
 from rlft.config import ConfigError
+
+DEFAULT_DDP_TIMEOUT, CPU_DDP_TIMEOUT = 1800, 600  # seconds
 
 
 def make_accelerator(cfg):
@@ -29,9 +32,63 @@ def make_accelerator(cfg):
     from accelerate.utils import InitProcessGroupKwargs
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))  # TrainingArguments' ddp_timeout
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout(cfg)))
     return Accelerator(log_with=cfg.report_to or None, project_dir=cfg.output_dir,
                        cpu=world > 1 and not torch.cuda.is_available(), kwargs_handlers=[timeout])
+
+
+def collective_timeout(cfg) -> int:
+    """TrainingArguments' ddp_timeout; left at its default (30 min) on a machine without CUDA, 10 min: a CPU
+    rank that stops answering should not hold the others for half an hour."""
+    if cfg.ddp_timeout == DEFAULT_DDP_TIMEOUT and not torch.cuda.is_available():
+        return CPU_DDP_TIMEOUT
+    return cfg.ddp_timeout
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """Another process did not reach a collective within ddp_timeout; the message names it."""
+
+
+@contextmanager
+def named_timeouts(accelerator, cfg):
+    """Turn a collective's timeout into an error naming the rank(s) that did not answer.
+
+    A process that times out marks itself in the process group's store, waits a moment for the other
+    processes that time out too, and names the ones that never marked themselves: those are stuck
+    (in a reward function, the data, the model) or dead."""
+    if accelerator.num_processes == 1:
+        yield
+        return
+    try:
+        yield
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+            raise
+        silent = _silent_ranks(accelerator.process_index, accelerator.num_processes)
+        who = f"rank(s) {silent}" if silent else "another process"
+        raise CollectiveTimeoutError(
+            f"rank {accelerator.process_index}: {who} did not answer a collective within "
+            f"ddp_timeout={collective_timeout(cfg)} s; that process is stuck (a reward function, the dataset, the "
+            "model) or died. Raise ddp_timeout if it is only slow") from err
+
+
+def _silent_ranks(rank: int, world: int, wait_s: float = 5.0) -> list[int]:
+    import time
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"rlft/timed_out/{rank}", "1")
+        deadline, silent = time.monotonic() + wait_s, []
+        while time.monotonic() < deadline:
+            silent = [r for r in range(world) if r != rank and not store.check([f"rlft/timed_out/{r}"])]
+            if not silent:
+                break
+            time.sleep(0.2)
+        return silent
+    except Exception:  # the store went with the dead process: no names, the message still says what happened
+        return []
 
 
 def release_processes(accelerator) -> None:
