@@ -35,16 +35,10 @@ NO_EFFECT = {
     "include_num_input_tokens_seen": "rlft always logs num_tokens (TRL's meaning)",
     "ds3_gather_for_generation": "rlft has no ZeRO-3 generation path yet",
     "log_multimodal": "rlft has no multimodal inputs",
-    "vllm_importance_sampling_correction": "applies only with use_vllm, which rlft does not run yet",
-    "vllm_importance_sampling_mode": "applies only with use_vllm, which rlft does not run yet",
-    "vllm_importance_sampling_clip_max": "applies only with use_vllm, which rlft does not run yet",
-    "vllm_importance_sampling_clip_min": "applies only with use_vllm, which rlft does not run yet",
-    "vllm_importance_sampling_cap": "applies only with use_vllm, which rlft does not run yet",
 }
 
 # What to use instead, for fields people set often. Others get a generic message.
 HINTS = {
-    "use_vllm": "rlft generates with transformers' generate; vLLM rollouts are not built yet",
     "deepspeed": "launch with `accelerate launch --config_file ...` (docs/distributed.md); sharded training is "
                  "not verified yet",
     "fsdp": "launch with `accelerate launch --config_file ...` (docs/distributed.md); sharded training is not "

@@ -28,6 +28,8 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALE_REWARDS = ("group", "batch", "none")
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")  # transformers' names
 IS_LEVELS = ("token", "sequence")
+VLLM_MODES = ("colocate", "server")
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -182,6 +184,24 @@ class _GRPOFields(_TrainFields):
     log_completions: bool = False
     num_completions_to_log: int = 8
     zero_signal_warning_steps: int = 5
+    # vLLM rollouts (docs/vllm.md); TRL's names and defaults, plus the engine dtype and eager switch
+    use_vllm: bool = False
+    vllm_mode: str = "colocate"
+    vllm_server_base_url: str | None = None
+    vllm_server_host: str = "0.0.0.0"
+    vllm_server_port: int = 8000
+    vllm_server_timeout: float = 240.0
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_max_model_length: int | None = None
+    vllm_tensor_parallel_size: int = 1
+    vllm_enable_sleep_mode: bool = False
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_cap: float | None = None  # TRL's deprecated name for clip_max; wins when set
+    vllm_dtype: str = "auto"  # the engine's weights: "auto" = the trainer's; bfloat16 generates ~2x faster
+    vllm_enforce_eager: bool | None = None  # None: eager on CPU (compiling costs ~25 s at start), compiled on GPU
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
@@ -293,6 +313,20 @@ def _validate_grpo(cfg, errors: list[str]) -> None:
         errors.append(f"reward_weights has {len(cfg.reward_weights)} values but reward_funcs has "
                       f"{len(cfg.reward_funcs)}: give one weight per reward function")
     _validate_generation_batch(cfg, errors)
+    _validate_vllm(cfg, errors)
+
+
+def _validate_vllm(cfg, errors: list[str]) -> None:
+    _enum(errors, cfg, "vllm_mode", VLLM_MODES)
+    _enum(errors, cfg, "vllm_importance_sampling_mode", VLLM_IS_MODES)
+    _enum(errors, cfg, "vllm_dtype", DTYPES)
+    _positive(errors, cfg, "vllm_server_timeout", "vllm_tensor_parallel_size", "vllm_importance_sampling_clip_max",
+              "vllm_importance_sampling_cap", "vllm_max_model_length")
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low > high:
+        errors.append(f"vllm_importance_sampling_clip_min={low} exceeds vllm_importance_sampling_clip_max={high}")
+    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+        errors.append(f"vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization!r} must be in (0, 1]")
 
 
 def _validate_reward(cfg, errors: list[str]) -> None:

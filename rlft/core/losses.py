@@ -108,6 +108,7 @@ def policy_loss(
     num_sequences: float | torch.Tensor | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss for one micro-batch, scaled so that micro-batch losses SUM to the step loss.
 
@@ -116,6 +117,8 @@ def policy_loss(
     num_sequences: completions in the whole optimiser step (default: B).
     bnpo and dapo are the same aggregation here: with a global num_items, normalising "per
     batch" and "per step" coincide (TRL's bnpo normalises per micro-batch instead).
+    rollout_is_weights: [B, L] or [B, 1] importance weights pi_old / pi_sampler for completions sampled by
+    another engine (rlft/core/importance.py); they multiply the policy term, not the KL term (TRL's order).
     Returns (loss, metrics) with metrics as detached masked means over this micro-batch.
     """
     if loss_type not in LOSS_TYPES:
@@ -135,6 +138,8 @@ def policy_loss(
     ctx = {"epsilon_low": epsilon_low, "epsilon_high": eps_high,
            "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg}
     per_token = term(ratio, logps, adv, ctx).expand_as(logps)  # [B, L]
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights.to(logps.dtype)  # [B, L] x [B, L] or [B, 1]
     kl = None
     if beta > 0:
         kl = kl_penalty(logps, ref_logps, kl_estimator)  # [B, L]

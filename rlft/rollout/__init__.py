@@ -1,7 +1,7 @@
 """Rollout engines behind one protocol: `engine(model, prompt_ids, num_generations, greedy=False) -> Rollout`.
 
 `make_generator(args, tokenizer)` builds the engine a config asks for; the trainer never knows
-which one runs. Today: transformers' `generate` (`hf.py`).
+which one runs: transformers' `generate` (`hf.py`, the default) or vLLM (`vllm.py`, `use_vllm=True`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,16 @@ from rlft.rollout.hf import HFGenerator, Rollout
 __all__ = ["HFGenerator", "Rollout", "make_generator"]
 
 
-def make_generator(args, tokenizer) -> HFGenerator:
-    """The rollout engine for a GRPOConfig."""
+def make_generator(args, tokenizer, model=None, source=None):
+    """The rollout engine for a GRPOConfig (`model`: the policy, `source`: where it was loaded from)."""
+    if args.use_vllm:
+        from rlft.config import ConfigError
+
+        if args.vllm_mode == "server":
+            raise ConfigError("vllm_mode='server' is not built yet; use vllm_mode='colocate'")
+        from rlft.rollout.vllm import VLLMColocate
+
+        return VLLMColocate(args, tokenizer, model, source)
     return HFGenerator(tokenizer, max_new_tokens=args.max_completion_length, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                        repetition_penalty=args.repetition_penalty, cache_implementation=args.cache_implementation,

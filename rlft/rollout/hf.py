@@ -21,6 +21,7 @@ class Rollout:
     completion_ids: torch.Tensor  # [N, C] right-padded
     completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
     truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+    sampling_logps: torch.Tensor | None = None  # [N, C] the engine's log-prob of each sampled token (vLLM)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

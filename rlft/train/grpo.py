@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
+from transformers import TrainerCallback
 
 from rlft.config import ConfigError, GRPOConfig, to_dict, validate
 from rlft.core.advantages import multi_reward_advantages
@@ -78,11 +79,13 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         self._setup_model(model, peft_config, optimizers)
         self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
         self.steps_skipped, self._nonfinite_in_a_row = 0, 0
-        self.generator = make_generator(args, self.tokenizer)
+        self.generator = make_generator(args, self.tokenizer, self.accelerator.unwrap_model(self.model), source)
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
                          self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
                          args.per_device_train_batch_size)
         self.state = self.flow.state
+        if isinstance(self.generator, TrainerCallback):  # an engine that must hear of optimiser steps (vLLM)
+            self.add_callback(self.generator)
         self.flow.fire("on_init_end")
 
     @classmethod

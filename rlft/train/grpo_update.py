@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlft.core.importance import correction_stats, sampling_correction
 from rlft.core.logprobs import entropy_from_logits, selective_log_softmax
 from rlft.core.losses import policy_loss
 from rlft.models import GradientFlowError, check_gradient_flow
 from rlft.rollout.hf import Rollout
-from rlft.train.metrics import StepSums
+from rlft.train.metrics import StepSums, correction_metrics
 
 
 class NonFiniteStepError(RuntimeError):
@@ -41,7 +42,9 @@ class RolloutBatch:
         rows = slice(index * size, (index + 1) * size)
         r = self.rollout
         return RolloutBatch(Rollout(r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
-                                    r.completion_mask[rows], r.truncated[rows]), self.advantages[rows],
+                                    r.completion_mask[rows], r.truncated[rows],
+                                    None if r.sampling_logps is None else r.sampling_logps[rows]),
+                            self.advantages[rows],
                             None if self.old_logps is None else self.old_logps[rows],
                             None if self.ref_logps is None else self.ref_logps[rows], self.metrics, self.samples)
 
@@ -51,6 +54,8 @@ class RolloutBatch:
         out = {name: getattr(self.rollout, name) for name in self.TENSORS}
         out["truncated"] = out["truncated"].to(torch.uint8)
         out["advantages"] = self.advantages
+        if self.rollout.sampling_logps is not None:
+            out["sampling_logps"] = self.rollout.sampling_logps
         for name in ("old_logps", "ref_logps"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -60,7 +65,7 @@ class RolloutBatch:
     def from_saved(cls, tensors: dict[str, torch.Tensor], extra: dict, device) -> RolloutBatch:
         t = {k: v.to(device) for k, v in tensors.items()}
         rollout = Rollout(t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"],
-                          t["truncated"].bool())
+                          t["truncated"].bool(), t.get("sampling_logps"))
         return cls(rollout, t["advantages"], t.get("old_logps"), t.get("ref_logps"), extra["metrics"],
                    extra["samples"])
 
@@ -112,7 +117,7 @@ class PolicyUpdate:
             return self._logps_no_grad(self.model, rollout)
 
     def _optimizer_step(self, batch: RolloutBatch) -> dict[str, float]:
-        args, acc = self.args, self.accelerator
+        acc = self.accelerator
         started = time.perf_counter()
         rollout = batch.rollout
         # Global normalisers: the whole step, every micro-batch, every process.
@@ -122,32 +127,47 @@ class PolicyUpdate:
             return self._skip_step("no completion token is left to train on (every completion was masked, e.g. "
                                    "mask_truncated_completions with every completion truncated): raise "
                                    "max_completion_length", started, nonfinite=False)
-        sums = StepSums()
+        sums, corrections = StepSums(), []
         batches = self._micro_batches(rollout)
         self.model.train()
         for k, rows in enumerate(batches):
             sync = contextlib.nullcontext() if k == len(batches) - 1 else acc.no_sync(self.model)
             with sync:
-                logps, entropy = self._forward(self.model, rollout, rows, entropy=True)
-                width = logps.shape[1]
-                mask = rollout.completion_mask[rows, :width]
-                old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
-                loss, metrics = policy_loss(
-                    logps, old, batch.advantages[rows], mask, loss_type=args.loss_type,
-                    epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-                    ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], beta=args.beta,
-                    kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
-                    importance_sampling_level=args.importance_sampling_level,
-                    max_completion_length=args.max_completion_length, num_items=num_items,
-                    num_sequences=num_sequences, sapo_temperature_pos=args.sapo_temperature_pos,
-                    sapo_temperature_neg=args.sapo_temperature_neg)
+                loss, metrics, entropy, mask = self._micro_loss(batch, rows, num_items, num_sequences, corrections)
                 if not loss.requires_grad:
                     raise GradientFlowError("the loss does not require grad: no trainable parameter is connected to "
                                             "it (all parameters frozen, or adapters disabled)")
                 # DDP averages gradients over processes; the normalisers are global sums, so undo the mean.
                 acc.backward(loss * acc.num_processes)
             sums.add(loss, metrics, entropy, mask)
-        return self._finish_step(batch, sums, started)
+        metrics = self._finish_step(batch, sums, started)
+        return {**metrics, **correction_metrics(corrections, acc)} if corrections else metrics
+
+    def _micro_loss(self, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list):
+        """One micro-batch's share of the step loss. Completions sampled by another engine (vLLM) are
+        weighted by pi_old / pi_sampler (`vllm_importance_sampling_*`, rlft/core/importance.py)."""
+        args, rollout = self.args, batch.rollout
+        logps, entropy = self._forward(self.model, rollout, rows, entropy=True)
+        width = logps.shape[1]
+        mask = rollout.completion_mask[rows, :width]
+        old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
+        weights = None
+        if rollout.sampling_logps is not None and args.vllm_importance_sampling_correction:
+            sampler = rollout.sampling_logps[rows, :width]
+            weights = sampling_correction(old, sampler, mask, args.vllm_importance_sampling_mode,
+                                          args.vllm_importance_sampling_clip_min,
+                                          args.vllm_importance_sampling_cap or args.vllm_importance_sampling_clip_max)
+            corrections.append(correction_stats(old, sampler, mask, weights))
+        loss, metrics = policy_loss(
+            logps, old, batch.advantages[rows], mask, loss_type=args.loss_type,
+            epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
+            ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], beta=args.beta,
+            kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
+            importance_sampling_level=args.importance_sampling_level,
+            max_completion_length=args.max_completion_length, num_items=num_items,
+            num_sequences=num_sequences, sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg, rollout_is_weights=weights)
+        return loss, metrics, entropy, mask
 
     def _finish_step(self, batch: RolloutBatch, sums: StepSums, started: float) -> dict[str, float]:
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))

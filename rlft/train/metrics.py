@@ -79,6 +79,27 @@ class StepSums:
         return out
 
 
+def correction_metrics(parts: list[dict[str, torch.Tensor]], accelerator) -> dict[str, float]:
+    """The sampler/trainer mismatch of one optimiser step, over every micro-batch and process, with TRL's names
+    (`sampling/...`), plus the fraction of weights a *_mask mode set to zero."""
+    device = accelerator.device
+    sums = torch.stack([torch.stack([p[k].to(device).float() for k in ("delta_sum", "delta_count", "ratio_sum",
+                                                                        "ratio_count", "zeroed")]) for p in parts])
+    highs = torch.stack([torch.stack([p["delta_max"].to(device).float(), p["ratio_max"].to(device).float(),
+                                      -p["ratio_min"].to(device).float()]) for p in parts]).max(dim=0).values
+    sums = sums.sum(dim=0)
+    if accelerator.num_processes > 1:
+        sums = accelerator.reduce(sums, "sum")
+        highs = accelerator.gather(highs[None]).max(dim=0).values
+    delta_sum, delta_count, ratio_sum, ratio_count, zeroed = sums.tolist()
+    return {"sampling/sampling_logp_difference/mean": delta_sum / max(delta_count, 1),
+            "sampling/sampling_logp_difference/max": highs[0].item(),
+            "sampling/importance_sampling_ratio/min": -highs[2].item(),
+            "sampling/importance_sampling_ratio/mean": ratio_sum / max(ratio_count, 1),
+            "sampling/importance_sampling_ratio/max": highs[1].item(),
+            "sampling/importance_sampling_zeroed_fraction": zeroed / max(ratio_count, 1)}
+
+
 class MetricWindow:
     """Averages numeric metrics over the steps since the last flush (what one log line shows)."""
 

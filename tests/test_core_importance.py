@@ -1,0 +1,84 @@
+"""Truncated / masked importance sampling against a float64 reference written from the papers
+(rlft/core/importance.py): rho_t = pi_old(y_t) / pi_sampler(y_t); sequence modes use prod_t rho_t."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlft.core.importance import MODES, correction_stats, sampling_correction
+from rlft.core.losses import policy_loss
+
+
+def reference(trainer, sampler, mask, mode, low, high):
+    out = []
+    for row_t, row_s, row_m in zip(trainer, sampler, mask):
+        logs = [(t - s) if m else 0.0 for t, s, m in zip(row_t, row_s, row_m)]
+        logs = [0.0 if math.isnan(x) else x for x in logs]
+        values = [math.exp(sum(logs))] if mode.startswith("sequence") else [math.exp(x) for x in logs]
+        bounded = []
+        for rho in values:
+            if mode.endswith("truncate"):
+                rho = min(rho, high) if high is not None else rho
+                rho = max(rho, low) if low is not None else rho
+            elif (low is not None and rho < low) or (high is not None and rho > high):
+                rho = 0.0
+            bounded.append(rho)
+        out.append(bounded)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("low, high", [(None, 3.0), (0.5, 2.0), (0.9, None)])
+def test_modes_match_the_float64_reference(mode, low, high):
+    gen = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(6, 5, generator=gen, dtype=torch.float64) * 3
+    sampler = trainer + torch.randn(6, 5, generator=gen, dtype=torch.float64) * 0.6
+    sampler[2, 1] = float("nan")  # a token the engine could not score: ratio 1
+    mask = torch.ones(6, 5, dtype=torch.float64)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    got = sampling_correction(trainer, sampler, mask, mode, low, high)
+    want = reference(trainer.tolist(), sampler.tolist(), mask.tolist(), mode, low, high)
+    assert got.shape == ((6, 1) if mode.startswith("sequence") else (6, 5))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_no_mismatch_means_weights_of_one_and_an_unchanged_loss():
+    logps = -torch.rand(4, 6, dtype=torch.float64)
+    mask = torch.ones(4, 6, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    for mode in MODES:
+        weights = sampling_correction(logps, logps.clone(), mask, mode)
+        assert torch.all(weights == 1)
+        with_is, _ = policy_loss(logps, logps.detach(), adv, mask, rollout_is_weights=weights)
+        plain, _ = policy_loss(logps, logps.detach(), adv, mask)
+        assert with_is.item() == pytest.approx(plain.item(), abs=1e-15)
+
+
+def test_the_policy_term_is_weighted_per_token_and_the_kl_term_is_not():
+    """TRL's order: per-token policy loss x weight, then + beta * KL."""
+    gen = torch.Generator().manual_seed(1)
+    logps = -torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    ref = logps + 0.1 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    mask = torch.ones(3, 4, dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    weights = torch.rand(3, 4, generator=gen, dtype=torch.float64) + 0.5
+    loss, _ = policy_loss(logps, logps.detach(), adv, mask, loss_type="dapo", ref_logps=ref, beta=0.1,
+                          kl_importance_weighted=False, rollout_is_weights=weights)
+    kl = torch.exp(ref - logps) - (ref - logps) - 1
+    want = ((-adv[:, None] * weights + 0.1 * kl) * mask).sum() / mask.sum()  # ratio 1, unclipped
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+
+
+def test_stats_count_the_mismatch_and_the_zeroed_weights():
+    trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64))
+    sampler = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.05]], dtype=torch.float64))
+    mask = torch.ones(2, 2, dtype=torch.float64)
+    weights = sampling_correction(trainer, sampler, mask, "token_mask", None, 3.0)  # ratios 2, 1, 1, 10 -> 0
+    stats = correction_stats(trainer, sampler, mask, weights)
+    assert stats["delta_max"].item() == pytest.approx(math.log(10))
+    assert stats["zeroed"].item() == 1 and stats["ratio_count"].item() == 4
+    assert stats["ratio_max"].item() == pytest.approx(2.0) and stats["ratio_min"].item() == 0.0
