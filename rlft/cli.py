@@ -1,4 +1,4 @@
-"""The `rlft` command: grpo | reward | demo | doctor | plot.
+"""The `rlft` command: grpo | reward | demo | doctor | plot | vllm-serve.
 
 Training subcommands take `--config run.yaml` plus `--field value` overrides for any
 config field (`rlft grpo --config run.yaml --learning_rate 1e-5`).
@@ -65,6 +65,22 @@ def _cmd_plot(args, extra: list[str]) -> int:
     return 0
 
 
+def _cmd_vllm_serve(args, extra: list[str]) -> int:
+    """Replace this process with vLLM's server (so a signal to this pid stops the server)."""
+    import os
+
+    from rlft.rollout.vllm import import_vllm
+    from rlft.rollout.vllm_server import serve_command
+
+    import_vllm()  # a clear message when vLLM is missing
+    argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len,
+                              args.tensor_parallel_size, args.gpu_memory_utilization, args.enforce_eager, args.seed,
+                              extra)
+    print("rlft vllm-serve:", " ".join(argv[1:]), file=sys.stderr, flush=True)
+    os.execve(argv[0], argv, env)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO and reward models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,13 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
+
+    serve = sub.add_parser("vllm-serve", help="a vLLM server for use_vllm=True, vllm_mode='server' (TRL's trl vllm-serve)")
+    serve.add_argument("--model", required=True, help="the policy's folder or hub id (the trainer pushes its weights)")
+    serve.add_argument("--host", default="127.0.0.1", help="default loopback; 0.0.0.0 exposes the weight-reload route")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", default="auto", help="the engine's weights, e.g. bfloat16")
+    serve.add_argument("--max_model_len", "--max-model-len", type=int, default=None)
+    serve.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--enforce_eager", "--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                       help="default: eager on CPU, compiled on GPU")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.set_defaults(func=_cmd_vllm_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("grpo", "reward", "doctor"):
+    if extra and args.command not in ("grpo", "reward", "doctor", "vllm-serve"):  # vllm-serve: passed to vLLM
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra)

@@ -97,3 +97,21 @@ def test_unknown_reward_name(tmp_path, shipped_policy_dir, no_model_loading):
 def test_empty_reward_funcs(tmp_path, shipped_policy_dir, no_model_loading):
     with pytest.raises(ConfigError, match="reward_funcs is empty"):
         make(tmp_path, shipped_policy_dir, funcs=())
+
+
+def test_a_dead_vllm_server_is_a_clear_error_within_the_timeout(tmp_path, shipped_policy_dir):
+    import socket
+    import time
+
+    from rlft.rollout.vllm_server import VLLMServerError
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(VLLMServerError, match=rf"no vLLM server answered at http://127.0.0.1:{port}/health within "
+                                              r"vllm_server_timeout=3 s; start one with `rlft vllm-serve --model"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer],
+                    tiny_grpo_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_port=port,
+                                     vllm_server_timeout=3), addition_rows(16))
+    assert time.monotonic() - started < 30

@@ -96,3 +96,40 @@ def test_resume_with_vllm_continues_with_the_same_samples(tmp_path, shipped_poli
         [[r.get(k) for k in keys] for r in resumed.state.log_history[:3]]
     release(full)
     release(resumed)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_server_mode_with_rlft_vllm_serve_on_loopback_trains_three_steps(tmp_path, shipped_policy_dir):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "rlft.cli", "vllm-serve", "--model", str(shipped_policy_dir),
+                               "--port", str(port), "--dtype", "float32", "--max-model-len", "512"],
+                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        trainer = vllm_trainer(tmp_path, shipped_policy_dir, vllm_mode="server", vllm_server_port=port,
+                               vllm_server_timeout=240, use_peft=True, learning_rate=1e-2)
+        trainer.train()
+        assert trainer.generator.syncs == 3
+        rows = [r for r in trainer.state.log_history if "sampling/sampling_logp_difference/max" in r]
+        assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
+        assert parity(trainer) < 1e-4  # the server's samples after LoRA steps pushed through shared memory
+        release(trainer)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    assert server.returncode is not None

@@ -14,10 +14,10 @@ __all__ = ["HFGenerator", "Rollout", "make_generator"]
 def make_generator(args, tokenizer, model=None, source=None):
     """The rollout engine for a GRPOConfig (`model`: the policy, `source`: where it was loaded from)."""
     if args.use_vllm:
-        from rlft.config import ConfigError
-
         if args.vllm_mode == "server":
-            raise ConfigError("vllm_mode='server' is not built yet; use vllm_mode='colocate'")
+            from rlft.rollout.vllm_server import VLLMServer
+
+            return VLLMServer(args, tokenizer, model)
         from rlft.rollout.vllm import VLLMColocate
 
         return VLLMColocate(args, tokenizer, model, source)

