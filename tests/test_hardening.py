@@ -271,6 +271,8 @@ def test_resume_with_another_process_count_is_refused_by_both_trainers(tmp_path,
 def test_empty_and_malformed_jsonl_files_are_named_by_line(tmp_path):
     from rlft.data.prompts import DatasetError, load_dataset_any
 
+    with pytest.raises(DatasetError, match="the dataset is an empty list"):
+        load_dataset_any([])
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(DatasetError, match=r"empty.jsonl is empty"):

@@ -107,9 +107,38 @@ def engine_source(model, source) -> tuple[str, str | None]:
     return folder, folder
 
 
-class VLLMColocate(TrainerCallback):
-    """The rollout protocol on a vLLM engine in this process; a TrainerCallback so that every optimiser
-    step marks the engine's weights stale (synced before the next generation, once)."""
+def engine_rollout(repeated: list[list[int]], tokens: list[list[int]], logprobs: list[list[float] | None],
+                   pad: int, eos_ids: list[int], device, greedy: bool) -> Rollout:
+    """An engine's completions (token ids and each token's log-prob, per request) as a Rollout on `device`."""
+    width = max(max(len(t) for t in tokens), 1)
+    completion_ids = torch.full((len(tokens), width), pad, dtype=torch.long)
+    sampling_logps = torch.zeros((len(tokens), width), dtype=torch.float32)
+    for row, (ids, lps) in enumerate(zip(tokens, logprobs)):
+        completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        if lps:
+            sampling_logps[row, :len(ids)] = torch.tensor([float("nan") if v is None else v for v in lps])
+    prompt_ids, prompt_mask = left_pad(repeated, pad)
+    completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
+    return Rollout(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
+                   truncated.to(device), None if greedy else sampling_logps.to(device))
+
+
+class StaleAfterStep(TrainerCallback):
+    """An engine holding its own copy of the weights: every optimiser step (and a resume) marks it stale;
+    it syncs once before its next generation."""
+
+    stale, syncs = True, 0
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.stale = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stale = True  # resume loaded other weights
+
+
+class VLLMColocate(StaleAfterStep):
+    """The rollout protocol on a vLLM engine in this process."""
 
     def __init__(self, args, tokenizer, model, source=None):
         from rlft.config import ConfigError
@@ -139,15 +168,6 @@ class VLLMColocate(TrainerCallback):
                 enforce_eager=on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager,
                 enable_sleep_mode=args.vllm_enable_sleep_mode, skip_tokenizer_init=True,
                 logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code)
-        self.stale = True
-        self.syncs = 0
-
-    # ---- TrainerCallback ------------------------------------------------------------------------------
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.stale = True
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.stale = True  # resume loaded other weights
 
     # ---- weights ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -185,22 +205,10 @@ class VLLMColocate(TrainerCallback):
         if self.args.vllm_enable_sleep_mode:
             self.llm.sleep(level=1)
         samples = [out.outputs[0] for out in outputs]
-        width = max(max(len(s.token_ids) for s in samples), 1)
-        pad = self.tokenizer.pad_token_id
-        completion_ids = torch.full((len(samples), width), pad, dtype=torch.long)
-        sampling_logps = torch.zeros((len(samples), width), dtype=torch.float32)
-        for row, sample in enumerate(samples):
-            completion_ids[row, :len(sample.token_ids)] = torch.tensor(sample.token_ids)
-            if sample.logprobs:
-                sampling_logps[row, :len(sample.token_ids)] = torch.tensor(
-                    [float(lp[t].logprob) if t in lp else float("nan") for t, lp in zip(sample.token_ids,
-                                                                                        sample.logprobs)])
-        device = next(model.parameters()).device
-        ids, mask = left_pad(repeated, pad)
-        completion_mask, truncated = completion_mask_from(completion_ids, self.eos_ids)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
-        return Rollout(ids.to(device), mask.to(device), completion_ids.to(device), completion_mask.to(device),
-                       truncated.to(device), None if greedy else sampling_logps.to(device))
+        logprobs = [[float(lp[t].logprob) if t in lp else float("nan") for t, lp in zip(s.token_ids, s.logprobs)]
+                    if s.logprobs else None for s in samples]
+        return engine_rollout(repeated, [list(s.token_ids) for s in samples], logprobs, self.tokenizer.pad_token_id,
+                              self.eos_ids, next(model.parameters()).device, greedy)
 
     def close(self) -> None:
         if self._tmp:

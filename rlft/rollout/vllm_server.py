@@ -20,11 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
 
-from rlft.data.prompts import left_pad
-from rlft.rollout.hf import Rollout, completion_mask_from, eos_token_ids
-from rlft.rollout.vllm import engine_dtype, engine_weights, merged
+from rlft.rollout.hf import Rollout, eos_token_ids
+from rlft.rollout.vllm import StaleAfterStep, engine_dtype, engine_rollout, engine_weights, merged
 
 
 class VLLMServerError(RuntimeError):
@@ -97,8 +95,8 @@ def serve_command(model: str, host: str, port: int, dtype: str, max_model_len: i
     return argv + list(extra), env
 
 
-class VLLMServer(TrainerCallback):
-    """The rollout protocol on a running vLLM server; a TrainerCallback for the same stale-after-step sync."""
+class VLLMServer(StaleAfterStep):
+    """The rollout protocol on a running vLLM server."""
 
     def __init__(self, args, tokenizer, model):
         import os
@@ -116,13 +114,6 @@ class VLLMServer(TrainerCallback):
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
         shm = Path("/dev/shm")
         self.folder = tempfile.mkdtemp(prefix="rlft-weights-", dir=str(shm) if shm.is_dir() else None)
-        self.stale, self.syncs = True, 0
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.stale = True
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.stale = True
 
     @torch.no_grad()
     def sync(self, model) -> None:
@@ -159,22 +150,9 @@ class VLLMServer(TrainerCallback):
         seeds = [None] * len(repeated) if greedy else torch.randint(0, 2**31 - 1, (len(repeated),)).tolist()
         with ThreadPoolExecutor(max_workers=16) as pool:
             choices = list(pool.map(self._complete, repeated, seeds))
-        width = max(max(len(c["token_ids"]) for c in choices), 1)
-        pad = self.tokenizer.pad_token_id
-        completion_ids = torch.full((len(choices), width), pad, dtype=torch.long)
-        sampling_logps = torch.zeros((len(choices), width), dtype=torch.float32)
-        for row, choice in enumerate(choices):
-            tokens = choice["token_ids"]
-            completion_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-            if logprobs:
-                sampling_logps[row, :len(tokens)] = torch.tensor([float("nan") if v is None else v for v in logprobs])
-        device = next(model.parameters()).device
-        ids, mask = left_pad(repeated, pad)
-        completion_mask, truncated = completion_mask_from(completion_ids, self.eos_ids)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
-        return Rollout(ids.to(device), mask.to(device), completion_ids.to(device), completion_mask.to(device),
-                       truncated.to(device), None if greedy else sampling_logps.to(device))
+        logprobs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
+        return engine_rollout(repeated, [c["token_ids"] for c in choices], logprobs, self.tokenizer.pad_token_id,
+                              self.eos_ids, next(model.parameters()).device, greedy)
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
