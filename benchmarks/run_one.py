@@ -103,7 +103,7 @@ def run_rlft(spec, work, steps: int, clock: StepClock, out_dir: str) -> None:
     from rlft import GRPOConfig, GRPOTrainer
     from rlft.train import grpo
 
-    cfg = GRPOConfig(output_dir=out_dir, max_steps=steps, report_to=["none"], disable_tqdm=True, save_steps=10**6,
+    cfg = GRPOConfig(output_dir=out_dir, overwrite_output_dir=True, max_steps=steps, report_to=["none"], disable_tqdm=True, save_steps=10**6,
                      logging_steps=1, log_completions=False, lr_scheduler_type="constant", loss_type="dapo", beta=0.0,
                      seed=0, **spec.common())
     trainer = GRPOTrainer(work.model, work.reward_funcs, cfg, work.rows, processing_class=work.tokenizer,
