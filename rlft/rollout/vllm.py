@@ -124,6 +124,22 @@ def engine_rollout(repeated: list[list[int]], tokens: list[list[int]], logprobs:
                    truncated.to(device), None if greedy else sampling_logps.to(device))
 
 
+def request_seeds(count: int, greedy: bool) -> list[int | None]:
+    """One seed per completion, drawn from rlft's RNG (in every checkpoint): reproducible and resumable.
+    (A single vLLM request with n > 1 and a seed returns n identical samples.) Greedy requests need none."""
+    return [None] * count if greedy else torch.randint(0, 2**31 - 1, (count,)).tolist()
+
+
+def request_fields(args, eos_ids: list[int], seed: int | None) -> dict:
+    """vLLM's sampling fields for one completion (SamplingParams keywords = the server's JSON fields)."""
+    fields = dict(max_tokens=args.max_completion_length, stop_token_ids=eos_ids,
+                  repetition_penalty=args.repetition_penalty, **(args.generation_kwargs or {}))
+    if seed is None:
+        return {**fields, "temperature": 0.0}
+    return {**fields, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k or -1,
+            "min_p": args.min_p or 0.0, "seed": seed, "logprobs": 0}
+
+
 class StaleAfterStep(TrainerCallback):
     """An engine holding its own copy of the weights: every optimiser step (and a resume) marks it stale;
     it syncs once before its next generation."""
@@ -184,16 +200,8 @@ class VLLMColocate(StaleAfterStep):
     def sampling_params(self, count: int, greedy: bool) -> list:
         from vllm import SamplingParams
 
-        args = self.args
-        common = dict(max_tokens=args.max_completion_length, stop_token_ids=self.eos_ids, detokenize=False,
-                      repetition_penalty=args.repetition_penalty, **(args.generation_kwargs or {}))
-        if greedy:
-            return [SamplingParams(temperature=0.0, **common)] * count
-        # one request per completion, each with its own seed drawn from rlft's RNG: reproducible and resumable
-        # (a request with n > 1 and a seed returns n identical samples)
-        seeds = torch.randint(0, 2**31 - 1, (count,)).tolist()
-        return [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or -1,
-                               min_p=args.min_p or 0.0, logprobs=0, seed=seed, **common) for seed in seeds]
+        return [SamplingParams(detokenize=False, **request_fields(self.args, self.eos_ids, seed))
+                for seed in request_seeds(count, greedy)]
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False) -> Rollout:

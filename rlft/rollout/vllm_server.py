@@ -22,7 +22,15 @@ from pathlib import Path
 import torch
 
 from rlft.rollout.hf import Rollout, eos_token_ids
-from rlft.rollout.vllm import StaleAfterStep, engine_dtype, engine_rollout, engine_weights, merged
+from rlft.rollout.vllm import (
+    StaleAfterStep,
+    engine_dtype,
+    engine_rollout,
+    engine_weights,
+    merged,
+    request_fields,
+    request_seeds,
+)
 
 
 class VLLMServerError(RuntimeError):
@@ -131,15 +139,8 @@ class VLLMServer(StaleAfterStep):
         self.stale, self.syncs = False, self.syncs + 1
 
     def _complete(self, ids: list[int], seed: int | None) -> dict:
-        args = self.args
-        body = {"model": self.served, "prompt": ids, "max_tokens": args.max_completion_length,
-                "stop_token_ids": self.eos_ids, "return_token_ids": True, "skip_special_tokens": False,
-                "repetition_penalty": args.repetition_penalty, **(args.generation_kwargs or {})}
-        if seed is None:
-            body["temperature"] = 0.0
-        else:
-            body.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or -1,
-                        min_p=args.min_p or 0.0, seed=seed, logprobs=0)
+        body = {"model": self.served, "prompt": ids, "return_token_ids": True, "skip_special_tokens": False,
+                **request_fields(self.args, self.eos_ids, seed)}
         return self.client.request("/v1/completions", body)["choices"][0]
 
     @torch.no_grad()
@@ -147,7 +148,7 @@ class VLLMServer(StaleAfterStep):
         if self.stale:
             self.sync(model)
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
-        seeds = [None] * len(repeated) if greedy else torch.randint(0, 2**31 - 1, (len(repeated),)).tolist()
+        seeds = request_seeds(len(repeated), greedy)
         with ThreadPoolExecutor(max_workers=16) as pool:
             choices = list(pool.map(self._complete, repeated, seeds))
         logprobs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
