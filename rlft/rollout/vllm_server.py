@@ -6,6 +6,9 @@ included; LoRA merged) in shared memory, loaded with `POST /collective_rpc reloa
 route accepts only string arguments. Completions come from `POST /v1/completions` with prompt token
 ids, one request per completion with its own seed, and each token's processed log-prob.
 Every request has `vllm_server_timeout`: a dead server is an error naming the URL, never a hang.
+
+Under several training processes, rank 0 pushes the weights and every rank waits for it (a barrier),
+then each rank requests its own prompts' completions from the one server, which batches them.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rlft.rollout.hf import Rollout, eos_token_ids
 from rlft.rollout.vllm import (
@@ -107,24 +112,27 @@ class VLLMServer(StaleAfterStep):
     """The rollout protocol on a running vLLM server."""
 
     def __init__(self, args, tokenizer, model):
-        import os
-
-        from rlft.config import ConfigError
-
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError("vllm_mode='server' with several training processes is not supported yet (rank 0 "
-                              "would have to sync and generate for every rank); run one process")
         self.args, self.tokenizer = args, tokenizer
         self.client = ServerClient(server_url(args), args.vllm_server_timeout)
         self.client.wait_healthy()
         self.served = self.client.request("/v1/models")["data"][0]["id"]
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
-        shm = Path("/dev/shm")
-        self.folder = tempfile.mkdtemp(prefix="rlft-weights-", dir=str(shm) if shm.is_dir() else None)
+        self.folder = None
+        if _rank() == 0:  # the one process that pushes weights
+            shm = Path("/dev/shm")
+            self.folder = tempfile.mkdtemp(prefix="rlft-weights-", dir=str(shm) if shm.is_dir() else None)
+            weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)  # however the run ends
 
     @torch.no_grad()
     def sync(self, model) -> None:
+        if self.folder:
+            self._push(model)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # no rank generates before the server holds the new weights
+        self.stale, self.syncs = False, self.syncs + 1
+
+    def _push(self, model) -> None:
         from safetensors.torch import save_file
 
         with merged(model):  # clones: tied tensors cannot be saved as one storage
@@ -136,7 +144,7 @@ class VLLMServer(StaleAfterStep):
         except VLLMServerError as err:
             raise VLLMServerError(f"the vLLM server serves {self.served!r}, which did not take this model's "
                                   f"weights (a different model?): {err}") from err
-        self.stale, self.syncs = False, self.syncs + 1
+        self.client.request("/reset_prefix_cache", {})  # cached prompt keys/values belong to the old weights
 
     def _complete(self, ids: list[int], seed: int | None) -> dict:
         body = {"model": self.served, "prompt": ids, "return_token_ids": True, "skip_special_tokens": False,
@@ -156,4 +164,9 @@ class VLLMServer(StaleAfterStep):
                               self.eos_ids, next(model.parameters()).device, greedy)
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
