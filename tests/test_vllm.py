@@ -256,14 +256,14 @@ def test_doctor_starts_the_engine_and_checks_the_weight_sync(tmp_path, shipped_p
 
 @pytest.mark.slow
 def test_the_demo_learns_as_well_with_vllm_as_with_generate(tmp_path):
-    """Same config, seed and steps as the default suite's CI-sized demo (300 LoRA steps: HF generate measured
-    29.0% -> 71.0%, asserted there); with the vLLM engine the held-out accuracy must rise as far."""
+    """The README's demo (1500 LoRA steps) with the vLLM engine, held to the bar of the default suite's
+    test_full_demo_reaches_85_percent (HF generate, same config and seed: measured 29.0% -> 94.0%). 300 steps are
+    too few to compare: held-out accuracy there moves by +-10 points between evaluations."""
     from rlft.demo import run_demo
     from tests.test_learning import heldout_accuracy
 
-    assert run_demo(steps=300, output_dir=str(tmp_path / "demo"), use_vllm=True) == 0
+    assert run_demo(output_dir=str(tmp_path / "demo"), use_vllm=True) == 0
     accuracy = heldout_accuracy(tmp_path / "demo")
-    print(f"\nvllm demo held-out accuracy: {accuracy}")
-    assert accuracy[0] == pytest.approx(0.29)  # greedy evaluation through vLLM from the same start
-    assert accuracy[-1] >= 0.29 + 0.20  # the bar the HF run is held to
-    assert accuracy[-1] >= 0.71 - 0.10  # and within noise of what the HF run reached
+    print(f"\nvllm demo held-out accuracy: {[round(a, 3) for a in accuracy]}")
+    assert accuracy[0] == pytest.approx(0.29)  # greedy evaluation through vLLM from the same start as HF's
+    assert max(accuracy[-3:]) >= 0.85
