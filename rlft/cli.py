@@ -14,9 +14,11 @@ from rlft.config import ConfigError
 
 def _train(args, extra: list[str], kind: str) -> int:
     """`rlft grpo` / `rlft reward`: validate the config before importing the trainers, train, save."""
+    from rlft.cli_fields import field_values
     from rlft.config import GRPOConfig, RewardConfig, load_config, parse_overrides
 
-    cfg = load_config(GRPOConfig if kind == "grpo" else RewardConfig, args.config, parse_overrides(extra))
+    overrides = {**field_values(args), **parse_overrides(extra)}  # extra: TRL field names rlft does not implement
+    cfg = load_config(GRPOConfig if kind == "grpo" else RewardConfig, args.config, overrides)
     if kind == "grpo":
         from rlft.train.grpo import GRPOTrainer as Trainer
     else:
@@ -86,16 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO and reward models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    grpo = sub.add_parser("grpo", help="GRPO training from a YAML config (+ --field value overrides)")
-    grpo.add_argument("--config", help="YAML file with GRPOConfig fields")
-    grpo.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", default=None,
-                      help="'true' for the latest checkpoint in output_dir, or a checkpoint path")
-    grpo.set_defaults(func=_cmd_grpo)
+    from rlft.cli_fields import add_config_fields
+    from rlft.config import GRPOConfig, RewardConfig
 
-    reward = sub.add_parser("reward", help="Bradley-Terry reward-model training from a YAML config")
-    reward.add_argument("--config", help="YAML file with RewardConfig fields")
-    reward.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", default=None)
-    reward.set_defaults(func=_cmd_reward)
+    for name, cls, func, what in (("grpo", GRPOConfig, _cmd_grpo, "GRPO training"),
+                                  ("reward", RewardConfig, _cmd_reward, "Bradley-Terry reward-model training")):
+        train = sub.add_parser(name, help=f"{what} from a YAML config and/or --field value options",
+                               description=f"{what}. Every field below can be in the --config YAML or given here "
+                               "(options win over the YAML); examples/configs/ holds runnable configs.",
+                               usage=f"rlft {name} [--config run.yaml] [--field value ...]", allow_abbrev=False)
+        train.add_argument("--config", help=f"YAML file of {cls.__name__} fields")
+        train.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", default=None,
+                           help="'true' for the latest checkpoint in output_dir, or a checkpoint path")
+        add_config_fields(train, cls)
+        train.set_defaults(func=func)
 
     demo = sub.add_parser("demo", help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1500: about 2 minutes on 2 CPU cores)")

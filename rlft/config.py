@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from rlft.compat import compat_fields, unimplemented_errors
+from rlft.config_help import FIELD_HELP
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -425,7 +426,8 @@ def from_dict(cls: type[TrainConfig], values: dict[str, Any]) -> TrainConfig:
         hints = []
         for key in unknown:
             close = difflib.get_close_matches(key, list(types_), n=1, cutoff=0.6)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}: {FIELD_HELP.get(close[0], 'a TRL field')}?)"
+                                        if close else ""))
         raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(hints)}")
     kwargs = {key: _coerce(key, value, types_[key]) for key, value in values.items()}
     return cls(**kwargs)

@@ -39,7 +39,7 @@ def test_cli_overrides_are_typed(tmp_path):
 
 
 def test_unknown_key_suggests_nearest():
-    with pytest.raises(ConfigError, match=r"'learning_rat' \(did you mean 'learning_rate'\?\)"):
+    with pytest.raises(ConfigError, match=r"'learning_rat' \(did you mean 'learning_rate': peak learning rate\?\)"):
         from_dict(GRPOConfig, {"learning_rat": 1e-5})
 
 
