@@ -53,7 +53,9 @@ def normalize_report_to(value: Any) -> list[str]:
     """transformers' semantics: "none" -> [], "all" -> every installed tracker, a name -> [name], a list as is."""
     if value is None or value == "none":
         return []
-    names = [value] if isinstance(value, str) else [str(v) for v in value]
+    if isinstance(value, str):  # the command line: "tensorboard", "tensorboard,trackio", "[tensorboard, trackio]"
+        value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+    names = [str(v) for v in value]
     if "all" in names:
         from accelerate.utils import is_tensorboard_available, is_trackio_available, is_wandb_available
 
