@@ -39,19 +39,25 @@ def test_one_step_on_two_processes_equals_one_process_for_every_loss_type(tmp_pa
             assert value == pytest.approx(two[loss_type]["metrics"][key], abs=1e-6), (loss_type, key)
 
 
+def lora_run_yaml(tmp_path, model_dir, extra: str = "") -> tuple[Path, Path]:
+    """A small GRPO LoRA run's YAML (2 prompts x 4 completions per process and step; `extra` lines win, as later
+    YAML keys do): (config, output_dir)."""
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
+    out, config = tmp_path / "run", tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {model_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
+                      "reward_funcs: [exact_match, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
+                      "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlogging_steps: 1\nsave_steps: 2\n"
+                      "learning_rate: 1e-3\nreport_to: none\ndisable_tqdm: true\n" + extra)
+    return config, out
+
+
 def cli_on_two_processes(*args: str) -> None:
     result = launch(["-m", "rlft.cli", *args], 2)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_path, shipped_policy_dir):
-    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
-    out = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text(f"model_name_or_path: {shipped_policy_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
-                      "reward_funcs: [exact_match, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
-                      "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlogging_steps: 1\nsave_steps: 2\n"
-                      "learning_rate: 1e-3\nreport_to: none\ndisable_tqdm: true\n")
+    config, out = lora_run_yaml(tmp_path, shipped_policy_dir)
     cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "2")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]  # one writer, not one per rank
@@ -143,13 +149,7 @@ def test_two_nodes_of_one_process_each_on_loopback(tmp_path, shipped_policy_dir)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
-    out = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text(f"model_name_or_path: {shipped_policy_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
-                      "reward_funcs: [exact_match, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
-                      "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlogging_steps: 1\nsave_steps: 2\n"
-                      "learning_rate: 1e-3\nreport_to: none\ndisable_tqdm: true\nmax_steps: 2\n")
+    config, out = lora_run_yaml(tmp_path, shipped_policy_dir, "max_steps: 2\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port),

@@ -172,15 +172,10 @@ def test_a_model_object_without_a_folder_starts_the_engine_and_leaves_no_tempora
 
 
 def two_process_config(tmp_path, shipped_policy_dir, extra: str = "") -> str:
-    from tests.helpers import write_jsonl
+    from tests.test_distributed import lora_run_yaml
 
-    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
-    config = tmp_path / "run.yaml"
-    config.write_text(f"model_name_or_path: {shipped_policy_dir}\ntrain_dataset: {data}\noutput_dir: {tmp_path}/run\n"
-                      "reward_funcs: [exact_match, format]\nnum_generations: 4\nper_device_train_batch_size: 8\n"
-                      "max_completion_length: 8\nuse_peft: true\nlora_r: 4\nlearning_rate: 1e-2\nlogging_steps: 1\n"
-                      "save_steps: 1000\nreport_to: none\ndisable_tqdm: true\nuse_vllm: true\nlora_dropout: 0.0\n"
-                      "vllm_importance_sampling_mode: token_truncate\n" + extra)
+    config, _ = lora_run_yaml(tmp_path, shipped_policy_dir, "learning_rate: 1e-2\nsave_steps: 1000\nuse_vllm: true\n"
+                              "lora_dropout: 0.0\nvllm_importance_sampling_mode: token_truncate\n" + extra)
     return str(config)
 
 

