@@ -302,6 +302,14 @@ def test_reward_keywords_that_match_nothing_warn_or_fail_up_front(tmp_path, ship
         trainer.train()
     assert "reward function 'reward_with_typo': keyword 'answr' matches no dataset column" in caplog.text
     assert "Did you mean 'answer'?" in caplog.text
+    caplog.clear()
+    from rlft.rewards.builtins import format_reward  # its keyword `pattern` is a parameter, like no column
+
+    quiet = GRPOTrainer(str(shipped_policy_dir), [format_reward], tiny_grpo_config(tmp_path / "q", max_steps=1),
+                        addition_rows(16))
+    with caplog.at_level(logging.WARNING, logger="rlft"):
+        quiet.train()
+    assert "matches no dataset column" not in caplog.text
     with pytest.raises(RewardFunctionError, match=r"'reward_needing_a_missing_column' requires keyword 'solution'"):
         GRPOTrainer(str(shipped_policy_dir), [reward_needing_a_missing_column], tiny_grpo_config(tmp_path),
                     addition_rows(16))

@@ -89,7 +89,8 @@ def resolve_rewards(specs: Any, weights: list[float] | None, processing_classes:
 def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) -> list[str]:
     """Each reward function's keywords against what it will be passed: the dataset's extra columns and the
     standard arguments. A required keyword that nothing supplies is an error now (not a TypeError at the
-    first step); a keyword with a default that nothing supplies is likely a typo: one warning each."""
+    first step); a keyword with a default that nothing supplies but that is close to a column or argument
+    name is likely a typo: one warning each."""
     import difflib
 
     from rlft.config import REWARD_ARGUMENTS
@@ -111,8 +112,9 @@ def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) 
             if param.default is param.empty:
                 raise RewardFunctionError(f"reward function {name!r} requires keyword {param.name!r}, which matches "
                                           f"{where}{hint}")
-            warnings.append(f"reward function {name!r}: keyword {param.name!r} matches {where} It will always get "
-                            f"its default {param.default!r}.{hint}")
+            if near:  # a defaulted keyword like no column is a parameter (format_reward's pattern), not a typo
+                warnings.append(f"reward function {name!r}: keyword {param.name!r} matches {where} It will always "
+                                f"get its default {param.default!r}.{hint}")
     return warnings
 
 
