@@ -145,8 +145,8 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
                 isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
             self._setup_notes.append(
                 "dropout is on (lora_dropout or the model's own) while vLLM samples without it: the sampling "
-                "correction then also weighs dropout noise (measured on the demo policy, lora_dropout 0.05: "
-                "log-prob mismatch up to 0.8 instead of 1e-5). Set disable_dropout: true for vLLM runs")
+                "correction then also weighs dropout noise, and the sampling/ mismatch metrics show it although "
+                "the weights match. Set disable_dropout: true for vLLM runs")
         self.is_peft = isinstance(model, PeftModel)
         if next(model.parameters()).dtype == torch.float16 and not self.is_peft:
             raise ConfigError("float16 full fine-tuning is refused: AdamW would keep float16 state and overflow "
