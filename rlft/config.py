@@ -183,7 +183,7 @@ class _GRPOFields(_TrainFields):
     allow_nan_rewards: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int | None = None  # None: sized to the device (rlft.core.logprobs.default_chunk_size)
     log_completions: bool = False
     num_completions_to_log: int = 8
     zero_signal_warning_steps: int = 5

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rlft.core.logprobs import entropy_from_logits, selective_log_softmax
+from rlft.core.logprobs import default_chunk_size, entropy_from_logits, selective_log_softmax
 
 
 def reference(logits, ids, temperature=1.0):
@@ -87,3 +87,17 @@ def test_sliced_logits_view_is_not_copied_whole():
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert largest <= chunk * vocab * 4 * 2 < view.numel() * view.element_size()
     assert torch.allclose(out, reference(view, ids), atol=1e-6, rtol=1e-6)
+
+
+def test_default_block_on_a_cpu_holds_about_a_million_elements_and_changes_no_value():
+    """logprob_chunk_size: null sizes blocks to the device; the values do not depend on the block size."""
+    torch.manual_seed(3)
+    large = torch.randn(2, 3, 32000)
+    assert default_chunk_size(large) == (1 << 20) // 32000 == 32
+    assert default_chunk_size(torch.randn(1, 1, 3_000_000)) == 1  # never 0, however large the vocabulary
+    small = torch.randn(2, 40, 50, dtype=torch.float64)
+    ids = torch.randint(0, 50, (2, 40))
+    assert default_chunk_size(small) == (1 << 20) // 50
+    auto = selective_log_softmax(small, ids, 0.8, default_chunk_size(small))
+    assert torch.equal(auto, selective_log_softmax(small, ids, 0.8, 7))
+    assert torch.equal(entropy_from_logits(small, 0.8, default_chunk_size(small)), entropy_from_logits(small, 0.8, 7))

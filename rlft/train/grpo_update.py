@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlft.core.importance import correction_stats, sampling_correction
-from rlft.core.logprobs import entropy_from_logits, selective_log_softmax
+from rlft.core.logprobs import default_chunk_size, entropy_from_logits, selective_log_softmax
 from rlft.core.losses import policy_loss
 from rlft.models import GradientFlowError, check_gradient_flow
 from rlft.rollout.hf import Rollout
@@ -90,9 +90,9 @@ class PolicyUpdate:
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
                        logits_to_keep=width + 1).logits[:, :-1]  # [b, c, V]: position t predicts token t
-        logps = selective_log_softmax(logits, completion_ids, self.args.temperature, self.args.logprob_chunk_size)
-        ent = entropy_from_logits(logits.detach(), self.args.temperature, self.args.logprob_chunk_size) if entropy \
-            else None
+        chunk = self.args.logprob_chunk_size or default_chunk_size(logits)
+        logps = selective_log_softmax(logits, completion_ids, self.args.temperature, chunk)
+        ent = entropy_from_logits(logits.detach(), self.args.temperature, chunk) if entropy else None
         return logps, ent
 
     def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
