@@ -69,6 +69,12 @@ class _TrainFields:
     overwrite_output_dir: bool = False  # a new run into a folder holding an earlier run: replace it (else refused)
     train_dataset: str | None = None  # a local file, a dataset folder or a hub dataset id
     eval_dataset: str | None = None
+    # TRL's script arguments (trl grpo / trl reward): datasets.load_dataset(dataset_name, dataset_config)
+    dataset_name: str | None = None
+    dataset_config: str | None = None
+    dataset_train_split: str = "train"
+    dataset_test_split: str = "test"
+    dataset_streaming: bool = False
     seed: int = 42
     learning_rate: float = 1e-6
     optim: str = "adamw_torch"
@@ -273,6 +279,9 @@ def _validate_common(cfg: TrainConfig, errors: list[str]) -> None:
     if not (cfg.pad_to_multiple_of in (None, "auto") or (isinstance(cfg.pad_to_multiple_of, int)
                                                          and cfg.pad_to_multiple_of > 0)):
         errors.append(f"pad_to_multiple_of={cfg.pad_to_multiple_of!r} must be a positive int, 'auto' or null")
+    if cfg.dataset_name and cfg.train_dataset:
+        errors.append(f"dataset_name={cfg.dataset_name!r} and train_dataset={cfg.train_dataset!r} are both set: "
+                      "give one (dataset_name picks its split with dataset_train_split)")
     errors.extend(unimplemented_errors(cfg))
 
 

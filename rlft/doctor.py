@@ -109,11 +109,12 @@ def _grad_check(report: Report, model, backward) -> None:
 def doctor_grpo(cfg: GRPOConfig, report: Report, model=None, reward_funcs=None, train_dataset=None,
                 tokenizer=None) -> None:
     from rlft.core.losses import policy_loss
-    from rlft.data.prompts import is_conversational, load_dataset_any
+    from rlft.data.prompts import datasets_from_args, is_conversational, load_dataset_any
     from rlft.train.grpo import GRPOTrainer
 
     source = model if model is not None else cfg.model_name_or_path
-    dataset = load_dataset_any(train_dataset if train_dataset is not None else cfg.train_dataset)
+    dataset = load_dataset_any(train_dataset if train_dataset is not None else datasets_from_args(cfg, cfg.train_dataset)[0])
+    cfg = dataclasses.replace(cfg, dataset_name=None)  # the rows are chosen: the trainer gets them, not the name
     dataset = dataset.select(range(min(len(dataset), 2)))
     _tokenizer_checks(report, getattr(source, "name_or_path", source), tokenizer,
                       is_conversational(dataset[0].get("prompt")))
@@ -184,11 +185,12 @@ def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
 
 
 def doctor_reward(cfg: RewardConfig, report: Report, model=None, train_dataset=None, tokenizer=None) -> None:
-    from rlft.data.prompts import is_conversational, load_dataset_any
+    from rlft.data.prompts import datasets_from_args, is_conversational, load_dataset_any
     from rlft.train.reward import RewardTrainer
 
     source = model if model is not None else cfg.model_name_or_path
-    dataset = load_dataset_any(train_dataset if train_dataset is not None else cfg.train_dataset)
+    dataset = load_dataset_any(train_dataset if train_dataset is not None else datasets_from_args(cfg, cfg.train_dataset)[0])
+    cfg = dataclasses.replace(cfg, dataset_name=None)  # the rows are chosen: the trainer gets them, not the name
     dataset = dataset.select(range(min(len(dataset), 4)))
     _tokenizer_checks(report, getattr(source, "name_or_path", source), tokenizer,
                       is_conversational(dataset[0].get("chosen")))

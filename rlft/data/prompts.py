@@ -119,6 +119,42 @@ def load_dataset_any(source: Any, split: str = "train"):
                        "DatasetDict, a list of dicts, a file path, a dataset folder or a hub dataset id")
 
 
+def load_named_dataset(name: str, config: str | None = None, streaming: bool = False):
+    """`datasets.load_dataset(name, config, streaming=...)`: a hub dataset id, or a local folder laid out like
+    a hub dataset repository (data files named by split, or a README with `configs`) through the same call,
+    offline for the local folder. Returns the DatasetDict (or IterableDatasetDict) of every split."""
+    import datasets
+
+    local = Path(name).exists()
+    try:
+        with _offline() if local else contextlib.nullcontext():
+            return datasets.load_dataset(name, config, streaming=streaming)
+    except Exception as err:  # missing, private, offline, bad config: datasets' own message says which
+        where = "local folder" if local else "hub dataset"
+        raise DatasetError(f"dataset_name {name!r}" + (f" (dataset_config {config!r})" if config else "") +
+                           f" could not be loaded as a {where}: {type(err).__name__}: {err}") from err
+
+
+def datasets_from_args(args, train_dataset=None, eval_dataset=None):
+    """TRL's script arguments: with `args.dataset_name` set, (its dataset_train_split, its dataset_test_split
+    when evaluation is on and no eval_dataset is given); without it, the datasets passed, unchanged."""
+    name = getattr(args, "dataset_name", None)
+    if not name:
+        return train_dataset, eval_dataset
+    if train_dataset is not None:
+        raise DatasetError(f"train_dataset= and dataset_name={name!r} are both given: pass one")
+    loaded = load_named_dataset(name, args.dataset_config, args.dataset_streaming)
+    wanted = [("dataset_train_split", args.dataset_train_split)]
+    if eval_dataset is None and args.eval_strategy != "no":
+        wanted.append(("dataset_test_split", args.dataset_test_split))
+    for field_name, split in wanted:
+        if split not in loaded:
+            raise DatasetError(f"dataset_name {name!r} has the splits {list(loaded)} and no {split!r}: set "
+                               f"{field_name} to one of them" + (" (or eval_strategy: no)"
+                                                                 if field_name == "dataset_test_split" else ""))
+    return loaded[args.dataset_train_split], loaded[wanted[1][1]] if len(wanted) > 1 else eval_dataset
+
+
 def load_eval_datasets(source: Any) -> dict[str | None, Any]:
     """None -> {}; a dict of datasets -> {name: dataset} (metrics `eval_<name>_*`); else {None: dataset}.
     A DatasetDict or hub id contributes its 'test' split."""

@@ -19,7 +19,14 @@ from transformers import TrainerCallback
 
 from rlft.config import ConfigError, GRPOConfig, to_dict, validate
 from rlft.core.advantages import multi_reward_advantages
-from rlft.data.prompts import PromptSet, epoch_order, load_dataset_any, load_eval_datasets, materialize
+from rlft.data.prompts import (
+    PromptSet,
+    datasets_from_args,
+    epoch_order,
+    load_dataset_any,
+    load_eval_datasets,
+    materialize,
+)
 from rlft.models import (
     GradientFlowError,
     apply_lora,
@@ -64,6 +71,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         if tools is not None or rollout_func is not None:
             raise ConfigError("tools= and rollout_func= are not supported by rlft yet (tool-calling rollouts are "
                               "not built); remove them")
+        train_dataset, eval_dataset = datasets_from_args(args, train_dataset, eval_dataset)
         run_state.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
         self.accelerator = run_state.make_accelerator(args)
         run_state.check_writable(args.output_dir)

@@ -17,7 +17,13 @@ import torch
 from rlft.config import ConfigError, RewardConfig, to_dict, validate
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
-from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
+from rlft.data.prompts import (
+    datasets_from_args,
+    epoch_order,
+    load_dataset_any,
+    load_eval_datasets,
+    materialize,
+)
 from rlft.models import (
     apply_lora,
     disable_dropout,
@@ -70,6 +76,7 @@ class RewardTrainer(TrainerSurface):
         if data_collator is not None or compute_metrics is not None:
             raise ConfigError("data_collator= and compute_metrics= are not supported: rlft pads pairs itself and "
                               "reports loss, accuracy and margins")
+        train_dataset, eval_dataset = datasets_from_args(args, train_dataset, eval_dataset)
         run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
         run_state.check_writable(args.output_dir)
