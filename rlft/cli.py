@@ -87,13 +87,16 @@ def _cmd_vllm_serve(args, extra: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO and reward models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true",
+                        help="show third-party progress bars and vLLM's INFO log (also: RLFT_VERBOSE=1)")
 
     from rlft.cli_fields import add_config_fields
     from rlft.config import GRPOConfig, RewardConfig
 
     for name, cls, func, what in (("grpo", GRPOConfig, _cmd_grpo, "GRPO training"),
                                   ("reward", RewardConfig, _cmd_reward, "Bradley-Terry reward-model training")):
-        train = sub.add_parser(name, help=f"{what} from a YAML config and/or --field value options",
+        train = sub.add_parser(name, parents=[common], help=f"{what} from a YAML config and/or --field value options",
                                description=f"{what}. Every field below can be in the --config YAML or given here "
                                "(options win over the YAML); examples/configs/ holds runnable configs.",
                                usage=f"rlft {name} [--config run.yaml] [--field value ...]", allow_abbrev=False)
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_fields(train, cls)
         train.set_defaults(func=func)
 
-    demo = sub.add_parser("demo", help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
+    demo = sub.add_parser("demo", parents=[common], help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1500: about 2 minutes on 2 CPU cores)")
     demo.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     demo.add_argument("--seed", type=int, default=0)
@@ -111,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", default="runs/demo")
     demo.set_defaults(func=_cmd_demo)
 
-    doctor = sub.add_parser("doctor", help="preflight checks for a grpo or reward config")
+    doctor = sub.add_parser("doctor", parents=[common], help="preflight checks for a grpo or reward config")
     doctor.add_argument("--config", required=True, help="the YAML you would pass to rlft grpo / rlft reward")
     doctor.add_argument("--kind", choices=["auto", "grpo", "reward"], default="auto",
                         help="auto: a config with reward-model fields (max_length, truncation, ...) is 'reward'")
@@ -142,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in ("grpo", "reward", "doctor", "vllm-serve"):  # vllm-serve: passed to vLLM
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in ("grpo", "reward", "demo", "doctor"):
+        from rlft.quiet import quiet_command_line
+
+        quiet_command_line(args.verbose)
     try:
         return args.func(args, extra)
     except ConfigError as err:

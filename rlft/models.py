@@ -19,6 +19,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from rlft.quiet import known_noise
+
 logger = logging.getLogger("rlft")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 
@@ -189,7 +191,8 @@ def apply_lora(model, peft_config, expected_task_type: str):
     if task_type != expected_task_type:
         logger.warning("peft_config.task_type=%r; rlft sets it to %r for this model", task_type, expected_task_type)
         peft_config.task_type = expected_task_type
-    return get_peft_model(model, peft_config)
+    with known_noise():  # peft reads transformers' deprecated is_gradient_checkpointing
+        return get_peft_model(model, peft_config)
 
 
 def enable_checkpointing(model, kwargs: dict | None = None) -> None:

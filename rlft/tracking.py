@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 logger = logging.getLogger("rlft")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # a note is one line in a log file, not cut at 80 columns
 
 
 def _jsonable(value: Any) -> Any:

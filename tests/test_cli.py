@@ -58,6 +58,36 @@ def test_output_to_a_file_shows_one_plain_line_per_logged_step(tmp_path, shipped
     assert all("reward" in x and "loss" in x and "grad_norm" in x for x in lines)
 
 
+def test_third_party_noise_is_silent_unless_verbose(tmp_path, shipped_policy_dir):
+    """Weight-loading/writing bars and peft's is_gradient_checkpointing FutureWarning (LoRA + checkpointing)
+    are not in a log file; every line is rlft's own. --verbose or RLFT_VERBOSE=1 brings them back."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import addition_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
+    common = ["grpo", "--model_name_or_path", str(shipped_policy_dir), "--train_dataset", str(data),
+              "--reward_funcs", "exact_match", "--num_generations", "4", "--per_device_train_batch_size", "8",
+              "--max_completion_length", "8", "--max_steps", "1", "--logging_steps", "1", "--use_peft",
+              "--gradient_checkpointing", "true"]
+
+    def log_of(name: str, *extra: str, env: dict | None = None) -> str:
+        with open(tmp_path / f"{name}.txt", "w") as log:
+            result = subprocess.run([sys.executable, "-m", "rlft.cli", *common, "--output_dir", str(tmp_path / name),
+                                     *extra], stdout=log, stderr=subprocess.STDOUT, timeout=300,
+                                    env={**os.environ, **(env or {})})
+        assert result.returncode == 0
+        return (tmp_path / f"{name}.txt").read_text()
+
+    quiet = log_of("quiet")
+    assert [line.split()[0] for line in quiet.splitlines()] == ["rlft"] * len(quiet.splitlines()), quiet
+    assert "rlft step 1/1 reward" in quiet
+    for loud in (log_of("flag", "--verbose"), log_of("env", env={"RLFT_VERBOSE": "1"})):
+        assert "Loading weights" in loud and "is_gradient_checkpointing` is deprecated" in loud
+
+
 @pytest.mark.parametrize("sub", ["grpo", "reward"])
 def test_training_help_lists_every_config_field_with_type_default_and_help(sub, capsys):
     import dataclasses
