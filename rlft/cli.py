@@ -154,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"rlft {args.command}: {err}", file=sys.stderr)
         return 2
+    except ValueError as err:  # a dataset problem is the user's to fix, like a config one: no traceback
+        from rlft.data.prompts import DatasetError
+
+        if not isinstance(err, DatasetError):
+            raise
+        print(f"rlft {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

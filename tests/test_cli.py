@@ -37,6 +37,13 @@ def test_bad_config_value_exits_2_with_field_name(capsys):
     assert "loss_type='ppo'" in capsys.readouterr().err
 
 
+def test_a_dataset_problem_exits_2_with_the_file_and_no_traceback(tmp_path, capsys, shipped_policy_dir):
+    code = main(["grpo", "--model_name_or_path", str(shipped_policy_dir), "--train_dataset",
+                 str(tmp_path / "missing.jsonl"), "--reward_funcs", "exact_match", "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "missing.jsonl' is neither an existing file" in err and "Traceback" not in err
+
+
 def test_output_to_a_file_shows_one_plain_line_per_logged_step(tmp_path, shipped_policy_dir):
     """Under a log file / CI / nohup the rich bar draws nothing: plain progress lines replace it."""
     import subprocess
