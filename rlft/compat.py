@@ -55,11 +55,6 @@ HINTS = {
     "max_tool_calling_iterations": "tool-calling rollouts are not built yet",
     "neftune_noise_alpha": "not supported",
     "resume_from_checkpoint": "pass it to trainer.train(resume_from_checkpoint=...) or the CLI flag",
-    "delta": "two-sided clipping is not built yet; use epsilon / epsilon_high",
-    "top_entropy_quantile": "entropy masking is not built yet",
-    "entropy_coef": "entropy regularisation is not built yet",
-    "sync_ref_model": "reference-model syncing is not built yet",
-    "off_policy_mask_threshold": "off-policy masking is not built yet",
     "use_transformers_paged": "rlft generates with model.generate",
     "use_transformers_continuous_batching": "rlft generates with model.generate",
 }

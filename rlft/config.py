@@ -20,7 +20,7 @@ from typing import Any
 
 from rlft.compat import compat_fields, unimplemented_errors
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")  # transformers' names
 IS_LEVELS = ("token", "sequence")
@@ -184,6 +184,22 @@ class _GRPOFields(_TrainFields):
     allow_nan_rewards: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    delta: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
+    off_policy_mask_threshold: float | None = None
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     logprob_chunk_size: int | None = None  # None: sized to the device (rlft.core.logprobs.default_chunk_size)
     log_completions: bool = False
     num_completions_to_log: int = 8
@@ -321,6 +337,33 @@ def _validate_grpo(cfg, errors: list[str]) -> None:
                       f"{len(cfg.reward_funcs)}: give one weight per reward function")
     _validate_generation_batch(cfg, errors)
     _validate_vllm(cfg, errors)
+    _validate_algorithm_options(cfg, errors)
+
+
+def _validate_algorithm_options(cfg, errors: list[str]) -> None:
+    _positive(errors, cfg, "entropy_coef", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+              "entropy_target", "off_policy_mask_threshold", "vespo_lambda_pos", "vespo_lambda_neg", allow_zero=True)
+    _positive(errors, cfg, "ref_model_sync_steps")
+    if cfg.delta is not None and cfg.delta <= 1:
+        errors.append(f"delta={cfg.delta!r} must be > 1 (INTELLECT-2 caps the ratio of negative-advantage tokens "
+                      f"from above; it should exceed 1 + epsilon_high)")
+    if not 0 <= cfg.top_entropy_quantile <= 1:
+        errors.append(f"top_entropy_quantile={cfg.top_entropy_quantile!r} must be in [0, 1] (1 keeps every token)")
+    if cfg.entropy_coef_min > cfg.entropy_coef_max:
+        errors.append(f"entropy_coef_min={cfg.entropy_coef_min} exceeds entropy_coef_max={cfg.entropy_coef_max}")
+    if not 0 <= cfg.ref_model_mixup_alpha <= 1:
+        errors.append(f"ref_model_mixup_alpha={cfg.ref_model_mixup_alpha!r} must be in [0, 1]")
+    if cfg.sync_ref_model and cfg.beta == 0:
+        errors.append("sync_ref_model=True with beta=0: there is no reference model to update (the KL term is off); "
+                      "set beta > 0 or sync_ref_model: false")
+    if cfg.sync_ref_model and cfg.use_peft:
+        errors.append("sync_ref_model=True with LoRA: the reference is the base model under the adapters, not a "
+                      "separate copy that can move; use full fine-tuning or sync_ref_model: false (TRL's rule)")
+    if cfg.loss_type == "vespo" and cfg.use_vllm and cfg.vllm_importance_sampling_correction and \
+            cfg.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
+        errors.append(f"loss_type vespo folds the sampling correction into its sequence weight token by token: "
+                      f"set vllm_importance_sampling_mode to token_truncate or token_mask (not "
+                      f"{cfg.vllm_importance_sampling_mode})")
 
 
 def _validate_vllm(cfg, errors: list[str]) -> None:

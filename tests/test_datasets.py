@@ -13,8 +13,14 @@ from rlft.cli import main
 from rlft.config import ConfigError, GRPOConfig
 from rlft.data.prompts import DatasetError, datasets_from_args, load_named_dataset
 from rlft.tracking import read_metrics
-from tests.helpers import (addition_rows, correct_answer, preference_rows, tiny_grpo_config, tiny_reward_config,
-                           write_jsonl)
+from tests.helpers import (
+    addition_rows,
+    correct_answer,
+    preference_rows,
+    tiny_grpo_config,
+    tiny_reward_config,
+    write_jsonl,
+)
 
 README_WITH_CONFIGS = """---
 configs:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlft.core.losses import LOSS_TYPES
 from rlft.tracking import read_metrics
+from tests.dist.grpo_step import OPTIONS
 from tests.helpers import addition_rows, preference_rows, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,14 +26,17 @@ def launch(args: list[str], processes: int, timeout: int = 300) -> subprocess.Co
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_one_step_on_two_processes_equals_one_process_for_every_loss_type(tmp_path, tiny_causal_dir):
+def test_one_step_on_two_processes_equals_one_process_for_every_loss_type_and_option(tmp_path, tiny_causal_dir):
     """SGD with lr 1 makes the parameter change equal to the gradient, so this compares gradients."""
     for processes in (1, 2):
         result = launch(["tests/dist/grpo_step.py", str(tiny_causal_dir), str(tmp_path / f"{processes}.pt"), "4"],
                         processes)
         assert result.returncode == 0, result.stderr[-3000:]
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
-    assert sorted(one) == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "sapo"]
+    assert sorted(one) == sorted([*LOSS_TYPES, *OPTIONS])
+    assert one["off_policy_mask"]["metrics"]["off_policy/masked_fraction"] > 0  # the options did act
+    assert 0 < one["top_entropy_quantile"]["metrics"]["entropy_mask/kept_fraction"] < 1
+    assert one["delta"]["metrics"]["clip_ratio/delta_mean"] > 0
     for loss_type in one:
         for name, param in one[loss_type]["params"].items():
             assert torch.allclose(param, two[loss_type]["params"][name], atol=1e-6, rtol=0), (loss_type, name)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlft import GRPOConfig, GRPOTrainer
-from tests.dist.grpo_step import FixedGenerator, token_sum_reward
+from tests.dist.grpo_step import OPTIONS, FixedGenerator, off_policy, token_sum_reward
 from tests.helpers import addition_rows
 
 
@@ -19,6 +19,8 @@ def one_step(model_dir, tmp_path, per_device: int, accumulation: int, **override
     trainer = GRPOTrainer(str(model_dir), [token_sum_reward], cfg, addition_rows(16))
     trainer.generator = FixedGenerator(trainer.tokenizer)
     batch = trainer._make_rollout(0)
+    off_policy(trainer, batch)
+    trainer.last_entropy = 0.0  # adaptive entropy: as if the previous step was below the target
     shapes = []
     hook = trainer.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
                                                    with_kwargs=True)
@@ -30,13 +32,15 @@ def one_step(model_dir, tmp_path, per_device: int, accumulation: int, **override
 
 @pytest.mark.parametrize("overrides", [dict(loss_type="grpo"), dict(loss_type="dapo", beta=0.04),
                                        dict(loss_type="dr_grpo", num_iterations=2),
-                                       dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04)])
+                                       dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
+                                       dict(loss_type="vespo", beta=0.04), *OPTIONS.values()])
 def test_sorted_trimmed_micro_batches_give_the_one_batch_step(tmp_path, tiny_causal_dir, overrides):
     whole, whole_metrics, whole_shapes, batch = one_step(tiny_causal_dir, tmp_path, 16, 1, **overrides)
     split, split_metrics, split_shapes, _ = one_step(tiny_causal_dir, tmp_path, 2, 8, **overrides)
     for name, param in whole.items():
         assert torch.allclose(param, split[name], atol=1e-6, rtol=0), name
-    for key in ("loss", "kl", "entropy", "clip_ratio/region_mean"):
+    for key in ("loss", "kl", "entropy", "clip_ratio/region_mean", "entropy_loss", "entropy_mask/threshold",
+                "off_policy/masked_fraction", "vespo/phi_seq_mean", "clip_ratio/delta_mean"):
         if key in whole_metrics:
             assert whole_metrics[key] == pytest.approx(split_metrics[key], abs=1e-6), key
     # The fixed completions have 3..7 tokens: the big batch pads every row to the longest, the

@@ -75,7 +75,7 @@ def test_every_trl_field_name_is_accepted_at_its_trl_default(kind, cls):
 
 
 @pytest.mark.parametrize("field,value", [("vllm_model_impl", "transformers"), ("push_to_hub", True), ("torch_compile", True),
-                                         ("use_liger_kernel", True), ("delta", 2.0), ("neftune_noise_alpha", 5.0)])
+                                         ("use_liger_kernel", True), ("neftune_noise_alpha", 5.0)])
 def test_unimplemented_trl_field_set_away_from_default_is_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=rf"{field}={value!r} is a TRL/transformers field rlft does not implement"):
         GRPOConfig(**{field: value})

@@ -92,15 +92,41 @@ def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, tempera
     return _SelectiveLogSoftmax.apply(logits, token_ids, float(temperature), int(chunk_size))
 
 
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
-    """Per-position entropy H = logsumexp(z) - sum_v p_v z_v of softmax(logits / T), float32, chunked.
+class _Entropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, temperature, chunk_size):
+        work = _work_dtype(logits)
+        out = torch.empty(logits.shape[:-1], dtype=work, device=logits.device)  # [B, T]
+        lse, mean_s = torch.empty_like(out), torch.empty_like(out)
+        for b, t in _blocks(*logits.shape[:-1], chunk_size):
+            scaled = logits[b, t].to(work) / temperature  # [b, t, vocab]
+            lse[b, t] = torch.logsumexp(scaled, dim=-1)
+            mean_s[b, t] = (torch.exp(scaled - lse[b, t, None]) * scaled).sum(-1)  # E_p[s]
+            out[b, t] = lse[b, t] - mean_s[b, t]
+        ctx.save_for_backward(logits, lse, mean_s)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
 
-    logits: [batch, seq, vocab] -> [batch, seq]. A metric: no gradient.
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, lse, mean_s = ctx.saved_tensors
+        grad_out = grad_out.to(lse.dtype)
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for b, t in _blocks(*logits.shape[:-1], ctx.chunk_size):
+            # dH / dz_v = -p_v (s_v - E_p[s]) / T, s = z / T
+            scaled = logits[b, t].to(lse.dtype) / ctx.temperature  # [b, t, vocab]
+            grad = -torch.exp(scaled - lse[b, t, None]) * (scaled - mean_s[b, t, None])
+            grad *= grad_out[b, t, None] / ctx.temperature
+            grad_logits[b, t] = grad.to(logits.dtype)
+        return grad_logits, None, None
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """Per-position entropy H = logsumexp(s) - sum_v p_v s_v of p = softmax(s), s = logits / T, float32, chunked.
+
+    logits: [batch, seq, vocab] -> [batch, seq]. Differentiable (dH/dz_v = -p_v (s_v - E_p[s]) / T, for an
+    entropy bonus); pass `logits.detach()` for a metric. Extra memory stays O(chunk_size * vocab).
     """
-    out = torch.empty(logits.shape[:-1], dtype=_work_dtype(logits), device=logits.device)  # [B, T]
-    for b, t in _blocks(*logits.shape[:-1], chunk_size):
-        scaled = logits[b, t].to(out.dtype) / temperature  # [b, t, vocab]
-        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-        out[b, t] = lse.squeeze(-1) - (torch.exp(scaled - lse) * scaled).sum(-1)
-    return out
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be > 0")
+    return _Entropy.apply(logits, float(temperature), int(chunk_size))

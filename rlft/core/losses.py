@@ -7,6 +7,12 @@ Per-token terms
     clip  (PPO/GRPO):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
     cispo (MiniMax-M1, arXiv:2506.13585): l = -sg[min(r, 1 + eps_high)] A log pi(o_it)
     sapo  (arXiv:2511.20347): l = -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else tau_neg
+    vespo (arXiv:2602.10693): l = -sg[phi(w_i)] A log pi(o_it), phi(w) = e^lam w^k e^(-lam w) (phi(1) = 1),
+          w_i = prod_t r_it (times the sampling-correction weights), (k, lam) by the sign of A (`vespo_weights`)
+    delta (INTELLECT-2, arXiv:2505.07291): the unclipped ratio of the clip term is capped too,
+          l = -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A): with A < 0 a huge r is bounded.
+    keep  (off-policy sequence masking, DeepSeek-V3.2 arXiv:2512.02556, `off_policy_sequence_mask`): the
+          policy term of a masked sequence is 0; it still counts in the normaliser.
     + beta * KL_it (when beta > 0), added per token BEFORE aggregation, so the KL term is
       normalised exactly like the policy term. With kl_importance_weighted, KL_it is multiplied by the
       importance ratio r_it (with its gradient): the samples come from pi_old, so r_it * KL_it is the
@@ -18,6 +24,10 @@ gradient-accumulation micro-batches and all processes, passed as num_sequences /
     sequence_mean  (grpo, sapo; DeepSeekMath arXiv:2402.03300):  (1/N) sum_i (1/|o_i|) sum_t l_it
     token_mean     (dapo, bnpo, cispo; DAPO arXiv:2503.14476):    (1/T) sum_it l_it,  T = sum_i |o_i|
     constant       (dr_grpo; Dr. GRPO arXiv:2503.20783):          (1/(N * L_max)) sum_it l_it
+    sequence_sum   (luspo; LUSPO arXiv:2602.05261):               (1/N) sum_i sum_t l_it  (each sequence weighted
+                   by its length: GSPO's sequence loss without its length bias)
+The mask m_it may be narrower than the completion (top_entropy_quantile keeps the high-entropy tokens only,
+`high_entropy_mask`): T and |o_i| then count the kept tokens, as they count completion tokens.
 
 Sequence-level importance sampling (GSPO, arXiv:2507.18071) replaces r_it by
     s_i = exp((1/|o_i|) sum_t (log pi(o_it) - log pi_old(o_it)))   for every t of completion i.
@@ -25,6 +35,7 @@ Sequence-level importance sampling (GSPO, arXiv:2507.18071) replaces r_it by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -52,7 +63,8 @@ def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k
 
 def _clip_term(ratio, logps, adv, ctx) -> torch.Tensor:
     clipped = torch.clamp(ratio, 1 - ctx["epsilon_low"], 1 + ctx["epsilon_high"])
-    return -torch.min(ratio * adv, clipped * adv)
+    unclipped = ratio if ctx["delta"] is None else torch.clamp(ratio, max=ctx["delta"])
+    return -torch.min(unclipped * adv, clipped * adv)
 
 
 def _cispo_term(ratio, logps, adv, ctx) -> torch.Tensor:
@@ -63,6 +75,49 @@ def _cispo_term(ratio, logps, adv, ctx) -> torch.Tensor:
 def _sapo_term(ratio, logps, adv, ctx) -> torch.Tensor:
     tau = torch.where(adv > 0, ctx["sapo_temperature_pos"], ctx["sapo_temperature_neg"])
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+
+
+def _vespo_term(ratio, logps, adv, ctx) -> torch.Tensor:
+    return -ctx["vespo_phi"] * adv * logps
+
+
+def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                  rollout_is_weights: torch.Tensor | None = None, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                  k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
+    """VESPO's gamma weight phi(w) = exp(lam + k log w - lam w) of the sequence ratio w (arXiv:2602.10693).
+
+    log w_i = sum_t m_it clamp(log r_it, -20, 20) + sum_t m_it log(rho_it), clamped to [log 1e-8, 20], where
+    rho are the sampling-correction weights (pi_old / pi_sampler) when another engine sampled. (k, lam) are
+    (k_pos, lambda_pos) for A_i >= 0, else (k_neg, lambda_neg); lam is floored at 1e-4. phi(1) = 1, it peaks at
+    w = k / lam and falls smoothly on both sides: a soft trust region instead of a hard clip. No gradient: it
+    only scales the REINFORCE term. log_ratio, mask: [B, L]; advantages: [B] or [B, 1] -> [B, 1].
+    """
+    low = math.log(1e-8)
+    log_w = (torch.clamp(log_ratio.detach(), -20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
+    if rollout_is_weights is not None:
+        log_rho = torch.clamp(torch.log(rollout_is_weights.detach()), low, 20.0)  # [B, L] or [B, 1]
+        log_w = log_w + (log_rho * mask).sum(-1, keepdim=True) if log_rho.shape[-1] > 1 else log_w + log_rho
+    log_w = torch.clamp(log_w, low, 20.0)
+    positive = advantages.reshape(-1, 1) >= 0  # [B, 1]
+    k = torch.where(positive, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(positive, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@torch.no_grad()
+def off_policy_sequence_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): keep completion i unless its advantage
+    is negative AND its mean per-token KL(pi_sampler || pi_theta) estimate exceeds `threshold`:
+
+        keep_i = [A_i >= 0] or [(1/|o_i|) sum_t m_it (log pi_sampler(o_it) - log pi_theta(o_it)) <= threshold]
+
+    A token the sampler could not score (NaN) adds no evidence (counted as 0). [B], [B, L] x3 -> [B, 1] (0/1).
+    """
+    gap = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)  # [B, L]
+    mean_gap = (gap * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    return ((advantages.reshape(-1, 1) >= 0) | (mean_gap <= threshold)).to(logps.dtype)
 
 
 def _sequence_mean(per_token, mask, n_seq, n_tok, max_len) -> torch.Tensor:
@@ -78,6 +133,10 @@ def _constant(per_token, mask, n_seq, n_tok, max_len) -> torch.Tensor:
     return (per_token * mask).sum() / (n_seq * max_len)
 
 
+def _sequence_sum(per_token, mask, n_seq, n_tok, max_len) -> torch.Tensor:
+    return (per_token * mask).sum() / n_seq
+
+
 # loss_type -> (per-token term, aggregation). A new variant is one line here (+ its term).
 LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
     "grpo": (_clip_term, _sequence_mean),
@@ -86,7 +145,10 @@ LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
     "dr_grpo": (_clip_term, _constant),
     "cispo": (_cispo_term, _token_mean),
     "sapo": (_sapo_term, _sequence_mean),
+    "luspo": (_clip_term, _sequence_sum),
+    "vespo": (_vespo_term, _token_mean),
 }
+CLIP_LOSSES = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")  # the ones `delta` and the clip metrics apply to
 
 
 def policy_loss(
@@ -109,6 +171,9 @@ def policy_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     rollout_is_weights: torch.Tensor | None = None,
+    delta: float | None = None,
+    keep: torch.Tensor | None = None,
+    vespo: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss for one micro-batch, scaled so that micro-batch losses SUM to the step loss.
 
@@ -118,7 +183,10 @@ def policy_loss(
     bnpo and dapo are the same aggregation here: with a global num_items, normalising "per
     batch" and "per step" coincide (TRL's bnpo normalises per micro-batch instead).
     rollout_is_weights: [B, L] or [B, 1] importance weights pi_old / pi_sampler for completions sampled by
-    another engine (rlft/core/importance.py); they multiply the policy term, not the KL term (TRL's order).
+    another engine (rlft/core/importance.py); they multiply the policy term, not the KL term (TRL's order);
+    under vespo they enter the sequence weight w instead.
+    delta: INTELLECT-2's cap on the unclipped ratio (clip losses). keep: [B, 1] or [B, L] 0/1 multiplying the
+    policy term (`off_policy_sequence_mask`). vespo: k_pos, lambda_pos, k_neg, lambda_neg for `vespo_weights`.
     Returns (loss, metrics) with metrics as detached masked means over this micro-batch.
     """
     if loss_type not in LOSS_TYPES:
@@ -135,11 +203,15 @@ def policy_loss(
     ratio = torch.exp(log_ratio)  # [B, L] or [B, 1]
     adv = advantages.to(logps.dtype)[:, None]  # [B, 1]
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    ctx = {"epsilon_low": epsilon_low, "epsilon_high": eps_high,
+    ctx = {"epsilon_low": epsilon_low, "epsilon_high": eps_high, "delta": delta,
            "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg}
+    if loss_type == "vespo":
+        ctx["vespo_phi"] = vespo_weights(logps - old_logps, mask, adv, rollout_is_weights, **(vespo or {}))
     per_token = term(ratio, logps, adv, ctx).expand_as(logps)  # [B, L]
-    if rollout_is_weights is not None:
+    if rollout_is_weights is not None and loss_type != "vespo":
         per_token = per_token * rollout_is_weights.to(logps.dtype)  # [B, L] x [B, L] or [B, 1]
+    if keep is not None:
+        per_token = per_token * keep.to(logps.dtype)
     kl = None
     if beta > 0:
         kl = kl_penalty(logps, ref_logps, kl_estimator)  # [B, L]
@@ -151,6 +223,8 @@ def policy_loss(
     max_len = logps.shape[1] if max_completion_length is None else max_completion_length
     loss = aggregate(per_token, mask, n_seq, n_tok, max_len)
     metrics = _metrics(ratio.expand_as(logps).detach(), adv, mask, ctx, kl)
+    if loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = ctx["vespo_phi"].mean()
     if kl is not None:  # the KL share of `loss`, aggregated the same way (policy part = loss - kl_loss)
         metrics["kl_loss"] = aggregate(beta * kl.detach(), mask, n_seq, n_tok, max_len)
     return loss, metrics
@@ -161,12 +235,21 @@ def _metrics(ratio, adv, mask, ctx, kl) -> dict[str, torch.Tensor]:
     tokens = mask.sum().clamp(min=1)
     low = ((ratio < 1 - ctx["epsilon_low"]) & (adv < 0)).to(mask.dtype)
     high = ((ratio > 1 + ctx["epsilon_high"]) & (adv > 0)).to(mask.dtype)
+    lengths = mask.sum(-1)  # [B]; TRL's low_min / high_max: extremes over completions of their clipped fraction
+    rows = lengths > 0
+    seq_low = ((low * mask).sum(-1) / lengths.clamp(min=1))[rows]
+    seq_high = ((high * mask).sum(-1) / lengths.clamp(min=1))[rows]
     metrics = {
+        "clip_ratio/low_min": seq_low.min() if rows.any() else torch.tensor(math.inf),
+        "clip_ratio/high_max": seq_high.max() if rows.any() else torch.tensor(-math.inf),
         "clip_ratio/low_mean": (low * mask).sum() / tokens,
         "clip_ratio/high_mean": (high * mask).sum() / tokens,
         "clip_ratio/region_mean": (((low + high) > 0).to(mask.dtype) * mask).sum() / tokens,
         "ratio_mean": (ratio * mask).sum() / tokens,
     }
+    if ctx["delta"] is not None:
+        capped = ((ratio > ctx["delta"]) & (adv < 0)).to(mask.dtype)
+        metrics["clip_ratio/delta_mean"] = (capped * mask).sum() / tokens
     if kl is not None:
         metrics["kl"] = (kl.detach() * mask).sum() / tokens
     return metrics

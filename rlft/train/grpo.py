@@ -10,6 +10,7 @@ The loop keeps a transformers TrainerState and fires TrainerCallback events (rlf
 from __future__ import annotations
 
 import copy
+import math
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ from rlft.train import checkpoint as ckpt
 from rlft.train import runs
 from rlft.train import state as run_state
 from rlft.train.flow import Flow, TrainerSurface
-from rlft.train.grpo_update import PolicyUpdate, RolloutBatch
+from rlft.train.grpo_update import PolicyUpdate, RolloutBatch, option_notes
 from rlft.train.metrics import MetricWindow, rollout_metrics
 
 ZERO_LOSS_NOTE = (
@@ -87,6 +88,8 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         self._setup_model(model, peft_config, optimizers)
         self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
         self.steps_skipped, self._nonfinite_in_a_row = 0, 0
+        self.entropy_coef, self.last_entropy, self.ref_syncs = args.entropy_coef, math.inf, 0  # in checkpoints
+        self._setup_notes += option_notes(args)
         self.generator = make_generator(args, self.tokenizer, self.accelerator.unwrap_model(self.model), source)
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
                          self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
@@ -211,6 +214,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
             batch = self._make_rollout(step // self.steps_per_rollout)  # rollout -> rewards -> advantages
         part = (step % self.steps_per_rollout) % (self.steps_per_rollout // self.args.num_iterations)
         metrics = {**batch.metrics, **self._optimizer_step(batch.part(part, self.rows_per_step))}  # policy updates
+        metrics.update(self._sync_reference(step + 1))  # sync_ref_model (TR-DPO)
         seconds = time.perf_counter() - started
         metrics.update({"step_time": seconds, "time/step_seconds": seconds, "num_tokens": flow.state.num_input_tokens_seen,
                         "tokens_per_second": batch.rollout.completion_mask.sum().item() / seconds})
@@ -236,9 +240,10 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         self.log.advance(step, f"reward {window.last.get('reward', float('nan')):.3f}")
         if control.should_save:
             mid_rollout = step % self.steps_per_rollout != 0
+            tensors = {**(batch.tensors() if mid_rollout else {}), **self._reference_tensors()}
             ckpt.save_checkpoint(
                 self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler, self.args.output_dir,
-                step, self._rlft_state(window), batch.tensors() if mid_rollout else None,
+                step, self._rlft_state(window), tensors or None,
                 {"metrics": batch.metrics, "samples": batch.samples} if mid_rollout else None, self.flow,
                 self.args.save_total_limit)
             self.flow.fire("on_save")
@@ -247,7 +252,9 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         return {"num_processes": self.accelerator.num_processes, "config": self._record,
                 "config_hash": runs.config_hash(self._record), "loss_sum": self.flow.loss_sum,
                 "steps_skipped": self.steps_skipped, "metric_window": window.rows,
-                "flow_checked": self._flow_checked}
+                "flow_checked": self._flow_checked, "entropy_coef": self.entropy_coef,
+                "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy,
+                "ref_syncs": self.ref_syncs}
 
     def _explain(self, logged: dict) -> None:
         """Say in the run itself what a zero loss or a zero-signal batch means."""
@@ -389,6 +396,10 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         self.flow.load(path, state.get("loss_sum", 0.0))
         self.steps_skipped, self._flow_checked = state.get("steps_skipped", 0), state.get("flow_checked", False)
         window.rows = state.get("metric_window", [])
+        self.entropy_coef = state.get("entropy_coef", self.args.entropy_coef)
+        self.last_entropy = math.inf if state.get("last_entropy") is None else state["last_entropy"]
+        self.ref_syncs = state.get("ref_syncs", 0)
+        tensors = self._load_reference_tensors(tensors)
         batch = RolloutBatch.from_saved(tensors, extra, self.accelerator.device) if tensors else None
         return state["global_step"], batch, window
 

@@ -18,7 +18,14 @@ import torch
 
 from rlft.core.importance import correction_stats, sampling_correction
 from rlft.core.logprobs import default_chunk_size, entropy_from_logits, selective_log_softmax
-from rlft.core.losses import policy_loss
+from rlft.core.losses import off_policy_sequence_mask, policy_loss
+from rlft.core.regularizers import (
+    adaptive_entropy_coef,
+    entropy_bonus,
+    entropy_threshold,
+    high_entropy_mask,
+    mix_reference,
+)
 from rlft.models import GradientFlowError, check_gradient_flow
 from rlft.rollout.hf import Rollout
 from rlft.train.metrics import StepSums, correction_metrics
@@ -70,10 +77,24 @@ class RolloutBatch:
                    extra["samples"])
 
 
+def option_notes(args) -> list[str]:
+    """Loss options combined in a way their papers did not (TRL warns about the same)."""
+    notes = []
+    if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
+        notes.append("loss_type luspo is GSPO's sequence-level loss weighted by length: the paper uses "
+                     "importance_sampling_level: sequence (now token)")
+    if args.loss_type == "vespo" and args.importance_sampling_level != "token":
+        notes.append("loss_type vespo computes its own sequence weight from token ratios; importance_sampling_level "
+                     "only changes the clip metrics: leave it at token")
+    if args.delta is not None and args.delta <= 1 + (args.epsilon_high or args.epsilon):
+        notes.append(f"delta={args.delta} is not above 1 + epsilon_high: it also caps ratios the clip range allows")
+    return notes
+
+
 class PolicyUpdate:
     """Mixed into GRPOTrainer; uses its args, accelerator, model, optimizer, scheduler, log."""
 
-    def _forward(self, model, rollout: Rollout, rows, entropy: bool = False):
+    def _forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False):
         """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]) for `rows` (a slice
         or an index tensor). The batch is cut to its own longest completion (c <= C) and its longest prompt:
         columns that are padding in every row cost a forward pass and change nothing."""
@@ -92,8 +113,34 @@ class PolicyUpdate:
                        logits_to_keep=width + 1).logits[:, :-1]  # [b, c, V]: position t predicts token t
         chunk = self.args.logprob_chunk_size or default_chunk_size(logits)
         logps = selective_log_softmax(logits, completion_ids, self.args.temperature, chunk)
-        ent = entropy_from_logits(logits.detach(), self.args.temperature, chunk) if entropy else None
+        ent = entropy_from_logits(logits if entropy_grad else logits.detach(), self.args.temperature, chunk) \
+            if entropy else None
         return logps, ent
+
+    def _sync_reference(self, step: int) -> dict[str, float]:
+        """TR-DPO: every ref_model_sync_steps optimiser steps the reference moves toward the policy
+        (rlft/core/regularizers.py: mix_reference). Rollouts made before a sync keep their reference log-probs."""
+        args = self.args
+        if not args.sync_ref_model or self.ref_model is None or step % args.ref_model_sync_steps:
+            return {}
+        policy = self.accelerator.unwrap_model(self.model)
+        for ref, current in zip(self.ref_model.parameters(), policy.parameters(), strict=True):
+            mix_reference(ref.data, current.data, args.ref_model_mixup_alpha)
+        self.ref_syncs += 1
+        return {"ref_model/syncs": float(self.ref_syncs)}
+
+    def _reference_tensors(self) -> dict[str, torch.Tensor]:
+        """A moved reference is part of the run's state: saved in checkpoints (as tensors, like the rollout)."""
+        if not self.args.sync_ref_model or self.ref_model is None:
+            return {}
+        return {f"ref_model.{name}": value.detach().clone() for name, value in self.ref_model.state_dict().items()}
+
+    def _load_reference_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Restore a saved reference; returns the other (rollout) tensors."""
+        ref = {k[len("ref_model."):]: v for k, v in tensors.items() if k.startswith("ref_model.")}
+        if ref and self.ref_model is not None:
+            self.ref_model.load_state_dict(ref, strict=True)
+        return {k: v for k, v in tensors.items() if not k.startswith("ref_model.")}
 
     def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         """Row indices of each micro-batch, longest completions first, so a micro-batch pads only to its own
@@ -120,8 +167,11 @@ class PolicyUpdate:
         acc = self.accelerator
         started = time.perf_counter()
         rollout = batch.rollout
+        self.model.train()
+        keep, extra = self._entropy_keep(rollout)  # top_entropy_quantile < 1: the tokens this step trains on
+        trained = rollout.completion_mask if keep is None else keep
         # Global normalisers: the whole step, every micro-batch, every process.
-        num_items = acc.reduce(rollout.completion_mask.sum().float(), "sum")
+        num_items = acc.reduce(trained.sum().float(), "sum")
         num_sequences = rollout.completion_ids.shape[0] * acc.num_processes
         if float(num_items) == 0:  # e.g. mask_truncated_completions and every completion truncated
             return self._skip_step("no completion token is left to train on (every completion was masked, e.g. "
@@ -129,11 +179,11 @@ class PolicyUpdate:
                                    "max_completion_length", started, nonfinite=False)
         sums, corrections = StepSums(), []
         batches = self._micro_batches(rollout)
-        self.model.train()
         for k, rows in enumerate(batches):
             sync = contextlib.nullcontext() if k == len(batches) - 1 else acc.no_sync(self.model)
             with sync:
-                loss, metrics, entropy, mask = self._micro_loss(batch, rows, num_items, num_sequences, corrections)
+                loss, metrics, entropy, mask = self._micro_loss(batch, rows, num_items, num_sequences, corrections,
+                                                                keep)
                 if not loss.requires_grad:
                     raise GradientFlowError("the loss does not require grad: no trainable parameter is connected to "
                                             "it (all parameters frozen, or adapters disabled)")
@@ -141,33 +191,87 @@ class PolicyUpdate:
                 acc.backward(loss * acc.num_processes)
             sums.add(loss, metrics, entropy, mask)
         metrics = self._finish_step(batch, sums, started)
+        metrics.update(extra)
+        if self._entropy_bonus_on():
+            metrics.update(self._entropy_control(metrics.get("entropy", 0.0)))
         return {**metrics, **correction_metrics(corrections, acc)} if corrections else metrics
 
-    def _micro_loss(self, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list):
+    @torch.no_grad()
+    def _entropy_keep(self, rollout: Rollout) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """top_entropy_quantile < 1: a no-grad pass over the step's micro-batches gives every completion token's
+        entropy (the weights do not change within a step, so these are the entropies the loss pass sees); the
+        threshold is the quantile over all of them on every process, so the mask does not depend on the split."""
+        quantile = self.args.top_entropy_quantile
+        if quantile >= 1.0:
+            return None, {}
+        acc, mask = self.accelerator, rollout.completion_mask
+        entropies = torch.zeros(mask.shape, device=mask.device)  # [N, C]
+        for rows in self._micro_batches(rollout):
+            ent = self._forward(self.model, rollout, rows, entropy=True)[1]
+            entropies[rows, :ent.shape[1]] = ent.float()
+        values = entropies[mask.bool()]
+        if acc.num_processes > 1:  # entropies are >= 0: -1 marks the padding that evens out the lengths
+            values = acc.gather(acc.pad_across_processes(values, dim=0, pad_index=-1.0))
+            values = values[values >= 0]
+        threshold = entropy_threshold(values, quantile)
+        keep = high_entropy_mask(entropies, mask, threshold)
+        kept, total = acc.reduce(torch.stack([keep.sum(), mask.sum()]).float(), "sum").tolist()
+        return keep, {"entropy_mask/threshold": threshold.item(), "entropy_mask/kept_fraction": kept / max(total, 1)}
+
+    def _entropy_bonus_on(self) -> bool:
+        return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
+
+    def _entropy_control(self, step_entropy: float) -> dict[str, float]:
+        """Skywork-OR1's update for the next step; logs the coefficient after it (TRL's `entropy_coef`)."""
+        args = self.args
+        if args.use_adaptive_entropy:
+            self.entropy_coef = adaptive_entropy_coef(self.entropy_coef, step_entropy, args.entropy_target,
+                                                      args.entropy_coef_delta, args.entropy_coef_min,
+                                                      args.entropy_coef_max)
+            self.last_entropy = step_entropy
+        return {"entropy_coef": self.entropy_coef}
+
+    def _micro_loss(self, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list, keep=None):
         """One micro-batch's share of the step loss. Completions sampled by another engine (vLLM) are
         weighted by pi_old / pi_sampler (`vllm_importance_sampling_*`, rlft/core/importance.py)."""
         args, rollout = self.args, batch.rollout
-        logps, entropy = self._forward(self.model, rollout, rows, entropy=True)
+        bonus = self._entropy_bonus_on()
+        logps, entropy = self._forward(self.model, rollout, rows, entropy=True, entropy_grad=bonus)
         width = logps.shape[1]
-        mask = rollout.completion_mask[rows, :width]
+        mask = (rollout.completion_mask if keep is None else keep)[rows, :width]
         old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
+        sampler = rollout.sampling_logps[rows, :width] if rollout.sampling_logps is not None else None
         weights = None
-        if rollout.sampling_logps is not None and args.vllm_importance_sampling_correction:
-            sampler = rollout.sampling_logps[rows, :width]
+        if sampler is not None and args.vllm_importance_sampling_correction:
             weights = sampling_correction(old, sampler, mask, args.vllm_importance_sampling_mode,
                                           args.vllm_importance_sampling_clip_min,
                                           args.vllm_importance_sampling_cap or args.vllm_importance_sampling_clip_max)
             corrections.append(correction_stats(old, sampler, mask, weights))
+        advantages = batch.advantages[rows]
+        off_policy = None
+        if args.off_policy_mask_threshold is not None:  # the sampler's log-probs when another engine sampled
+            off_policy = off_policy_sequence_mask(advantages, logps, old if sampler is None else sampler, mask,
+                                                  args.off_policy_mask_threshold)
         loss, metrics = policy_loss(
-            logps, old, batch.advantages[rows], mask, loss_type=args.loss_type,
+            logps, old, advantages, mask, loss_type=args.loss_type,
             epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
             ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], beta=args.beta,
             kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
             importance_sampling_level=args.importance_sampling_level,
             max_completion_length=args.max_completion_length, num_items=num_items,
             num_sequences=num_sequences, sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg, rollout_is_weights=weights)
-        return loss, metrics, entropy, mask
+            sapo_temperature_neg=args.sapo_temperature_neg, rollout_is_weights=weights, delta=args.delta,
+            keep=off_policy, vespo={"k_pos": args.vespo_k_pos, "lambda_pos": args.vespo_lambda_pos,
+                                    "k_neg": args.vespo_k_neg, "lambda_neg": args.vespo_lambda_neg})
+        if off_policy is not None:
+            metrics["off_policy/masked_fraction"] = 1.0 - off_policy.mean()
+        if bonus:
+            applied = self.entropy_coef if not args.use_adaptive_entropy or self.last_entropy <= args.entropy_target \
+                else 0.0
+            share = entropy_bonus(entropy, mask, applied, num_items)
+            loss = loss + share
+            metrics["entropy_loss"] = share.detach()
+        return loss, metrics, None if entropy is None else entropy.detach(), mask
 
     def _finish_step(self, batch: RolloutBatch, sums: StepSums, started: float) -> dict[str, float]:
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))

@@ -7,8 +7,11 @@ import math
 
 import torch
 
-LAST_KEYS = ("num_tokens", "steps_skipped", "learning_rate")  # a window shows the latest value, not a mean
-TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean", "kl")
+LAST_KEYS = ("num_tokens", "steps_skipped", "learning_rate", "ref_model/syncs")  # a window shows the latest value, not a mean
+TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/delta_mean",
+                   "ratio_mean", "kl")
+SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean")
+SHARE_KEYS = ("kl_loss", "entropy_loss")  # parts of the loss, summed over micro-batches like the loss
 
 
 def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
@@ -37,38 +40,52 @@ def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.T
 
 
 class StepSums:
-    """Loss shares summed over micro-batches; token-mean metrics weighted by token counts."""
+    """Loss shares summed over micro-batches; token-mean metrics weighted by token counts, sequence-mean metrics
+    by completion counts."""
 
     def __init__(self):
         self.loss = 0.0
-        self.kl_loss = 0.0
+        self.shares = dict.fromkeys(SHARE_KEYS, 0.0)
         self.tokens = 0.0
+        self.sequences = 0.0
         self.weighted: dict[str, float] = {}
         self.low_min, self.high_max = math.inf, -math.inf  # over micro-batches (and processes, in reduce)
 
     def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], entropy: torch.Tensor | None,
             mask: torch.Tensor) -> None:
-        tokens = mask.sum().item()
+        tokens, sequences = mask.sum().item(), float(mask.shape[0])
         self.loss += loss.item()
-        self.kl_loss += metrics["kl_loss"].item() if "kl_loss" in metrics else 0.0
+        for key in SHARE_KEYS:
+            self.shares[key] += metrics[key].item() if key in metrics else 0.0
         self.tokens += tokens
+        self.sequences += sequences
         values = {k: metrics[k].item() for k in TOKEN_MEAN_KEYS if k in metrics}
-        if tokens:
-            self.low_min = min(self.low_min, values["clip_ratio/low_mean"])
-            self.high_max = max(self.high_max, values["clip_ratio/high_mean"])
+        if "clip_ratio/low_min" in metrics:  # over completions, so independent of how the step is split
+            self.low_min = min(self.low_min, metrics["clip_ratio/low_min"].item())
+            self.high_max = max(self.high_max, metrics["clip_ratio/high_max"].item())
         if entropy is not None:
             values["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
         for key, value in values.items():
             self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
+        for key in SEQUENCE_MEAN_KEYS:
+            if key in metrics:
+                self.weighted["seq:" + key] = self.weighted.get("seq:" + key, 0.0) + float(metrics[key]) * sequences
 
     def reduce(self, accelerator) -> dict[str, float]:
         keys = sorted(self.weighted)
-        local = torch.tensor([self.loss, self.kl_loss, self.tokens] + [self.weighted[k] for k in keys],
-                             dtype=torch.float64, device=accelerator.device)
+        local = torch.tensor([self.loss, self.tokens, self.sequences] + [self.shares[k] for k in SHARE_KEYS]
+                             + [self.weighted[k] for k in keys], dtype=torch.float64, device=accelerator.device)
         summed = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
-        loss, kl_loss, tokens, *weighted = summed.tolist()
-        out = {"loss": loss, "policy_loss": loss - kl_loss}
-        out.update({k: v / max(tokens, 1.0) for k, v in zip(keys, weighted)})
+        loss, tokens, sequences, *rest = summed.tolist()
+        shares, weighted = dict(zip(SHARE_KEYS, rest[:len(SHARE_KEYS)])), rest[len(SHARE_KEYS):]
+        out = {"loss": loss, "policy_loss": loss - sum(shares.values())}
+        if shares["entropy_loss"]:
+            out["entropy_loss"] = shares["entropy_loss"]
+        for key, value in zip(keys, weighted):
+            if key.startswith("seq:"):
+                out[key[4:]] = value / max(sequences, 1.0)
+            else:
+                out[key] = value / max(tokens, 1.0)
         extremes = torch.tensor([self.low_min, -self.high_max], dtype=torch.float64, device=accelerator.device)
         if accelerator.num_processes > 1:
             import torch.distributed as dist

@@ -1,4 +1,5 @@
-"""One GRPO optimiser step on a fixed rollout, per loss_type, in 1 or N processes (torchrun).
+"""One GRPO optimiser step on a fixed off-policy rollout, per loss_type and per loss option, in 1 or N
+processes (torchrun).
 
 Generation is replaced by a deterministic stand-in so every launch sees the same
 completions for the same prompt; everything after it (rewards, gathered advantages, global
@@ -44,6 +45,32 @@ class FixedGenerator:
         return Rollout(ids, mask, completion_ids, completion_mask, truncated)
 
 
+def off_policy(trainer, batch, scale: float = 0.3) -> None:
+    """Make the step off-policy, the same way whatever the split: old log-probs = the current ones + noise
+    seeded by each row's own tokens (ratios ~exp(+-0.3): clipping, delta, VESPO's weight and the off-policy
+    mask all act)."""
+    rollout = batch.rollout
+    current = trainer._logps_no_grad(trainer.model, rollout)
+    noise = torch.zeros_like(current)
+    for row, ids in enumerate(rollout.completion_ids.tolist()):
+        g = torch.Generator().manual_seed(sum(i * (k + 1) for k, i in enumerate(ids)))
+        noise[row] = (torch.rand(current.shape[1], generator=g, dtype=torch.float64) * 2 - 1).float() * scale
+    batch.old_logps = (current + noise) * rollout.completion_mask
+
+
+# Options that touch the loss, each run on top of loss_type grpo (name -> GRPOConfig fields)
+OPTIONS = {
+    "delta": dict(delta=1.1),
+    "top_entropy_quantile": dict(loss_type="dapo", top_entropy_quantile=0.3),
+    "entropy_coef": dict(entropy_coef=0.05),
+    "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=100.0),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.02),
+    "luspo_sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "all_together": dict(loss_type="dapo", delta=1.1, top_entropy_quantile=0.5, entropy_coef=0.05,
+                         off_policy_mask_threshold=0.02),
+}
+
+
 def token_sum_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
@@ -51,21 +78,24 @@ def token_sum_reward(completion_ids, **kwargs):
 def main() -> None:
     model_dir, out, global_accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3])
     results = {}
-    for loss_type in LOSS_TYPES:
+    runs = {loss_type: dict(loss_type=loss_type) for loss_type in LOSS_TYPES} | OPTIONS
+    for name, fields in runs.items():
         trainer = None
         world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
         cfg = GRPOConfig(output_dir=f"{out}-run", optim="sgd", learning_rate=1.0, max_grad_norm=1e9, seed=0,
                          num_generations=GROUP, per_device_train_batch_size=PER_DEVICE,
                          gradient_accumulation_steps=global_accumulation // world, max_steps=1, beta=0.04,
-                         loss_type=loss_type, max_completion_length=8, report_to=["none"], disable_tqdm=True,
-                         scale_rewards="batch", gradient_checkpointing=False)
+                         max_completion_length=8, report_to=["none"], disable_tqdm=True,
+                         scale_rewards="batch", gradient_checkpointing=False, **{"loss_type": "grpo", **fields})
         trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(PROMPTS))
         trainer.generator = FixedGenerator(trainer.tokenizer)
         batch = trainer._make_rollout(0)
+        off_policy(trainer, batch)
+        trainer.last_entropy = 0.0  # adaptive entropy: as if the previous step was below the target
         metrics = {**batch.metrics, **trainer._optimizer_step(batch)}
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        results[loss_type] = {"params": params, "metrics": {k: v for k, v in metrics.items() if "time" not in k
-                                                             and k != "tokens_per_second"}}
+        results[name] = {"params": params, "metrics": {k: v for k, v in metrics.items() if "time" not in k
+                                                        and k != "tokens_per_second"}}
     if trainer.accelerator.is_main_process:
         torch.save(results, out)
     accelerator = trainer.accelerator
