@@ -25,7 +25,7 @@ def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
     completion-token entropies. No tokens: +inf (nothing is kept)."""
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile={quantile!r} must be in [0, 1]")
-    values = entropies.detach().float().reshape(-1)
+    values = entropies.detach().reshape(-1).to(torch.promote_types(entropies.dtype, torch.float32))
     if values.numel() == 0:
         return torch.tensor(float("inf"), device=entropies.device)
     return torch.quantile(values, 1.0 - quantile)

@@ -159,6 +159,9 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
                 "correction then also weighs dropout noise, and the sampling/ mismatch metrics show it although "
                 "the weights match. Set disable_dropout: true for vLLM runs")
         self.is_peft = isinstance(model, PeftModel)
+        if args.sync_ref_model and self.is_peft:
+            raise ConfigError("sync_ref_model=True with a LoRA model: the reference is the base model under the "
+                              "adapters, not a copy that can move; use full fine-tuning or sync_ref_model: false")
         if next(model.parameters()).dtype == torch.float16 and not self.is_peft:
             raise ConfigError("float16 full fine-tuning is refused: AdamW would keep float16 state and overflow "
                               "within a step (inf/NaN weights). Use bf16 / dtype: bfloat16, float32, or LoRA")

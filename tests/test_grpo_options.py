@@ -1,0 +1,112 @@
+"""Each GRPO algorithm option in a real short run: it trains, logs its metric, resumes exactly, and the
+combinations TRL refuses are refused with the reason."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlft import GRPOConfig, GRPOTrainer
+from rlft.config import ConfigError
+from rlft.tracking import read_metrics
+from tests.helpers import addition_rows, correct_answer, has_answer_tags, tiny_grpo_config
+from tests.test_grpo_resume import comparable, run
+from tests.test_grpo_trainer import lora
+
+OPTIONS = {  # fields -> the metrics that show the option at work
+    "luspo": (dict(loss_type="luspo", importance_sampling_level="sequence"), ["clip_ratio/region_mean"]),
+    "vespo": (dict(loss_type="vespo", num_iterations=2), ["vespo/phi_seq_mean"]),
+    "delta": (dict(delta=1.5, num_iterations=2), ["clip_ratio/delta_mean"]),
+    "top_entropy_quantile": (dict(top_entropy_quantile=0.2), ["entropy_mask/threshold", "entropy_mask/kept_fraction"]),
+    "entropy_coef": (dict(entropy_coef=0.01), ["entropy_coef", "entropy_loss"]),
+    "adaptive_entropy": (dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=10.0), ["entropy_coef"]),
+    "off_policy_mask": (dict(off_policy_mask_threshold=0.0, num_iterations=2), ["off_policy/masked_fraction"]),
+    "sync_ref_model": (dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=1), ["ref_model/syncs", "kl"]),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_each_option_trains_and_logs_its_metric(tmp_path, shipped_policy_dir, name):
+    fields, keys = OPTIONS[name]
+    peft = None if fields.get("sync_ref_model") else lora()
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer, has_answer_tags],
+                          tiny_grpo_config(tmp_path, max_steps=4, **fields), addition_rows(32), peft_config=peft)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in keys:
+        assert all(key in r and math.isfinite(r[key]) for r in rows), key
+    moved = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert moved, "no trainable parameter changed"
+    if name == "adaptive_entropy":  # entropy (< 10 nats) stays under the target: +0.005 per step
+        assert [round(r["entropy_coef"], 6) for r in rows] == [0.015, 0.02, 0.025, 0.03]
+    if name == "top_entropy_quantile":
+        assert all(0.1 < r["entropy_mask/kept_fraction"] < 0.4 for r in rows)
+    if name == "sync_ref_model":
+        assert [r["ref_model/syncs"] for r in rows] == [1, 2, 3, 4]
+        policy = dict(trainer.model.named_parameters())
+        ref = dict(trainer.ref_model.named_parameters())
+        assert any(not torch.equal(ref[n], policy[n]) for n in ref)  # mixed, not copied
+
+
+def test_the_entropy_bonus_raises_entropy(tmp_path, shipped_policy_dir):
+    """Same run with and without a large bonus: the bonus run ends with higher entropy."""
+    entropies = {}
+    for coef in (0.0, 0.5):
+        out = tmp_path / f"c{coef}"
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer],
+                    tiny_grpo_config(tmp_path, output_dir=str(out), max_steps=6, entropy_coef=coef,
+                                     learning_rate=3e-3), addition_rows(32), peft_config=lora()).train()
+        entropies[coef] = [r["entropy"] for r in read_metrics(out) if "entropy" in r][-1]
+    assert entropies[0.5] > entropies[0.0] + 0.1, entropies
+
+
+def test_resume_restores_the_moved_reference_and_the_adaptive_coefficient(tmp_path, shipped_policy_dir):
+    options = dict(use_peft=False, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, use_adaptive_entropy=True,
+                   entropy_coef=0.01, entropy_target=10.0, delta=1.5, top_entropy_quantile=0.5, num_iterations=2,
+                   off_policy_mask_threshold=0.01)
+    straight = run(tmp_path, "straight", shipped_policy_dir, 6, **options)
+    run(tmp_path, "split", shipped_policy_dir, 3, **options)
+    resumed = run(tmp_path, "split", shipped_policy_dir, 6, resume=True, **options)
+    a, b = comparable(read_metrics(tmp_path / "straight")), comparable(read_metrics(tmp_path / "split"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for row_a, row_b in zip(a, b):
+        assert row_a.keys() == row_b.keys()
+        for key in row_a:
+            assert row_a[key] == pytest.approx(row_b[key], abs=1e-6), key
+    assert resumed.entropy_coef == straight.entropy_coef == pytest.approx(0.04)
+    assert resumed.ref_syncs == straight.ref_syncs == 3
+    for (name, p), (_, q) in zip(straight.ref_model.named_parameters(), resumed.ref_model.named_parameters()):
+        assert torch.equal(p, q), name
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_refused_combinations_name_the_reason(tmp_path, shipped_policy_dir):
+    with pytest.raises(ConfigError, match="sync_ref_model=True with beta=0"):
+        GRPOConfig(sync_ref_model=True)
+    with pytest.raises(ConfigError, match="sync_ref_model=True with LoRA"):
+        GRPOConfig(sync_ref_model=True, beta=0.1, use_peft=True)
+    with pytest.raises(ConfigError, match="sync_ref_model=True with a LoRA model"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer],
+                    tiny_grpo_config(tmp_path, sync_ref_model=True, beta=0.1), addition_rows(16), peft_config=lora())
+    with pytest.raises(ConfigError, match=r"delta=0.9 must be > 1"):
+        GRPOConfig(delta=0.9)
+    with pytest.raises(ConfigError, match=r"top_entropy_quantile=1.2 must be in \[0, 1\]"):
+        GRPOConfig(top_entropy_quantile=1.2)
+    with pytest.raises(ConfigError, match="entropy_coef_min=0.5 exceeds entropy_coef_max=0.1"):
+        GRPOConfig(entropy_coef_min=0.5, entropy_coef_max=0.1)
+    with pytest.raises(ConfigError, match="vespo folds the sampling correction .* token_truncate or token_mask"):
+        GRPOConfig(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_mask")
+
+
+def test_combinations_the_papers_did_not_use_are_noted(tmp_path, shipped_policy_dir):
+    from rlft.train.grpo_update import option_notes
+
+    assert "importance_sampling_level: sequence" in option_notes(GRPOConfig(loss_type="luspo"))[0]
+    assert "leave it at token" in option_notes(GRPOConfig(loss_type="vespo", importance_sampling_level="sequence"))[0]
+    assert "not above 1 + epsilon_high" in option_notes(GRPOConfig(delta=1.1))[0]
+    assert option_notes(GRPOConfig(loss_type="luspo", importance_sampling_level="sequence", delta=2.0)) == []
