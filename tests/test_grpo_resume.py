@@ -31,12 +31,12 @@ def run(tmp_path, name, shipped, steps, resume=None, **overrides):
     return trainer
 
 
-@pytest.mark.parametrize("num_iterations", [1, 2])
-def test_three_plus_three_equals_six(tmp_path, shipped_policy_dir, num_iterations):
-    straight = run(tmp_path, "straight", shipped_policy_dir, 6, num_iterations=num_iterations, beta=0.04)
-    run(tmp_path, "split", shipped_policy_dir, 3, num_iterations=num_iterations, beta=0.04)
+def straight_and_resumed(tmp_path, shipped, **overrides):
+    """6 steps straight, and 3 steps + a resume to 6: every logged row equal; returns both trainers."""
+    straight = run(tmp_path, "straight", shipped, 6, **overrides)
+    run(tmp_path, "split", shipped, 3, **overrides)
     assert latest_checkpoint(tmp_path / "split").name == "checkpoint-3"
-    resumed = run(tmp_path, "split", shipped_policy_dir, 6, resume=True, num_iterations=num_iterations, beta=0.04)
+    resumed = run(tmp_path, "split", shipped, 6, resume=True, **overrides)
     a, b = comparable(read_metrics(tmp_path / "straight")), comparable(read_metrics(tmp_path / "split"))
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     for row_a, row_b in zip(a, b):
@@ -45,6 +45,12 @@ def test_three_plus_three_equals_six(tmp_path, shipped_policy_dir, num_iteration
             assert row_a[key] == pytest.approx(row_b[key], abs=1e-6), key
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
+    return straight, resumed
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_three_plus_three_equals_six(tmp_path, shipped_policy_dir, num_iterations):
+    straight_and_resumed(tmp_path, shipped_policy_dir, num_iterations=num_iterations, beta=0.04)
 
 
 def test_full_finetuning_resume_restores_weights(tmp_path, shipped_policy_dir):

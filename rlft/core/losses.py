@@ -148,7 +148,6 @@ LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
     "luspo": (_clip_term, _sequence_sum),
     "vespo": (_vespo_term, _token_mean),
 }
-CLIP_LOSSES = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")  # the ones `delta` and the clip metrics apply to
 
 
 def policy_loss(

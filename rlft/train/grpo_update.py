@@ -192,8 +192,8 @@ class PolicyUpdate:
             sums.add(loss, metrics, entropy, mask)
         metrics = self._finish_step(batch, sums, started)
         metrics.update(extra)
-        if self._entropy_bonus_on():
-            metrics.update(self._entropy_control(metrics.get("entropy", 0.0)))
+        if self._entropy_bonus_on() and "entropy" in metrics:  # a skipped step measured nothing: no update
+            metrics.update(self._entropy_control(metrics["entropy"]))
         return {**metrics, **correction_metrics(corrections, acc)} if corrections else metrics
 
     @torch.no_grad()
