@@ -138,21 +138,23 @@ def load_named_dataset(name: str, config: str | None = None, streaming: bool = F
 def datasets_from_args(args, train_dataset=None, eval_dataset=None):
     """TRL's script arguments: with `args.dataset_name` set, (its dataset_train_split, its dataset_test_split
     when evaluation is on and no eval_dataset is given); without it, the datasets passed, unchanged."""
-    name = getattr(args, "dataset_name", None)
+    name = args.dataset_name
     if not name:
         return train_dataset, eval_dataset
     if train_dataset is not None:
         raise DatasetError(f"train_dataset= and dataset_name={name!r} are both given: pass one")
     loaded = load_named_dataset(name, args.dataset_config, args.dataset_streaming)
-    wanted = [("dataset_train_split", args.dataset_train_split)]
+
+    def split(field_name: str, hint: str = ""):
+        wanted = getattr(args, field_name)
+        if wanted not in loaded:
+            raise DatasetError(f"dataset_name {name!r} has the splits {list(loaded)} and no {wanted!r}: set "
+                               f"{field_name} to one of them{hint}")
+        return loaded[wanted]
+
     if eval_dataset is None and args.eval_strategy != "no":
-        wanted.append(("dataset_test_split", args.dataset_test_split))
-    for field_name, split in wanted:
-        if split not in loaded:
-            raise DatasetError(f"dataset_name {name!r} has the splits {list(loaded)} and no {split!r}: set "
-                               f"{field_name} to one of them" + (" (or eval_strategy: no)"
-                                                                 if field_name == "dataset_test_split" else ""))
-    return loaded[args.dataset_train_split], loaded[wanted[1][1]] if len(wanted) > 1 else eval_dataset
+        eval_dataset = split("dataset_test_split", " (or eval_strategy: no)")
+    return split("dataset_train_split"), eval_dataset
 
 
 def load_eval_datasets(source: Any) -> dict[str | None, Any]:
