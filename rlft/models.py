@@ -218,27 +218,37 @@ def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
+def full_numel(param) -> int:
+    """A parameter's full size, also under ZeRO-3 (whose local tensors are empty)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
 def parameter_summary(model) -> dict:
     trainable = trainable_parameters(model)
-    total = sum(p.numel() for p in model.parameters())
-    count = sum(p.numel() for _, p in trainable)
+    total = sum(full_numel(p) for p in model.parameters())
+    count = sum(full_numel(p) for _, p in trainable)
     return {"trainable": count, "total": total, "trainable_fraction": count / max(total, 1),
             "trainable_tensors": len(trainable)}
 
 
-def check_gradient_flow(model) -> None:
-    """After a backward pass: every trainable parameter must hold a finite, non-zero gradient."""
-    trainable = trainable_parameters(model)
+def check_gradient_flow(model_or_grads) -> None:
+    """After a backward pass: every trainable parameter must hold a finite, non-zero gradient. Takes a model
+    (its param.grad) or (name, full gradient) pairs (rlft/train/engines.py: Engine.grads, for DeepSpeed)."""
+    if isinstance(model_or_grads, torch.nn.Module):
+        grads = [(name, p.grad) for name, p in trainable_parameters(model_or_grads)]
+    else:
+        grads = list(model_or_grads)
+    trainable = grads
     if not trainable:
         raise GradientFlowError(
             "the model has no trainable parameters. Likely cause: every parameter was frozen "
             "(requires_grad=False) or LoRA target_modules matched nothing; check lora_target_modules.")
     missing, zero, nonfinite = [], [], []
-    for name, param in trainable:
-        if param.grad is None:
+    for name, grad in grads:
+        if grad is None:
             missing.append(name)
             continue
-        norm = param.grad.detach().float().norm().item()
+        norm = grad.detach().float().norm().item()
         if not math.isfinite(norm):
             nonfinite.append(name)
         elif norm == 0.0:

@@ -64,11 +64,13 @@ class HFGenerator:
     """Sampling with `model.generate`; one call per rollout for all prompts x num_generations.
 
     With the default dynamic cache each prompt is prefilled once per group, not num_generations times
-    (`shared_prompt_prefill`); `cache_implementation` is passed to generate as in TRL."""
+    (`shared_prompt_prefill`); `cache_implementation` is passed to generate as in TRL. With `synced` (FSDP2,
+    ZeRO-3) generate runs with synced_gpus, as every sharded forward needs every process."""
 
     def __init__(self, tokenizer, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int | None = None, repetition_penalty: float = 1.0, cache_implementation: str | None = None,
-                 shared_prompt_prefill: bool = True, min_p: float | None = None, generation_kwargs: dict | None = None):
+                 shared_prompt_prefill: bool = True, min_p: float | None = None, generation_kwargs: dict | None = None,
+                 synced: bool = False):
         self.tokenizer = tokenizer
         self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k or 0, repetition_penalty=repetition_penalty)
@@ -76,8 +78,11 @@ class HFGenerator:
             self.sampling["min_p"] = min_p
         if cache_implementation is not None:
             self.sampling["cache_implementation"] = cache_implementation
+        if synced:  # sharded weights: a process that finished keeps running forward passes until all have
+            self.sampling["synced_gpus"] = True
         self.sampling.update(generation_kwargs or {})  # TRL's generation_kwargs: passed to generate, win over the rest
-        self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic")
+        # Not with sharded weights: whether a process prefills is decided per process, and all must take part
+        self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and not synced
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False) -> Rollout:

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlft.train import engine_io
+
 logger = logging.getLogger("rlft")
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "rlft_state.json"
@@ -148,23 +150,31 @@ def check_finite(model) -> None:
 
 def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_dir: str | Path, step: int,
                     state: dict[str, Any], extra_tensors: dict[str, torch.Tensor] | None = None,
-                    extra_json: dict[str, Any] | None = None, flow=None, save_total_limit: int | None = None) -> Path:
-    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files)."""
+                    extra_json: dict[str, Any] | None = None, flow=None, save_total_limit: int | None = None,
+                    engine=None) -> Path:
+    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files). Under FSDP2 and
+    DeepSpeed the weights and optimizer state are gathered whole (rlft/train/engine_io.py)."""
     from safetensors.torch import save_file
 
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
     unwrapped = accelerator.unwrap_model(model)
-    check_finite(unwrapped)
+    gathered = engine is not None and (engine.sharded or engine.deepspeed)
+    if not gathered:
+        check_finite(unwrapped)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     (tmp / f"rng_state_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
+    if gathered:
+        engine_io.save_pretrained(accelerator, engine, model, tmp / "model", tokenizer)
+        engine_io.save_engine_state(accelerator, engine, model, optimizer, tmp / "engine")
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(tmp / "model")
-        tokenizer.save_pretrained(tmp / "model")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if not gathered:
+            unwrapped.save_pretrained(tmp / "model")
+            tokenizer.save_pretrained(tmp / "model")
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
         if extra_tensors:
             save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
@@ -225,7 +235,7 @@ def _load_json(path: Path) -> Any:
         raise CheckpointError(f"{path} cannot be read as JSON ({err})") from err
 
 
-def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path) -> tuple[dict, dict, dict]:
+def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path, engine=None) -> tuple[dict, dict, dict]:
     """Restore weights, optimizer, scheduler and this process's RNG.
     Returns (rlft state, extra tensors, extra json)."""
     state = verify(path)
@@ -234,13 +244,7 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path) -> tup
 
         raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same number "
                           f"(now {accelerator.num_processes}): the RNG states and data order are per process")
-    load_model_weights(accelerator.unwrap_model(model), path / "model")
-    try:
-        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    except Exception as err:  # weights_only refuses anything but tensors and plain containers
-        raise CheckpointError(f"{path / 'optimizer.pt'} is not a plain optimizer state dict; refusing to load it "
-                              f"({type(err).__name__})") from err
-    optimizer.load_state_dict(optimizer_state)
+    _load_weights_and_optimizer(accelerator, model, optimizer, path, engine)
     scheduler.load_state_dict(_load_json(path / "scheduler.json"))
     rng_file = path / f"rng_state_{accelerator.process_index}.json"
     if not rng_file.is_file():
@@ -249,3 +253,21 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path) -> tup
     tensors = _load_safetensors(path / "extra.safetensors") if (path / "extra.safetensors").exists() else {}
     extra = _load_json(path / "extra.json") if (path / "extra.json").exists() else {}
     return state, tensors, extra
+
+
+def _load_weights_and_optimizer(accelerator, model, optimizer, path: Path, engine) -> None:
+    gathered = engine is not None and (engine.sharded or engine.deepspeed)
+    if gathered != (path / "engine").is_dir():
+        written = "FSDP2 or DeepSpeed" if (path / "engine").is_dir() else "DDP or one process"
+        raise CheckpointError(f"{path} was written by {written}; this run is {engine.name if engine else 'ddp'}: "
+                              "resume with the engine that wrote it (or start from its model/ folder)")
+    if gathered:
+        engine_io.load_engine_state(accelerator, engine, model, optimizer, path / "engine")
+        return
+    load_model_weights(accelerator.unwrap_model(model), path / "model")
+    try:
+        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    except Exception as err:  # weights_only refuses anything but tensors and plain containers
+        raise CheckpointError(f"{path / 'optimizer.pt'} is not a plain optimizer state dict; refusing to load it "
+                              f"({type(err).__name__})") from err
+    optimizer.load_state_dict(optimizer_state)

@@ -45,8 +45,9 @@ from rlft.rewards.calling import RewardLog, check_keywords, compute_rewards, res
 from rlft.rollout import make_generator
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
-from rlft.train import runs
+from rlft.train import engine_io, runs
 from rlft.train import state as run_state
+from rlft.train.engines import Engine
 from rlft.train.flow import Flow, TrainerSurface
 from rlft.train.grpo_update import PolicyUpdate, RolloutBatch, option_notes
 from rlft.train.metrics import MetricWindow, rollout_metrics
@@ -75,6 +76,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         train_dataset, eval_dataset = datasets_from_args(args, train_dataset, eval_dataset)
         run_state.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
         self.accelerator = run_state.make_accelerator(args)
+        self.engine = Engine(self.accelerator)
         run_state.check_writable(args.output_dir)
         self.reward_funcs, self.reward_names, self.reward_weights = resolve_rewards(
             reward_funcs, args.reward_weights, reward_processing_classes, args.max_completion_length)
@@ -85,12 +87,13 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         self._setup_notes = check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
-        self._setup_model(model, peft_config, optimizers)
+        self._setup_model(model, source, peft_config, optimizers)
         self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
         self.steps_skipped, self._nonfinite_in_a_row = 0, 0
         self.entropy_coef, self.last_entropy, self.ref_syncs = args.entropy_coef, math.inf, 0  # in checkpoints
         self._setup_notes += option_notes(args)
-        self.generator = make_generator(args, self.tokenizer, self.accelerator.unwrap_model(self.model), source)
+        self.generator = make_generator(args, self.tokenizer, self.accelerator.unwrap_model(self.model), source,
+                                        synced=self.engine.sharded)
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
                          self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
                          args.per_device_train_batch_size)
@@ -141,7 +144,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
             int(args.num_train_epochs * self.rollouts_per_epoch) * self.steps_per_rollout
         self.context = context
 
-    def _setup_model(self, model, peft_config, optimizers) -> None:
+    def _setup_model(self, model, source, peft_config, optimizers) -> None:
         args = self.args
         dtype = resolve_dtype(args.dtype, args.bf16, args.fp16, self.accelerator.device)
         model = load_causal_lm(model, dtype, args.model_init_kwargs, args.trust_remote_code)
@@ -171,16 +174,28 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         if self.param_summary["trainable"] == 0:
             raise GradientFlowError("the model has no trainable parameters (all requires_grad=False); unfreeze "
                                     "them or pass a peft_config whose target_modules match the model")
-        # Reference policy: none at beta 0; LoRA's base with adapters off; else a frozen copy.
-        self.ref_model = None
-        if args.beta > 0 and not self.is_peft:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        reference = self._reference_copy(model, source, dtype)
         optimizer, scheduler = optimizers
         optimizer = optimizer or run_state.build_optimizer(model, args)
         self.scheduler = scheduler or run_state.build_scheduler(optimizer, args, self.total_steps)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        if self.ref_model is not None:
-            self.ref_model = self.ref_model.to(self.accelerator.device)
+        self.model, self.optimizer = self.engine.prepare(model, optimizer, args.max_grad_norm)
+        self.ref_model = None if reference is None else self.engine.prepare_reference(reference)
+
+    def _reference_copy(self, model, source, dtype):
+        """Reference policy: none at beta 0; LoRA's base with adapters off; else a frozen copy. Under ZeRO-3 the
+        loaded weights are already in pieces, so the reference is loaded again (sharded the same way)."""
+        if self.args.beta == 0 or self.is_peft:
+            return None
+        if self.args.sync_ref_model and self.engine.name != "ddp" and self.engine.name != "single":
+            raise ConfigError(f"sync_ref_model under {self.engine.name}: moving a reference held in pieces is not "
+                              "built; use DDP, or sync_ref_model: false")
+        if self.engine.zero_stage != 3:
+            return copy.deepcopy(model).eval().requires_grad_(False)
+        if source is None or isinstance(source, torch.nn.Module):
+            raise ConfigError("ZeRO-3 full fine-tuning with beta > 0 loads the reference model a second time: pass "
+                              "the model as a hub id or folder, not a loaded model object")
+        reference = load_causal_lm(source, dtype, self.args.model_init_kwargs, self.args.trust_remote_code)
+        return reference.eval().requires_grad_(False)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None):
@@ -248,7 +263,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
                 self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler, self.args.output_dir,
                 step, self._rlft_state(window), tensors or None,
                 {"metrics": batch.metrics, "samples": batch.samples} if mid_rollout else None, self.flow,
-                self.args.save_total_limit)
+                self.args.save_total_limit, self.engine)
             self.flow.fire("on_save")
 
     def _rlft_state(self, window: MetricWindow) -> dict:
@@ -393,7 +408,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
             return 0, None, window
         self._notes = runs.check_resume(path, ckpt.read_state(path), self._record)
         state, tensors, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler,
-                                                     path)
+                                                     path, self.engine)
         if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:
             runs.apply_learning_rate(self.optimizer, self.scheduler, self.args.learning_rate)
         self.flow.load(path, state.get("loss_sum", 0.0))
@@ -408,10 +423,6 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """A normal transformers folder (full fine-tuning) or peft adapter folder (LoRA), plus the tokenizer."""
-        output_dir = output_dir or self.args.output_dir
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            ckpt.check_finite(unwrapped)
-            unwrapped.save_pretrained(output_dir)
-            self.tokenizer.save_pretrained(output_dir)
+        self.accelerator.wait_for_everyone()  # every process: FSDP2 and ZeRO-3 gather the weights to save them
+        engine_io.save_pretrained(self.accelerator, self.engine, self.model, Path(output_dir or self.args.output_dir),
+                                  self.tokenizer)

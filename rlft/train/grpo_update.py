@@ -9,7 +9,6 @@ never see a non-finite value.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -178,19 +177,23 @@ class PolicyUpdate:
                                    "mask_truncated_completions with every completion truncated): raise "
                                    "max_completion_length", started, nonfinite=False)
         sums, corrections = StepSums(), []
+        # Checked at the first step with a learning signal on any process: with all advantages 0 (and LoRA's
+        # B = 0 making policy == reference) a zero gradient is correct, not a wiring fault.
+        check_flow = not self._flow_checked and float(acc.reduce(batch.advantages.abs().sum(), "sum")) > 0
+        if check_flow:
+            self.engine.watch_grads(self.model)
         batches = self._micro_batches(rollout)
         for k, rows in enumerate(batches):
-            sync = contextlib.nullcontext() if k == len(batches) - 1 else acc.no_sync(self.model)
-            with sync:
+            with self.engine.micro_batch(self.model, last=k == len(batches) - 1):
                 loss, metrics, entropy, mask = self._micro_loss(batch, rows, num_items, num_sequences, corrections,
                                                                 keep)
                 if not loss.requires_grad:
                     raise GradientFlowError("the loss does not require grad: no trainable parameter is connected to "
                                             "it (all parameters frozen, or adapters disabled)")
-                # DDP averages gradients over processes; the normalisers are global sums, so undo the mean.
-                acc.backward(loss * acc.num_processes)
+                # DDP, FSDP and ZeRO average gradients over processes; the normalisers are global sums: undo the mean.
+                self.engine.backward(self.model, loss * acc.num_processes)
             sums.add(loss, metrics, entropy, mask)
-        metrics = self._finish_step(batch, sums, started)
+        metrics = self._finish_step(sums, started, check_flow)
         metrics.update(extra)
         if self._entropy_bonus_on() and "entropy" in metrics:  # a skipped step measured nothing: no update
             metrics.update(self._entropy_control(metrics["entropy"]))
@@ -273,33 +276,36 @@ class PolicyUpdate:
             metrics["entropy_loss"] = share.detach()
         return loss, metrics, None if entropy is None else entropy.detach(), mask
 
-    def _finish_step(self, batch: RolloutBatch, sums: StepSums, started: float) -> dict[str, float]:
-        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))
+    def _finish_step(self, sums: StepSums, started: float, check_flow: bool) -> dict[str, float]:
+        grad_norm = self.engine.clip(self.model, self.args.max_grad_norm)  # None: DeepSpeed clips in its step
         metrics = sums.reduce(self.accelerator)
-        if not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"])):
-            return self._skip_step(f"the loss ({metrics['loss']}) or gradient norm ({grad_norm}) is not finite. "
-                                   "Likely causes: a learning rate too high (now "
-                                   f"{self.args.learning_rate}), rewards so large they overflow, or float16 "
-                                   "weights overflowing (use bfloat16 or float32)", started, nonfinite=True)
-        # Checked at the first step with a learning signal: with all advantages 0 (and LoRA's B = 0 making
-        # policy == reference) a zero gradient is correct, not a wiring fault.
-        if not self._flow_checked and batch.advantages.abs().sum() > 0:
-            check_gradient_flow(self.accelerator.unwrap_model(self.model))
+        if not (math.isfinite(grad_norm if grad_norm is not None else 0.0) and math.isfinite(metrics["loss"])):
+            return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started, nonfinite=True)
+        if check_flow:
+            check_gradient_flow(self.engine.grads(self.model))
             self._flow_checked = True
         learning_rate = self.scheduler.get_last_lr()[0]
         self.flow.fire("on_pre_optimizer_step")
-        self.optimizer.step()
+        applied, engine_norm = self.engine.step(self.model, self.optimizer)
+        grad_norm = engine_norm if grad_norm is None else grad_norm
+        if not applied:  # DeepSpeed found the gradient norm not finite and left the weights as they were
+            return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started, nonfinite=True)
         self.flow.fire("on_optimizer_step")
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad(self.model, self.optimizer)
         self._nonfinite_in_a_row = 0
         metrics.update({"grad_norm": grad_norm, "learning_rate": learning_rate, "steps_skipped": self.steps_skipped,
                         "time/train_seconds": time.perf_counter() - started})
         return metrics
 
+    def _nonfinite_reason(self, loss: float, grad_norm: float | None) -> str:
+        return (f"the loss ({loss}) or gradient norm ({grad_norm}) is not finite. Likely causes: a learning rate too "
+                f"high (now {self.args.learning_rate}), rewards so large they overflow, or float16 weights "
+                "overflowing (use bfloat16 or float32)")
+
     def _skip_step(self, reason: str, started: float, nonfinite: bool) -> dict[str, float]:
         """No optimiser step; the schedule still advances, so the learning rate stays a function of the step."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad(self.model, self.optimizer)
         learning_rate = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.steps_skipped += 1

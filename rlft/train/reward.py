@@ -9,7 +9,7 @@ a non-finite loss skips the step, and several in a row stop the run with the lik
 from __future__ import annotations
 
 import contextlib
-import copy
+import math
 from pathlib import Path
 
 import torch
@@ -36,8 +36,9 @@ from rlft.models import (
 )
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
-from rlft.train import runs
+from rlft.train import engine_io, runs
 from rlft.train import state as run_state
+from rlft.train.engines import Engine
 from rlft.train.flow import Flow, TrainerSurface
 
 HEAD_NAMES = ("score", "classifier")
@@ -79,6 +80,7 @@ class RewardTrainer(TrainerSurface):
         train_dataset, eval_dataset = datasets_from_args(args, train_dataset, eval_dataset)
         run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
+        self.engine = Engine(self.accelerator)
         run_state.check_writable(args.output_dir)
         source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", None)
         self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "right")
@@ -137,7 +139,7 @@ class RewardTrainer(TrainerSurface):
         optimizer, scheduler = optimizers
         optimizer = optimizer or run_state.build_optimizer(model, args)
         self.scheduler = scheduler or run_state.build_scheduler(optimizer, args, self.total_steps)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)  # the scheduler is stepped once
+        self.model, self.optimizer = self.engine.prepare(model, optimizer, args.max_grad_norm)  # not the scheduler
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None):
@@ -223,28 +225,32 @@ class RewardTrainer(TrainerSurface):
             batch = self.train_pairs.batch(self._indices(step, micro), self.tokenizer.pad_token_id,
                                            self.pad_multiple)
             last = micro == args.gradient_accumulation_steps - 1
-            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+            with self.engine.micro_batch(self.model, last):
                 loss, metrics, chosen, rejected = self._pair_loss(batch)
                 finite = finite and bool(torch.isfinite(loss))
                 if loss.requires_grad:  # every process runs backward, finite or not: DDP syncs there
-                    acc.backward(torch.nan_to_num(loss) / args.gradient_accumulation_steps)
+                    self.engine.backward(self.model, torch.nan_to_num(loss) / args.gradient_accumulation_steps)
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 sums[key] = sums.get(key, 0.0) + value.item() / args.gradient_accumulation_steps
             rewards.append(torch.cat([chosen, rejected]))
-        grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        flags = torch.tensor([float(finite and torch.isfinite(torch.as_tensor(grad_norm)))], device=acc.device)
+        grad_norm = self.engine.clip(self.model, args.max_grad_norm)  # None: DeepSpeed clips in its step
+        norm_ok = grad_norm is None or math.isfinite(grad_norm)
+        flags = torch.tensor([float(finite and norm_ok)], device=acc.device)
         if acc.num_processes > 1:  # every process must skip together: a local inf loss may leave a finite norm
             flags = acc.reduce(flags, "min")
         learning_rate = self.scheduler.get_last_lr()[0]
-        if flags.item() < 1:
-            self.optimizer.zero_grad(set_to_none=True)
+        applied = flags.item() >= 1
+        if applied:
+            self.flow.fire("on_pre_optimizer_step")
+            applied, engine_norm = self.engine.step(self.model, self.optimizer)
+            grad_norm = engine_norm if grad_norm is None else grad_norm
+        if not applied:  # not finite (DeepSpeed checks the gradient norm in its step)
+            self.engine.zero_grad(self.model, self.optimizer)
             self.scheduler.step()
             return None
-        self.flow.fire("on_pre_optimizer_step")
-        self.optimizer.step()
         self.flow.fire("on_optimizer_step")
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad(self.model, self.optimizer)
         all_rewards = torch.cat(rewards)
         if acc.num_processes > 1:  # every process's pairs, not rank 0's alone
             keys = sorted(sums)
@@ -269,7 +275,7 @@ class RewardTrainer(TrainerSurface):
                                                               "config_hash": runs.config_hash(self._record),
                                                               "loss_sum": self.flow.loss_sum,
                                                               "nonfinite_skipped": self.nonfinite_skipped},
-                                 flow=self.flow, save_total_limit=self.args.save_total_limit)
+                                 flow=self.flow, save_total_limit=self.args.save_total_limit, engine=self.engine)
             self.flow.fire("on_save")
 
     @torch.no_grad()
@@ -312,7 +318,8 @@ class RewardTrainer(TrainerSurface):
             run_state.seed_everything(self.args.seed)
             return 0
         self._notes = runs.check_resume(path, ckpt.read_state(path), self._record)
-        state, _, _ = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path)
+        state, _, _ = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path,
+                                           self.engine)
         if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:
             runs.apply_learning_rate(self.optimizer, self.scheduler, self.args.learning_rate)
         self.flow.load(path, state.get("loss_sum", 0.0))
@@ -321,16 +328,19 @@ class RewardTrainer(TrainerSurface):
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """A plain sequence-classification folder (LoRA merged in), loadable by any Auto class and by GRPO."""
-        output_dir = output_dir or self.args.output_dir
+        output_dir = Path(output_dir or self.args.output_dir)
         self.accelerator.wait_for_everyone()
-        if not self.accelerator.is_main_process:
-            return
         model = self.accelerator.unwrap_model(self.model)
-        ckpt.check_finite(model)
-        if hasattr(model, "merge_and_unload"):
-            model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(output_dir)
-        self.tokenizer.save_pretrained(output_dir)
+        if not hasattr(model, "merge_and_unload"):
+            engine_io.save_pretrained(self.accelerator, self.engine, self.model, output_dir, self.tokenizer)
+            return
+        state_dict = self.accelerator.get_state_dict(self.model) if self.engine.sharded else None  # every process
+        if self.accelerator.is_main_process:
+            merged = engine_io.merged_copy(model, state_dict)
+            ckpt.check_finite(merged)
+            merged.save_pretrained(output_dir)
+            self.tokenizer.save_pretrained(output_dir)
+        self.accelerator.wait_for_everyone()
 
     @property
     def pad_multiple(self) -> int | None:

@@ -22,39 +22,35 @@ DEFAULT_DDP_TIMEOUT, CPU_DDP_TIMEOUT = 1800, 600  # seconds
 
 
 def make_accelerator(cfg):
-    """The run's Accelerator. Launched as several processes on a machine without CUDA (torchrun,
-    `accelerate launch --multi_gpu` on CPUs), accelerate only forms the gloo process group when told
-    cpu=True; without it every process would train alone as rank 0. The LR scheduler is never handed
-    to accelerate: a prepared scheduler advances once per process per optimiser step."""
+    """The run's Accelerator, running the engine the launch asks for (rlft/train/engines.py).
+
+    Launched as several processes on a machine without CUDA (torchrun, `accelerate launch --multi_gpu` on
+    CPUs), accelerate only forms the gloo process group when told cpu=True; without it every process would
+    train alone as rank 0. The LR scheduler is never handed to accelerate: a prepared scheduler advances once
+    per process per optimiser step."""
     from datetime import timedelta
 
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    refuse_sharding_engines()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from rlft.train.engines import asked_engine, check_engine, engine_plugins, force_engine
+
+    engine = asked_engine()
+    world, cuda = int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available()
+    if engine != "ddp" and world == 1 and not cuda:
+        raise ConfigError(f"the launch asks for {engine} on one process of a machine without CUDA; sharding needs "
+                          "several processes there (accelerate launch --num_processes 2 ..., docs/distributed.md)")
+    from accelerate.state import AcceleratorState
+
+    # A second Accelerator in one process (a second trainer) shares the first one's state and plugin.
+    plugins = engine_plugins(engine) if not AcceleratorState._shared_state else {}
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout(cfg)))
-    return Accelerator(log_with=cfg.report_to or None, project_dir=cfg.output_dir,
-                       cpu=world > 1 and not torch.cuda.is_available(), kwargs_handlers=[timeout])
-
-
-SHARDING_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
-
-
-def refuse_sharding_engines() -> None:
-    """An accelerate config asking for FSDP or DeepSpeed stops here, before any model is loaded.
-
-    Neither runs correctly in rlft yet (docs/distributed.md): on a machine without CUDA accelerate would
-    silently train with DDP instead; on GPUs ZeRO steps the optimiser per micro-batch and ignores
-    max_grad_norm, and sharded weights are saved as empty tensors (ZeRO-3) or not at all (FSDP)."""
-    asked = [(env, name) for env, name in SHARDING_ENGINES.items() if os.environ.get(env, "").lower() == "true"]
-    for env, name in asked[:1]:
-        raise ConfigError(
-            f"the launch asks for {name} (the accelerate config's distributed_type; {env}=true), which rlft does not run "
-            "correctly yet: checkpoints of sharded weights and gradient accumulation under it are not built"
-            + ("" if torch.cuda.is_available() else ", and on a machine without CUDA accelerate would silently "
-               "run DDP instead") + ". Launch DDP (examples/accelerate/ddp.yaml, or torchrun) and use LoRA or "
-            "gradient_checkpointing to fit the model; see docs/distributed.md")
+    accelerator = Accelerator(log_with=cfg.report_to or None, project_dir=cfg.output_dir,
+                              cpu=world > 1 and not cuda, kwargs_handlers=[timeout], **plugins)
+    if engine != "ddp" and not cuda and plugins:
+        force_engine(accelerator, engine, plugins)
+    check_engine(accelerator, engine)
+    return accelerator
 
 
 def collective_timeout(cfg) -> int:

@@ -7,6 +7,7 @@ normalisers, DDP, the optimiser) is the library's own path. Writes the trained p
 and the logged step metrics of each loss_type to OUT (main process only).
 
     torchrun --nproc_per_node 2 --standalone tests/dist/grpo_step.py MODEL_DIR OUT GLOBAL_ACCUMULATION
+    accelerate launch --config_file ENGINE.yaml tests/dist/grpo_step.py ...   (FSDP2, ZeRO-2, ZeRO-3)
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def main() -> None:
         off_policy(trainer, batch)
         trainer.last_entropy = 0.0  # adaptive entropy: as if the previous step was below the target
         metrics = {**batch.metrics, **trainer._optimizer_step(batch)}
-        params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        results[name] = {"params": params, "metrics": {k: v for k, v in metrics.items() if "time" not in k
-                                                        and k != "tokens_per_second"}}
+        params = trainer.accelerator.get_state_dict(trainer.model) or {}  # every process gathers; ZeRO-3: rank 0 gets it
+        results[name] = {"params": {k: v.detach().clone() for k, v in params.items()}, "engine": trainer.engine.name,
+                         "metrics": {k: v for k, v in metrics.items() if "time" not in k and k != "tokens_per_second"}}
     if trainer.accelerator.is_main_process:
         torch.save(results, out)
     accelerator = trainer.accelerator
