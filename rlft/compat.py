@@ -33,16 +33,16 @@ NO_EFFECT = {
     "remove_unused_columns": "rlft passes every extra dataset column to reward functions (TRL's False)",
     "skip_memory_metrics": "rlft does not collect Trainer memory metrics",
     "include_num_input_tokens_seen": "rlft always logs num_tokens (TRL's meaning)",
-    "ds3_gather_for_generation": "rlft has no ZeRO-3 generation path yet",
+    "ds3_gather_for_generation": "under ZeRO-3 rlft generates with synced_gpus (every forward gathers its layer)",
     "log_multimodal": "rlft has no multimodal inputs",
 }
 
 # What to use instead, for fields people set often. Others get a generic message.
 HINTS = {
-    "deepspeed": "launch with `accelerate launch --config_file ...` (docs/distributed.md); sharded training is "
-                 "not verified yet",
-    "fsdp": "launch with `accelerate launch --config_file ...` (docs/distributed.md); sharded training is not "
-            "verified yet",
+    "deepspeed": "launch with `accelerate launch --config_file examples/accelerate/deepspeed_zero3.yaml ...` "
+                 "(docs/distributed.md); the engine comes from the accelerate config",
+    "fsdp": "launch with `accelerate launch --config_file examples/accelerate/fsdp2.yaml ...` (docs/distributed.md); "
+            "the engine comes from the accelerate config",
     "fsdp_config": "launch with `accelerate launch --config_file ...` (docs/distributed.md)",
     "push_to_hub": "call trainer.save_model(dir) and push that folder yourself",
     "hub_model_id": "call trainer.save_model(dir) and push that folder yourself",

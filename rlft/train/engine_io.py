@@ -35,10 +35,21 @@ def save_pretrained(accelerator, engine, model, folder: Path, tokenizer=None) ->
                 from rlft.train.checkpoint import CheckpointError
 
                 raise CheckpointError(f"refusing to save: {len(bad)} tensors hold inf/NaN (e.g. {bad[:3]})")
-            unwrapped.save_pretrained(folder, state_dict=state_dict)
+            unwrapped.save_pretrained(folder, state_dict=_without_tied(unwrapped, state_dict))
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
     accelerator.wait_for_everyone()
+
+
+def _without_tied(model, state_dict: dict) -> dict:
+    """A gathered state dict holds tied weights (lm_head = embeddings) as separate tensors, so save_pretrained
+    cannot see the tie and would save both: keep the first name of each shared parameter only."""
+    seen, tied = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return {k: v for k, v in state_dict.items() if k not in tied}
 
 
 def merged_copy(peft_model, state_dict=None):

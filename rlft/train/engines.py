@@ -114,7 +114,11 @@ class Engine:
     def prepare(self, model, optimizer, max_grad_norm: float | None):
         if self.deepspeed:
             self._fill_deepspeed_config(model, max_grad_norm)
-        return self.accelerator.prepare(model, optimizer)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        if self.fsdp:  # FSDP2 finds its root module at the first forward: make it the whole model, not the inner
+            with torch.no_grad():  # model peft's generate calls (that would make each sharded layer a root)
+                model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.accelerator.device))
+        return model, optimizer
 
     def _fill_deepspeed_config(self, model, max_grad_norm: float | None) -> None:
         """rlft accumulates micro-batches itself and steps once per rlft step (DeepSpeed's unmanaged
@@ -152,6 +156,27 @@ class Engine:
         engine, *_ = deepspeed.initialize(model=reference, config=inference)
         engine.eval()
         return engine
+
+    @contextlib.contextmanager
+    def for_generation(self, model):
+        """FSDP2: gather every layer once for the whole of generate (peft's generate calls the inner model, not the
+        sharded root; and one gather beats one per token). ZeRO-3 gathers per forward, kept in step by synced_gpus."""
+        if not self.fsdp:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for module in modules:
+            module.unshard()
+            module.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            reshard = self.accelerator.state.fsdp_plugin.reshard_after_forward
+            for module in modules:
+                module.reshard()
+                module.set_reshard_after_forward(bool(reshard))
 
     # ---- one optimiser step ---------------------------------------------------------------------
     def micro_batch(self, model, last: bool):

@@ -204,7 +204,8 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
                           start_step, show_progress=not args.disable_tqdm)
         self.log.info(f"GRPO: {self.total_steps} steps, {self.param_summary['trainable']:,} trainable of "
-                      f"{self.param_summary['total']:,} parameters ({'LoRA' if self.is_peft else 'full'})")
+                      f"{self.param_summary['total']:,} parameters ({'LoRA' if self.is_peft else 'full'}), "
+                      f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
         for note in [*self._setup_notes, *filter(None, self._notes)]:
             self.log.warn(note)
         flow.fire("on_train_begin")
@@ -303,7 +304,8 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         args, started = self.args, time.perf_counter()
         prompts = self.train_prompts.batch(self._prompt_indices(rollout_index))
         unwrapped = self.accelerator.unwrap_model(self.model)
-        rollout = self.generator(unwrapped, prompts["prompt_ids"], args.num_generations)
+        with self.engine.for_generation(self.model):
+            rollout = self.generator(unwrapped, prompts["prompt_ids"], args.num_generations)
         generated = time.perf_counter()
         tokens = (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()  # before any masking
         reward_log = RewardLog()
@@ -390,7 +392,8 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         rows, chunk, all_rewards = list(range(len(prompts))), max(256 // n, 1), []
         for start in range(0, len(rows), chunk):
             batch = prompts.batch(rows[start:start + chunk])
-            rollout = self.generator(unwrapped, batch["prompt_ids"], n, greedy=self.args.num_generations_eval is None)
+            with self.engine.for_generation(self.model):
+                rollout = self.generator(unwrapped, batch["prompt_ids"], n, greedy=self.args.num_generations_eval is None)
             all_rewards.append(self._score(rollout, batch, n)[0])
         rewards = torch.cat(all_rewards)  # [E * n, F]
         metrics = {f"{prefix}_rewards/{r}/mean": torch.nanmean(rewards[:, i]).item()

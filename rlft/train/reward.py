@@ -150,7 +150,8 @@ class RewardTrainer(TrainerSurface):
         for line in [*self.train_pairs.report.lines(args.max_length, args.truncation), *filter(None, self._notes)]:
             self.log.warn(line)
         self.log.info(f"reward model: {len(self.train_pairs)} pairs, {self.total_steps} steps, "
-                      f"{self.param_summary['trainable']:,} trainable parameters, head: {self.head_parameters[:2]}")
+                      f"{self.param_summary['trainable']:,} trainable parameters, head: {self.head_parameters[:2]}, "
+                      f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
         flow.fire("on_train_begin")
         try:
             with run_state.named_timeouts(self.accelerator, args):

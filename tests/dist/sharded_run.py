@@ -1,0 +1,61 @@
+"""A short real run, straight and resumed, on whatever engine the launch asks for (DDP, FSDP2, ZeRO-2/3).
+
+GRPO (policy MODE lora or full): 4 AdamW steps on a linear schedule with fixed completions (so 1 and 2
+processes see the same data), checkpoint every 2 steps; then a second trainer resumes from checkpoint-2
+and runs to step 4. Reward model (MODE reward-lora / reward-full): the same with preference pairs.
+Writes OUT/straight and OUT/resumed (save_model folders) and OUT/rates.json (learning rates per step).
+
+    accelerate launch --config_file ENGINE.yaml tests/dist/sharded_run.py MODEL_DIR OUT MODE
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rlft import GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
+from rlft.train.state import release_processes
+from tests.dist.grpo_step import FixedGenerator, token_sum_reward
+from tests.helpers import addition_rows, preference_rows
+
+COMMON = dict(max_steps=4, save_steps=2, logging_steps=1, learning_rate=1e-2, lr_scheduler_type="linear", seed=0,
+              report_to=["none"], disable_tqdm=True, max_grad_norm=0.5, disable_dropout=True)
+
+
+def grpo(model_dir: str, out: Path, lora: bool) -> GRPOTrainer:
+    cfg = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, beta=0.04,
+                     gradient_accumulation_steps=2 // int(__import__("os").environ.get("WORLD_SIZE", "1")) or 1,
+                     max_completion_length=8, use_peft=lora, lora_r=4, **COMMON)
+    trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(16))
+    trainer.generator = FixedGenerator(trainer.tokenizer)
+    return trainer
+
+
+def reward(model_dir: str, out: Path, lora: bool) -> RewardTrainer:
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    cfg = RewardConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2 // world,
+                       use_peft=lora, lora_r=4, max_length=32, **COMMON)
+    return RewardTrainer(model_dir, cfg, train_dataset=preference_rows(32))
+
+
+def main() -> None:
+    model_dir, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    make = reward if mode.startswith("reward") else grpo
+    lora = mode.endswith("lora")
+    trainer = make(model_dir, out / "run", lora)
+    trainer.train()
+    trainer.save_model(out / "straight")
+    rates = [row["learning_rate"] for row in trainer.state.log_history if "learning_rate" in row]
+    accelerator = trainer.accelerator
+    trainer = make(model_dir, out / "run", lora)
+    trainer.train(resume_from_checkpoint=str(out / "run" / "checkpoint-2"))
+    trainer.save_model(out / "resumed")
+    if accelerator.is_main_process:
+        (out / "rates.json").write_text(json.dumps({"rates": rates, "engine": trainer.engine.name}))
+    trainer = None
+    release_processes(accelerator)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""FSDP2 and DeepSpeed ZeRO-2/3 on 2 CPU processes (gloo) are one process split in two: the same update for every
+loss type, the same learning rates, checkpoints that resume exactly, and saved folders that load.
+
+Launched like a user launches them: `accelerate launch --config_file tests/dist/engines/<engine>.yaml`
+(ZeRO-3 with stage3_param_persistence_threshold 0, or a tiny model is never actually sharded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlft.config import ConfigError
+from tests.test_distributed import ROOT, launch
+
+ENGINES = ["fsdp2", "zero2", "zero3"]
+
+
+def needs(engine: str) -> None:
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed")
+
+
+def accelerate_launch(config: str | Path, args: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *args]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    return result
+
+
+def engine_launch(engine: str, args: list[str]) -> subprocess.CompletedProcess:
+    return accelerate_launch(f"tests/dist/engines/{engine}.yaml", args)
+
+
+@pytest.fixture(scope="module")
+def one_process_step(tmp_path_factory, tiny_causal_dir):
+    out = tmp_path_factory.mktemp("one") / "1.pt"
+    result = launch(["tests/dist/grpo_step.py", str(tiny_causal_dir), str(out), "4"], 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_step_equals_one_process_for_every_loss_type(engine, tmp_path, tiny_causal_dir, one_process_step):
+    """SGD at learning rate 1: the parameter change is the gradient. Full fine-tuning, beta > 0 (under ZeRO-3 the
+    reference is its own sharded engine), 4 micro-batches on 1 process vs 2 x 2: one optimiser step either way."""
+    needs(engine)
+    engine_launch(engine, ["tests/dist/grpo_step.py", str(tiny_causal_dir), str(tmp_path / "2.pt"), "4"])
+    one, two = one_process_step, torch.load(tmp_path / "2.pt")
+    assert sorted(one) == sorted(two)
+    for run in one:
+        assert two[run]["engine"] == engine
+        assert sorted(one[run]["params"]) == sorted(two[run]["params"])
+        for name, param in one[run]["params"].items():
+            assert torch.allclose(param, two[run]["params"][name], atol=1e-6, rtol=0), (run, name)
+        for key, value in one[run]["metrics"].items():
+            assert value == pytest.approx(two[run]["metrics"][key], rel=1e-5, abs=1e-6), (run, key)
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory, tiny_causal_dir, tiny_rm_dir):
+    cache = {}
+
+    def run(mode: str) -> Path:
+        if mode not in cache:
+            out = tmp_path_factory.mktemp(f"one-{mode}")
+            model = tiny_rm_dir if mode.startswith("reward") else tiny_causal_dir
+            result = launch(["tests/dist/sharded_run.py", str(model), str(out), mode], 1)
+            assert result.returncode == 0, result.stderr[-3000:]
+            cache[mode] = out
+        return cache[mode]
+
+    return run
+
+
+# Adam turns a gradient difference at float32 rounding into an update difference of up to ~lr where a gradient is
+# near 0; 4 steps at lr 1e-2: full fine-tuning is compared to 1e-4, LoRA (few, larger gradients) to 1e-5.
+TOLERANCE = {"lora": 1e-5, "full": 1e-4, "reward-lora": 1e-5, "reward-full": 1e-4}
+
+
+@pytest.mark.parametrize("mode", list(TOLERANCE))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_train_checkpoint_resume_save_equals_one_process(engine, mode, tmp_path, tiny_causal_dir, tiny_rm_dir,
+                                                         one_process_runs):
+    """4 AdamW steps on a linear schedule, checkpoint at 2; a second trainer resumes from checkpoint-2. The resumed
+    save_model folder equals the straight one bitwise, both equal 1 process's, the learning rates are 1 process's
+    ([0.01, 0.0075, 0.005, 0.0025]), and the folder loads with from_pretrained."""
+    needs(engine)
+    if engine == "zero3" and mode == "reward-lora":
+        pytest.xfail("ZeRO-3 + LoRA reward model (modules_to_save head): gradient norm 2.89 vs 2.26 at step 1 on "
+                     "the same loss; open, see docs/distributed.md")
+    model = tiny_rm_dir if mode.startswith("reward") else tiny_causal_dir
+    engine_launch(engine, ["tests/dist/sharded_run.py", str(model), str(tmp_path), mode])
+    reference = one_process_runs(mode)
+    rates = json.loads((tmp_path / "rates.json").read_text())
+    assert rates == {"rates": json.loads((reference / "rates.json").read_text())["rates"], "engine": engine}
+    assert rates["rates"] == pytest.approx([0.01, 0.0075, 0.005, 0.0025])
+    straight, resumed, one = (weights(folder / "straight") for folder in (tmp_path, tmp_path, reference))
+    assert sorted(straight) == sorted(one) and straight
+    for name, value in one.items():
+        assert torch.equal(straight[name], resumed[name]), name
+        assert torch.allclose(straight[name], value, atol=TOLERANCE[mode], rtol=0), (name, mode)
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    assert not list(checkpoint.rglob("*.pt")), "nothing pickled in a sharded checkpoint"
+    assert (checkpoint / "engine" / "optimizer.safetensors").is_file()
+    _loads(tmp_path / "resumed", mode)
+
+
+def _loads(folder: Path, mode: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if mode == "lora":
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(folder)
+    elif mode == "full":
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(folder)
+    assert all(p.numel() > 0 for p in model.parameters())  # ZeRO-3 once saved shape-(0,) tensors
+
+
+@pytest.mark.parametrize("config", ["fsdp2", "deepspeed_zero2", "deepspeed_zero3"])
+def test_shipped_accelerate_configs_run_their_engine(config, tmp_path, shipped_policy_dir):
+    """The configs users copy, launched as shipped but on 2 processes: a LoRA GRPO run with checkpoints."""
+    needs("zero" if "deepspeed" in config else config)
+    from tests.test_distributed import lora_run_yaml
+
+    run_config, out = lora_run_yaml(tmp_path, shipped_policy_dir, "max_steps: 2\n")
+    result = accelerate_launch(f"examples/accelerate/{config}.yaml",
+                               ["--num_processes", "2", "-m", "rlft.cli", "grpo", "--config", str(run_config)])
+    engine = {"fsdp2": "fsdp2", "deepspeed_zero2": "zero2", "deepspeed_zero3": "zero3"}[config]
+    assert f"engine {engine} on 2 process(es)" in result.stdout + result.stderr
+    assert (out / "checkpoint-2" / "engine" / "weights.safetensors").is_file()
+    assert (out / "checkpoint-2" / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_sharding_asked_on_one_cpu_process_is_an_error(monkeypatch, tmp_path):
+    from rlft import GRPOConfig
+    from rlft.train.state import make_accelerator
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU one process may run DeepSpeed/FSDP")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="asks for fsdp on one process"):
+        make_accelerator(GRPOConfig(output_dir=str(tmp_path), report_to=["none"]))
+
+
+def test_an_engine_that_would_not_run_is_named(monkeypatch):
+    """What accelerate would run differs from what the launch asked for: an error naming both."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from rlft.train.engines import asked_engine, check_engine
+
+    with pytest.raises(ConfigError, match="asks for FSDP2 but accelerate would run DDP"):
+        check_engine(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), "fsdp")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match="both FSDP and DeepSpeed"):
+        asked_engine()
