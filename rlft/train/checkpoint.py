@@ -159,7 +159,7 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
     unwrapped = accelerator.unwrap_model(model)
-    gathered = engine is not None and (engine.sharded or engine.deepspeed)
+    gathered = engine is not None and engine.gathers_checkpoints
     if not gathered:
         check_finite(unwrapped)
     if accelerator.is_main_process:
@@ -256,7 +256,7 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path, engine
 
 
 def _load_weights_and_optimizer(accelerator, model, optimizer, path: Path, engine) -> None:
-    gathered = engine is not None and (engine.sharded or engine.deepspeed)
+    gathered = engine is not None and engine.gathers_checkpoints
     if gathered != (path / "engine").is_dir():
         written = "FSDP2 or DeepSpeed" if (path / "engine").is_dir() else "DDP or one process"
         raise CheckpointError(f"{path} was written by {written}; this run is {engine.name if engine else 'ddp'}: "

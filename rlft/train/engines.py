@@ -110,6 +110,12 @@ class Engine:
         """Weights live in pieces on the processes (FSDP2, ZeRO-3): generation must keep every process in step."""
         return self.fsdp or self.zero_stage == 3
 
+    @property
+    def gathers_checkpoints(self) -> bool:
+        """Checkpoints go through full gathered weights and optimizer state (engine/): FSDP2 and DeepSpeed, whose
+        optimizer state is in pieces on the processes."""
+        return self.fsdp or self.deepspeed
+
     # ---- preparing --------------------------------------------------------------------------------
     def prepare(self, model, optimizer, max_grad_norm: float | None):
         if self.deepspeed:

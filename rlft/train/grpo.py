@@ -186,8 +186,8 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         loaded weights are already in pieces, so the reference is loaded again (sharded the same way)."""
         if self.args.beta == 0 or self.is_peft:
             return None
-        if self.args.sync_ref_model and self.engine.name != "ddp" and self.engine.name != "single":
-            raise ConfigError(f"sync_ref_model under {self.engine.name}: moving a reference held in pieces is not "
+        if self.args.sync_ref_model and self.engine.sharded:
+            raise ConfigError(f"sync_ref_model under {self.engine.name}: moving a reference whose weights are in pieces is not "
                               "built; use DDP, or sync_ref_model: false")
         if self.engine.zero_stage != 3:
             return copy.deepcopy(model).eval().requires_grad_(False)
