@@ -122,8 +122,13 @@ class Engine:
             self._fill_deepspeed_config(model, max_grad_norm)
         model, optimizer = self.accelerator.prepare(model, optimizer)
         if self.fsdp:  # FSDP2 finds its root module at the first forward: make it the whole model, not the inner
-            with torch.no_grad():  # model peft's generate calls (that would make each sharded layer a root)
+            from torch.distributed.fsdp import FSDPModule  # model peft's generate calls (each layer a root)
+
+            with torch.no_grad():
                 model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.accelerator.device))
+            for module in model.modules():  # the root keeps its weights gathered after a forward: back to pieces
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         return model, optimizer
 
     def _fill_deepspeed_config(self, model, max_grad_norm: float | None) -> None:
