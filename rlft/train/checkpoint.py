@@ -141,9 +141,12 @@ def resolve_resume(resume: bool | str | Path | None, output_dir: str | Path) -> 
 
 
 # ---- writing --------------------------------------------------------------------------------------
-def check_finite(model) -> None:
-    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model)."""
-    bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+def check_finite(model_or_state_dict) -> None:
+    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model). Takes a model
+    or a (gathered) state dict."""
+    named = model_or_state_dict.items() if isinstance(model_or_state_dict, dict) else \
+        model_or_state_dict.named_parameters()
+    bad = [name for name, p in named if p.is_floating_point() and not torch.isfinite(p).all()]
     if bad:
         raise CheckpointError(f"refusing to save: {len(bad)} parameter tensors hold inf/NaN (e.g. {bad[:3]})")
 
@@ -168,8 +171,8 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
     accelerator.wait_for_everyone()
     (tmp / f"rng_state_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
     if gathered:
-        engine_io.save_pretrained(accelerator, engine, model, tmp / "model", tokenizer)
-        engine_io.save_engine_state(accelerator, engine, model, optimizer, tmp / "engine")
+        state_dict = engine_io.save_pretrained(accelerator, engine, model, tmp / "model", tokenizer)
+        engine_io.save_engine_state(accelerator, engine, model, optimizer, tmp / "engine", state_dict)
     if accelerator.is_main_process:
         if not gathered:
             unwrapped.save_pretrained(tmp / "model")

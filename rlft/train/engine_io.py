@@ -1,4 +1,4 @@
-"""Weights and optimizer state of a sharded run (FSDP2, ZeRO-2, ZeRO-3), gathered whole and written without pickle.
+"""Weights and optimizer state of an FSDP2 or DeepSpeed (ZeRO-2/3) run, gathered whole and written without pickle.
 
 Every process calls these (gathering is a collective); the main process writes. A sharded checkpoint holds,
 besides the normal `model/` folder (a transformers or peft folder of the gathered weights):
@@ -6,7 +6,8 @@ besides the normal `model/` folder (a transformers or peft folder of the gathere
                                 (DeepSpeed: its fp32 master copy, so a bf16 run resumes exactly)
   engine/optimizer.safetensors  every optimizer state tensor in full, as "<parameter name>::<state key>"
   engine/optimizer.json         scalar state: param groups / step counts
-Saved whole, not per process: a checkpoint is read back the same way on any engine and process count.
+Saved whole, not per process, so nothing in the files depends on how the state was split (resume still asks for
+the same number of processes, for the RNG states and data order; rlft/train/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -19,26 +20,21 @@ import torch
 from rlft.models import trainable_parameters
 
 
-def save_pretrained(accelerator, engine, model, folder: Path, tokenizer=None) -> None:
-    """`save_pretrained` of the full weights, gathered on every process (FSDP2, ZeRO-3), written by the main one."""
+def save_pretrained(accelerator, engine, model, folder: Path, tokenizer=None) -> dict | None:
+    """`save_pretrained` of the full weights, gathered on every process (FSDP2, ZeRO-3), written by the main one.
+    Returns the gathered state dict (the main process's; None when nothing had to be gathered)."""
+    from rlft.train.checkpoint import check_finite
+
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model) if engine.sharded else None
     if accelerator.is_main_process:
-        if state_dict is None:
-            from rlft.train.checkpoint import check_finite
-
-            check_finite(unwrapped)
-            unwrapped.save_pretrained(folder)
-        else:
-            bad = [k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-            if bad:
-                from rlft.train.checkpoint import CheckpointError
-
-                raise CheckpointError(f"refusing to save: {len(bad)} tensors hold inf/NaN (e.g. {bad[:3]})")
-            unwrapped.save_pretrained(folder, state_dict=_without_tied(unwrapped, state_dict))
+        check_finite(unwrapped if state_dict is None else state_dict)
+        unwrapped.save_pretrained(folder, **({} if state_dict is None else
+                                              {"state_dict": _without_tied(unwrapped, state_dict)}))
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
     accelerator.wait_for_everyone()
+    return state_dict
 
 
 def _without_tied(model, state_dict: dict) -> dict:
@@ -67,25 +63,17 @@ def merged_copy(peft_model, state_dict=None):
     return fresh.merge_and_unload()
 
 
-def _fsdp_states(model, optimizer):
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    osd = get_optimizer_state_dict(model, optimizer.optimizer, options=options)
-    return weights, osd
-
-
-def save_engine_state(accelerator, engine, model, optimizer, folder: Path) -> None:
-    """Write engine/ (see the module docstring); every process calls this."""
+def save_engine_state(accelerator, engine, model, optimizer, folder: Path, gathered: dict | None = None) -> None:
+    """Write engine/ (see the module docstring); every process calls this. `gathered`: the full state dict
+    save_pretrained just gathered (FSDP2's weights are taken from it rather than gathered again)."""
     names = [name for name, _ in trainable_parameters(accelerator.unwrap_model(model))]
     if engine.fsdp:
-        weights, osd = _fsdp_states(model, optimizer)
-        weights = {name: weights[name] for name in names if name in weights}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(model, optimizer.optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        gathered = gathered or {}  # the main process holds it; the others write nothing
+        weights = {name: gathered[name] for name in names if name in gathered}
         tensors = {f"{name}::{key}": value for name, state in osd.get("state", {}).items()
                    for key, value in state.items() if torch.is_tensor(value)}
         scalars = {"param_groups": osd.get("param_groups", [])}

@@ -11,6 +11,7 @@ Writes OUT/straight and OUT/resumed (save_model folders) and OUT/rates.json (lea
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,9 +24,13 @@ COMMON = dict(max_steps=4, save_steps=2, logging_steps=1, learning_rate=1e-2, lr
               report_to=["none"], disable_tqdm=True, max_grad_norm=0.5, disable_dropout=True)
 
 
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def grpo(model_dir: str, out: Path, lora: bool) -> GRPOTrainer:
     cfg = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, beta=0.04,
-                     gradient_accumulation_steps=2 // int(__import__("os").environ.get("WORLD_SIZE", "1")) or 1,
+                     gradient_accumulation_steps=2 // world(),
                      max_completion_length=8, use_peft=lora, lora_r=4, **COMMON)
     trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(16))
     trainer.generator = FixedGenerator(trainer.tokenizer)
@@ -33,8 +38,7 @@ def grpo(model_dir: str, out: Path, lora: bool) -> GRPOTrainer:
 
 
 def reward(model_dir: str, out: Path, lora: bool) -> RewardTrainer:
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    cfg = RewardConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2 // world,
+    cfg = RewardConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2 // world(),
                        use_peft=lora, lora_r=4, max_length=32, **COMMON)
     return RewardTrainer(model_dir, cfg, train_dataset=preference_rows(32))
 
