@@ -35,6 +35,16 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# ChatML with tools (Hermes / Qwen2.5 tool-call format): the tools listed in a system turn by name and arguments,
+# each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results in 'tool' turns.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}"
+    "({{ tool.function.parameters.properties | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 _WORDS = (
     "the a an is of to and in that it for you what answer question assistant user system helpful "
     "good bad better worse correct wrong number sum plus minus think step reward model policy "
@@ -42,21 +52,25 @@ _WORDS = (
 ).split()
 
 
-def _tokenizer_corpus(seed: int, lines: int = 2000) -> list[str]:
+def _tokenizer_corpus(seed: int, lines: int = 2000, tools: bool = False) -> list[str]:
     rng = random.Random(seed)
     corpus = []
     for _ in range(lines):
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
         corpus.append(f"What is {a}+{b}? {words.capitalize()}. The answer is {a + b}!")
+        if tools:
+            corpus.append(f'Tools: add(a, b)\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\ntool\n{a + b}')
     return corpus
 
 
-def build_tokenizer(seed: int = 0, vocab_size: int = 384) -> PreTrainedTokenizerFast:
+def build_tokenizer(seed: int = 0, vocab_size: int = 384, tools: bool = False) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer with Qwen2's normalizer and pre-tokenizer.
 
     Special tokens: `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos); `<answer>` and
-    `</answer>` are single added tokens. The chat template is ChatML, like Qwen2's.
+    `</answer>` are single added tokens. The chat template is ChatML, like Qwen2's. With `tools`
+    the corpus also holds tool calls, `<tool_call>` / `</tool_call>` are added tokens and the chat
+    template renders tools, tool calls and tool messages (Hermes format).
     Padding is on the left, as generation wants it.
     """
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
@@ -74,14 +88,14 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 384) -> PreTrainedTokenizer
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_tokenizer_corpus(seed), trainer)
-    tok.add_tokens(ANSWER_TOKENS)
+    tok.train_from_iterator(_tokenizer_corpus(seed, tools=tools), trainer)
+    tok.add_tokens(ANSWER_TOKENS + (TOOL_TOKENS if tools else []))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
         model_max_length=512,
     )
 
@@ -135,9 +149,10 @@ def save_tiny(model: PreTrainedModel, tokenizer, path: str | Path) -> Path:
 
 
 def make_tiny_model_dir(path: str | Path, kind: str = "causal", arch: str = "qwen2", seed: int = 0,
-                        hidden_size: int = 64, num_layers: int = 2) -> Path:
-    """Build tokenizer + model (`kind` 'causal' or 'seq_cls') and save them to `path`."""
-    tokenizer = build_tokenizer(seed)
+                        hidden_size: int = 64, num_layers: int = 2, tools: bool = False) -> Path:
+    """Build tokenizer + model (`kind` 'causal' or 'seq_cls') and save them to `path` (`tools`: the
+    tool-calling tokenizer and chat template)."""
+    tokenizer = build_tokenizer(seed, vocab_size=448 if tools else 384, tools=tools)
     builder = build_causal_lm if kind == "causal" else build_sequence_classifier
     model = builder(tokenizer, arch=arch, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
     return save_tiny(model, tokenizer, path)

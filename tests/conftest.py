@@ -29,3 +29,11 @@ def shipped_policy_dir():
     from rlft.models import shipped_policy_path
 
     return shipped_policy_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_dir(tmp_path_factory):
+    """A random tiny Qwen2 with the tool-calling tokenizer and chat template."""
+    from rlft.tiny import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-tools"), kind="causal", arch="qwen2", tools=True)

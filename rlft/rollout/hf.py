@@ -1,12 +1,13 @@
 """Generation with transformers' `generate`: the default engine, runs on any device.
 
 The rollout protocol: prompt token ids and a group size in; completion ids, a completion
-mask (every token up to and including the first EOS) and a truncation flag out.
+mask (every token up to and including the first EOS) and a truncation flag out. Multi-turn rollouts
+(`rlft/rollout/tools.py`) add a tool mask and what reward functions see per row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -22,6 +23,17 @@ class Rollout:
     completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
     truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
     sampling_logps: torch.Tensor | None = None  # [N, C] the engine's log-prob of each sampled token (vLLM)
+    # Multi-turn rollouts: 1 where the policy sampled the token, 0 for tool output and chat-template glue, which
+    # the policy reads (attention: completion_mask) but is not trained on (loss: loss_mask).
+    tool_mask: torch.Tensor | None = None  # [N, C]
+    completions: list | None = None  # per row, the completion as chat messages (what reward functions receive)
+    extra: dict[str, list] = field(default_factory=dict)  # per-row values passed to reward functions by name
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row counts: tool calls, failures, turns
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The tokens the loss is over: the completion, less what the policy did not generate."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -85,7 +97,8 @@ class HFGenerator:
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and not synced
 
     @torch.no_grad()
-    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False) -> Rollout:
+    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
+                 max_new_tokens: int | None = None) -> Rollout:
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         ids, mask = left_pad(repeated, self.tokenizer.pad_token_id)
         device = next(model.parameters()).device
@@ -95,6 +108,8 @@ class HFGenerator:
         model.eval()
         sampling = dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None) if greedy \
             else dict(self.sampling, do_sample=True)
+        if max_new_tokens is not None:  # a later turn of a multi-turn rollout: what is left of the budget
+            sampling["max_new_tokens"] = max_new_tokens
         cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \
             if self.shared_prompt_prefill and num_generations > 1 else None
         if cache is not None:

@@ -132,9 +132,10 @@ def request_seeds(count: int, greedy: bool) -> list[int | None]:
     return [None] * count if greedy else torch.randint(0, 2**31 - 1, (count,)).tolist()
 
 
-def request_fields(args, eos_ids: list[int], seed: int | None) -> dict:
-    """vLLM's sampling fields for one completion (SamplingParams keywords = the server's JSON fields)."""
-    fields = dict(max_tokens=args.max_completion_length, stop_token_ids=eos_ids,
+def request_fields(args, eos_ids: list[int], seed: int | None, max_tokens: int | None = None) -> dict:
+    """vLLM's sampling fields for one completion (SamplingParams keywords = the server's JSON fields);
+    `max_tokens`: a later turn of a multi-turn rollout gets what is left of max_completion_length."""
+    fields = dict(max_tokens=max_tokens or args.max_completion_length, stop_token_ids=eos_ids,
                   repetition_penalty=args.repetition_penalty, **(args.generation_kwargs or {}))
     if seed is None:
         return {**fields, "temperature": 0.0}
@@ -202,19 +203,20 @@ class VLLMColocate(StaleAfterStep):
         self.syncs += 1
 
     # ---- the rollout protocol ----------------------------------------------------------------------------
-    def sampling_params(self, count: int, greedy: bool) -> list:
+    def sampling_params(self, count: int, greedy: bool, max_tokens: int | None = None) -> list:
         from vllm import SamplingParams
 
-        return [SamplingParams(detokenize=False, **request_fields(self.args, self.eos_ids, seed))
+        return [SamplingParams(detokenize=False, **request_fields(self.args, self.eos_ids, seed, max_tokens))
                 for seed in request_seeds(count, greedy)]
 
     @torch.no_grad()
-    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False) -> Rollout:
+    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
+                 max_new_tokens: int | None = None) -> Rollout:
         if self.stale:
             self.sync(model)
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in repeated],
-                                    self.sampling_params(len(repeated), greedy), use_tqdm=False)
+                                    self.sampling_params(len(repeated), greedy, max_new_tokens), use_tqdm=False)
         if self.args.vllm_enable_sleep_mode:
             self.llm.sleep(level=1)
         samples = [out.outputs[0] for out in outputs]

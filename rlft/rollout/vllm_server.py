@@ -146,19 +146,20 @@ class VLLMServer(StaleAfterStep):
                                   f"weights (a different model?): {err}") from err
         self.client.request("/reset_prefix_cache", {})  # cached prompt keys/values belong to the old weights
 
-    def _complete(self, ids: list[int], seed: int | None) -> dict:
+    def _complete(self, ids: list[int], seed: int | None, max_tokens: int | None = None) -> dict:
         body = {"model": self.served, "prompt": ids, "return_token_ids": True, "skip_special_tokens": False,
-                **request_fields(self.args, self.eos_ids, seed)}
+                **request_fields(self.args, self.eos_ids, seed, max_tokens)}
         return self.client.request("/v1/completions", body)["choices"][0]
 
     @torch.no_grad()
-    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False) -> Rollout:
+    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
+                 max_new_tokens: int | None = None) -> Rollout:
         if self.stale:
             self.sync(model)
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         seeds = request_seeds(len(repeated), greedy)
         with ThreadPoolExecutor(max_workers=16) as pool:
-            choices = list(pool.map(self._complete, repeated, seeds))
+            choices = list(pool.map(self._complete, repeated, seeds, [max_new_tokens] * len(repeated)))
         logprobs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
         return engine_rollout(repeated, [c["token_ids"] for c in choices], logprobs, self.tokenizer.pad_token_id,
                               self.eos_ids, next(model.parameters()).device, greedy)

@@ -1,0 +1,128 @@
+"""The tool-calling loop around a rollout engine: generate a turn, run its tool calls, append the tool
+messages as tokens, generate the next turn, until no row calls a tool, `max_tool_calling_iterations`
+rounds of tools have run, or the completion budget (`max_completion_length`, tool output included) is
+spent. Same protocol as the engines, plus per-row tool sets (an environment's methods are its own row's tools).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from rlft.rollout.hf import Rollout
+from rlft.rollout.tools import ToolCall, ToolRunner, parse_turn, tool_suffix_ids
+
+
+@dataclass
+class Toolset:
+    functions: dict  # name -> callable
+    schemas: list[dict]  # what the prompt was rendered with (and what parse_response casts arguments by)
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    toolset: Toolset
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1: sampled by the policy
+    logps: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    pending: list[ToolCall] = field(default_factory=list)  # calls of the last turn not yet answered
+    ended: bool = False  # the last turn ended with EOS
+    calls: int = 0
+    failures: int = 0
+    turns: int = 0
+
+
+class ToolLoop:
+    """`loop(model, prompt_ids, num_generations, greedy, toolsets=None) -> Rollout` with `tool_mask`,
+    `completions` (each row as assistant / tool messages) and per-row `stats`."""
+
+    def __init__(self, engine, tokenizer, toolset: Toolset, max_completion_length: int,
+                 max_iterations: int | None = None, timeout: float = 30.0, template_kwargs: dict | None = None):
+        self.engine, self.tokenizer, self.toolset = engine, tokenizer, toolset
+        self.max_length = max_completion_length
+        self.max_iterations = sys.maxsize if max_iterations is None else max_iterations
+        self.runner = ToolRunner(timeout)
+        self.template_kwargs = template_kwargs
+
+    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
+                 toolsets: list[Toolset] | None = None) -> Rollout:
+        prompts = [ids for ids in prompt_ids for _ in range(num_generations)]
+        rows = [_Row(p, t) for p, t in zip(prompts, toolsets or [self.toolset] * len(prompts), strict=True)]
+        first = self.engine(model, prompt_ids, num_generations, greedy)
+        self._absorb(rows, first)
+        active, rounds = [r for r in rows if r.pending], 0
+        while active and rounds < self.max_iterations:
+            active = self._answer(active)  # rows whose tool results fit in the budget
+            if not active:
+                break
+            room = max(self.max_length - len(r.ids) for r in active)
+            self._absorb(active, self.engine(model, [r.prompt + r.ids for r in active], 1, greedy, max_new_tokens=room))
+            active, rounds = [r for r in active if r.pending], rounds + 1
+        return self._assemble(rows, first)
+
+    def _absorb(self, rows: list[_Row], out: Rollout) -> None:
+        """Append each row's newly generated turn (cut to what is left of the budget) and parse its tool calls."""
+        for i, row in enumerate(rows):
+            ids = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
+            room = self.max_length - len(row.ids)
+            row.ended = len(ids) <= room and not bool(out.truncated[i])
+            ids = ids[:room]
+            context = row.prompt + row.ids
+            row.ids += ids
+            row.mask += [1] * len(ids)
+            if out.sampling_logps is not None:
+                row.logps += out.sampling_logps[i][:len(ids)].tolist()
+            row.turns += 1
+            if row.ended:  # a cut turn's calls are incomplete: not run
+                content, row.pending = parse_turn(self.tokenizer, ids, context, row.toolset.schemas)
+            else:
+                content, row.pending = self.tokenizer.decode(ids, skip_special_tokens=True), []
+            message = {"role": "assistant", "content": content}
+            valid = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                     for c in row.pending if c.error is None]
+            row.messages.append({**message, "tool_calls": valid} if valid else message)
+
+    def _answer(self, rows: list[_Row]) -> list[_Row]:
+        """Run every pending call of every row at once; append the tool messages as tokens (mask 0). A row whose
+        tool results would leave no room for another token stops here, its calls counted but unanswered."""
+        jobs = [(call, row.toolset.functions) for row in rows for call in row.pending]
+        results, going, start = self.runner.run(jobs), [], 0
+        for row in rows:
+            answered, start = results[start:start + len(row.pending)], start + len(row.pending)
+            row.calls += len(answered)
+            row.failures += sum(failed for _, _, failed in answered)
+            messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in answered]
+            suffix = tool_suffix_ids(self.tokenizer, messages, self.template_kwargs)
+            if len(row.ids) + len(suffix) >= self.max_length:
+                continue  # stays pending: counted as hitting the limit
+            row.pending = []
+            row.ids += suffix
+            row.mask += [0] * len(suffix)
+            row.logps += [0.0] * len(suffix)
+            row.messages += messages
+            going.append(row)
+        return going
+
+    def _assemble(self, rows: list[_Row], first: Rollout) -> Rollout:
+        device, pad = first.completion_ids.device, self.tokenizer.pad_token_id
+        width = max(len(r.ids) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask, tool_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+        logps = torch.zeros(ids.shape) if first.sampling_logps is not None else None
+        for i, row in enumerate(rows):
+            ids[i, :len(row.ids)] = torch.tensor(row.ids, dtype=torch.long)
+            mask[i, :len(row.ids)] = 1
+            tool_mask[i, :len(row.ids)] = torch.tensor(row.mask, dtype=torch.long)
+            if logps is not None:
+                logps[i, :len(row.ids)] = torch.tensor(row.logps)
+        stats = {name: torch.tensor([float(value(r)) for r in rows]) for name, value in (
+            ("tool_calls", lambda r: r.calls), ("tool_failures", lambda r: r.failures),
+            ("turns", lambda r: r.turns), ("hit_limit", lambda r: bool(r.pending)))}
+        truncated = torch.tensor([not r.ended for r in rows], device=device)
+        return Rollout(first.prompt_ids, first.prompt_mask, ids.to(device), mask.to(device), truncated,
+                       None if logps is None else logps.to(device), tool_mask.to(device),
+                       completions=[r.messages for r in rows], stats=stats)
