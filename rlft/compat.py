@@ -51,8 +51,6 @@ HINTS = {
     "load_best_model_at_end": "checkpoints are kept per save_steps; pick one from metrics.jsonl",
     "metric_for_best_model": "checkpoints are kept per save_steps; pick one from metrics.jsonl",
     "auto_find_batch_size": "set per_device_train_batch_size yourself; `rlft doctor` checks a config quickly",
-    "tools": "tool-calling rollouts are not built yet",
-    "max_tool_calling_iterations": "tool-calling rollouts are not built yet",
     "neftune_noise_alpha": "not supported",
     "resume_from_checkpoint": "pass it to trainer.train(resume_from_checkpoint=...) or the CLI flag",
     "use_transformers_paged": "rlft generates with model.generate",

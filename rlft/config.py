@@ -37,7 +37,8 @@ STRATEGIES = ("no", "steps", "epoch")
 # accelerate's tracker names ("all": every one that is installed, as in transformers).
 TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
 # Keyword arguments rlft passes to every reward function; a dataset column must not shadow one.
-REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                    "environments")
 
 
 class ConfigError(ValueError):
@@ -222,6 +223,11 @@ class _GRPOFields(_TrainFields):
     vllm_importance_sampling_cap: float | None = None  # TRL's deprecated name for clip_max; wins when set
     vllm_dtype: str = "auto"  # the engine's weights: "auto" = the trainer's; bfloat16 generates ~2x faster
     vllm_enforce_eager: bool | None = None  # None: eager on CPU (compiling costs ~25 s at start), compiled on GPU
+    # Tool-calling rollouts (docs/agents.md). `tools`: "module:function" names, for configs (the trainer also takes
+    # callables); max_tool_calling_iterations: TRL's (None: until no tool call or the completion budget is spent)
+    tools: list[str] = field(default_factory=list)
+    max_tool_calling_iterations: int | None = None
+    tool_call_timeout: float = 30.0  # seconds one tool call may run before the policy reads a timeout error
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
@@ -328,8 +334,10 @@ def _validate_grpo(cfg, errors: list[str]) -> None:
         errors.append(f"num_generations={cfg.num_generations!r} must be >= 2: group-relative advantages "
                       "compare completions of the same prompt, so a group of 1 has no signal")
     _positive(errors, cfg, "max_completion_length", "max_prompt_length", "temperature", "num_iterations",
-              "logprob_chunk_size", "num_completions_to_log", "sapo_temperature_pos", "sapo_temperature_neg")
-    _positive(errors, cfg, "beta", "epsilon", "epsilon_high", "top_k", "min_p", allow_zero=True)
+              "logprob_chunk_size", "num_completions_to_log", "sapo_temperature_pos", "sapo_temperature_neg",
+              "tool_call_timeout")
+    _positive(errors, cfg, "beta", "epsilon", "epsilon_high", "top_k", "min_p", "max_tool_calling_iterations",
+              allow_zero=True)
     if not 0 < cfg.top_p <= 1:
         errors.append(f"top_p={cfg.top_p!r} must be in (0, 1]")
     if cfg.reward_weights is not None and cfg.reward_funcs and len(cfg.reward_weights) != len(cfg.reward_funcs):

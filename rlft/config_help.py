@@ -138,6 +138,11 @@ SECTIONS: dict[str, dict[str, str]] = {
         "ref_model_mixup_alpha": "TR-DPO: ref <- alpha * policy + (1 - alpha) * ref",
         "ref_model_sync_steps": "TR-DPO: optimiser steps between reference updates",
     },
+    "GRPO: tools (docs/agents.md)": {
+        "tools": "functions the policy may call, as module.path:function (the trainer also takes callables)",
+        "max_tool_calling_iterations": "rounds of tool results per completion (null: until no call or the budget ends)",
+        "tool_call_timeout": "seconds one tool call may run; then the policy reads a timeout error",
+    },
     "GRPO: vLLM rollouts (docs/vllm.md)": {
         "use_vllm": "generate with vLLM instead of transformers' generate",
         "vllm_mode": "colocate (an engine in each training process) or server (rlft vllm-serve)",

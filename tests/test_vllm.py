@@ -262,3 +262,23 @@ def test_the_demo_learns_as_well_with_vllm_as_with_generate(tmp_path):
     print(f"\nvllm demo held-out accuracy: {[round(a, 3) for a in accuracy]}")
     assert accuracy[0] == pytest.approx(0.29)  # greedy evaluation through vLLM from the same start as HF's
     assert max(accuracy[-3:]) >= 0.85
+
+
+def test_tool_calling_rollouts_generate_each_turn_with_vllm(tmp_path):
+    """Multi-turn rollouts on vLLM: each turn is a vLLM request continuing from the exact ids so far; the
+    engine's log-probs of the policy's own tokens match the trainer's one forward over the whole sequence."""
+    from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
+    from rlft.models import shipped_policy_path
+
+    cfg = tiny_grpo_config(tmp_path, use_vllm=True, max_steps=2, use_peft=True, lora_r=4, lora_dropout=0.0,
+                           max_completion_length=64, num_generations=4, temperature=0.7, max_tool_calling_iterations=2)
+    trainer = GRPOTrainer(str(shipped_policy_path("tiny-calculator")), [answer_reward, tool_use_reward], cfg,
+                          addition_rows(32), tools=TOOLS)
+    history = trainer.train()
+    assert history[0]["tools/call_frequency"] > 0.5 and history[-1]["grad_norm"] > 0
+    rollout = trainer._generate(trainer.train_prompts.batch([0, 1, 2, 3]), 4)
+    assert rollout.stats["turns"].max() >= 2
+    logps = trainer._logps_no_grad(trainer.model, rollout)
+    policy = rollout.loss_mask.bool()
+    assert (logps - rollout.sampling_logps)[policy].abs().max().item() < 2e-3
+    assert rollout.sampling_logps[rollout.completion_mask.bool() & ~policy].eq(0).all()  # tool output: not sampled

@@ -42,15 +42,15 @@ from rlft.models import (
     resolve_dtype,
 )
 from rlft.rewards.calling import RewardLog, check_keywords, compute_rewards, resolve_rewards
-from rlft.rollout import make_generator
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state
+from rlft.train.agent import RolloutSource
 from rlft.train.engines import Engine
 from rlft.train.flow import Flow, TrainerSurface
 from rlft.train.grpo_update import PolicyUpdate, RolloutBatch, option_notes
-from rlft.train.metrics import MetricWindow, rollout_metrics
+from rlft.train.metrics import MetricWindow, rollout_metrics, tool_metrics
 
 ZERO_LOSS_NOTE = (
     "loss is ~0 while grad_norm > 0: expected. With one update per rollout the ratio is exactly 1, so the "
@@ -63,28 +63,32 @@ def _repeat(values: list, times: int) -> list:
     return [v for v in values for _ in range(times)]
 
 
-class GRPOTrainer(PolicyUpdate, TrainerSurface):
-    """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`."""
+class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
+    """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`; `tools`,
+    `environment_factory` and `rollout_func` as in TRL (rlft/train/agent.py)."""
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None, tools=None, rollout_func=None):
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None, tools=None, rollout_func=None, environment_factory=None):
         self.args = args = validate(args or GRPOConfig())
-        if tools is not None or rollout_func is not None:
-            raise ConfigError("tools= and rollout_func= are not supported by rlft yet (tool-calling rollouts are "
-                              "not built); remove them")
         train_dataset, eval_dataset = datasets_from_args(args, train_dataset, eval_dataset)
         run_state.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
         self.accelerator = run_state.make_accelerator(args)
         self.engine = Engine(self.accelerator)
         run_state.check_writable(args.output_dir)
-        self.reward_funcs, self.reward_names, self.reward_weights = resolve_rewards(
-            reward_funcs, args.reward_weights, reward_processing_classes, args.max_completion_length)
         source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", None)
         self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "left")
+        own_reward = self._setup_tools(tools, environment_factory, rollout_func)
+        reward_funcs = [*(reward_funcs if isinstance(reward_funcs, list | tuple) else
+                          [] if reward_funcs is None else [reward_funcs]), *own_reward]
+        weights = None if args.reward_weights is None else [*args.reward_weights, *[1.0] * len(own_reward)]
+        self.reward_funcs, self.reward_names, self.reward_weights = resolve_rewards(
+            reward_funcs, weights, reward_processing_classes, args.max_completion_length)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self._setup_batches(load_dataset_any(train_dataset), model)
-        self._setup_notes = check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
+        self._check_chat_prompts(self.train_prompts)
+        self._setup_notes = [] if rollout_func is not None else \
+            check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
         self._setup_model(model, source, peft_config, optimizers)
@@ -92,8 +96,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         self.steps_skipped, self._nonfinite_in_a_row = 0, 0
         self.entropy_coef, self.last_entropy, self.ref_syncs = args.entropy_coef, math.inf, 0  # in checkpoints
         self._setup_notes += option_notes(args)
-        self.generator = make_generator(args, self.tokenizer, self.accelerator.unwrap_model(self.model), source,
-                                        synced=self.engine.sharded)
+        self.generator = self._wrap_generator(source)
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
                          self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
                          args.per_device_train_batch_size)
@@ -135,7 +138,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         dataset, self.streaming = materialize(dataset, needed)
         context = context_length(model, args.trust_remote_code)
         self.train_prompts = PromptSet(dataset, self.tokenizer, args.max_prompt_length, args.max_completion_length,
-                                       context, args.chat_template_kwargs)
+                                       context, self._template_kwargs)
         self.rollouts_per_epoch = len(self.train_prompts) // (self.prompts_per_rollout * processes)
         if self.rollouts_per_epoch == 0:
             raise ConfigError(f"train_dataset has {len(self.train_prompts)} prompts, fewer than one generation batch "
@@ -303,9 +306,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
     def _make_rollout(self, rollout_index: int) -> RolloutBatch:
         args, started = self.args, time.perf_counter()
         prompts = self.train_prompts.batch(self._prompt_indices(rollout_index))
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        with self.engine.for_generation(self.model):
-            rollout = self.generator(unwrapped, prompts["prompt_ids"], args.num_generations)
+        rollout = self._generate(prompts, args.num_generations)  # the engine, the tool loop or rollout_func
         generated = time.perf_counter()
         tokens = (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()  # before any masking
         reward_log = RewardLog()
@@ -321,6 +322,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
             batch.ref_logps = self._reference_logps(rollout)
         batch.metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
         batch.metrics.update(reward_log.metrics(self.accelerator))
+        batch.metrics.update(tool_metrics(rollout.stats, self.accelerator))
         batch.metrics.update({"time/generation_seconds": generated - started, "time/reward_seconds": scored - generated})
         self.flow.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens.to(self.accelerator.device),
                                                                              "sum").item())
@@ -336,7 +338,7 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         """Advantages from the rewards of ALL processes (groups never span two; batch-level statistics
         such as scale_rewards='batch' need everyone's rewards), sliced back to this process's rows."""
         acc, args = self.accelerator, self.args
-        lengths = rollout.completion_mask.sum(dim=1).float()
+        lengths = rollout.loss_mask.sum(dim=1).float()  # TRL's: tokens the policy generated (not tool output)
         gathered = [acc.gather(t.to(acc.device)).cpu() if acc.num_processes > 1 else t.cpu()
                     for t in (rewards, lengths, rollout.truncated.float())]
         advantages, total, stats = multi_reward_advantages(
@@ -352,7 +354,10 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
         repeated_prompts = _repeat(prompts["prompts"], group)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
                        for p, t in zip(repeated_prompts, texts)]
+        if rollout.completions is not None:  # multi-turn: the assistant and tool messages
+            completions = rollout.completions
         columns = {k: _repeat(v, group) for k, v in prompts.items() if k not in ("prompts", "prompt_ids")}
+        columns.update({"environments": None, **rollout.extra})  # TRL passes environments=None without them
         rewards = compute_rewards(self.reward_funcs, self.reward_names, prompts=repeated_prompts,
                                   completions=completions, completion_ids=ids, columns=columns,
                                   trainer_state=self.flow.state, reward_log=reward_log or RewardLog(),
@@ -381,19 +386,17 @@ class GRPOTrainer(PolicyUpdate, TrainerSurface):
             return self._eval_prompts[name]
         args = self.args
         prompts = PromptSet(materialize(dataset, None)[0], self.tokenizer, args.max_prompt_length,
-                            args.max_completion_length, self.context, args.chat_template_kwargs)
+                            args.max_completion_length, self.context, self._template_kwargs)
         if cached:
             self._eval_prompts[name] = prompts
         return prompts
 
     def _evaluate_one(self, prompts: PromptSet, prefix: str) -> dict[str, float]:
-        unwrapped = self.accelerator.unwrap_model(self.model)
         n = self.args.num_generations_eval or 1
         rows, chunk, all_rewards = list(range(len(prompts))), max(256 // n, 1), []
         for start in range(0, len(rows), chunk):
             batch = prompts.batch(rows[start:start + chunk])
-            with self.engine.for_generation(self.model):
-                rollout = self.generator(unwrapped, batch["prompt_ids"], n, greedy=self.args.num_generations_eval is None)
+            rollout = self._generate(batch, n, greedy=self.args.num_generations_eval is None)
             all_rewards.append(self._score(rollout, batch, n)[0])
         rewards = torch.cat(all_rewards)  # [E * n, F]
         metrics = {f"{prefix}_rewards/{r}/mean": torch.nanmean(rewards[:, i]).item()

@@ -49,7 +49,8 @@ class RolloutBatch:
         r = self.rollout
         return RolloutBatch(Rollout(r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
                                     r.completion_mask[rows], r.truncated[rows],
-                                    None if r.sampling_logps is None else r.sampling_logps[rows]),
+                                    None if r.sampling_logps is None else r.sampling_logps[rows],
+                                    None if r.tool_mask is None else r.tool_mask[rows]),
                             self.advantages[rows],
                             None if self.old_logps is None else self.old_logps[rows],
                             None if self.ref_logps is None else self.ref_logps[rows], self.metrics, self.samples)
@@ -60,8 +61,9 @@ class RolloutBatch:
         out = {name: getattr(self.rollout, name) for name in self.TENSORS}
         out["truncated"] = out["truncated"].to(torch.uint8)
         out["advantages"] = self.advantages
-        if self.rollout.sampling_logps is not None:
-            out["sampling_logps"] = self.rollout.sampling_logps
+        for name in ("sampling_logps", "tool_mask"):
+            if getattr(self.rollout, name) is not None:
+                out[name] = getattr(self.rollout, name)
         for name in ("old_logps", "ref_logps"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -71,7 +73,7 @@ class RolloutBatch:
     def from_saved(cls, tensors: dict[str, torch.Tensor], extra: dict, device) -> RolloutBatch:
         t = {k: v.to(device) for k, v in tensors.items()}
         rollout = Rollout(t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"],
-                          t["truncated"].bool(), t.get("sampling_logps"))
+                          t["truncated"].bool(), t.get("sampling_logps"), t.get("tool_mask"))
         return cls(rollout, t["advantages"], t.get("old_logps"), t.get("ref_logps"), extra["metrics"],
                    extra["samples"])
 
@@ -168,7 +170,7 @@ class PolicyUpdate:
         rollout = batch.rollout
         self.model.train()
         keep, extra = self._entropy_keep(rollout)  # top_entropy_quantile < 1: the tokens this step trains on
-        trained = rollout.completion_mask if keep is None else keep
+        trained = rollout.loss_mask if keep is None else keep
         # Global normalisers: the whole step, every micro-batch, every process.
         num_items = acc.reduce(trained.sum().float(), "sum")
         num_sequences = rollout.completion_ids.shape[0] * acc.num_processes
@@ -207,7 +209,7 @@ class PolicyUpdate:
         quantile = self.args.top_entropy_quantile
         if quantile >= 1.0:
             return None, {}
-        acc, mask = self.accelerator, rollout.completion_mask
+        acc, mask = self.accelerator, rollout.loss_mask
         entropies = torch.zeros(mask.shape, device=mask.device)  # [N, C]
         for rows in self._micro_batches(rollout):
             ent = self._forward(self.model, rollout, rows, entropy=True)[1]
@@ -241,7 +243,7 @@ class PolicyUpdate:
         bonus = self._entropy_bonus_on()
         logps, entropy = self._forward(self.model, rollout, rows, entropy=True, entropy_grad=bonus)
         width = logps.shape[1]
-        mask = (rollout.completion_mask if keep is None else keep)[rows, :width]
+        mask = (rollout.loss_mask if keep is None else keep)[rows, :width]
         old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
         sampler = rollout.sampling_logps[rows, :width] if rollout.sampling_logps is not None else None
         weights = None

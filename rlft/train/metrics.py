@@ -39,6 +39,20 @@ def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.T
     return metrics
 
 
+def tool_metrics(stats: dict[str, torch.Tensor], accelerator) -> dict[str, float]:
+    """Tool-calling rollouts, over every process: calls per completion and the failed share of calls (TRL's
+    tools/call_frequency and tools/failure_frequency), turns per completion, and the share of completions that
+    stopped with a tool call unanswered (max_tool_calling_iterations or the completion budget reached)."""
+    if not stats:
+        return {}
+    local = torch.tensor([stats[k].sum().item() for k in ("tool_calls", "tool_failures", "turns", "hit_limit")]
+                         + [float(stats["turns"].numel())], dtype=torch.float64, device=accelerator.device)
+    calls, failures, turns, limited, rows = (accelerator.reduce(local, "sum") if accelerator.num_processes > 1
+                                             else local).tolist()
+    return {"tools/call_frequency": calls / rows, "tools/failure_frequency": failures / calls if calls else 0.0,
+            "tools/turns_mean": turns / rows, "tools/hit_limit_fraction": limited / rows}
+
+
 class StepSums:
     """Loss shares summed over micro-batches; token-mean metrics weighted by token counts, sequence-mean metrics
     by completion counts."""

@@ -1,0 +1,86 @@
+"""Where a GRPO rollout comes from: the engine, the tool loop around it (`tools=`, `environment_factory=`) or
+the user's `rollout_func` (TRL's names; docs/agents.md). Mixed into GRPOTrainer."""
+
+from __future__ import annotations
+
+import importlib
+
+from rlft.config import ConfigError
+from rlft.data.prompts import DatasetError, render_prompt
+from rlft.rollout import make_generator
+from rlft.rollout.environments import Environments, function_rollout
+from rlft.rollout.hf import Rollout, eos_token_ids
+from rlft.rollout.multiturn import ToolLoop, Toolset
+from rlft.rollout.tools import check_template, tool_schemas
+
+
+def import_tools(names: list[str] | str) -> list:
+    """Config `tools`: "module:function" names -> the functions."""
+    tools = []
+    for name in [names] if isinstance(names, str) else names:
+        module, _, attr = str(name).partition(":")
+        try:
+            tools.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ConfigError(f"tools entry {name!r} could not be imported ({err}); write 'module.path:function'") \
+                from err
+    return tools
+
+
+class RolloutSource:
+    """Uses the trainer's args, tokenizer, accelerator, engine and model."""
+
+    def _setup_tools(self, tools, environment_factory, rollout_func) -> list:
+        """Before the prompts are rendered: tools and environments decide how. Returns the environment's reward
+        function when it owns one (added to reward_funcs with weight 1, as TRL does)."""
+        args = self.args
+        tools = import_tools(args.tools) + list(tools or [])
+        if rollout_func is not None and (tools or environment_factory is not None):
+            raise ConfigError("rollout_func replaces generation, tools and environments: pass rollout_func alone")
+        if rollout_func is not None and not callable(rollout_func):
+            raise ConfigError(f"rollout_func must be callable, got {rollout_func!r}")
+        self.rollout_func, self.tools = rollout_func, tools
+        self.environments = None if environment_factory is None else Environments(environment_factory, tools)
+        self._template_kwargs = dict(args.chat_template_kwargs or {})
+        if not (tools or self.environments):
+            return []
+        check_template(self.tokenizer, args.chat_template_kwargs)
+        schemas = self.environments.schemas if self.environments else tool_schemas(tools)
+        self._template_kwargs["tools"] = schemas or None  # rendered into every prompt, as TRL does
+        self._toolset = Toolset({t.__name__: t for t in tools}, schemas)
+        return [self.environments.reward_function()] if self.environments and self.environments.owns_reward else []
+
+    def _check_chat_prompts(self, prompts) -> None:
+        if (self.tools or self.environments) and isinstance(prompts.rows[0]["prompt"], str):
+            raise DatasetError("tools and environments need chat prompts (a list of messages per row): the tool "
+                               "schemas and tool messages are rendered by the chat template")
+
+    def _wrap_generator(self, source):
+        engine = make_generator(self.args, self.tokenizer, self.accelerator.unwrap_model(self.model), source,
+                                synced=self.engine.sharded)
+        if not (self.tools or self.environments):
+            return engine
+        return ToolLoop(engine, self.tokenizer, self._toolset, self.args.max_completion_length,
+                        self.args.max_tool_calling_iterations, self.args.tool_call_timeout,
+                        self.args.chat_template_kwargs)
+
+    def _generate(self, prompts: dict, count: int, greedy: bool = False) -> Rollout:
+        """`count` completions per prompt of a PromptSet batch, rows in groups."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with self.engine.for_generation(self.model):
+            if self.rollout_func is not None:
+                return function_rollout(self.rollout_func, prompts["prompts"], self, count,
+                                        eos_token_ids(unwrapped, self.tokenizer), self.tokenizer.pad_token_id,
+                                        self.args.max_completion_length, self.accelerator.device)
+            if self.environments is None:
+                return self.generator(unwrapped, prompts["prompt_ids"], count, greedy)
+            columns = [k for k in prompts if k not in ("prompts", "prompt_ids")]
+            rows = [{"prompt": p, **{c: prompts[c][i] for c in columns}}
+                    for i, p in enumerate(prompts["prompts"]) for _ in range(count)]
+            envs = self.environments.take(len(rows))
+            texts = [render_prompt(p, self.tokenizer, i, self._template_kwargs)
+                     for i, p in enumerate(self.environments.reset(envs, rows))]
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            rollout = self.generator(unwrapped, ids, 1, greedy, toolsets=[self.environments.toolset(e) for e in envs])
+        rollout.extra["environments"] = envs
+        return rollout

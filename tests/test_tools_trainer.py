@@ -1,0 +1,208 @@
+"""GRPOTrainer with tools, environment_factory and rollout_func (TRL's names), driven by a scripted policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlft import GRPOTrainer
+from rlft.config import ConfigError
+from rlft.data.prompts import DatasetError
+from tests.helpers import addition_rows, tiny_grpo_config
+from tests.tools_helpers import Scripted, add, call
+
+
+def numbers(context):
+    import re
+
+    a, b = re.search(r"What is (\d+)\+(\d+)\?", context).groups()
+    return int(a), int(b)
+
+
+def calculator_script(context, turn):
+    """Even sums: call the tool then answer with its result; odd sums: answer at once, wrongly."""
+    a, b = numbers(context)
+    if (a + b) % 2:
+        return f"<answer>{a + b + 1}</answer>"
+    return call("add", a=a, b=b) if turn == 0 else f"<answer>{a + b}</answer>"
+
+
+def right(completions, answer, **kwargs):
+    return [float(c[-1]["content"] == f"<answer>{a}</answer>") for c, a in zip(completions, answer)]
+
+
+def alternating(completions, **kwargs):
+    """Different rewards within each group of identical scripted completions: non-zero advantages."""
+    return [float(i % 2) + 0.5 * float("tool_calls" in c[0]) for i, c in enumerate(completions)]
+
+
+def scripted(trainer, script=calculator_script):
+    trainer.generator.engine = Scripted(trainer.processing_class, script)
+    return trainer
+
+
+def test_tools_run_and_tool_output_is_not_trained(tmp_path, tiny_tool_dir):
+    """One SGD step at lr 1 moves the weights by exactly minus the DAPO gradient over the policy's own tokens."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_tool_dir)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    cfg = tiny_grpo_config(tmp_path, max_completion_length=96, max_grad_norm=1e9, num_generations=2,
+                           per_device_train_batch_size=8)
+    first_turns = iter(range(10**6))
+
+    def mixed(context, turn):  # within a group, one completion calls the tool and one answers at once
+        a, b = numbers(context)
+        if turn == 0:
+            return call("add", a=a, b=b) if next(first_turns) % 2 else f"<answer>{a + b + 1}</answer>"
+        return f"<answer>{a + b}</answer>"
+
+    trainer = scripted(GRPOTrainer(model, [alternating], cfg, train_dataset=addition_rows(16), tools=[add],
+                                   optimizers=(optimizer, None)), mixed)
+    batch = trainer._make_rollout(0)
+    rollout = batch.rollout
+    assert batch.metrics["tools/call_frequency"] == pytest.approx(float(rollout.stats["tool_calls"].mean()))
+    assert 0 < batch.metrics["tools/call_frequency"] < 1 and batch.metrics["tools/failure_frequency"] == 0.0
+    assert (rollout.tool_mask * rollout.completion_mask).sum() < rollout.completion_mask.sum()  # tool tokens exist
+    assert batch.metrics["completions/mean_length"] == pytest.approx(rollout.loss_mask.sum(1).float().mean().item())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    expected = {}
+    for right_mask, mask in ((True, rollout.loss_mask), (False, rollout.completion_mask)):  # and one training tool output
+        model.zero_grad()
+        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+        attention = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+        logits = model(input_ids=ids, attention_mask=attention,
+                       position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits
+        width = rollout.completion_ids.shape[1]
+        logps = torch.log_softmax(logits[:, -width - 1:-1].float(), -1).gather(2, rollout.completion_ids[..., None])[..., 0]
+        loss = -(batch.advantages[:, None] * torch.exp(logps - logps.detach()) * mask).sum() / mask.sum()
+        loss.backward()
+        expected[right_mask] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    trainer._optimizer_step(batch)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(before[name] - param.detach(), expected[True][name], atol=2e-6, rtol=1e-4)
+    gap = max((expected[True][n] - expected[False][n]).abs().max().item() for n in expected[True])
+    assert gap > 1e-4, gap  # the test can tell them apart
+    assert batch.advantages.abs().min() > 0
+
+
+def test_environment_factory_resets_per_row_and_owns_a_reward(tmp_path, tiny_tool_dir):
+    made, seen = [], {}
+
+    class Counter:
+        def __init__(self):
+            made.append(self)
+            self.total = None
+
+        def reset(self, prompt, answer, **row):
+            self.total, self.answer = 0, int(answer)
+            return " Count with increment."
+
+        def increment(self, by: int) -> int:
+            """Add to the counter.
+
+            Args:
+                by: How much to add.
+            """
+            self.total += by
+            return self.total
+
+        def get_reward(self) -> float:
+            return float(self.total == self.answer)
+
+    def script(context, turn):
+        assert "Count with increment." in context and "increment(by)" in context
+        a, b = numbers(context)
+        return call("increment", by=a + b if a % 2 else a) if turn == 0 else "<answer>done</answer>"
+
+    def sees_environments(completions, environments, **kwargs):
+        seen["environments"] = environments
+        return [0.0] * len(completions)
+
+    cfg = tiny_grpo_config(tmp_path, max_completion_length=96, num_generations=2, per_device_train_batch_size=8,
+                           max_steps=1)
+    trainer = scripted(GRPOTrainer(tiny_tool_dir, [sees_environments], cfg, train_dataset=addition_rows(16),
+                                   environment_factory=Counter), script)
+    assert trainer.reward_names == ["sees_environments", "Counter"] and trainer.reward_weights.tolist() == [1.0, 1.0]
+    batch = trainer._make_rollout(0)
+    assert len(made) == 8 and seen["environments"] == made  # one environment per completion, each its own state
+    odd = [int(s["prompt"][0]["content"].split()[2].split("+")[0]) % 2 for s in batch.samples]
+    assert [s["Counter"] for s in batch.samples] == [float(o) for o in odd]
+    assert batch.metrics["rewards/Counter/mean"] == pytest.approx(sum(odd) / len(odd))
+    trainer.train()  # the pool is reused: no new instances
+    assert len(made) == 8
+
+
+def test_rollout_func_replaces_generation(tmp_path, tiny_tool_dir):
+    def rollout_func(prompts, trainer):
+        tok = trainer.processing_class
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "tag": []}
+        for prompt in prompts:
+            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for g in range(trainer.args.num_generations):
+                completion = tok(f"<answer>{g}</answer> ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                out["prompt_ids"].append(ids)
+                out["completion_ids"].append(completion)
+                out["logprobs"].append([-1.0] * len(completion))
+                out["env_mask"].append([1] * (len(completion) - 2) + [0, 0])
+                out["tag"].append(g)
+        return out
+
+    def by_tag(completions, tag, **kwargs):
+        return [float(t) for t in tag]
+
+    cfg = tiny_grpo_config(tmp_path, max_steps=1, num_generations=4)
+    trainer = GRPOTrainer(tiny_tool_dir, [by_tag], cfg, train_dataset=addition_rows(16), rollout_func=rollout_func)
+    batch = trainer._make_rollout(0)
+    assert batch.metrics["reward"] == pytest.approx(1.5)
+    rollout = batch.rollout
+    assert rollout.loss_mask.sum(1).tolist() == (rollout.completion_mask.sum(1) - 2).tolist()
+    assert rollout.sampling_logps[rollout.completion_mask.bool()].eq(-1.0).all()
+    assert [s["completion"][0]["content"] for s in batch.samples[:2]] == ["<answer>0</answer> ok",
+                                                                          "<answer>1</answer> ok"]
+    step = trainer.train()[0]
+    assert step["grad_norm"] > 0 and step["reward"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda o: o.pop("logprobs"), r"lacks \['logprobs'\]"),
+    (lambda o: o["completion_ids"].pop(), "'completion_ids' must be a list of 8 rows"),
+    (lambda o: o["logprobs"][3].append(0.0), "'logprobs' row 3 has"),
+    (lambda o: (o["completion_ids"].__setitem__(0, list(range(30))), o.__setitem__("logprobs", None)),
+     "completion row 0 has 30 tokens"),
+])
+def test_rollout_func_output_is_checked(tmp_path, tiny_tool_dir, change, message):
+    def rollout_func(prompts, trainer):
+        out = {"prompt_ids": [[1, 2]] * 8, "completion_ids": [[3, 4]] * 8, "logprobs": [[0.0, 0.0]] * 8}
+        out = {k: [list(r) for r in v] for k, v in out.items()}
+        change(out)
+        return out
+
+    trainer = GRPOTrainer(tiny_tool_dir, [lambda completions, **k: [0.0] * len(completions)],
+                          tiny_grpo_config(tmp_path), train_dataset=addition_rows(16), rollout_func=rollout_func)
+    with pytest.raises(ConfigError, match=message):
+        trainer._make_rollout(0)
+
+
+def test_setup_errors_name_the_fix(tmp_path, tiny_tool_dir, tiny_causal_dir):
+    rows, cfg = addition_rows(16), tiny_grpo_config(tmp_path)
+    with pytest.raises(ConfigError, match="chat template that renders the assistant's tool_calls"):
+        GRPOTrainer(tiny_causal_dir, [right], cfg, train_dataset=rows, tools=[add])
+    with pytest.raises(DatasetError, match="need chat prompts"):
+        GRPOTrainer(tiny_tool_dir, [right], cfg, train_dataset=[{"prompt": "1+1?", "answer": "2"}] * 16, tools=[add])
+    with pytest.raises(ConfigError, match="pass rollout_func alone"):
+        GRPOTrainer(tiny_tool_dir, [right], cfg, train_dataset=rows, tools=[add], rollout_func=lambda p, t: {})
+    with pytest.raises(ConfigError, match="has no reset"):
+        GRPOTrainer(tiny_tool_dir, [right], cfg, train_dataset=rows, environment_factory=object)
+    with pytest.raises(ConfigError, match="tools entry 'nowhere:add' could not be imported"):
+        GRPOTrainer(tiny_tool_dir, [right], tiny_grpo_config(tmp_path, tools=["nowhere:add"]), train_dataset=rows)
+
+
+def test_config_names_tools_by_import_path(tmp_path, tiny_tool_dir):
+    cfg = tiny_grpo_config(tmp_path, tools=["rlft.data.calculator:add"], max_completion_length=96,
+                           max_tool_calling_iterations=1, num_generations=2, max_steps=1)
+    trainer = scripted(GRPOTrainer(tiny_tool_dir, [right], cfg, train_dataset=addition_rows(16)))
+    assert trainer.generator.max_iterations == 1 and list(trainer.generator.toolset.functions) == ["add"]
+    history = trainer.train()
+    assert history[0]["tools/call_frequency"] > 0
