@@ -164,7 +164,7 @@ def _engine_mismatch(trainer, rollout) -> float:
 def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
     """The engine started and generated (above); its log-probs match the trainer's before and after one real
     optimiser step (the gradients of the gradient-flow check), i.e. the weight sync works."""
-    args, generator = trainer.args, trainer.generator
+    args, generator = trainer.args, getattr(trainer.generator, "engine", trainer.generator)  # inside a tool loop
     exact = generator.dtype == next(unwrapped.parameters()).dtype == torch.float32
     report.add("PASS", "vLLM engine", f"{args.vllm_mode} mode, engine dtype {str(generator.dtype).split('.')[-1]}")
     before = _engine_mismatch(trainer, rollout)

@@ -206,3 +206,28 @@ def test_config_names_tools_by_import_path(tmp_path, tiny_tool_dir):
     assert trainer.generator.max_iterations == 1 and list(trainer.generator.toolset.functions) == ["add"]
     history = trainer.train()
     assert history[0]["tools/call_frequency"] > 0
+
+
+def test_short_real_run_with_tools_lora_and_two_rewards_checkpoints_and_resumes(tmp_path):
+    """The shipped tiny-calculator generating for real (transformers generate, per turn), LoRA, two rewards,
+    a checkpoint taken mid-rollout (the tool mask is saved with the rollout) and a resume that ends where an
+    uninterrupted run ends."""
+    from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
+    from rlft.models import shipped_policy_path
+
+    def run(out, steps, resume=None):
+        cfg = tiny_grpo_config(out, max_steps=steps, use_peft=True, lora_r=4, lora_dropout=0.0, num_generations=4,
+                               per_device_train_batch_size=8, steps_per_generation=2, max_completion_length=64,
+                               temperature=0.7, reward_weights=[1.0, 0.2], save_steps=1, learning_rate=5e-4)
+        trainer = GRPOTrainer(str(shipped_policy_path("tiny-calculator")), [answer_reward, tool_use_reward], cfg,
+                              train_dataset=addition_rows(32), tools=TOOLS)
+        return trainer, trainer.train(resume_from_checkpoint=resume)
+
+    trainer, history = run(tmp_path / "a", 3)
+    assert history[0]["tools/call_frequency"] > 0.5 and history[0]["tools/turns_mean"] > 1.5
+    assert max(h.get("grad_norm", 0) for h in history) > 0 and "rewards/tool_use_reward/mean" in history[0]
+    assert trainer._make_rollout(0).samples[0]["completion"][1]["role"] == "tool"
+    run(tmp_path / "b", 3)  # the same run again, then resumed from its step-1 checkpoint (mid-rollout)
+    _, history_b = run(tmp_path / "b", 3, resume=str(tmp_path / "b" / "run" / "checkpoint-1"))
+    last = lambda h: [r for r in h if "loss" in r][-1]  # noqa: E731
+    assert last(history_b)["loss"] == pytest.approx(last(history)["loss"], abs=1e-6)

@@ -275,7 +275,7 @@ def test_tool_calling_rollouts_generate_each_turn_with_vllm(tmp_path):
     trainer = GRPOTrainer(str(shipped_policy_path("tiny-calculator")), [answer_reward, tool_use_reward], cfg,
                           addition_rows(32), tools=TOOLS)
     history = trainer.train()
-    assert history[0]["tools/call_frequency"] > 0.5 and history[-1]["grad_norm"] > 0
+    assert history[0]["tools/call_frequency"] > 0.5 and max(h.get("grad_norm", 0) for h in history) > 0
     rollout = trainer._generate(trainer.train_prompts.batch([0, 1, 2, 3]), 4)
     assert rollout.stats["turns"].max() >= 2
     logps = trainer._logps_no_grad(trainer.model, rollout)

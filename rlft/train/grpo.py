@@ -101,8 +101,9 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
                          self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
                          args.per_device_train_batch_size)
         self.state = self.flow.state
-        if isinstance(self.generator, TrainerCallback):  # an engine that must hear of optimiser steps (vLLM)
-            self.add_callback(self.generator)
+        engine = getattr(self.generator, "engine", self.generator)  # the engine inside a tool loop
+        if isinstance(engine, TrainerCallback):  # an engine that must hear of optimiser steps (vLLM)
+            self.add_callback(engine)
         self.flow.fire("on_init_end")
 
     @classmethod
