@@ -2,7 +2,7 @@
 
 The rollout protocol: prompt token ids and a group size in; completion ids, a completion
 mask (every token up to and including the first EOS) and a truncation flag out. Multi-turn rollouts
-(`rlft/rollout/tools.py`) add a tool mask and what reward functions see per row.
+(`rlft/rollout/multiturn.py`) add a tool mask and what reward functions see per row.
 """
 
 from __future__ import annotations
