@@ -276,3 +276,15 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
             ids[row, width - len(seq):] = torch.tensor(seq)
             mask[row, width - len(seq):] = 1
     return ids, mask
+
+
+def right_pad(rows: list[list], fill, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+    """[[values]] -> (values [B, W] right-padded with `fill`, mask [B, W]): completions, tool masks, log-probs."""
+    width = max(len(r) for r in rows)
+    values = torch.full((len(rows), width), fill, dtype=dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if len(row):
+            values[i, :len(row)] = torch.tensor(row, dtype=dtype)
+            mask[i, :len(row)] = 1
+    return values, mask

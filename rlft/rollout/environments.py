@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from rlft.config import ConfigError
-from rlft.data.prompts import left_pad
+from rlft.data.prompts import left_pad, right_pad
 from rlft.rollout.hf import Rollout
 from rlft.rollout.multiturn import Toolset
 from rlft.rollout.tools import tool_schemas
@@ -108,23 +108,18 @@ def function_rollout(func, prompts: list, trainer, num_generations: int, eos_ids
             raise ConfigError(f"rollout_func's completion row {row} has {len(ids)} tokens; each needs 1 to "
                               f"max_completion_length={max_length}")
     prompt_ids, prompt_mask = left_pad([list(map(int, p)) for p in out["prompt_ids"]], pad_id)
-    ids, mask = (t.flip(1) for t in left_pad([c[::-1] for c in completions], pad_id))  # right-padded
-    logps = _right_pad(out["logprobs"], ids.shape, float("nan")) if out["logprobs"] is not None else None
-    if logps is not None and not bool(torch.isfinite(logps[mask.bool()]).all()):
+    ids, mask = right_pad(completions, pad_id)
+    logps = right_pad([list(map(float, r)) for r in out["logprobs"]], 0.0, torch.float32)[0] \
+        if out["logprobs"] is not None else None
+    if logps is not None and not bool(torch.isfinite(logps).all()):
         raise ConfigError("rollout_func's logprobs hold a non-finite value")
-    tool_mask = _right_pad(out["env_mask"], ids.shape, 0).long() if out.get("env_mask") is not None else None
+    tool_mask = right_pad([list(map(int, r)) for r in out["env_mask"]], 0)[0] if out.get("env_mask") is not None \
+        else None
     truncated = torch.tensor([c[-1] not in eos_ids for c in completions])
     extra = {k: list(v) for k, v in out.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
     return Rollout(prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device), truncated.to(device),
-                   None if logps is None else logps.nan_to_num(0.0).to(device),
+                   None if logps is None else logps.to(device),
                    None if tool_mask is None else tool_mask.to(device), extra=extra)
-
-
-def _right_pad(rows: list, shape, fill) -> torch.Tensor:
-    out = torch.full(shape, fill, dtype=torch.float32)
-    for i, values in enumerate(rows):
-        out[i, :len(values)] = torch.tensor([float(v) for v in values])
-    return out
 
 
 def _size(value) -> str:

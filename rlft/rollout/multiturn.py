@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlft.data.prompts import right_pad
 from rlft.rollout.hf import Rollout
 from rlft.rollout.tools import ToolCall, ToolRunner, parse_turn, tool_suffix_ids
 
@@ -108,17 +109,10 @@ class ToolLoop:
         return going
 
     def _assemble(self, rows: list[_Row], first: Rollout) -> Rollout:
-        device, pad = first.completion_ids.device, self.tokenizer.pad_token_id
-        width = max(len(r.ids) for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask, tool_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-        logps = torch.zeros(ids.shape) if first.sampling_logps is not None else None
-        for i, row in enumerate(rows):
-            ids[i, :len(row.ids)] = torch.tensor(row.ids, dtype=torch.long)
-            mask[i, :len(row.ids)] = 1
-            tool_mask[i, :len(row.ids)] = torch.tensor(row.mask, dtype=torch.long)
-            if logps is not None:
-                logps[i, :len(row.ids)] = torch.tensor(row.logps)
+        device = first.completion_ids.device
+        ids, mask = right_pad([r.ids for r in rows], self.tokenizer.pad_token_id)
+        tool_mask = right_pad([r.mask for r in rows], 0)[0]
+        logps = right_pad([r.logps for r in rows], 0.0, torch.float32)[0] if first.sampling_logps is not None else None
         stats = {name: torch.tensor([float(value(r)) for r in rows]) for name, value in (
             ("tool_calls", lambda r: r.calls), ("tool_failures", lambda r: r.failures),
             ("turns", lambda r: r.turns), ("hit_limit", lambda r: bool(r.pending)))}
