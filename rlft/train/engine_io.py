@@ -50,7 +50,8 @@ def _without_tied(model, state_dict: dict) -> dict:
 
 def merged_copy(peft_model, state_dict=None):
     """A LoRA model with its adapters merged into a new plain model; from `state_dict` (gathered full weights) when
-    the model's own are in pieces. Built with the model class itself, outside any ZeRO-3 partitioning."""
+    the model's own are in pieces. Built with the model class itself; under ZeRO-3 call it inside
+    `Engine.unpartitioned()` (or transformers partitions the new model too)."""
     import copy
 
     if state_dict is None:

@@ -95,6 +95,8 @@ def check_engine(accelerator, engine: str) -> None:
 class Engine:
     """What differs between DDP, FSDP2 and DeepSpeed, behind one set of calls the loop makes."""
 
+    _whole = False  # FSDP2: every layer unsharded (inside for_generation)
+
     def __init__(self, accelerator):
         from accelerate.utils import DistributedType
 
@@ -169,10 +171,29 @@ class Engine:
         return engine
 
     @contextlib.contextmanager
+    def unpartitioned(self):
+        """Context for building a plain model on one process (the merged LoRA copy save_model writes): under
+        DeepSpeed ZeRO-3 transformers would otherwise build it inside zero.Init, a collective only that process
+        enters (it hangs). accelerate's zero3_init_context_manager(enable=False) re-registers the same ZeRO-3
+        config with transformers (accelerate 1.15), so the registration is lifted here for the duration."""
+        if not self.deepspeed:
+            yield
+            return
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        registered = self.accelerator.state.deepspeed_plugin.dschf
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            if registered is not None:
+                set_hf_deepspeed_config(registered)
+
+    @contextlib.contextmanager
     def for_generation(self, model):
         """FSDP2: gather every layer once for the whole of generate (peft's generate calls the inner model, not the
         sharded root; and one gather beats one per token). ZeRO-3 gathers per forward, kept in step by synced_gpus."""
-        if not self.fsdp:
+        if not self.fsdp or self._whole:  # (a weight sync inside generation: already whole)
             yield
             return
         from torch.distributed.fsdp import FSDPModule
@@ -181,13 +202,43 @@ class Engine:
         for module in modules:
             module.unshard()
             module.set_reshard_after_forward(False)
+        self._whole = True
         try:
             yield
         finally:
+            self._whole = False
             reshard = self.accelerator.state.fsdp_plugin.reshard_after_forward
             for module in modules:
                 module.reshard()
                 module.set_reshard_after_forward(bool(reshard))
+
+    @contextlib.contextmanager
+    def full_weights(self, model):
+        """Every process holds every weight whole inside (what a weight sync to vLLM reads; every process must
+        enter it together), as plain tensors; whatever is done to them inside (peft's merge) is dropped on exit,
+        the shards stay the source of truth. FSDP2: each DTensor parameter is replaced by a full copy for the
+        duration (read them with named_parameters: FSDP2's state_dict hook swaps its own shards back in; and
+        peft's merge on DTensors is wrong by up to 0.17 and leaves the shards changed, measured); ZeRO-3: all
+        parameters gathered."""
+        if self.fsdp:
+            from torch.distributed.tensor import DTensor
+
+            swapped = [(module, name, param) for module in model.modules()
+                       for name, param in module._parameters.items() if isinstance(param, DTensor)]
+            for module, name, param in swapped:
+                module._parameters[name] = torch.nn.Parameter(param.full_tensor(), requires_grad=False)
+            try:
+                yield
+            finally:
+                for module, name, param in swapped:
+                    module._parameters[name] = param
+        elif self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
 
     # ---- one optimiser step ---------------------------------------------------------------------
     def micro_batch(self, model, last: bool):

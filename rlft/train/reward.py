@@ -337,7 +337,8 @@ class RewardTrainer(TrainerSurface):
             return
         state_dict = self.accelerator.get_state_dict(self.model) if self.engine.sharded else None  # every process
         if self.accelerator.is_main_process:
-            merged = engine_io.merged_copy(model, state_dict)
+            with self.engine.unpartitioned():
+                merged = engine_io.merged_copy(model, state_dict)
             ckpt.check_finite(merged)
             merged.save_pretrained(output_dir)
             self.tokenizer.save_pretrained(output_dir)
