@@ -213,6 +213,38 @@ def test_two_processes_share_one_server_that_rank_zero_updates(tmp_path, shipped
     print(f"\nvllm parity 2 processes server: {[r['sampling/sampling_logp_difference/max'] for r in rows]}")
 
 
+def sharded_launch(engine: str, config: str) -> subprocess.CompletedProcess:
+    from tests.test_distributed import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           f"tests/dist/engines/{engine}.yaml", "-m", "rlft.cli", "grpo", "--config", config,
+                           "--max_steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_sharded_training_syncs_whole_weights_into_each_colocated_engine(tmp_path, shipped_policy_dir, engine):
+    """FSDP2 / ZeRO-3 (persistence threshold 0: really sharded), LoRA, 2 processes each with its own engine: every
+    sync gathers the whole merged model on both processes; the engines' log-probs match the trainer's."""
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    result = sharded_launch(engine, two_process_config(tmp_path, shipped_policy_dir))
+    assert f"engine {engine} on 2 process(es)" in result.stdout + result.stderr, result.stderr[-3000:]
+    rows = assert_two_process_run_matched_its_engines(tmp_path, result)
+    print(f"\nvllm parity 2 processes colocate {engine}: {[r['sampling/sampling_logp_difference/max'] for r in rows]}")
+
+
+def test_sharded_training_pushes_whole_weights_to_a_shared_server(tmp_path, shipped_policy_dir):
+    """ZeRO-3: both processes gather for each sync, rank 0 pushes the merged model to the server."""
+    pytest.importorskip("deepspeed")
+    port = free_port()
+    with serving(tmp_path, shipped_policy_dir, port):
+        result = sharded_launch("zero3", two_process_config(
+            tmp_path, shipped_policy_dir, f"vllm_mode: server\nvllm_server_port: {port}\nvllm_server_timeout: 240\n"))
+    rows = assert_two_process_run_matched_its_engines(tmp_path, result)
+    print(f"\nvllm parity 2 processes server zero3: {[r['sampling/sampling_logp_difference/max'] for r in rows]}")
+
+
 def test_a_prompt_seen_before_a_sync_is_not_served_from_a_stale_prefix_cache(tmp_path, shipped_policy_dir):
     # long prompts (several 128-token KV blocks, the CPU default): vLLM caches a prompt's keys and values when it
     # first serves it; after a sync they belong to the old weights unless the cache is reset (measured without the

@@ -63,19 +63,43 @@ def _rng_kept():
         torch.set_rng_state(states[2])
 
 
+def module_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's state dict entries (tied parameters under each of their names, persistent buffers), read
+    without `state_dict()`, whose FSDP2 hook would swap the shards back in while a sync reads full weights."""
+    out = list(model.named_parameters(remove_duplicate=False))
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        out += [(f"{prefix}.{name}" if prefix else name, buffer) for name, buffer in module._buffers.items()
+                if buffer is not None and name not in module._non_persistent_buffers_set]
+    return out
+
+
 def engine_weights(model):
     """(name, tensor) in the checkpoint names vLLM loads, for a plain or a peft model (merged by the caller)."""
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
-        return list(model.state_dict().items())
+        return module_tensors(model)
     out = []
-    for name, tensor in model.state_dict().items():
+    for name, tensor in module_tensors(model):
         if "lora_" in name or ".original_module." in name:
             continue
         name = name.removeprefix("base_model.model.").replace(".base_layer", "")
         out.append((name.replace(".modules_to_save.default", ""), tensor))
     return out
+
+
+@contextmanager
+def synced_weights(model, full_weights, dtype: torch.dtype):
+    """The (name, tensor) list a weight sync pushes, to be used inside: whole even when training shards them
+    (`full_weights`: the training engine's context, entered by every process together; None: not sharded),
+    LoRA merged in for the duration, cast to the engine's dtype."""
+    with (full_weights or _whole)(model), merged(model):
+        yield [(name, tensor.detach().to(dtype)) for name, tensor in engine_weights(model)]
+
+
+@contextmanager
+def _whole(model):
+    yield
 
 
 @contextmanager
@@ -159,14 +183,14 @@ class StaleAfterStep(TrainerCallback):
 class VLLMColocate(StaleAfterStep):
     """The rollout protocol on a vLLM engine in this process."""
 
-    def __init__(self, args, tokenizer, model, source=None):
+    def __init__(self, args, tokenizer, model, source=None, full_weights=None):
         from rlft.config import ConfigError
 
         if args.vllm_tensor_parallel_size != 1:
             raise ConfigError("vllm_tensor_parallel_size > 1 in colocate mode is not supported yet; use 1, or "
                               "vllm_mode='server' with `rlft vllm-serve --tensor_parallel_size N`")
         vllm = import_vllm()
-        self.tokenizer, self.args = tokenizer, args
+        self.tokenizer, self.args, self.full_weights = tokenizer, args, full_weights
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
         on_cpu = not torch.cuda.is_available()
@@ -195,8 +219,7 @@ class VLLMColocate(StaleAfterStep):
     def sync(self, model) -> None:
         if self.args.vllm_enable_sleep_mode:
             self.llm.wake_up()
-        with merged(model):
-            weights = [(name, tensor.detach().to(self.dtype)) for name, tensor in engine_weights(model)]
+        with synced_weights(model, self.full_weights, self.dtype) as weights:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
         self.stale = False

@@ -31,10 +31,9 @@ from rlft.rollout.vllm import (
     StaleAfterStep,
     engine_dtype,
     engine_rollout,
-    engine_weights,
-    merged,
     request_fields,
     request_seeds,
+    synced_weights,
 )
 
 
@@ -111,8 +110,8 @@ def serve_command(model: str, host: str, port: int, dtype: str, max_model_len: i
 class VLLMServer(StaleAfterStep):
     """The rollout protocol on a running vLLM server."""
 
-    def __init__(self, args, tokenizer, model):
-        self.args, self.tokenizer = args, tokenizer
+    def __init__(self, args, tokenizer, model, full_weights=None):
+        self.args, self.tokenizer, self.full_weights = args, tokenizer, full_weights
         self.client = ServerClient(server_url(args), args.vllm_server_timeout)
         self.client.wait_healthy()
         self.served = self.client.request("/v1/models")["data"][0]["id"]
@@ -126,18 +125,18 @@ class VLLMServer(StaleAfterStep):
 
     @torch.no_grad()
     def sync(self, model) -> None:
-        if self.folder:
-            self._push(model)
+        with synced_weights(model, self.full_weights, self.dtype) as weights:  # every process: a collective
+            if self.folder:                                                     # when training is sharded
+                self._push(weights)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank generates before the server holds the new weights
         self.stale, self.syncs = False, self.syncs + 1
 
-    def _push(self, model) -> None:
+    def _push(self, weights: list) -> None:
         from safetensors.torch import save_file
 
-        with merged(model):  # clones: tied tensors cannot be saved as one storage
-            weights = {name: t.detach().to(self.dtype).contiguous().clone() for name, t in engine_weights(model)}
-        save_file(weights, str(Path(self.folder) / "model.safetensors"))
+        # clones: tied tensors cannot be saved as one storage
+        save_file({name: t.contiguous().clone() for name, t in weights}, str(Path(self.folder) / "model.safetensors"))
         try:
             self.client.request("/collective_rpc", {"method": "reload_weights",
                                                     "kwargs": {"weights_path": self.folder}})

@@ -57,7 +57,7 @@ class RolloutSource:
 
     def _wrap_generator(self, source):
         engine = make_generator(self.args, self.tokenizer, self.accelerator.unwrap_model(self.model), source,
-                                synced=self.engine.sharded)
+                                synced=self.engine.sharded, full_weights=self.engine.full_weights)
         if not (self.tools or self.environments):
             return engine
         return ToolLoop(engine, self.tokenizer, self._toolset, self.args.max_completion_length,
