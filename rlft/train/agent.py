@@ -3,6 +3,7 @@ the user's `rollout_func` (TRL's names; docs/agents.md). Mixed into GRPOTrainer.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 from rlft.config import ConfigError
@@ -12,6 +13,7 @@ from rlft.rollout.environments import Environments, function_rollout
 from rlft.rollout.hf import Rollout, eos_token_ids
 from rlft.rollout.multiturn import ToolLoop, Toolset
 from rlft.rollout.tools import check_template, tool_schemas
+from rlft.rollout.vllm import StaleAfterStep
 
 
 def import_tools(names: list[str] | str) -> list:
@@ -64,10 +66,18 @@ class RolloutSource:
                         self.args.max_tool_calling_iterations, self.args.tool_call_timeout,
                         self.args.chat_template_kwargs)
 
+    def _generation_context(self):
+        """FSDP2 gathers every layer for generate; a vLLM engine never runs the policy's forward (its weight
+        sync makes the weights whole itself), so it is spared holding the whole policy for the rollout."""
+        engine = getattr(self.generator, "engine", self.generator)
+        if self.rollout_func is None and isinstance(engine, StaleAfterStep):
+            return contextlib.nullcontext()
+        return self.engine.for_generation(self.model)
+
     def _generate(self, prompts: dict, count: int, greedy: bool = False) -> Rollout:
         """`count` completions per prompt of a PromptSet batch, rows in groups."""
         unwrapped = self.accelerator.unwrap_model(self.model)
-        with self.engine.for_generation(self.model):
+        with self._generation_context():
             if self.rollout_func is not None:
                 return function_rollout(self.rollout_func, prompts["prompts"], self, count,
                                         eos_token_ids(unwrapped, self.tokenizer), self.tokenizer.pad_token_id,
