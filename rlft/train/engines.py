@@ -119,6 +119,19 @@ class Engine:
         return self.fsdp or self.deepspeed
 
     # ---- preparing --------------------------------------------------------------------------------
+    def before_loading(self, dtype: torch.dtype) -> None:
+        """Under DeepSpeed the config's bf16 follows the dtype asked for, before any model is loaded: under ZeRO-3
+        transformers builds the model inside zero.Init, which casts every weight to the config's dtype (float32
+        unless bf16 is enabled there: a bfloat16 run trained and saved float32 weights, measured)."""
+        if not self.deepspeed:
+            return
+        if dtype == torch.float16:
+            raise ConfigError("float16 weights under DeepSpeed: rlft trains bfloat16 or float32 (dtype: bfloat16)")
+        plugin = self.accelerator.state.deepspeed_plugin
+        plugin.deepspeed_config["bf16"] = {"enabled": dtype == torch.bfloat16}
+        if plugin.zero3_init_flag:  # transformers' zero.Init reads the copy registered here
+            plugin.set_deepspeed_weakref()
+
     def prepare(self, model, optimizer, max_grad_norm: float | None):
         if self.deepspeed:
             self._fill_deepspeed_config(model, max_grad_norm)

@@ -151,6 +151,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
     def _setup_model(self, model, source, peft_config, optimizers) -> None:
         args = self.args
         dtype = resolve_dtype(args.dtype, args.bf16, args.fp16, self.accelerator.device)
+        self.engine.before_loading(dtype)
         model = load_causal_lm(model, dtype, args.model_init_kwargs, args.trust_remote_code)
         if args.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(model)

@@ -116,6 +116,7 @@ class RewardTrainer(TrainerSurface):
     def _setup_model(self, model, peft_config, optimizers) -> None:
         args = self.args
         dtype = resolve_dtype(args.dtype, args.bf16, args.fp16, self.accelerator.device)
+        self.engine.before_loading(dtype)
         try:
             model = load_sequence_classifier(model, dtype, self.tokenizer.pad_token_id, args.model_init_kwargs,
                                              args.trust_remote_code)

@@ -5,7 +5,7 @@ processes see the same data), checkpoint every 2 steps; then a second trainer re
 and runs to step 4. Reward model (MODE reward-lora / reward-full): the same with preference pairs.
 Writes OUT/straight and OUT/resumed (save_model folders) and OUT/rates.json (learning rates per step).
 
-    accelerate launch --config_file ENGINE.yaml tests/dist/sharded_run.py MODEL_DIR OUT MODE
+    accelerate launch --config_file ENGINE.yaml tests/dist/sharded_run.py MODEL_DIR OUT MODE [DTYPE]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def grpo(model_dir: str, out: Path, lora: bool) -> GRPOTrainer:
-    cfg = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, beta=0.04,
+def grpo(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> GRPOTrainer:
+    cfg = GRPOConfig(dtype=dtype, output_dir=str(out), num_generations=4, per_device_train_batch_size=4, beta=0.04,
                      gradient_accumulation_steps=2 // world(),
                      max_completion_length=8, use_peft=lora, lora_r=4, **COMMON)
     trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(16))
@@ -37,22 +37,23 @@ def grpo(model_dir: str, out: Path, lora: bool) -> GRPOTrainer:
     return trainer
 
 
-def reward(model_dir: str, out: Path, lora: bool) -> RewardTrainer:
-    cfg = RewardConfig(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2 // world(),
+def reward(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> RewardTrainer:
+    cfg = RewardConfig(dtype=dtype, output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2 // world(),
                        use_peft=lora, lora_r=4, max_length=32, **COMMON)
     return RewardTrainer(model_dir, cfg, train_dataset=preference_rows(32))
 
 
 def main() -> None:
     model_dir, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"
     make = reward if mode.startswith("reward") else grpo
     lora = mode.endswith("lora")
-    trainer = make(model_dir, out / "run", lora)
+    trainer = make(model_dir, out / "run", lora, dtype)
     trainer.train()
     trainer.save_model(out / "straight")
     rates = [row["learning_rate"] for row in trainer.state.log_history if "learning_rate" in row]
     accelerator = trainer.accelerator
-    trainer = make(model_dir, out / "run", lora)
+    trainer = make(model_dir, out / "run", lora, dtype)
     trainer.train(resume_from_checkpoint=str(out / "run" / "checkpoint-2"))
     trainer.save_model(out / "resumed")
     if accelerator.is_main_process:
