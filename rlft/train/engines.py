@@ -95,8 +95,6 @@ def check_engine(accelerator, engine: str) -> None:
 class Engine:
     """What differs between DDP, FSDP2 and DeepSpeed, behind one set of calls the loop makes."""
 
-    _whole = False  # FSDP2: every layer unsharded (inside for_generation)
-
     def __init__(self, accelerator):
         from accelerate.utils import DistributedType
 
@@ -206,7 +204,7 @@ class Engine:
     def for_generation(self, model):
         """FSDP2: gather every layer once for the whole of generate (peft's generate calls the inner model, not the
         sharded root; and one gather beats one per token). ZeRO-3 gathers per forward, kept in step by synced_gpus."""
-        if not self.fsdp or self._whole:  # (a weight sync inside generation: already whole)
+        if not self.fsdp:
             yield
             return
         from torch.distributed.fsdp import FSDPModule
@@ -215,11 +213,9 @@ class Engine:
         for module in modules:
             module.unshard()
             module.set_reshard_after_forward(False)
-        self._whole = True
         try:
             yield
         finally:
-            self._whole = False
             reshard = self.accelerator.state.fsdp_plugin.reshard_after_forward
             for module in modules:
                 module.reshard()
