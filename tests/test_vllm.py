@@ -214,12 +214,10 @@ def test_two_processes_share_one_server_that_rank_zero_updates(tmp_path, shipped
 
 
 def sharded_launch(engine: str, config: str) -> subprocess.CompletedProcess:
-    from tests.test_distributed import ROOT
+    from tests.test_sharding import accelerate_launch
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           f"tests/dist/engines/{engine}.yaml", "-m", "rlft.cli", "grpo", "--config", config,
-                           "--max_steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return accelerate_launch(f"tests/dist/engines/{engine}.yaml",
+                             ["-m", "rlft.cli", "grpo", "--config", config, "--max_steps", "3"], timeout=600)
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
