@@ -1,23 +1,28 @@
-"""rlft: reinforcement-learning fine-tuning of language models (GRPO and reward models)."""
+"""rlft: reinforcement-learning fine-tuning of language models (GRPO and reward models).
+
+The names a TRL script imports from `trl` are importable from `rlft` (docs/migration.md).
+"""
 
 import logging
 
-from rlft.config import GRPOConfig, RewardConfig
+from rlft.config import GRPOConfig, RewardConfig, SFTConfig
+from rlft.model_config import ModelConfig, get_kbit_device_map, get_peft_config, get_quantization_config
+from rlft.script_args import DatasetConfig, DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
 
 logging.getLogger("rlft").addHandler(logging.NullHandler())  # a library logs; the application configures handlers
 
-__all__ = ["GRPOConfig", "RewardConfig", "GRPOTrainer", "RewardTrainer"]
-__version__ = "0.1.0"
+__all__ = ["GRPOConfig", "RewardConfig", "SFTConfig", "GRPOTrainer", "RewardTrainer", "ModelConfig", "ScriptArguments",
+           "DatasetConfig", "DatasetMixtureConfig", "TrlParser", "get_dataset", "get_peft_config",
+           "get_quantization_config", "get_kbit_device_map"]
+__version__ = "0.2.0"
+
+_LAZY = {"GRPOTrainer": "rlft.train.grpo", "RewardTrainer": "rlft.train.reward"}
 
 
 def __getattr__(name: str):
-    # Trainers import transformers/peft/accelerate; load them only when asked for.
-    if name == "GRPOTrainer":
-        from rlft.train.grpo import GRPOTrainer
+    # Trainers import peft and the training loop; load them only when asked for.
+    if name in _LAZY:
+        import importlib
 
-        return GRPOTrainer
-    if name == "RewardTrainer":
-        from rlft.train.reward import RewardTrainer
-
-        return RewardTrainer
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'rlft' has no attribute {name!r}")

@@ -9,25 +9,37 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlft.config import ConfigError
+from rlft.errors import ConfigError
 
 
-def _train(args, extra: list[str], kind: str) -> int:
-    """`rlft grpo` / `rlft reward`: validate the config before importing the trainers, train, save."""
-    from rlft.cli_fields import field_values
-    from rlft.config import GRPOConfig, RewardConfig, load_config, parse_overrides
+def train_command(kind: str, argv: list[str]) -> int:
+    """`rlft grpo` / `rlft reward`: TRL's script arguments, training config, ModelConfig and dataset mixture from
+    `--config run.yaml` and `--field value` options; validated before the model loads; train, save."""
+    from rlft.recipes import build_trainer, make_parser, parse_run
 
-    overrides = {**field_values(args), **parse_overrides(extra)}  # extra: TRL field names rlft does not implement
-    cfg = load_config(GRPOConfig if kind == "grpo" else RewardConfig, args.config, overrides)
-    if kind == "grpo":
-        from rlft.train.grpo import GRPOTrainer as Trainer
-    else:
-        from rlft.train.reward import RewardTrainer as Trainer
+    argv = [a for a in argv if a != "--verbose"]
+    if "-h" in argv or "--help" in argv:
+        parser = make_parser(kind, prog=f"rlft {kind}", description=HELP[kind], allow_abbrev=False,
+                             usage=f"rlft {kind} [--config run.yaml] [--field value ...]")
+        parser.add_argument("--config", help="YAML file of fields of any of the groups below (TRL's recipe format)")
+        parser.add_argument("--verbose", action="store_true", help="show third-party progress bars and logs")
+        parser.print_help()
+        return 0
+    config = None
+    if "--config" in argv:
+        at = argv.index("--config")
+        if at + 1 >= len(argv):
+            raise ConfigError("--config needs a YAML file path")
+        config = argv[at + 1]
+        argv = argv[:at] + argv[at + 2:]
+    script_args, training_args, model_args, mixture_args, notes = parse_run(kind, argv, config)
+    for note in notes:
+        print(f"rlft {kind}: {note}", file=sys.stderr)
     from rlft.train.state import release_processes
 
-    trainer = Trainer.from_config(cfg)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    final = f"{cfg.output_dir}/final"
+    trainer = build_trainer(kind, script_args, training_args, model_args, mixture_args)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    final = f"{training_args.output_dir}/final"
     trainer.save_model(final)
     if trainer.accelerator.is_main_process:
         hint = f" (use it in GRPO: reward_funcs: [{final}])" if kind == "reward" else ""
@@ -38,12 +50,10 @@ def _train(args, extra: list[str], kind: str) -> int:
     return 0
 
 
-def _cmd_grpo(args, extra: list[str]) -> int:
-    return _train(args, extra, "grpo")
-
-
-def _cmd_reward(args, extra: list[str]) -> int:
-    return _train(args, extra, "reward")
+HELP = {"grpo": "GRPO training. Fields of every group below can be in the --config YAML or given here (options win "
+                "over the YAML); TRL's `trl grpo` arguments are accepted; examples/configs/ holds runnable configs.",
+        "reward": "Bradley-Terry reward-model training. Fields of every group below can be in the --config YAML or "
+                  "given here (options win over the YAML); TRL's `trl reward` arguments are accepted."}
 
 
 def _cmd_demo(args, extra: list[str]) -> int:
@@ -54,10 +64,9 @@ def _cmd_demo(args, extra: list[str]) -> int:
 
 
 def _cmd_doctor(args, extra: list[str]) -> int:
-    from rlft.config import parse_overrides
     from rlft.doctor import run_doctor
 
-    code, _ = run_doctor(args.config, args.kind, parse_overrides(extra))
+    code, _ = run_doctor(args.config, args.kind, extra)
     return code
 
 
@@ -91,20 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--verbose", action="store_true",
                         help="show third-party progress bars and vLLM's INFO log (also: RLFT_VERBOSE=1)")
 
-    from rlft.cli_fields import add_config_fields
-    from rlft.config import GRPOConfig, RewardConfig
-
-    for name, cls, func, what in (("grpo", GRPOConfig, _cmd_grpo, "GRPO training"),
-                                  ("reward", RewardConfig, _cmd_reward, "Bradley-Terry reward-model training")):
-        train = sub.add_parser(name, parents=[common], help=f"{what} from a YAML config and/or --field value options",
-                               description=f"{what}. Every field below can be in the --config YAML or given here "
-                               "(options win over the YAML); examples/configs/ holds runnable configs.",
-                               usage=f"rlft {name} [--config run.yaml] [--field value ...]", allow_abbrev=False)
-        train.add_argument("--config", help=f"YAML file of {cls.__name__} fields")
-        train.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", default=None,
-                           help="'true' for the latest checkpoint in output_dir, or a checkpoint path")
-        add_config_fields(train, cls)
-        train.set_defaults(func=func)
+    for name, what in (("grpo", "GRPO training"), ("reward", "Bradley-Terry reward-model training")):
+        sub.add_parser(name, parents=[common], add_help=False, help=f"{what} from a YAML config and/or --field "
+                       f"value options (rlft {name} --help lists every field)")
 
     demo = sub.add_parser("demo", parents=[common], help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
     demo.add_argument("--task", choices=["addition", "calculator"], default="addition",
@@ -144,25 +142,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("grpo", "reward", "doctor", "vllm-serve"):  # vllm-serve: passed to vLLM
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command in ("grpo", "reward", "demo", "doctor"):
+    if argv and argv[0] in ("grpo", "reward"):  # every field of four dataclasses: their own parser (rlft/recipes.py)
+        command, run = argv[0], lambda: train_command(argv[0], argv[1:])
+        verbose = "--verbose" in argv
+    else:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command not in ("doctor", "vllm-serve"):  # vllm-serve: passed to vLLM
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command, run, verbose = args.command, lambda: args.func(args, extra), getattr(args, "verbose", False)
+    if command in ("grpo", "reward", "demo", "doctor"):
         from rlft.quiet import quiet_command_line
 
-        quiet_command_line(args.verbose)
+        quiet_command_line(verbose)
     try:
-        return args.func(args, extra)
+        return run()
     except ConfigError as err:
-        print(f"rlft {args.command}: {err}", file=sys.stderr)
+        print(f"rlft {command}: {err}", file=sys.stderr)
         return 2
     except ValueError as err:  # a dataset problem is the user's to fix, like a config one: no traceback
         from rlft.data.prompts import DatasetError
 
         if not isinstance(err, DatasetError):
             raise
-        print(f"rlft {args.command}: {err}", file=sys.stderr)
+        print(f"rlft {command}: {err}", file=sys.stderr)
         return 2
 
 

@@ -1,8 +1,8 @@
-"""One line of help per config field, grouped as `rlft grpo --help` / `rlft reward --help` show them.
+"""One line of help per field rlft declares (its configs, ModelConfig, the script arguments), grouped by topic.
 
-The single source for field descriptions: the CLI help, the "did you mean" hint of an unknown field
-and docs/cli.md's field list read it, and `tests/test_cli.py` fails when a field has no line here
-(or a line names no field). Types and defaults come from the dataclasses themselves.
+The single source for field descriptions: the dataclasses' argparse help (`rlft grpo --help`) reads it,
+and `tests/test_cli.py` fails when a field rlft declares has no line here (or a line names no field).
+Types and defaults come from the dataclasses; transformers' own fields keep transformers' help.
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ SECTIONS: dict[str, dict[str, str]] = {
         "dataset_train_split": "the split of dataset_name to train on",
         "dataset_test_split": "the split of dataset_name to evaluate on (when eval_strategy is not no)",
         "dataset_streaming": "stream dataset_name instead of downloading it whole (needs max_steps)",
-        "dtype": "weights dtype: auto (bfloat16 on a GPU that has it, else float32), float32, bfloat16, float16",
-        "bf16": "TRL/transformers spelling: true loads bfloat16 weights (same as dtype: bfloat16)",
-        "fp16": "TRL/transformers spelling: true loads float16 weights (LoRA only; full fine-tuning refused)",
+        "reward_model_name_or_path": "a reward model (folder or hub id) used as the first reward function",
+        "model_revision": "the model's hub revision (branch, tag or commit)",
+        "attn_implementation": "transformers' attention implementation (eager, sdpa, flash_attention_2, ...)",
+        "dtype": "weights dtype: auto (bf16/fp16 when set, else bfloat16 on a GPU that has it, else float32), "
+                 "float32, bfloat16, float16",
+        "bf16": "train in bfloat16 weights (default: where the device has bfloat16; a CPU: false)",
+        "fp16": "load float16 weights (LoRA only; full fine-tuning refused)",
         "trust_remote_code": "allow model code from the hub repository (transformers' flag)",
         "model_init_kwargs": "extra keyword arguments for from_pretrained (e.g. attn_implementation)",
         "chat_template_path": "a Jinja chat template file (or a tokenizer folder) to use instead of the model's",
@@ -36,8 +40,17 @@ SECTIONS: dict[str, dict[str, str]] = {
         "lora_r": "LoRA rank",
         "lora_alpha": "LoRA scaling numerator (scale = alpha / r)",
         "lora_dropout": "dropout on the LoRA path (set 0 with use_vllm: see disable_dropout)",
-        "lora_target_modules": "module names to adapt, or all-linear",
+        "lora_target_modules": "module names to adapt, or all-linear (default: peft's per-architecture choice)",
+        "lora_target_parameters": "parameter names to adapt (peft's target_parameters, e.g. MoE experts)",
+        "lora_modules_to_save": "modules trained in full beside the adapters",
         "lora_task_type": "peft task type; rlft sets CAUSAL_LM (GRPO) / SEQ_CLS (reward, trains the head)",
+        "use_rslora": "rank-stabilised LoRA: scale alpha / sqrt(r)",
+        "use_dora": "DoRA: weight-decomposed LoRA",
+        "load_in_8bit": "bitsandbytes 8-bit base weights (LoRA only; needs a CUDA GPU)",
+        "load_in_4bit": "bitsandbytes 4-bit base weights, QLoRA (LoRA only; needs a CUDA GPU)",
+        "bnb_4bit_quant_type": "4-bit quantisation type: nf4 or fp4",
+        "use_bnb_nested_quant": "nested (double) quantisation of the 4-bit constants",
+        "bnb_4bit_quant_storage": "storage dtype of the 4-bit weights",
     },
     "training": {
         "output_dir": "run folder: checkpoints, metrics.jsonl, completions.jsonl, final model",
@@ -65,6 +78,10 @@ SECTIONS: dict[str, dict[str, str]] = {
         "activation_checkpointing_kwargs": "transformers 5's name for gradient_checkpointing_kwargs",
         "disable_dropout": "set every dropout probability to 0 (LoRA's included)",
         "max_nonfinite_steps": "stop after this many non-finite steps in a row (each is skipped, never applied)",
+        "remove_unused_columns": "no effect: every extra dataset column reaches the reward functions (TRL's False)",
+        "router_aux_loss_coef": "MoE policies: weight of the router load-balancing loss (None: the model's own)",
+        "activation_offloading": "no effect in rlft (activations stay on the device)",
+        "dataset_num_proc": "no effect in rlft (pairs are tokenized in the main process)",
         "ddp_timeout": "seconds a collective may wait for another process (600 on CPU when left at 1800)",
     },
     "logging, saving, evaluation": {
@@ -83,6 +100,10 @@ SECTIONS: dict[str, dict[str, str]] = {
         "disable_tqdm": "no progress bar on a terminal (plain log lines still appear)",
         "log_completions": "write sampled completions to completions.jsonl at each log step",
         "num_completions_to_log": "completions written per log step",
+        "num_completions_to_print": "TRL's console table size; rlft writes num_completions_to_log to a file",
+        "log_unique_prompts": "no effect in rlft (completions.jsonl keeps every logged row)",
+        "log_multimodal": "no effect in rlft (no multimodal inputs)",
+        "log_completions_hub_repo": "not supported: completions.jsonl in output_dir holds them",
         "zero_signal_warning_steps": "warn after this many steps in a row where every group had equal rewards",
     },
     "GRPO: generation": {
@@ -102,6 +123,10 @@ SECTIONS: dict[str, dict[str, str]] = {
         "generation_kwargs": "extra generation arguments (generate or vLLM sampling fields)",
         "chat_template_kwargs": "extra arguments for the chat template (e.g. enable_thinking: false)",
         "cache_implementation": "transformers' KV cache for generate: dynamic (default) or static, ...",
+        "use_transformers_continuous_batching": "no effect in rlft (generate or vLLM)",
+        "transformers_continuous_batching_config": "no effect in rlft (generate or vLLM)",
+        "use_transformers_paged": "TRL's deprecated name for use_transformers_continuous_batching; no effect",
+        "ds3_gather_for_generation": "no effect: under ZeRO-3 rlft gathers each layer in turn while generating",
         "shared_prompt_prefill": "dynamic cache: prefill each prompt once for its whole group",
         "logprob_chunk_size": "positions per block of the float32 log-softmax; null: ~1M elements on a CPU, 1024 on a GPU",
     },
@@ -146,6 +171,9 @@ SECTIONS: dict[str, dict[str, str]] = {
     "GRPO: vLLM rollouts (docs/vllm.md)": {
         "use_vllm": "generate with vLLM instead of transformers' generate",
         "vllm_mode": "colocate (an engine in each training process) or server (rlft vllm-serve)",
+        "vllm_model_impl": "vLLM's model implementation: vllm or transformers",
+        "vllm_structured_outputs_regex": "not supported: guided decoding by a regular expression",
+        "vllm_group_port": "no effect: rlft's server mode sends weights over HTTP",
         "vllm_dtype": "the engine's weights: auto (the trainer's), bfloat16 (~2x faster), float32",
         "vllm_enforce_eager": "no compilation (default: eager on CPU, compiled on GPU)",
         "vllm_server_base_url": "server mode: the server's URL (wins over host/port)",

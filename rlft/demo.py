@@ -31,10 +31,18 @@ def demo_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bo
         output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps, learning_rate=5e-4 if lora else 3e-5,
         lr_scheduler_type="constant", num_generations=8, per_device_train_batch_size=64,
         max_completion_length=8, temperature=0.7, loss_type="dapo", beta=0.0,
-        use_peft=lora, lora_r=16, lora_alpha=32, lora_dropout=0.0,
         logging_steps=20, logging_first_step=True, eval_strategy="steps", eval_steps=EVAL_EVERY, eval_on_start=True, save_steps=steps,
         report_to="none", gradient_checkpointing=False, log_completions=True, use_vllm=use_vllm,
     )
+
+
+def demo_lora(lora: bool):
+    """LoRA r16 on every linear layer (None: full fine-tuning)."""
+    if not lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def calculator_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False) -> GRPOConfig:
@@ -59,15 +67,15 @@ def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_
         cfg = calculator_config(output_dir, steps or CALCULATOR_STEPS, lora, seed, use_vllm)
         trainer = GRPOTrainer(str(shipped_policy_path("tiny-calculator")),
                               [calculator.answer_reward, calculator.tool_use_reward], cfg, train_dataset=rows(train),
-                              eval_dataset=rows(heldout), tools=calculator.TOOLS)
+                              eval_dataset=rows(heldout), tools=calculator.TOOLS, peft_config=demo_lora(lora))
         key = CALCULATOR_KEY
     else:
         cfg = demo_config(output_dir, steps or DEMO_STEPS, lora, seed, use_vllm)
         trainer = GRPOTrainer(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
-                              train_dataset=rows(train), eval_dataset=rows(heldout))
+                              train_dataset=rows(train), eval_dataset=rows(heldout), peft_config=demo_lora(lora))
         key = HELDOUT_KEY
-    history = trainer.train()
-    accuracy = [h[key] for h in history if key in h]
+    trainer.train()
+    accuracy = [h[key] for h in trainer.state.log_history if key in h]
     before, after = accuracy[0], accuracy[-1]
     trainer.save_model(Path(output_dir) / "final")
     policy = "tiny-calculator (add tool)" if task == "calculator" else "tiny-adder"

@@ -17,7 +17,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from rlft.config import GRPOConfig, RewardConfig, load_config
+from rlft.config import GRPOConfig, RewardConfig
 
 TRAPS_GRPO = [
     ("loss shows 0", "expected with one update per rollout; rlft logs grad_norm and frac_reward_zero_std and says "
@@ -64,7 +64,33 @@ def detect_kind(config_path: str | None) -> str:
         return "grpo"
     values = yaml.safe_load(Path(config_path).read_text()) or {}
     reward_only = {f.name for f in dataclasses.fields(RewardConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
-    return "reward" if reward_only & set(values) else "grpo"
+    return "reward" if reward_only & set(values) or values.get("lora_task_type") == "SEQ_CLS" else "grpo"
+
+
+@dataclasses.dataclass
+class Run:
+    """What `rlft grpo` / `rlft reward` would build from the config (rlft/recipes.py), for the checks."""
+
+    script: Any
+    cfg: Any
+    model_args: Any
+    mixture: Any
+
+    def dataset(self, given, rows: int):
+        from rlft.data.prompts import load_dataset_any
+        from rlft.recipes import recipe_datasets
+
+        dataset = load_dataset_any(given if given is not None else recipe_datasets(self.script, self.cfg, self.mixture)[0])
+        return dataset.select(range(min(len(dataset), rows)))
+
+    def small(self, per_device: int):
+        """The config for a one-step trial: whole data in one micro-batch, no tracker, a scratch folder."""
+        from rlft.recipes import model_init_kwargs
+
+        return dataclasses.replace(self.cfg, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
+                                   max_steps=1, report_to=[], disable_tqdm=True,
+                                   model_init_kwargs=model_init_kwargs(self.model_args, self.cfg),
+                                   output_dir=tempfile.mkdtemp(prefix="rlft-doctor-"))
 
 
 def _tokenizer_checks(report: Report, source: Any, tokenizer, needs_chat: bool) -> None:
@@ -106,23 +132,22 @@ def _grad_check(report: Report, model, backward) -> None:
         report.add("FAIL", "gradient flow", str(err))
 
 
-def doctor_grpo(cfg: GRPOConfig, report: Report, model=None, reward_funcs=None, train_dataset=None,
+def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_dataset=None,
                 tokenizer=None) -> None:
     from rlft.core.losses import policy_loss
-    from rlft.data.prompts import datasets_from_args, is_conversational, load_dataset_any
+    from rlft.data.prompts import is_conversational
+    from rlft.model_config import get_peft_config
     from rlft.train.grpo import GRPOTrainer
 
-    source = model if model is not None else cfg.model_name_or_path
-    dataset = load_dataset_any(train_dataset if train_dataset is not None else datasets_from_args(cfg, cfg.train_dataset)[0])
-    cfg = dataclasses.replace(cfg, dataset_name=None)  # the rows are chosen: the trainer gets them, not the name
-    dataset = dataset.select(range(min(len(dataset), 2)))
+    source = model if model is not None else run.model_args.model_name_or_path
+    dataset = run.dataset(train_dataset, 2)
     _tokenizer_checks(report, getattr(source, "name_or_path", source), tokenizer,
                       is_conversational(dataset[0].get("prompt")))
-    cfg = dataclasses.replace(cfg, per_device_train_batch_size=cfg.num_generations * len(dataset),
-                              gradient_accumulation_steps=1, max_steps=1, report_to=["none"], disable_tqdm=True,
-                              output_dir=tempfile.mkdtemp(prefix="rlft-doctor-"))
-    trainer = GRPOTrainer(source, reward_funcs if reward_funcs is not None else cfg.reward_funcs, cfg, dataset,
-                          processing_class=tokenizer)
+    cfg = run.small(run.cfg.num_generations * len(dataset))
+    if reward_funcs is None:
+        reward_funcs = [*filter(None, [run.script.reward_model_name_or_path]), *(run.script.reward_funcs or [])]
+    trainer = GRPOTrainer(source, reward_funcs, cfg, dataset, processing_class=tokenizer,
+                          peft_config=get_peft_config(run.model_args))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     report.add("PASS", "model", f"{type(unwrapped).__name__}, {'LoRA' if trainer.is_peft else 'full'}; "
                + _summarise_trainable(unwrapped))
@@ -139,7 +164,7 @@ def doctor_grpo(cfg: GRPOConfig, report: Report, model=None, reward_funcs=None, 
     signs = torch.tensor([1.0, -1.0]).repeat(batch.advantages.numel() // 2 + 1)[: batch.advantages.numel()]
 
     def backward():  # synthetic +-1 advantages: tests the wiring whatever the rewards were
-        logps, _ = trainer._forward(trainer.model, batch.rollout, slice(0, None))
+        logps = trainer._forward(trainer.model, batch.rollout, slice(0, None))[0]
         mask = batch.rollout.completion_mask[:, :logps.shape[1]]
         loss, _ = policy_loss(logps, logps.detach(), signs, mask, loss_type=cfg.loss_type)
         loss.backward()
@@ -184,24 +209,23 @@ def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
                    "dropout on, set disable_dropout: true; else report it with this output)")
 
 
-def doctor_reward(cfg: RewardConfig, report: Report, model=None, train_dataset=None, tokenizer=None) -> None:
-    from rlft.data.prompts import datasets_from_args, is_conversational, load_dataset_any
+def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, tokenizer=None) -> None:
+    from rlft.data.prompts import is_conversational
+    from rlft.model_config import get_peft_config
     from rlft.train.reward import RewardTrainer
 
-    source = model if model is not None else cfg.model_name_or_path
-    dataset = load_dataset_any(train_dataset if train_dataset is not None else datasets_from_args(cfg, cfg.train_dataset)[0])
-    cfg = dataclasses.replace(cfg, dataset_name=None)  # the rows are chosen: the trainer gets them, not the name
-    dataset = dataset.select(range(min(len(dataset), 4)))
+    source = model if model is not None else run.model_args.model_name_or_path
+    dataset = run.dataset(train_dataset, 4)
     _tokenizer_checks(report, getattr(source, "name_or_path", source), tokenizer,
                       is_conversational(dataset[0].get("chosen")))
-    if cfg.use_peft and cfg.lora_task_type != "SEQ_CLS":
-        report.add("FAIL", "LoRA task type", f"lora_task_type={cfg.lora_task_type!r}: with peft alone the score head "
+    model_args = run.model_args
+    if model_args.use_peft and model_args.lora_task_type != "SEQ_CLS":
+        report.add("FAIL", "LoRA task type", f"lora_task_type={model_args.lora_task_type!r}: with peft alone the "
+                   "score head "
                    "would stay frozen at its random init. rlft sets SEQ_CLS when training, but make the config say "
                    "so: lora_task_type: SEQ_CLS")
-    cfg = dataclasses.replace(cfg, per_device_train_batch_size=len(dataset), gradient_accumulation_steps=1,
-                              max_steps=1, report_to=["none"], disable_tqdm=True,
-                              output_dir=tempfile.mkdtemp(prefix="rlft-doctor-"))
-    trainer = RewardTrainer(source, cfg, train_dataset=dataset, processing_class=tokenizer)
+    trainer = RewardTrainer(source, run.small(len(dataset)), train_dataset=dataset, processing_class=tokenizer,
+                            peft_config=get_peft_config(model_args))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     report.add("PASS", "score head trainable", ", ".join(trainer.head_parameters[:3]))
     report.add("PASS", "model", _summarise_trainable(unwrapped))
@@ -212,15 +236,18 @@ def doctor_reward(cfg: RewardConfig, report: Report, model=None, train_dataset=N
         report.add("INFO", f"trap: {trap}", remedy)
 
 
-def run_doctor(config_path: str | None = None, kind: str = "auto", overrides: dict | None = None,
-               console: Console | None = None, **objects) -> tuple[int, Report]:
-    """Run every check; objects (model=, reward_funcs=, train_dataset=, tokenizer=) override the config's."""
+def run_doctor(config_path: str | None = None, kind: str = "auto", argv: list[str] | None = None,
+               console: Console | None = None, overrides: dict | None = None, **objects) -> tuple[int, Report]:
+    """Run every check; `argv` holds --field value options, `overrides` a dict of them; objects (model=,
+    reward_funcs=, train_dataset=, tokenizer=) replace the config's."""
+    from rlft.recipes import parse_run
+
     kind = detect_kind(config_path) if kind == "auto" else kind
     report = Report()
     try:
-        cfg = load_config(RewardConfig if kind == "reward" else GRPOConfig, config_path, overrides)
-        report.add("PASS", "config", f"{kind} config is valid")
-        (doctor_reward if kind == "reward" else doctor_grpo)(cfg, report, **objects)
+        *parsed, notes = parse_run(kind, argv or [], config_path, overrides)
+        report.add("PASS", "config", f"{kind} config is valid" + "".join(f"; {n}" for n in notes))
+        (doctor_reward if kind == "reward" else doctor_grpo)(Run(*parsed), report, **objects)
     except Exception as err:  # every failure becomes a report row, never a traceback
         report.add("FAIL", type(err).__name__, str(err))
     report.show(console or Console())

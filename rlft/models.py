@@ -19,10 +19,44 @@ from transformers import (
     PreTrainedModel,
 )
 
+from rlft.errors import ConfigError
 from rlft.quiet import known_noise
 
 logger = logging.getLogger("rlft")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+
+
+class ModelFileError(ConfigError):
+    """A model file that cannot be read (truncated, corrupt); the message names the file and what to do."""
+
+
+def bad_weight_files(folder: Path) -> list[str]:
+    """'<file>: <why>' for each safetensors file in `folder` whose header cannot be read."""
+    from safetensors import safe_open
+
+    problems = []
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:  # safetensors raises its own error type for a malformed header
+            problems.append(f"{path}: {err}")
+    return problems
+
+
+def from_pretrained(auto_class, source, **kwargs):
+    """`auto_class.from_pretrained`, with a truncated or corrupt weight file named (transformers' error does not)."""
+    try:
+        return auto_class.from_pretrained(str(source), **kwargs)
+    except Exception as err:
+        if "safetensor" not in type(err).__name__.lower() and "deserializ" not in str(err):
+            raise
+        folder = Path(str(source))
+        problems = bad_weight_files(folder) if folder.is_dir() else []
+        shown = "; ".join(problems) or f"{source}: {err}"
+        raise ModelFileError(f"the model's weights cannot be read: {shown}. The file is truncated or corrupt (an "
+                             "interrupted download or copy): download or copy it again, or re-save the model") \
+            from err
 
 
 class GradientFlowError(RuntimeError):
@@ -48,6 +82,42 @@ def resolve_dtype(dtype: str = "auto", bf16: bool | None = None, fp16: bool | No
     if on_gpu and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+def training_dtype(args, device: torch.device | None = None) -> torch.dtype:
+    """The dtype the weights load and train in: `model_init_kwargs["dtype"]` when given (not "auto"), else
+    bf16 / fp16, else float32 (the config resolves bf16=None to the device's: rlft/config_checks.py)."""
+    asked = (args.model_init_kwargs or {}).get("dtype", (args.model_init_kwargs or {}).get("torch_dtype"))
+    if isinstance(asked, torch.dtype):
+        return asked
+    if asked not in (None, "auto"):
+        if asked not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model_init_kwargs dtype={asked!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
+        return getattr(torch, asked)
+    return resolve_dtype("auto", args.bf16, args.fp16, device)
+
+
+def check_quantization(init_kwargs: dict) -> None:
+    """bitsandbytes k-bit loading (quantization_config, load_in_4bit/8bit) needs its package and a CUDA GPU: say so
+    before transformers fails deep inside from_pretrained."""
+    quantization = init_kwargs.get("quantization_config")
+    if quantization is None:
+        return
+    import importlib.util
+
+    method = getattr(quantization, "quant_method", None) or (quantization.get("quant_method")
+                                                             if isinstance(quantization, dict) else None)
+    if str(getattr(method, "value", method)) != "bitsandbytes":
+        return
+    missing = importlib.util.find_spec("bitsandbytes") is None
+    if missing or not torch.cuda.is_available():
+        where = "the bitsandbytes package is not installed" + ("" if torch.cuda.is_available() else
+                                                               " and this machine has no CUDA GPU") \
+            if missing else "this machine has no CUDA GPU"
+        raise ConfigError(f"quantization_config asks for bitsandbytes k-bit weights (QLoRA: load_in_4bit / "
+                         f"load_in_8bit), which need bitsandbytes and a CUDA GPU; {where}. Train without "
+                         "quantization here (LoRA on full-precision weights), or run on a GPU machine with "
+                         "`pip install bitsandbytes`")
 
 
 def load_tokenizer(name_or_path: str | Path, padding_side: str = "left", trust_remote_code: bool = False):
@@ -100,9 +170,14 @@ def prepare_tokenizer(processing_class, source, args, padding_side: str):
 
 
 def _init_kwargs(dtype: torch.dtype, model_init_kwargs: dict | None, trust_remote_code: bool) -> dict:
-    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
-    if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
-        kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    """from_pretrained's keyword arguments; `dtype` is the one `training_dtype` resolved."""
+    extra = {k: v for k, v in (model_init_kwargs or {}).items() if k not in ("dtype", "torch_dtype")}
+    kwargs = {"trust_remote_code": trust_remote_code, **extra, "dtype": dtype}
+    check_quantization(kwargs)
+    if kwargs.get("quantization_config") is not None and "device_map" not in kwargs:
+        from rlft.model_config import get_kbit_device_map
+
+        kwargs["device_map"] = get_kbit_device_map()
     return kwargs
 
 
@@ -119,7 +194,7 @@ def load_causal_lm(model, dtype: torch.dtype, model_init_kwargs: dict | None = N
                              "passed in is already loaded")
         return model
     _check_model_path(model)
-    return AutoModelForCausalLM.from_pretrained(str(model), **_init_kwargs(dtype, model_init_kwargs, trust_remote_code))
+    return from_pretrained(AutoModelForCausalLM, model, **_init_kwargs(dtype, model_init_kwargs, trust_remote_code))
 
 
 def load_sequence_classifier(model, dtype: torch.dtype, pad_token_id: int | None, model_init_kwargs: dict | None = None,
@@ -127,7 +202,7 @@ def load_sequence_classifier(model, dtype: torch.dtype, pad_token_id: int | None
     if not isinstance(model, torch.nn.Module):
         _check_model_path(model)
         kwargs = {"num_labels": 1, **_init_kwargs(dtype, model_init_kwargs, trust_remote_code)}
-        model = AutoModelForSequenceClassification.from_pretrained(str(model), **kwargs)
+        model = from_pretrained(AutoModelForSequenceClassification, model, **kwargs)
     check_single_score(model)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
@@ -138,7 +213,8 @@ def check_single_score(model) -> None:
     """A Bradley-Terry reward model outputs one score per sequence."""
     labels = getattr(model.config, "num_labels", 1)
     if labels != 1:
-        raise ValueError(f"the reward model has num_labels={labels}; a reward model needs exactly one output score. "
+        raise ValueError(f"reward models require `num_labels=1`; this one has num_labels={labels} (one score per "
+                         "sequence is what Bradley-Terry trains). "
                          "Load it with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)")
 
 
@@ -161,22 +237,15 @@ def disable_dropout(model) -> None:
 
 def cast_lm_head_to_fp32(model) -> None:
     """ScaleRL's float32 LM head (arXiv:2510.13786): the head's weights and its input in float32, so the
-    logits behind the log-probs are computed in full precision. Untied heads only: a tied head shares its
-    weight with the input embeddings, which would be cast too."""
-    if getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError("cast_lm_head_to_fp32 needs an untied LM head: this model ties lm_head to the input "
-                         "embeddings (tie_word_embeddings=True), so casting it would cast the embeddings too")
+    logits behind the log-probs are computed in full precision. A head tied to the input embeddings (TRL's rule)
+    makes the shared weight float32; the embeddings' output is cast back to the model's dtype, so only the logits
+    change precision."""
     head = model.get_output_embeddings()
+    original = head.weight.dtype
     head.float()
     head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
-
-
-def lora_config_from(cfg, task_type: str):
-    """A peft LoraConfig from TRL ModelConfig-style fields (use_peft, lora_r, ...)."""
-    from peft import LoraConfig
-
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.lora_target_modules, task_type=cfg.lora_task_type or task_type)
+    if getattr(model.config, "tie_word_embeddings", False) and original != torch.float32:
+        model.get_input_embeddings().register_forward_hook(lambda module, inputs, output: output.to(original))
 
 
 def apply_lora(model, peft_config, expected_task_type: str):
@@ -213,6 +282,20 @@ def enable_checkpointing(model, kwargs: dict | None = None) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     base.enable_input_require_grads()
     base.config.use_cache = False
+
+
+def router_loss_coef(model, asked: float | None) -> float:
+    """A Mixture-of-Experts policy's router load-balancing coefficient (TRL's rule): the config's own
+    `router_aux_loss_coef` unless asked otherwise; 0 for a model without router logits (asking is then an error)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    moe = hasattr(config, "output_router_logits")
+    if asked and not moe:
+        raise ConfigError(f"router_aux_loss_coef={asked} is set but {type(model).__name__} is not a Mixture-of-Experts "
+                         "model (its config has no output_router_logits); leave router_aux_loss_coef unset")
+    if not moe:
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if asked is None else float(asked)
 
 
 def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:

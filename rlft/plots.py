@@ -14,7 +14,7 @@ PANELS = [
     ("entropy", lambda k: k == "entropy"),
     ("completion length", lambda k: k in ("completions/mean_length", "completions/max_length")),
     ("grad norm", lambda k: k == "grad_norm"),
-    ("loss", lambda k: k in ("loss", "accuracy", "margin_mean")),
+    ("loss", lambda k: k in ("loss", "accuracy", "margin")),
     ("zero-spread groups", lambda k: k == "frac_reward_zero_std"),
 ]
 

@@ -119,12 +119,17 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
         return Qwen2Config(**common)
     if arch == "llama":
         return LlamaConfig(**common)
-    raise ValueError(f"arch={arch!r}: choose 'qwen2' or 'llama'")
+    if arch == "qwen2_moe":  # a Mixture-of-Experts policy: 4 experts, 2 per token, a router load-balancing loss
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+                              shared_expert_intermediate_size=hidden_size, router_aux_loss_coef=0.01)
+    raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama' or 'qwen2_moe'")
 
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
                     seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised Qwen2 or Llama causal LM sized for CPU tests."""
+    """A randomly initialised Qwen2, Llama or Qwen2-MoE causal LM sized for CPU tests."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, tokenizer, hidden_size, num_layers))
     model.generation_config.pad_token_id = tokenizer.pad_token_id

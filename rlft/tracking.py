@@ -78,12 +78,14 @@ class RunLog:
             self.progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """Drop rows past the resumed step. Written to a temporary file and renamed into place: a kill
-        during the rewrite leaves the old file whole, never a cut one."""
+        """Drop rows past the resumed step, and the end-of-run summary an interrupted run wrote at it (the resumed
+        run logs those steps again). Written to a temporary file and renamed into place: a kill during the rewrite
+        leaves the old file whole, never a cut one."""
         for path in (self.metrics_path, self.samples_path):
             if not path.exists():
                 continue
-            keep = [row for row in _rows(path.read_text()) if row.get("step", 0) <= step] if step > 0 else []
+            keep = [row for row in _rows(path.read_text()) if row.get("step", 0) < step or
+                    (row.get("step", 0) == step and "train_runtime" not in row)] if step > 0 else []
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
             os.replace(tmp, path)

@@ -18,9 +18,11 @@ def test_help_lists_every_subcommand():
 
 @pytest.mark.parametrize("sub", ["grpo", "reward", "demo", "doctor", "plot"])
 def test_subcommand_help(sub, capsys):
-    with pytest.raises(SystemExit) as info:
-        main([sub, "--help"])
-    assert info.value.code == 0
+    try:
+        code = main([sub, "--help"])
+    except SystemExit as info:
+        code = info.code
+    assert code == 0
     assert "usage: rlft" in capsys.readouterr().out
 
 
@@ -96,40 +98,48 @@ def test_third_party_noise_is_silent_unless_verbose(tmp_path, shipped_policy_dir
 
 
 @pytest.mark.parametrize("sub", ["grpo", "reward"])
-def test_training_help_lists_every_config_field_with_type_default_and_help(sub, capsys):
+def test_training_help_lists_every_field_of_every_dataclass_with_default_and_help(sub, capsys):
     import dataclasses
 
-    from rlft.config import GRPOConfig, RewardConfig
     from rlft.config_help import FIELD_HELP
+    from rlft.model_config import ModelConfig
+    from rlft.recipes import KINDS
 
-    cls = GRPOConfig if sub == "grpo" else RewardConfig
-    with pytest.raises(SystemExit):
-        main([sub, "--help"])
+    assert main([sub, "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("trl_compat"):  # TRL's fields rlft does not implement: named in the epilog
-            assert f.name in out, f.name
-            continue
-        assert f"--{f.name} " in out, f.name
-        assert " ".join(FIELD_HELP[f.name].split()) in out, f.name
-    assert "[float, default 1e-06]" in out if sub == "grpo" else "[float, default 0.0001]" in out
+    script, config = KINDS[sub]
+    for cls in (script, config, ModelConfig):
+        for f in dataclasses.fields(cls):
+            if f.init:
+                assert f"--{f.name} " in out or f"--{f.name}," in out, f.name
+    for name in ("learning_rate", "num_generations" if sub == "grpo" else "max_length", "lora_r", "train_dataset"):
+        assert " ".join(FIELD_HELP[name].split()) in out, name
+    assert "peak learning rate (default: 1e-06)" in out if sub == "grpo" else "(default: 0.0001)" in out
 
 
-def test_every_implemented_field_has_one_help_line_and_no_line_names_a_missing_field():
+def test_every_field_rlft_declares_has_one_help_line_and_no_line_names_a_missing_field():
     import dataclasses
+
+    from transformers import TrainingArguments
 
     from rlft.config import GRPOConfig, RewardConfig
     from rlft.config_help import FIELD_HELP
+    from rlft.model_config import ModelConfig
+    from rlft.recipes import GRPOScriptArguments, RewardScriptArguments
 
-    implemented = {f.name for cls in (GRPOConfig, RewardConfig) for f in dataclasses.fields(cls)
-                   if not f.metadata.get("trl_compat")}
-    assert implemented - set(FIELD_HELP) == set()
-    assert set(FIELD_HELP) - implemented == set()
+    transformers_own = {f.name for f in dataclasses.fields(TrainingArguments)}
+    declared = {f.name for cls in (GRPOConfig, RewardConfig) for f in dataclasses.fields(cls)} - transformers_own
+    declared |= {f.name for cls in (ModelConfig, GRPOScriptArguments, RewardScriptArguments)
+                 for f in dataclasses.fields(cls)} - {"dataset_name", "dataset_config", "dataset_train_split",
+                                                      "dataset_test_split", "dataset_streaming", "ignore_bias_buffers"}
+    every = {f.name for cls in (GRPOConfig, RewardConfig, ModelConfig, GRPOScriptArguments)
+             for f in dataclasses.fields(cls)}
+    assert declared - set(FIELD_HELP) == set()
+    assert set(FIELD_HELP) - every == set()
 
 
 def test_any_field_on_the_command_line_without_a_yaml(tmp_path, shipped_policy_dir, monkeypatch):
-    """Options are parsed into the config's types: lists from several words, booleans from a bare flag."""
-    from rlft.config import ConfigError
+    """Options are parsed into the fields' types: lists from several words, booleans from a bare flag."""
     from tests.helpers import addition_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
@@ -138,21 +148,18 @@ def test_any_field_on_the_command_line_without_a_yaml(tmp_path, shipped_policy_d
     class Stop(Exception):
         pass
 
-    def capture(cls_, cfg):
-        seen["cfg"] = cfg
+    def capture(kind, script, cfg, model, mixture):
+        seen.update(script=script, cfg=cfg, model=model)
         raise Stop
 
-    import rlft.train.grpo as grpo
+    import rlft.recipes
 
-    monkeypatch.setattr(grpo.GRPOTrainer, "from_config", classmethod(capture))
+    monkeypatch.setattr(rlft.recipes, "build_trainer", capture)
     with pytest.raises(Stop):
         main(["grpo", "--model_name_or_path", str(shipped_policy_dir), "--train_dataset", str(data),
               "--output_dir", str(tmp_path / "o"), "--reward_funcs", "exact_match", "format",
               "--reward_weights", "1.0", "0.5", "--use_peft", "--learning-rate", "2e-5", "--max_steps", "3"])
-    cfg = seen["cfg"]
-    assert cfg.reward_funcs == ["exact_match", "format"] and cfg.reward_weights == [1.0, 0.5]
-    assert cfg.use_peft is True and cfg.learning_rate == 2e-5 and cfg.max_steps == 3
-    with pytest.raises(ConfigError, match="did you mean 'learning_rate': peak learning rate"):
-        from rlft.config import GRPOConfig, load_config, parse_overrides
-
-        load_config(GRPOConfig, None, parse_overrides(["--learning_rat", "1"]))
+    script, cfg, model = seen["script"], seen["cfg"], seen["model"]
+    assert script.reward_funcs == ["exact_match", "format"] and cfg.reward_weights == [1.0, 0.5]
+    assert model.use_peft is True and cfg.learning_rate == 2e-5 and cfg.max_steps == 3
+    assert main(["grpo", "--learning_rat", "1"]) == 2

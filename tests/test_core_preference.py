@@ -20,7 +20,7 @@ def test_matches_formula_with_margin_and_centring():
     expected += 0.01 * sum((c + r) ** 2 for c, r in zip(chosen.tolist(), rejected.tolist())) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert metrics["accuracy"].item() == pytest.approx(1 / 3)
-    assert metrics["margin_mean"].item() == pytest.approx((1.0 - 1.0 - 0.5) / 3)
+    assert metrics["margin"].item() == pytest.approx((1.0 - 1.0 - 0.5) / 3)
 
 
 def test_float16_extreme_scores_stay_finite_and_exact():

@@ -10,8 +10,9 @@ import pytest
 
 from rlft import GRPOTrainer, RewardTrainer
 from rlft.cli import main
-from rlft.config import ConfigError, GRPOConfig
-from rlft.data.prompts import DatasetError, datasets_from_args, load_named_dataset
+from rlft.config import ConfigError
+from rlft.data.prompts import DatasetError, load_named_dataset
+from rlft.recipes import parse_run, recipe_datasets
 from rlft.tracking import read_metrics
 from tests.helpers import (
     addition_rows,
@@ -48,6 +49,12 @@ def hub_folder(tmp_path):
     return folder
 
 
+def datasets_of(kind: str = "grpo", **values):
+    """(train, eval) as `rlft grpo` / `rlft reward` would pick them from these fields."""
+    script, cfg, _, mixture, _ = parse_run(kind, [], None, values)
+    return recipe_datasets(script, cfg, mixture)
+
+
 def test_a_hub_style_folder_loads_every_split_without_the_network(hub_folder, monkeypatch):
     import datasets.load
 
@@ -68,34 +75,36 @@ def test_dataset_config_picks_the_subset_the_readme_declares(tmp_path):
         write_jsonl(folder / config / "train.jsonl", addition_rows(count))
     write_jsonl(folder / "small" / "test.jsonl", addition_rows(2, heldout=True))
     (folder / "README.md").write_text(README_WITH_CONFIGS)
-    args = GRPOConfig(dataset_name=str(folder), dataset_config="large", output_dir=str(tmp_path / "r"))
-    train, evaluation = datasets_from_args(args)
+    train, evaluation = datasets_of(dataset_name=str(folder), dataset_config="large")
     assert len(train) == 9 and evaluation is None  # eval_strategy "no": the test split is not read
-    args = GRPOConfig(dataset_name=str(folder), dataset_config="small", eval_strategy="steps", eval_steps=1,
-                      output_dir=str(tmp_path / "r"))
-    train, evaluation = datasets_from_args(args)
+    train, evaluation = datasets_of(dataset_name=str(folder), dataset_config="small", eval_strategy="steps",
+                                    eval_steps=1)
     assert (len(train), len(evaluation)) == (3, 2)
     with pytest.raises(DatasetError, match=r"dataset_config 'medium'.*could not be loaded as a local folder"):
-        datasets_from_args(GRPOConfig(dataset_name=str(folder), dataset_config="medium",
-                                      output_dir=str(tmp_path / "r")))
+        datasets_of(dataset_name=str(folder), dataset_config="medium")
 
 
 def test_a_missing_split_names_the_splits_there_are_and_the_field(hub_folder, tmp_path):
-    args = GRPOConfig(dataset_name=str(hub_folder), dataset_train_split="training", output_dir=str(tmp_path / "r"))
     with pytest.raises(DatasetError, match=r"splits \['train', 'test'\] and no 'training': set dataset_train_split"):
-        datasets_from_args(args)
-    args = GRPOConfig(dataset_name=str(hub_folder), dataset_test_split="validation", eval_strategy="steps",
-                      eval_steps=1, output_dir=str(tmp_path / "r"))
+        datasets_of(dataset_name=str(hub_folder), dataset_train_split="training")
     with pytest.raises(DatasetError, match=r"no 'validation': set dataset_test_split .*\(or eval_strategy: no\)"):
-        datasets_from_args(args)
+        datasets_of(dataset_name=str(hub_folder), dataset_test_split="validation", eval_strategy="steps",
+                    eval_steps=1)
 
 
-def test_dataset_name_and_train_dataset_together_are_refused(hub_folder, tmp_path):
-    with pytest.raises(ConfigError, match=r"dataset_name=.* and train_dataset=.* are both set: give one"):
-        GRPOConfig(dataset_name=str(hub_folder), train_dataset="rows.jsonl")
-    with pytest.raises(DatasetError, match=r"train_dataset= and dataset_name=.* are both given"):
-        GRPOTrainer("unused", [correct_answer], tiny_grpo_config(tmp_path, dataset_name=str(hub_folder)),
-                    train_dataset=addition_rows(8))
+def test_dataset_name_and_train_dataset_together_are_refused(hub_folder):
+    with pytest.raises(ConfigError, match=r"train_dataset and dataset_name/datasets are both set: give one"):
+        datasets_of(dataset_name=str(hub_folder), train_dataset="rows.jsonl")
+
+
+def test_a_dataset_mixture_concatenates_its_datasets_in_their_shares(hub_folder, tmp_path):
+    other = write_jsonl(tmp_path / "other.jsonl", addition_rows(12, heldout=True))
+    mixture = [{"path": str(hub_folder), "split": "train"}, {"path": "json", "data_files": str(other)}]
+    train, _ = datasets_of(datasets=mixture)
+    assert len(train) == 24 + 12
+    halves = [{**mixture[0], "fraction": 0.5}, {**mixture[1], "fraction": 0.5}]
+    train, evaluation = datasets_of(datasets=halves, test_split_size=4, eval_strategy="steps", eval_steps=1)
+    assert len(train) + len(evaluation) == 24 and len(evaluation) == 4  # 12 + 12: no row repeated
 
 
 def test_a_hub_id_that_cannot_be_reached_is_a_clear_error(tmp_path):
@@ -111,7 +120,7 @@ def test_grpo_from_the_command_line_trains_on_the_train_split_and_evaluates_on_t
                  "--reward_funcs", "exact_match", "--output_dir", str(out), "--max_steps", "2",
                  "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
                  "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "2",
-                 "--gradient_checkpointing", "false", "--disable_tqdm"]) == 0
+                 "--gradient_checkpointing", "false", "--disable_tqdm", "true"]) == 0
     rows = read_metrics(out)
     assert [r["step"] for r in rows if "reward" in r] == [1, 2]
     evals = [r for r in rows if "eval_reward" in r]
@@ -119,8 +128,8 @@ def test_grpo_from_the_command_line_trains_on_the_train_split_and_evaluates_on_t
 
 
 def test_streaming_reads_only_what_max_steps_needs(hub_folder, tmp_path, shipped_policy_dir):
-    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer],
-                          tiny_grpo_config(tmp_path, dataset_name=str(hub_folder), dataset_streaming=True))
+    train, _ = datasets_of(dataset_name=str(hub_folder), dataset_streaming=True)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), train_dataset=train)
     assert len(trainer.train_prompts) == 4  # 2 steps x 8 completions / 4 per prompt, not the 24 rows
     trainer.train()
     assert trainer.state.global_step == 2
@@ -131,8 +140,10 @@ def test_reward_trainer_reads_dataset_name_too(tmp_path, tiny_rm_dir):
     folder.mkdir()
     write_jsonl(folder / "train.jsonl", preference_rows(32))
     write_jsonl(folder / "test.jsonl", preference_rows(8, heldout=True))
-    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, dataset_name=str(folder), max_steps=2,
-                                                                 eval_strategy="steps", eval_steps=2))
+    train, evaluation = datasets_of("reward", dataset_name=str(folder), eval_strategy="steps", eval_steps=2)
+    trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=2, eval_strategy="steps",
+                                                                 eval_steps=2), train_dataset=train,
+                            eval_dataset=evaluation)
     assert len(trainer.train_pairs) == 32
     trainer.train()
     assert "eval_accuracy" in trainer.evaluate()

@@ -35,12 +35,12 @@ def test_troubleshooting_names_tests_that_exist():
 
 
 def test_migration_page_names_every_no_effect_field_and_default_difference():
-    from rlft.compat import NO_EFFECT
+    from rlft.compat import GRPO_REFUSED, NO_EFFECT, REFUSED
 
     text = (ROOT / "docs" / "migration.md").read_text()
-    for name in NO_EFFECT:
-        assert f"`{name}`" in text or name.startswith("vllm_importance_sampling_"), name
-    for name in ("bf16", "output_dir", "optim", "max_prompt_length"):  # the defaults that differ from TRL's
+    for name in [*NO_EFFECT, *REFUSED, *GRPO_REFUSED]:
+        assert f"`{name}`" in text, name
+    for name in ("bf16", "dtype", "max_prompt_length", "tf32"):  # the defaults that differ from TRL's
         assert f"`{name}`" in text, name
 
 

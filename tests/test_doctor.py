@@ -66,7 +66,7 @@ def test_tokenizer_without_pad_token_fails(tmp_path):
 
 def test_reward_lora_without_task_type_fails(tmp_path, tiny_rm_dir):
     code, report = run_doctor(write_reward_config(tmp_path, tiny_rm_dir, "use_peft: true\nlora_r: 4\n"))
-    assert code == 1 and "FAIL LoRA task type: lora_task_type=None" in report.text()
+    assert code == 1 and "FAIL LoRA task type: lora_task_type='CAUSAL_LM'" in report.text()
     assert "PASS score head trainable" in report.text()  # rlft's own fix is in place
 
 

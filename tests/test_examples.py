@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rlft.cli import main
-from rlft.config import GRPOConfig, RewardConfig, load_config
 from rlft.doctor import detect_kind
+from rlft.recipes import parse_run
 from rlft.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +18,7 @@ CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_example_config_is_a_valid_config(path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    load_config(RewardConfig if detect_kind(str(path)) == "reward" else GRPOConfig, str(path))
+    parse_run(detect_kind(str(path)), [], str(path))
 
 
 def run(*args: str) -> None:
@@ -47,3 +47,16 @@ def test_cpu_reward_example_then_grpo_with_that_reward_model(tmp_path, monkeypat
     rows = [r for r in read_metrics(tmp_path / "grpo") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all("rewards/final/mean" in r and "rewards/format_reward/mean" in r for r in rows)
+
+
+def test_an_example_config_runs_from_any_folder(tmp_path, monkeypatch):
+    """Relative paths in a config that do not exist from the working directory are read from the config's folder,
+    and the run says which path it used."""
+    monkeypatch.chdir(tmp_path)
+    script, _, model, _, notes = parse_run("grpo", [], str(ROOT / "examples" / "configs" / "cpu-grpo-lora.yaml"))
+    assert Path(model.model_name_or_path).resolve() == (ROOT / "rlft" / "assets" / "tiny-adder").resolve()
+    assert Path(script.train_dataset).is_file()
+    assert any(n.startswith("model_name_or_path: '../../rlft/assets/tiny-adder' does not exist from") for n in notes)
+    run("grpo", "--config", str(ROOT / "examples" / "configs" / "cpu-grpo-lora.yaml"), "--output_dir",
+        str(tmp_path / "out"), "--max_steps", "1", "--eval_strategy", "no", "--save_steps", "1")
+    assert (tmp_path / "out" / "final" / "adapter_config.json").exists()

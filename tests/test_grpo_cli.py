@@ -21,4 +21,4 @@ def test_cli_grpo_runs_from_yaml_with_overrides(tmp_path, shipped_policy_dir):
     assert main(["grpo", "--config", str(config), "--max_steps", "2", "--learning_rate", "1e-4"]) == 0
     rows = read_metrics(tmp_path / "out")
     assert len(rows) == 2 and "rewards/exact_match_reward/mean" in rows[0] and "rewards/has_answer_tags/mean" in rows[0]
-    assert (tmp_path / "out" / "checkpoint-2" / "model" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "out" / "checkpoint-2" / "adapter_model.safetensors").exists()

@@ -65,7 +65,7 @@ def test_the_entropy_bonus_raises_entropy(tmp_path, shipped_policy_dir):
 
 
 def test_resume_restores_the_moved_reference_and_the_adaptive_coefficient(tmp_path, shipped_policy_dir):
-    options = dict(use_peft=False, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, use_adaptive_entropy=True,
+    options = dict(full=True, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, use_adaptive_entropy=True,
                    entropy_coef=0.01, entropy_target=10.0, delta=1.5, top_entropy_quantile=0.5, num_iterations=2,
                    off_policy_mask_threshold=0.01)
     straight, resumed = straight_and_resumed(tmp_path, shipped_policy_dir, **options)
@@ -78,8 +78,6 @@ def test_resume_restores_the_moved_reference_and_the_adaptive_coefficient(tmp_pa
 def test_refused_combinations_name_the_reason(tmp_path, shipped_policy_dir):
     with pytest.raises(ConfigError, match="sync_ref_model=True with beta=0"):
         GRPOConfig(sync_ref_model=True)
-    with pytest.raises(ConfigError, match="sync_ref_model=True with LoRA"):
-        GRPOConfig(sync_ref_model=True, beta=0.1, use_peft=True)
     with pytest.raises(ConfigError, match="sync_ref_model=True with a LoRA model"):
         GRPOTrainer(str(shipped_policy_dir), [correct_answer],
                     tiny_grpo_config(tmp_path, sync_ref_model=True, beta=0.1), addition_rows(16), peft_config=lora())

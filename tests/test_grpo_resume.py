@@ -20,18 +20,17 @@ def comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-def run(tmp_path, name, shipped, steps, resume=None, **overrides):
-    args = tiny_grpo_config(tmp_path, output_dir=str(tmp_path / name), max_steps=6, save_steps=3,
-                            lora_dropout=0.1, **overrides)
+def run(tmp_path, name, shipped, steps, resume=None, full=False, **overrides):
+    args = tiny_grpo_config(tmp_path, output_dir=str(tmp_path / name), max_steps=6, save_steps=3, **overrides)
     trainer = GRPOTrainer(str(shipped), [correct_answer, has_answer_tags], args, addition_rows(32),
-                          peft_config=lora() if overrides.get("use_peft") is None else None)
+                          peft_config=None if full else lora())
     if steps < 6:
         trainer.total_steps = steps  # stop early, as a killed job would, right after the checkpoint
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
-def straight_and_resumed(tmp_path, shipped, **overrides):
+def straight_and_resumed(tmp_path, shipped, **overrides):  # full=True: no LoRA
     """6 steps straight, and 3 steps + a resume to 6: every logged row equal; returns both trainers."""
     straight = run(tmp_path, "straight", shipped, 6, **overrides)
     run(tmp_path, "split", shipped, 3, **overrides)
@@ -54,9 +53,9 @@ def test_three_plus_three_equals_six(tmp_path, shipped_policy_dir, num_iteration
 
 
 def test_full_finetuning_resume_restores_weights(tmp_path, shipped_policy_dir):
-    straight = run(tmp_path, "straight", shipped_policy_dir, 6, use_peft=False)
-    run(tmp_path, "split", shipped_policy_dir, 3, use_peft=False)
-    resumed = run(tmp_path, "split", shipped_policy_dir, 6, resume=True, use_peft=False)
+    straight = run(tmp_path, "straight", shipped_policy_dir, 6, full=True)
+    run(tmp_path, "split", shipped_policy_dir, 3, full=True)
+    resumed = run(tmp_path, "split", shipped_policy_dir, 6, resume=True, full=True)
     for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
         assert torch.equal(p, q)
 

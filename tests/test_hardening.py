@@ -12,8 +12,9 @@ import torch
 import transformers
 
 from rlft import GRPOTrainer
-from rlft.config import ConfigError, GRPOConfig, load_config
+from rlft.config import ConfigError, GRPOConfig
 from rlft.models import load_tokenizer
+from rlft.recipes import parse_run
 from rlft.rewards import RewardFunctionError
 from rlft.rollout.hf import shared_prompt_cache
 from rlft.tracking import read_metrics
@@ -182,7 +183,7 @@ def test_shared_prefill_falls_back_on_caches_that_cannot_repeat(tmp_path, shippe
 def test_bad_config_values_are_named(tmp_path):
     (tmp_path / "bad.yaml").write_text("learning_rate: 1e-5\nbeta: [0.1\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: line \d+, column \d+: not valid YAML"):
-        load_config(GRPOConfig, tmp_path / "bad.yaml")
+        parse_run("grpo", [], str(tmp_path / "bad.yaml"))
     with pytest.raises(ConfigError, match=r"report_to has unknown tracker"):
         GRPOConfig(report_to=["wandbb"])
 
@@ -219,21 +220,19 @@ def test_chat_message_with_unknown_role_or_no_content(tmp_path, shipped_policy_d
 
 def test_float16_full_finetuning_is_refused_with_the_reason(tmp_path, shipped_policy_dir):
     with pytest.raises(ConfigError, match="float16 full fine-tuning is refused: AdamW would keep float16 state"):
-        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, dtype="float16"),
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, model_init_kwargs={"dtype": "float16"}),
                     addition_rows(16))
 
 
 
 @pytest.mark.parametrize("values,message", [
     ({"num_generations": 8.0}, r"num_generations=8.0 is a float; the field takes int"),
-    ({"use_peft": [False]}, r"use_peft=\[False\] is a list; the field takes bool"),
-    ({"reward_weights": "heavy"}, r"reward_weights=\['heavy'\] is a list; the field takes list\[float\]"),
+    ({"use_vllm": [False]}, r"use_vllm=\[False\] is a list; the field takes bool"),
+    ({"reward_weights": "heavy"}, r"reward_weights='heavy' is a str; the field takes list\[float\]"),
 ])
 def test_config_values_are_type_checked_against_their_fields(values, message):
-    from rlft.config import from_dict
-
     with pytest.raises(ConfigError, match=message):
-        from_dict(GRPOConfig, values)
+        GRPOConfig(**values)
 
 
 def test_metrics_rewrite_at_resume_is_atomic_and_tolerates_a_partial_last_line(tmp_path, shipped_policy_dir):
@@ -352,3 +351,23 @@ def test_a_kill_during_the_metrics_rewrite_loses_no_row(tmp_path, shipped_policy
                           addition_rows(16))
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
     assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage_header"])
+def test_a_corrupt_base_model_file_is_named_with_the_fix(tmp_path, shipped_policy_dir, damage):
+    import shutil
+
+    from rlft.models import ModelFileError
+
+    folder = tmp_path / "model"
+    shutil.copytree(shipped_policy_dir, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x10" + b"\x00" * 7 + b"not json" * 4)
+    with pytest.raises(ModelFileError, match=rf"{weights}: .*truncated or corrupt .* download or copy it again"):
+        GRPOTrainer(str(folder), [correct_answer], tiny_grpo_config(tmp_path), addition_rows(16))
+    from rlft.cli import main
+
+    data_file = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
+    assert main(["grpo", "--model_name_or_path", str(folder), "--train_dataset", str(data_file), "--reward_funcs",
+                 "exact_match", "--output_dir", str(tmp_path / "o")]) == 2

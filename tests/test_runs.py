@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from peft import LoraConfig
 
 from rlft import GRPOTrainer, RewardTrainer
 from rlft.config import ConfigError
@@ -21,8 +22,10 @@ from tests.helpers import (
 )
 
 
-def grpo(tmp_path, shipped, **overrides):
-    return GRPOTrainer(str(shipped), [correct_answer], tiny_grpo_config(tmp_path, **overrides), addition_rows(16))
+def grpo(tmp_path, shipped, peft_config=None, **overrides):
+    lora = LoraConfig(r=4, target_modules="all-linear") if peft_config == "lora" else None
+    return GRPOTrainer(str(shipped), [correct_answer], tiny_grpo_config(tmp_path, **overrides), addition_rows(16),
+                       peft_config=lora)
 
 
 def test_a_new_run_into_a_folder_holding_a_run_is_refused_then_replaced_on_request(tmp_path, shipped_policy_dir):
@@ -54,7 +57,7 @@ def test_a_checkpoint_records_the_config_and_its_hash(tmp_path, shipped_policy_d
     ({"num_generations": 2, "per_device_train_batch_size": 4}, "num_generations: 4 -> 2"),
     ({"loss_type": "grpo"}, "loss_type: 'dapo' -> 'grpo'"),
     ({"seed": 1}, "seed: 0 -> 1"),
-    ({"use_peft": True}, "use_peft: False -> True"),
+    ({"peft_config": "lora"}, "_model: "),
 ])
 def test_resume_with_a_config_change_that_breaks_exactness_is_refused(tmp_path, shipped_policy_dir, change, field):
     grpo(tmp_path, shipped_policy_dir, save_steps=2).train()
@@ -76,7 +79,7 @@ def test_resume_applies_and_reports_a_new_learning_rate_and_logging(tmp_path, sh
     rows = [r for r in resumed.state.log_history if "learning_rate" in r]
     # the linear schedule rebuilt from the new peak: step 3 ran at 2e-3 * (4 - 2) / 4, step 4 at 2e-3 * 1/4
     assert rows[-1]["learning_rate"] == pytest.approx(2e-3 * 1 / 4)
-    assert resumed.scheduler.base_lrs == [2e-3]
+    assert resumed.scheduler.base_lrs == [2e-3] * len(resumed.optimizer.param_groups)
 
 
 def test_the_reward_trainer_refuses_a_changed_config_on_resume(tmp_path, tiny_rm_dir):

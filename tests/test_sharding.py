@@ -163,7 +163,7 @@ def test_shipped_accelerate_configs_run_their_engine(config, tmp_path, shipped_p
     engine = {"ddp": "ddp", "fsdp2": "fsdp2", "deepspeed_zero2": "zero2", "deepspeed_zero3": "zero3"}[config]
     assert f"engine {engine} on 2 process(es)" in result.stdout + result.stderr
     assert (out / "checkpoint-2" / "engine" / "weights.safetensors").is_file() == (engine != "ddp")
-    assert (out / "checkpoint-2" / "model" / "adapter_model.safetensors").is_file()
+    assert (out / "checkpoint-2" / "adapter_model.safetensors").is_file()
 
 
 def test_sharding_asked_on_one_cpu_process_is_an_error(monkeypatch, tmp_path):

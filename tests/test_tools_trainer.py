@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 from rlft import GRPOTrainer
@@ -161,7 +164,8 @@ def test_rollout_func_replaces_generation(tmp_path, tiny_tool_dir):
     assert rollout.sampling_logps[rollout.completion_mask.bool()].eq(-1.0).all()
     assert [s["completion"][0]["content"] for s in batch.samples[:2]] == ["<answer>0</answer> ok",
                                                                           "<answer>1</answer> ok"]
-    step = trainer.train()[0]
+    trainer.train()
+    step = trainer.state.log_history[0]
     assert step["grad_norm"] > 0 and step["reward"] == pytest.approx(1.5)
 
 
@@ -204,8 +208,8 @@ def test_config_names_tools_by_import_path(tmp_path, tiny_tool_dir):
                            max_tool_calling_iterations=1, num_generations=2, max_steps=1)
     trainer = scripted(GRPOTrainer(tiny_tool_dir, [right], cfg, train_dataset=addition_rows(16)))
     assert trainer.generator.max_iterations == 1 and list(trainer.generator.toolset.functions) == ["add"]
-    history = trainer.train()
-    assert history[0]["tools/call_frequency"] > 0
+    trainer.train()
+    assert trainer.state.log_history[0]["tools/call_frequency"] > 0
 
 
 def test_short_real_run_with_tools_lora_and_two_rewards_checkpoints_and_resumes(tmp_path):
@@ -216,12 +220,14 @@ def test_short_real_run_with_tools_lora_and_two_rewards_checkpoints_and_resumes(
     from rlft.models import shipped_policy_path
 
     def run(out, steps, resume=None):
-        cfg = tiny_grpo_config(out, max_steps=steps, use_peft=True, lora_r=4, lora_dropout=0.0, num_generations=4,
+        cfg = tiny_grpo_config(out, max_steps=steps, num_generations=4,
                                per_device_train_batch_size=8, steps_per_generation=2, max_completion_length=64,
                                temperature=0.7, reward_weights=[1.0, 0.2], save_steps=1, learning_rate=5e-4)
         trainer = GRPOTrainer(str(shipped_policy_path("tiny-calculator")), [answer_reward, tool_use_reward], cfg,
-                              train_dataset=addition_rows(32), tools=TOOLS)
-        return trainer, trainer.train(resume_from_checkpoint=resume)
+                              train_dataset=addition_rows(32), tools=TOOLS,
+                              peft_config=LoraConfig(r=4, lora_dropout=0.0, target_modules="all-linear"))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, trainer.state.log_history
 
     trainer, history = run(tmp_path / "a", 3)
     assert history[0]["tools/call_frequency"] > 0.5 and history[0]["tools/turns_mean"] > 1.5
@@ -231,3 +237,103 @@ def test_short_real_run_with_tools_lora_and_two_rewards_checkpoints_and_resumes(
     _, history_b = run(tmp_path / "b", 3, resume=str(tmp_path / "b" / "run" / "checkpoint-1"))
     last = lambda h: [r for r in h if "loss" in r][-1]  # noqa: E731
     assert last(history_b)["loss"] == pytest.approx(last(history)["loss"], abs=1e-6)
+
+
+class Lamp:
+    def reset(self, **row):
+        self.on = False
+        return " Use the lamp."
+
+    def switch(self, on: bool) -> str:
+        """Switch the lamp.
+
+        Args:
+            on: Whether the lamp should be on.
+        """
+        self.on = on
+        return "ok"
+
+    def get_reward(self) -> float:
+        return float(self.on)
+
+
+class Door:
+    def reset(self, **row):
+        return None
+
+    def knock(self, times: int) -> str:
+        """Knock on the door.
+
+        Args:
+            times: How many times.
+        """
+        return "who is there?"
+
+
+def test_a_dict_of_environments_routes_each_row_by_its_environment_column(tmp_path, tiny_tool_dir):
+    """TRL's multi-environment form: each row's `environment` picks its environment; its prompt lists only that
+    environment's tools; an environment that owns a reward scores its own rows (None for the others)."""
+    def script(context, turn):
+        if "Use the lamp." in context:
+            assert "switch" in context and "knock" not in context
+            return call("switch", on=True) if turn == 0 else "<answer>1</answer>"
+        assert "knock" in context and "switch" not in context
+        return "<answer>2</answer>"
+
+    rows = [{**row, "environment": "lamp" if i % 2 else "door"} for i, row in enumerate(addition_rows(16))]
+    cfg = tiny_grpo_config(tmp_path, max_completion_length=96, num_generations=2, per_device_train_batch_size=8,
+                           max_steps=1)
+    trainer = scripted(GRPOTrainer(tiny_tool_dir, [lambda completions, **k: [0.0] * len(completions)], cfg,
+                                   train_dataset=rows, environment_factory={"lamp": Lamp, "door": Door}), script)
+    assert trainer.reward_names[-1] == "Lamp"
+    batch = trainer._make_rollout(0)
+    lamp_rewards = [s["Lamp"] for s in batch.samples]
+    kinds = [type(env).__name__ for env in batch.rollout.extra["environments"]]
+    assert sorted(set(kinds)) == ["Door", "Lamp"]
+    assert all((r == 1.0) if k == "Lamp" else math.isnan(r) for r, k in zip(lamp_rewards, kinds))
+    with pytest.raises(ConfigError, match=r"row \d+ has environment='attic', which is not among"):
+        trainer._generate({**trainer.train_prompts.batch([0]), "environment": ["attic"]}, 2)
+
+
+def test_a_single_environment_without_a_dataset_supplies_the_prompts(tmp_path, tiny_tool_dir):
+    class Puzzle:
+        def reset(self, **row):
+            return "What is 2+2?"
+
+        def get_reward(self) -> float:
+            return 1.0
+
+    cfg = tiny_grpo_config(tmp_path, max_completion_length=96, num_generations=2, per_device_train_batch_size=4,
+                           max_steps=2)
+    trainer = scripted(GRPOTrainer(tiny_tool_dir, None, cfg, environment_factory=Puzzle),
+                       lambda context, turn: "<answer>4</answer>" if "What is 2+2?" in context else "?")
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.state.log_history[0]["rewards/Puzzle/mean"] == 1.0
+    with pytest.raises(ConfigError, match="set max_steps > 0"):
+        GRPOTrainer(tiny_tool_dir, None, tiny_grpo_config(tmp_path, max_steps=-1), environment_factory=Puzzle)
+    with pytest.raises(ConfigError, match="requires a `train_dataset` with an `environment` column"):
+        GRPOTrainer(tiny_tool_dir, None, cfg, environment_factory={"p": Puzzle})
+
+
+async def async_add(a: int, b: int) -> int:
+    """Add two integers, asynchronously.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def test_an_async_tool_runs_like_a_plain_one(tmp_path, tiny_tool_dir):
+    def script(context, turn):
+        a, b = numbers(context)
+        return call("async_add", a=a, b=b) if turn == 0 else f"<answer>{a + b}</answer>"
+
+    cfg = tiny_grpo_config(tmp_path, max_completion_length=96, num_generations=2, per_device_train_batch_size=8)
+    trainer = scripted(GRPOTrainer(tiny_tool_dir, [right], cfg, train_dataset=addition_rows(16), tools=[async_add]),
+                       script)
+    batch = trainer._make_rollout(0)
+    tool_messages = [m for s in batch.samples for m in s["completion"] if m["role"] == "tool"]
+    a, b = numbers(str(batch.samples[0]["prompt"]))
+    assert tool_messages[0]["content"] == str(a + b) and batch.metrics["rewards/right/mean"] == 1.0

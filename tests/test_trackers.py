@@ -28,7 +28,7 @@ def test_tensorboard_and_trackio_hold_the_metrics_of_metrics_jsonl(tmp_path):
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-m", "rlft.cli", "grpo", "--config", "examples/configs/cpu-grpo-lora.yaml",
                              "--output_dir", str(tmp_path / "run"), "--max_steps", "3", "--logging_steps", "1",
-                             "--eval_steps", "3", "--report_to", "tensorboard", "trackio"],
+                             "--eval_steps", "3", "--report_to", "tensorboard,trackio"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")

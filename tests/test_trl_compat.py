@@ -11,10 +11,12 @@ import dataclasses
 import json
 import logging
 import math
+import re
 
 import datasets
 import pytest
 import torch
+from peft import LoraConfig
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -74,31 +76,42 @@ def test_every_trl_field_name_is_accepted_at_its_trl_default(kind, cls):
         cls(**{name: default})  # each alone, at TRL's default: accepted
 
 
-@pytest.mark.parametrize("field,value", [("vllm_model_impl", "transformers"), ("push_to_hub", True), ("torch_compile", True),
-                                         ("use_liger_kernel", True), ("neftune_noise_alpha", 5.0)])
-def test_unimplemented_trl_field_set_away_from_default_is_refused_by_name(field, value):
-    with pytest.raises(ConfigError, match=rf"{field}={value!r} is a TRL/transformers field rlft does not implement"):
+@pytest.mark.parametrize("field,value", [("neftune_noise_alpha", 5.0), ("load_best_model_at_end", True),
+                                         ("vllm_structured_outputs_regex", "[0-9]+"), ("deepspeed", "ds.json")])
+def test_a_field_rlft_cannot_honour_set_away_from_default_is_refused_by_name(field, value):
+    with pytest.raises(ConfigError, match=re.escape(f"{field}={value!r} is not supported by rlft: ")):
         GRPOConfig(**{field: value})
 
 
-def test_fields_with_no_effect_are_accepted_at_any_value():
-    cfg = GRPOConfig(do_train=True, remove_unused_columns=True, dataloader_pin_memory=False, dataloader_num_workers=4)
-    assert cfg.do_train is True and "do_train" in NO_EFFECT and cfg.dataloader_num_workers == 4
+def test_fields_with_no_effect_are_accepted_at_any_value_and_named_in_a_note():
+    from rlft.compat import no_effect_notes
+
+    cfg = GRPOConfig(do_train=True, remove_unused_columns=True, dataloader_pin_memory=False, dataloader_num_workers=4,
+                     torch_compile=True, use_liger_kernel=True, save_only_model=True)
+    assert cfg.do_train is True and cfg.dataloader_num_workers == 4
+    notes = "\n".join(no_effect_notes(cfg))
+    for name in ("remove_unused_columns", "dataloader_num_workers", "torch_compile", "use_liger_kernel",
+                 "save_only_model"):
+        assert f"{name}=" in notes and name in NO_EFFECT
     with pytest.raises(ConfigError, match="dataloader_num_workers=-1 must be >= 0"):
         GRPOConfig(dataloader_num_workers=-1)
 
 
 def test_defaults_follow_trl_except_the_documented_differences():
-    differences = {"output_dir", "bf16", "max_prompt_length", "optim"}  # docs/migration.md says why
+    differences = {"output_dir", "bf16"}  # docs/migration.md says why
     for kind, cls in (("GRPOConfig", GRPOConfig), ("RewardConfig", RewardConfig)):
         ours = cls()
         for name, default in trl_fields(kind).items():
             if name in differences or name in NO_EFFECT:
                 continue
             value = getattr(ours, name)
-            if isinstance(value, list) and name == "report_to":
-                value = "none" if not value else value
-            same = value == default or {value, default} <= {None, False}
+            value = getattr(value, "value", value)
+            if isinstance(value, list) and name in ("report_to", "debug"):
+                value = {"report_to": "none", "debug": ""}[name] if not value else value
+            if name == "activation_checkpointing":  # transformers mirrors gradient_checkpointing into it
+                value = None
+            same = value == default or {value, default} <= {None, False} or (default is None and name.endswith(
+                "_config") and value is not None)
             assert same, (kind, name, value, default)
 
 
@@ -245,7 +258,7 @@ def test_reward_model_object_with_its_processing_class(tmp_path, shipped_policy_
 
 def test_reward_model_with_two_labels_is_refused(tmp_path, shipped_policy_dir, tiny_rm_dir):
     two = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir, num_labels=2, ignore_mismatched_sizes=True)
-    with pytest.raises(ConfigError, match="num_labels=2; a reward model needs exactly one output score"):
+    with pytest.raises(ConfigError, match=r"reward models require `num_labels=1`; this one has num_labels=2"):
         RewardTrainer(two, tiny_reward_config(tmp_path), train_dataset=preference_rows(32),
                       processing_class=load_tokenizer(tiny_rm_dir, "right"))
     with pytest.raises(ValueError, match="num_labels=2"):
@@ -353,8 +366,9 @@ def test_chat_template_path_and_kwargs(tmp_path, shipped_policy_dir):
 
 
 def test_model_init_kwargs_and_trust_remote_code_reach_from_pretrained(tmp_path, shipped_policy_dir):
-    args = tiny_grpo_config(tmp_path, model_init_kwargs={"dtype": "bfloat16"}, use_peft=True)
-    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16))
+    args = tiny_grpo_config(tmp_path, model_init_kwargs={"dtype": "bfloat16"})
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16),
+                          peft_config=LoraConfig(r=4, target_modules="all-linear"))
     assert trainer.model.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="model_init_kwargs only applies"):
         GRPOTrainer(AutoModelForCausalLM.from_pretrained(shipped_policy_dir), [correct_answer],
@@ -370,8 +384,9 @@ def test_num_generations_eval_samples_several_completions(tmp_path, shipped_poli
 
 
 def test_disable_dropout_and_pad_to_multiple_of(tmp_path, shipped_policy_dir, tiny_rm_dir):
-    args = tiny_grpo_config(tmp_path, disable_dropout=True, pad_to_multiple_of=4, use_peft=True, lora_dropout=0.1)
-    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16))
+    args = tiny_grpo_config(tmp_path, disable_dropout=True, pad_to_multiple_of=4)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16),
+                          peft_config=LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear"))
     assert all(m.p == 0.0 for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout))
     trainer.train()
     reward = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, pad_to_multiple_of=16),
@@ -379,17 +394,19 @@ def test_disable_dropout_and_pad_to_multiple_of(tmp_path, shipped_policy_dir, ti
     assert reward.train_pairs.batch([0, 1], 0, reward.pad_multiple)["input_ids"].shape[1] % 16 == 0
 
 
-def test_cast_lm_head_to_fp32_untied_only(tmp_path, shipped_policy_dir):
-    with pytest.raises(ValueError, match="untied LM head"):
-        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, cast_lm_head_to_fp32=True),
-                    addition_rows(16))
+@pytest.mark.parametrize("tied", [False, True])
+def test_cast_lm_head_to_fp32_keeps_the_logits_float32_and_the_rest_in_the_model_dtype(tmp_path, shipped_policy_dir,
+                                                                                        tied):
     config = AutoModelForCausalLM.from_pretrained(shipped_policy_dir).config
-    config.tie_word_embeddings = False
+    config.tie_word_embeddings = tied
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     trainer = GRPOTrainer(model, [correct_answer], tiny_grpo_config(tmp_path, cast_lm_head_to_fp32=True),
                           addition_rows(16), processing_class=load_tokenizer(shipped_policy_dir))
-    head = trainer.accelerator.unwrap_model(trainer.model).lm_head
-    assert head.weight.dtype == torch.float32
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    assert unwrapped.lm_head.weight.dtype == torch.float32
+    ids = torch.tensor([[5, 6, 7]])
+    assert unwrapped.get_input_embeddings()(ids).dtype == torch.bfloat16  # a tied embedding's output: cast back
+    assert unwrapped(input_ids=ids).logits.dtype == torch.float32
     trainer.train()
 
 

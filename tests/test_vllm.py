@@ -22,11 +22,17 @@ pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
 
-def vllm_trainer(tmp_path, shipped, **overrides):
-    values = dict(use_vllm=True, max_steps=3, lora_r=4, lora_dropout=0.0, learning_rate=1e-3,
-                  vllm_importance_sampling_mode="token_truncate")
+def lora(dropout: float = 0.0):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_dropout=dropout, target_modules="all-linear")
+
+
+def vllm_trainer(tmp_path, shipped, use_peft=False, **overrides):
+    values = dict(use_vllm=True, max_steps=3, learning_rate=1e-3, vllm_importance_sampling_mode="token_truncate")
     values.update(overrides)
-    return GRPOTrainer(str(shipped), [correct_answer], tiny_grpo_config(tmp_path, **values), addition_rows(32))
+    return GRPOTrainer(str(shipped), [correct_answer], tiny_grpo_config(tmp_path, **values), addition_rows(32),
+                       peft_config=lora() if use_peft else None)
 
 
 def parity(trainer) -> float:
@@ -160,9 +166,9 @@ def test_a_model_object_without_a_folder_starts_the_engine_and_leaves_no_tempora
     model.name_or_path = model.config._name_or_path = ""  # built in memory: vLLM needs a saved copy to start
     from transformers import AutoTokenizer
 
-    trainer = GRPOTrainer(model, [correct_answer], tiny_grpo_config(tmp_path, use_vllm=True, max_steps=1, use_peft=True,
-                                                                    lora_dropout=0.05),
-                          addition_rows(16), processing_class=AutoTokenizer.from_pretrained(shipped_policy_dir))
+    trainer = GRPOTrainer(model, [correct_answer], tiny_grpo_config(tmp_path, use_vllm=True, max_steps=1),
+                          addition_rows(16), processing_class=AutoTokenizer.from_pretrained(shipped_policy_dir),
+                          peft_config=lora(0.05))
     assert set(Path(tempfile.gettempdir()).glob("rlft-vllm-*")) == before  # removed once the engine read it
     trainer.train()
     assert trainer.generator.syncs == 1
@@ -250,8 +256,7 @@ def test_a_prompt_seen_before_a_sync_is_not_served_from_a_stale_prefix_cache(tmp
     system = {"role": "system", "content": "Add the two numbers and answer in tags. " * 16}
     rows = [{**r, "prompt": [system, *r["prompt"]]} for r in addition_rows(8)]
     trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(
-        tmp_path, use_vllm=True, max_steps=1, lora_r=4, lora_dropout=0.0, learning_rate=1e-2, max_prompt_length=480),
-        rows)
+        tmp_path, use_vllm=True, max_steps=1, learning_rate=1e-2, max_prompt_length=480), rows, peft_config=lora())
     assert len(trainer.train_prompts.batch([0])["prompt_ids"][0]) > 256
     trainer.train()
     first = parity(trainer)  # prompts 0-3 now in the prefix cache
@@ -300,11 +305,12 @@ def test_tool_calling_rollouts_generate_each_turn_with_vllm(tmp_path):
     from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
     from rlft.models import shipped_policy_path
 
-    cfg = tiny_grpo_config(tmp_path, use_vllm=True, max_steps=2, use_peft=True, lora_r=4, lora_dropout=0.0,
-                           max_completion_length=64, num_generations=4, temperature=0.7, max_tool_calling_iterations=2)
+    cfg = tiny_grpo_config(tmp_path, use_vllm=True, max_steps=2, max_completion_length=64, num_generations=4,
+                           temperature=0.7, max_tool_calling_iterations=2)
     trainer = GRPOTrainer(str(shipped_policy_path("tiny-calculator")), [answer_reward, tool_use_reward], cfg,
-                          addition_rows(32), tools=TOOLS)
-    history = trainer.train()
+                          addition_rows(32), tools=TOOLS, peft_config=lora())
+    trainer.train()
+    history = trainer.state.log_history
     assert history[0]["tools/call_frequency"] > 0.5 and max(h.get("grad_norm", 0) for h in history) > 0
     rollout = trainer._generate(trainer.train_prompts.batch([0, 1, 2, 3]), 4)
     assert rollout.stats["turns"].max() >= 2

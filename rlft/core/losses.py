@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
 
 def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
@@ -58,7 +60,7 @@ def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k
         return 0.5 * d**2
     if estimator == "k3":
         return torch.exp(d) - d - 1
-    raise ValueError(f"estimator={estimator!r}: choose 'k1', 'k2' or 'k3'")
+    raise ValueError(f"estimator={estimator!r}: choose one of {KL_ESTIMATORS}")
 
 
 def _clip_term(ratio, logps, adv, ctx) -> torch.Tensor:

@@ -10,6 +10,7 @@ or after truncation) carry no signal, are left out, counted and reported.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,8 @@ import torch
 
 from rlft.data.prompts import DatasetError, is_conversational
 
-TOKENIZED = ("chosen_input_ids", "rejected_input_ids")  # TRL's pre-tokenized preference columns
+# TRL's pre-tokenized preference columns (1.x), and the older names TRL still reads
+TOKENIZED_NAMES = (("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids"))
 
 
 @dataclass
@@ -47,7 +49,7 @@ class PairReport:
         self.first_rows.setdefault(kind, row)
 
 
-def _render(value: Any, prompt: Any, tokenizer, row: int, column: str) -> str:
+def _render(value: Any, prompt: Any, tokenizer, row: int, column: str, template_kwargs: dict | None = None) -> str:
     if value is None or (isinstance(value, str | list) and len(value) == 0):
         raise DatasetError(f"row {row}: '{column}' is empty; every pair needs non-empty chosen and rejected responses")
     if is_conversational(value) or is_conversational(prompt):
@@ -55,7 +57,7 @@ def _render(value: Any, prompt: Any, tokenizer, row: int, column: str) -> str:
             raise DatasetError(f"row {row}: '{column}' is a list of chat messages but the tokenizer has no chat template "
                                "(BERT-style encoders have none); give plain-text pairs or set tokenizer.chat_template")
         messages = (prompt or []) + (value if isinstance(value, list) else [{"role": "assistant", "content": value}])
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **(template_kwargs or {}))
     if not isinstance(value, str):
         raise DatasetError(f"row {row}: '{column}' must be a string or a list of chat messages, got {type(value).__name__}")
     return (prompt or "") + value
@@ -70,16 +72,46 @@ def _truncate(ids: list[int], max_length: int | None, policy: str, row: int) -> 
     return (ids[:max_length] if policy == "keep_start" else ids[-max_length:]), True
 
 
+class DataCollatorForPreference:
+    """TRL's preference collator: examples with `chosen_ids`, `rejected_ids` (and optionally `margin`) -> a batch of
+    the chosen rows then the rejected rows, right-padded with `pad_token_id` (to a multiple of `pad_to_multiple_of`):
+    `input_ids`, `attention_mask` [2B, L] and `margin` [B]."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, return_tensors: str = "pt"):
+        if return_tensors != "pt":
+            raise ValueError(f"return_tensors={return_tensors!r}: only 'pt' (torch tensors) is supported")
+        self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        sequences = [list(e["chosen_ids"]) for e in examples] + [list(e["rejected_ids"]) for e in examples]
+        width = max(len(s) for s in sequences)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, seq in enumerate(sequences):
+            ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, :len(seq)] = 1
+        out = {"input_ids": ids, "attention_mask": mask}
+        if examples and "margin" in examples[0]:
+            out["margin"] = torch.tensor([float(e["margin"]) for e in examples])
+        return out
+
+
 class PreferencePairs:
     """Tokenized chosen/rejected pairs (+ margins), checked up front."""
 
     def __init__(self, dataset, tokenizer, max_length: int | None, truncation: str):
-        self.tokenized = all(c in dataset.column_names for c in TOKENIZED)
+        self.tokenized = next((names for names in TOKENIZED_NAMES if all(c in dataset.column_names for c in names)),
+                              None)
+        if self.tokenized == TOKENIZED_NAMES[1]:
+            warnings.warn("the columns chosen_input_ids / rejected_input_ids are TRL's older names: rename them "
+                          "chosen_ids / rejected_ids", FutureWarning, stacklevel=3)
         missing = [c for c in ("chosen", "rejected") if c not in dataset.column_names]
         if missing and not self.tokenized:
             raise DatasetError(f"preference dataset lacks column(s) {missing}; columns found: {dataset.column_names}. "
                                "A pair needs 'chosen' and 'rejected' (and optionally 'prompt', 'margin'), or "
-                               f"pre-tokenized {list(TOKENIZED)}")
+                               f"pre-tokenized {list(TOKENIZED_NAMES[0])}")
         self.chosen: list[list[int]] = []
         self.rejected: list[list[int]] = []
         self.margins: list[float] | None = [] if "margin" in dataset.column_names else None
@@ -92,13 +124,14 @@ class PreferencePairs:
 
     def _token_ids(self, example: dict, row: int, tokenizer) -> list[list[int]] | None:
         if self.tokenized:
-            ids = [example[c] for c in TOKENIZED]
-            for column, value in zip(TOKENIZED, ids):
+            ids = [example[c] for c in self.tokenized]
+            for column, value in zip(self.tokenized, ids):
                 if not value or not all(isinstance(t, int) for t in value):
                     raise DatasetError(f"row {row}: '{column}' must be a non-empty list of token ids")
             return None if ids[0] == ids[1] else ids
         prompt = example.get("prompt")
-        texts = [_render(example[c], prompt, tokenizer, row, c) for c in ("chosen", "rejected")]
+        kwargs = example.get("chat_template_kwargs") or {}  # TRL's per-row template arguments
+        texts = [_render(example[c], prompt, tokenizer, row, c, kwargs) for c in ("chosen", "rejected")]
         if texts[0] == texts[1]:
             return None
         return [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
@@ -125,18 +158,21 @@ class PreferencePairs:
     def __len__(self) -> int:
         return len(self.chosen)
 
-    def batch(self, indices: list[int], pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
-        """Chosen rows then rejected rows, right-padded: input_ids/attention_mask [2B, L], margin [B]."""
-        sequences = [self.chosen[i] for i in indices] + [self.rejected[i] for i in indices]
-        width = max(len(s) for s in sequences)
-        if pad_to_multiple_of:
-            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-        ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, seq in enumerate(sequences):
-            ids[row, :len(seq)] = torch.tensor(seq)
-            mask[row, :len(seq)] = 1
-        out = {"input_ids": ids, "attention_mask": mask}
-        if self.margins is not None:
-            out["margin"] = torch.tensor([self.margins[i] for i in indices])
-        return out
+    def examples(self, indices: list[int]) -> list[dict]:
+        """TRL's processed rows: chosen_ids, rejected_ids (and margin)."""
+        return [{"chosen_ids": self.chosen[i], "rejected_ids": self.rejected[i],
+                 **({"margin": self.margins[i]} if self.margins is not None else {})} for i in indices]
+
+    def as_dataset(self):
+        """Every usable pair as a datasets.Dataset of TRL's processed columns (what TRL's trainer.train_dataset
+        holds after tokenization)."""
+        import datasets
+
+        return datasets.Dataset.from_list(self.examples(list(range(len(self)))))
+
+    def batch(self, indices: list[int], pad_id: int, pad_to_multiple_of: int | None = None,
+              collator=None) -> dict[str, torch.Tensor]:
+        """Chosen rows then rejected rows, right-padded: input_ids/attention_mask [2B, L], margin [B]; a TRL-style
+        data collator given to the trainer builds the batch instead."""
+        collator = collator or DataCollatorForPreference(pad_id, pad_to_multiple_of)
+        return collator(self.examples(indices))

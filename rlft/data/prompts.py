@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# Keyword arguments rlft passes to every reward function; a dataset column must not shadow one.
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                    "environments")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -36,13 +39,13 @@ def _load_named(source: str):
         if not path.read_bytes().strip():
             raise DatasetError(f"dataset file {path} is empty; it needs one row per line (jsonl) or a table")
         try:
-            with _offline():
+            with offline_datasets():
                 return datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as err:  # datasets wraps the parser's error in DatasetGenerationError, without the file
             raise DatasetError(f"dataset file {path}: {_first_bad_line(path) or f'{type(err).__name__}: {err}'}") \
                 from err
     if path.is_dir():
-        with _offline():
+        with offline_datasets():
             loaded = datasets.load_from_disk(str(path)) if (path / "dataset_info.json").exists() or \
                 (path / "dataset_dict.json").exists() else datasets.load_dataset(str(path))
         return loaded
@@ -78,7 +81,7 @@ def _first_bad_line(path: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def _offline():
+def offline_datasets():
     """datasets' offline flag on for one local load: datasets reads `datasets.config.HF_HUB_OFFLINE` at call
     time, and without it counts a download (a network request) even for a local file."""
     import datasets.config
@@ -97,8 +100,8 @@ def load_dataset_any(source: Any, split: str = "train"):
     import datasets
 
     if source is None:
-        raise DatasetError("no training dataset: pass train_dataset= (a datasets.Dataset, a file, a folder or a "
-                           "hub dataset id)")
+        raise DatasetError("`train_dataset` is required: pass train_dataset= (a datasets.Dataset, a file, a folder "
+                           "or a hub dataset id)")
     if isinstance(source, str | Path):
         source = _load_named(str(source))
     if isinstance(source, datasets.Dataset | datasets.IterableDataset):
@@ -127,7 +130,7 @@ def load_named_dataset(name: str, config: str | None = None, streaming: bool = F
 
     local = Path(name).exists()
     try:
-        with _offline() if local else contextlib.nullcontext():
+        with offline_datasets() if local else contextlib.nullcontext():
             return datasets.load_dataset(name, config, streaming=streaming)
     except Exception as err:  # missing, private, offline, bad config: datasets' own message says which
         where = "local folder" if local else "hub dataset"
@@ -135,49 +138,39 @@ def load_named_dataset(name: str, config: str | None = None, streaming: bool = F
                            f" could not be loaded as a {where}: {type(err).__name__}: {err}") from err
 
 
-def datasets_from_args(args, train_dataset=None, eval_dataset=None):
-    """TRL's script arguments: with `args.dataset_name` set, (its dataset_train_split, its dataset_test_split
-    when evaluation is on and no eval_dataset is given); without it, the datasets passed, unchanged."""
-    name = args.dataset_name
-    if not name:
-        return train_dataset, eval_dataset
-    if train_dataset is not None:
-        raise DatasetError(f"train_dataset= and dataset_name={name!r} are both given: pass one")
-    loaded = load_named_dataset(name, args.dataset_config, args.dataset_streaming)
-
-    def split(field_name: str, hint: str = ""):
-        wanted = getattr(args, field_name)
-        if wanted not in loaded:
-            raise DatasetError(f"dataset_name {name!r} has the splits {list(loaded)} and no {wanted!r}: set "
-                               f"{field_name} to one of them{hint}")
-        return loaded[wanted]
-
-    if eval_dataset is None and args.eval_strategy != "no":
-        eval_dataset = split("dataset_test_split", " (or eval_strategy: no)")
-    return split("dataset_train_split"), eval_dataset
+def pick_split(loaded, split: str, field_name: str, hint: str = ""):
+    """One split of a loaded DatasetDict, or an error naming the splits there are and the field to set."""
+    if split not in loaded:
+        raise DatasetError(f"the dataset has the splits {list(loaded)} and no {split!r}: set {field_name} to one of "
+                           f"them{hint}")
+    return loaded[split]
 
 
 def load_eval_datasets(source: Any) -> dict[str | None, Any]:
-    """None -> {}; a dict of datasets -> {name: dataset} (metrics `eval_<name>_*`); else {None: dataset}.
-    A DatasetDict or hub id contributes its 'test' split."""
-    import datasets
-
+    """None -> {}; a dict of datasets or a DatasetDict -> {name: dataset}, several named eval sets (metrics
+    `eval_<name>_*`, as TRL and transformers name them); else {None: dataset}. A file or hub id is one set (its
+    'test' split when it has several)."""
     if source is None:
         return {}
-    if isinstance(source, dict) and not isinstance(source, datasets.DatasetDict | datasets.IterableDatasetDict):
+    if isinstance(source, dict):  # DatasetDict and IterableDatasetDict are dicts too
         return {str(name): load_dataset_any(value, split="test") for name, value in source.items()}
     return {None: load_dataset_any(source, split="test")}
 
 
-def materialize(dataset, rows_needed: int | None):
-    """An IterableDataset (streaming) is read only as far as the run needs, which requires max_steps;
-    returns (Dataset, streamed?)."""
+def materialize(dataset, rows_needed: int | None, whole: bool = False):
+    """An IterableDataset (streaming) is read only as far as the run needs, which requires max_steps (an eval set,
+    `whole`, is read to its end); returns (Dataset, streamed?)."""
     import itertools
 
     import datasets
 
     if not isinstance(dataset, datasets.IterableDataset):
         return dataset, False
+    if whole:
+        rows = list(dataset)
+        if not rows:
+            raise DatasetError("the eval IterableDataset yielded no rows")
+        return datasets.Dataset.from_list(rows), True
     if rows_needed is None:
         raise DatasetError("an IterableDataset (streaming) has no length: set max_steps so rlft knows how many rows "
                            "to read")
@@ -216,8 +209,6 @@ class PromptSet:
 
     def __init__(self, dataset, tokenizer, max_prompt_length: int | None, max_completion_length: int,
                  context_length: int | None, chat_template_kwargs: dict | None = None):
-        from rlft.config import REWARD_ARGUMENTS
-
         if "prompt" not in dataset.column_names:
             raise DatasetError(f"dataset has no 'prompt' column; columns found: {dataset.column_names}. "
                                "Rename the column holding prompts to 'prompt'")
@@ -229,7 +220,9 @@ class PromptSet:
                                f"({', '.join(REWARD_ARGUMENTS)}); rename them")
         self.rows = dataset.to_list()
         self.extra_columns = [c for c in dataset.column_names if c != "prompt"]
-        self.texts = [render_prompt(r["prompt"], tokenizer, i, chat_template_kwargs) for i, r in enumerate(self.rows)]
+        self.texts = [render_prompt(r["prompt"], tokenizer, i, {**(chat_template_kwargs or {}),
+                                                                **(r.get("chat_template_kwargs") or {})})
+                      for i, r in enumerate(self.rows)]  # a row's own chat_template_kwargs win (TRL's column)
         encoded = tokenizer(self.texts, add_special_tokens=False)["input_ids"]
         self.token_ids: list[list[int]] = encoded
         self._check_lengths(max_prompt_length, max_completion_length, context_length)

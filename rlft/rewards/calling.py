@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import math
 import numbers
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,11 +50,13 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
         raise RewardFunctionError(f"reward_funcs entry {spec!r} is neither callable nor a string")
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    if spec == "soft_overlong":
+    if spec in ("soft_overlong", "get_soft_overlong_punishment"):  # the run's length; a quarter of it as the cache
         return get_soft_overlong_punishment(max_completion_length, max(max_completion_length // 4, 1))
-    if ":" in spec and not Path(spec).exists():
-        module_name, _, attr = spec.partition(":")
+    if not Path(spec).exists() and (":" in spec or _dotted(spec)):
+        module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
         try:
+            if "" not in sys.path and os.getcwd() not in sys.path:  # TRL's scripts import from the working directory
+                sys.path.insert(0, os.getcwd())
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
             raise RewardFunctionError(f"reward function {spec!r} could not be imported: {err}") from err
@@ -62,24 +67,35 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
             return RewardModelScorer(spec, tokenizer=processing_class)
         except (OSError, ValueError) as err:
             raise RewardFunctionError(f"reward model {spec!r} could not be loaded: {err}") from err
-    known = sorted([*BUILTIN_REWARDS, "soft_overlong"])
-    raise RewardFunctionError(f"reward function {spec!r} is not a built-in ({known}), not 'module:function', "
-                              "not a reward-model folder and not a hub model id 'org/name'")
+    known = sorted([*BUILTIN_REWARDS, "soft_overlong", "get_soft_overlong_punishment"])
+    raise RewardFunctionError(f"reward function {spec!r} is not a built-in ({known}), not 'module:function' or "
+                              "'module.function', not a reward-model folder and not a hub model id 'org/name'")
+
+
+def _dotted(spec: str) -> bool:
+    """'my_lib.rewards.custom_reward' (TRL's scripts' form): identifiers joined by dots, no path separator."""
+    parts = spec.split(".")
+    return len(parts) > 1 and "/" not in spec and all(p.isidentifier() for p in parts)
 
 
 def resolve_rewards(specs: Any, weights: list[float] | None, processing_classes: Any, max_completion_length: int):
     """(functions, unique names, weights tensor) for the trainer's reward_funcs."""
-    from rlft.config import ConfigError
+    from rlft.errors import ConfigError
 
     specs = list(specs) if isinstance(specs, list | tuple) else ([] if specs is None else [specs])
     if not specs:
-        raise ConfigError("reward_funcs is empty: give at least one reward function")
+        raise ConfigError("No reward source provided: pass reward_funcs (a function, a built-in name, a reward model), "
+                          "or an environment_factory whose environment defines get_reward")
     if weights is not None and len(weights) != len(specs):
         raise ConfigError(f"reward_weights has {len(weights)} values but reward_funcs has {len(specs)}: "
                           "give one weight per reward function")
-    classes = processing_classes if isinstance(processing_classes, list | tuple) else [processing_classes] * len(specs)
+    if processing_classes is None:
+        classes = [None] * len(specs)
+    else:  # TRL's rule: one processing class per reward function (None for a plain function)
+        classes = list(processing_classes) if isinstance(processing_classes, list | tuple) else [processing_classes]
     if len(classes) != len(specs):
-        raise ConfigError(f"reward_processing_classes has {len(classes)} entries but reward_funcs has {len(specs)}")
+        raise ConfigError(f"The number of reward processing classes must match the number of reward functions: "
+                          f"reward_processing_classes has {len(classes)} entries, reward_funcs {len(specs)}")
     funcs = [resolve_reward(s, max_completion_length, c) for s, c in zip(specs, classes)]
     names = [reward_name(f) for f in funcs]
     names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
@@ -93,7 +109,7 @@ def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) 
     name is likely a typo: one warning each."""
     import difflib
 
-    from rlft.config import REWARD_ARGUMENTS
+    from rlft.data.prompts import REWARD_ARGUMENTS
 
     supplied = [*columns, *REWARD_ARGUMENTS]
     warnings = []
@@ -215,4 +231,13 @@ def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, c
     step = getattr(trainer_state, "global_step", trainer_state)
     rows = [_check(name, values, len(completions), step, completions, allow_nan)
             for name, values in zip(names, results)]
-    return torch.tensor(rows, dtype=torch.float32).T.contiguous()
+    rewards = torch.tensor(rows, dtype=torch.float32).T.contiguous()  # [N, F]
+    unscored = torch.isnan(rewards).all(dim=1).nonzero()
+    if len(unscored):  # TRL's warning, with the first such row's arguments
+        row = int(unscored[0])
+        shown = {k: v[row] for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)}
+        logging.getLogger("rlft").warning(
+            "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at least one reward "
+            "function returns a valid reward (%d of %d completions have none; they get no advantage)",
+            {**shown, "prompt": prompts[row], "completion": completions[row]}, len(unscored), len(completions))
+    return rewards

@@ -19,8 +19,8 @@ import inspect
 
 import torch
 
-from rlft.config import ConfigError
 from rlft.data.prompts import left_pad, right_pad
+from rlft.errors import ConfigError
 from rlft.rollout.hf import Rollout
 from rlft.rollout.multiturn import Toolset
 from rlft.rollout.tools import tool_schemas
@@ -29,35 +29,62 @@ RESERVED = ("reset", "get_reward")
 
 
 class Environments:
-    """A pool of environment instances from one factory."""
+    """Pools of environment instances: one factory (every row uses it), or TRL's dict of named factories, where each
+    row's `environment` column picks its environment and only that environment's tools are in its prompt."""
 
-    def __init__(self, factory, tools: list):
-        if isinstance(factory, dict):
-            raise ConfigError("environment_factory as a dict of several environments is not built; pass one factory")
-        if not callable(factory):
-            raise ConfigError(f"environment_factory must be a callable returning an environment, got {factory!r}")
-        probe = factory()
-        self.kind = type(probe)
-        if not callable(getattr(probe, "reset", None)):
-            raise ConfigError(f"environment {self.kind.__name__} has no reset() method: define reset(self, **row), "
-                              "returning None or a string appended to the prompt")
-        self.factory, self.tools, self.pool = factory, list(tools), [probe]
-        self.owns_reward = callable(getattr(probe, "get_reward", None))
-        self.schemas = tool_schemas(self.tools + self._methods(probe))  # checked once, the same for every instance
+    def __init__(self, factories, tools: list):
+        self.multi = isinstance(factories, dict)
+        factories = factories if self.multi else {None: factories}
+        if not factories:
+            raise ConfigError("environment_factory is an empty dict: give at least one name: factory")
+        self.factories, self.tools = dict(factories), list(tools)
+        self.pools, self.kinds, self.schemas = {}, {}, {}
+        for name, factory in self.factories.items():
+            if not callable(factory):
+                raise ConfigError(f"environment_factory{'' if name is None else f'[{name!r}]'} must be a callable "
+                                  f"returning an environment, got {factory!r}")
+            probe = factory()
+            kind = type(probe)
+            if not callable(getattr(probe, "reset", None)):
+                raise ConfigError(f"environment {kind.__name__} has no reset() method: define reset(self, **row), "
+                                  "returning None or a string appended to the prompt")
+            self.pools[name], self.kinds[name] = [probe], kind
+            self.schemas[name] = tool_schemas(self.tools + _methods(probe))  # checked once, the same per instance
+        self.owners = list(dict.fromkeys(k for k in self.kinds.values() if callable(getattr(k, "get_reward", None))))
 
-    def _methods(self, env) -> list:
-        # Listed on the class: getmembers on the instance would evaluate properties
-        return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-                if name not in RESERVED and not name.startswith("_")]
+    @property
+    def all_schemas(self) -> list[dict]:
+        """Every environment's tools once (the up-front rendering of prompts; each row's own is rendered later)."""
+        seen = {}
+        for schemas in self.schemas.values():
+            for schema in schemas:
+                seen.setdefault(schema["function"]["name"], schema)
+        return list(seen.values())
 
-    def take(self, count: int) -> list:
-        while len(self.pool) < count:
-            self.pool.append(self.factory())
-        return self.pool[:count]
+    def names(self, rows: list[dict]) -> list:
+        """Each row's environment: the `environment` column with a dict of factories, else the one factory."""
+        if not self.multi:
+            return [None] * len(rows)
+        for index, row in enumerate(rows):
+            if row.get("environment") not in self.factories:
+                raise ConfigError(f"row {index} has environment={row.get('environment')!r}, which is not among the "
+                                  f"environments passed to environment_factory: {list(self.factories)}")
+        return [row["environment"] for row in rows]
 
-    def toolset(self, env) -> Toolset:
-        functions = self.tools + self._methods(env)
-        return Toolset({f.__name__: f for f in functions}, self.schemas)
+    def take(self, names: list) -> list:
+        """One instance per row, reused across batches; a pool grows only when a batch needs more at once."""
+        handed, out = {}, []
+        for name in names:
+            pool, index = self.pools[name], handed.get(name, 0)
+            if index == len(pool):
+                pool.append(self.factories[name]())
+            handed[name] = index + 1
+            out.append(pool[index])
+        return out
+
+    def toolset(self, env, name=None) -> Toolset:
+        functions = self.tools + _methods(env)
+        return Toolset({f.__name__: f for f in functions}, self.schemas[name])
 
     def reset(self, envs: list, rows: list[dict]) -> list:
         """Reset each environment with its dataset row; the prompts, each extended by what its reset returned."""
@@ -67,19 +94,33 @@ class Environments:
             prompt = row["prompt"]
             if observation is not None:
                 if not isinstance(observation, str):
-                    raise ConfigError(f"{self.kind.__name__}.reset() returned {type(observation).__name__} for row "
+                    raise ConfigError(f"{type(env).__name__}.reset() returned {type(observation).__name__} for row "
                                       f"{index}: return None or a string to append to the prompt")
                 prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
             prompts.append(prompt)
         return prompts
 
-    def reward_function(self):
-        """The environments' own reward as a reward function (TRL's: named after the class, weight 1)."""
-        def reward(environments=None, **_):
-            return [float(env.get_reward()) for env in environments]
+    def reward_functions(self) -> list:
+        """Each environment class that owns its reward, as a reward function (TRL's: named after the class, weight
+        1); a row whose environment is another class gets None from it."""
+        return [_owned_reward(kind) for kind in self.owners]
 
-        reward.__name__ = self.kind.__name__
-        return reward
+
+def _methods(env) -> list:
+    # Listed on the class: getmembers on the instance would evaluate properties
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if name not in RESERVED and not name.startswith("_")]
+
+
+def _owned_reward(kind):
+    if inspect.iscoroutinefunction(kind.get_reward):
+        async def reward(environments=None, **_):
+            return [float(await env.get_reward()) if type(env) is kind else None for env in environments]
+    else:
+        def reward(environments=None, **_):
+            return [float(env.get_reward()) if type(env) is kind else None for env in environments]
+    reward.__name__ = kind.__name__
+    return reward
 
 
 def function_rollout(func, prompts: list, trainer, num_generations: int, eos_ids: list[int],

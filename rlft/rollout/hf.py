@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from rlft.data.prompts import left_pad
+from rlft.errors import ConfigError
 
 
 @dataclass
@@ -72,6 +73,31 @@ def shared_prompt_cache(model, prompt_ids: list[list[int]], copies: int, pad_tok
     return cache
 
 
+GENERATE_ARGUMENTS = ("synced_gpus", "streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                      "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
+                      "use_model_defaults", "tokenizer")
+# GenerationConfig fields that change what generate returns or how many rows: rlft asks for its own.
+RESHAPING = {"num_return_sequences": "num_generations sets the completions per prompt",
+             "return_dict_in_generate": "rlft reads the generated token ids", "output_scores": "log-probs are "
+             "recomputed by the trainer", "output_logits": "log-probs are recomputed by the trainer"}
+
+
+def check_generation_kwargs(kwargs: dict | None) -> dict:
+    """generation_kwargs for transformers' generate: every key a GenerationConfig field or a generate() argument,
+    none that reshapes generate's output; an unknown one is an error naming it (generate would fail later)."""
+    from transformers import GenerationConfig
+
+    kwargs = dict(kwargs or {})
+    unknown = sorted(set(kwargs) - set(GenerationConfig().to_dict()) - set(GENERATE_ARGUMENTS))
+    if unknown:
+        raise ConfigError(f"generation_kwargs {unknown} are neither GenerationConfig fields nor generate() arguments; "
+                          "remove them (with use_vllm they would be vLLM SamplingParams fields)")
+    for key, why in RESHAPING.items():
+        if kwargs.get(key) not in (None, False, 1):
+            raise ConfigError(f"generation_kwargs {key}={kwargs[key]!r} is not supported: {why}")
+    return kwargs
+
+
 class HFGenerator:
     """Sampling with `model.generate`; one call per rollout for all prompts x num_generations.
 
@@ -92,9 +118,11 @@ class HFGenerator:
             self.sampling["cache_implementation"] = cache_implementation
         if synced:  # sharded weights: a process that finished keeps running forward passes until all have
             self.sampling["synced_gpus"] = True
-        self.sampling.update(generation_kwargs or {})  # TRL's generation_kwargs: passed to generate, win over the rest
-        # Not with sharded weights: whether a process prefills is decided per process, and all must take part
-        self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and not synced
+        self.sampling.update(check_generation_kwargs(generation_kwargs))  # TRL's: passed to generate, win over the rest
+        # Not with sharded weights (whether a process prefills is decided per process, and all must take part), nor
+        # with beam search (generate expands each row into beams itself)
+        self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and \
+            not synced and self.sampling.get("num_beams", 1) == 1
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,

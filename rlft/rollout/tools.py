@@ -11,6 +11,7 @@ bad arguments, an exception or a timeout becomes a tool message saying what went
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import inspect
 import json
@@ -20,7 +21,7 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from rlft.config import ConfigError
+from rlft.errors import ConfigError
 
 # Hermes / Qwen2.5 / Qwen3 tool-call format, used when the tokenizer has no `response_template`.
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -32,8 +33,8 @@ def tool_schemas(tools: list) -> list[dict]:
     schemas, names = [], set()
     for tool in tools:
         name = getattr(tool, "__name__", repr(tool))
-        if not callable(tool) or inspect.iscoroutinefunction(tool):
-            raise ConfigError(f"tool {name!r} must be a plain (not async) Python function")
+        if not callable(tool):
+            raise ConfigError(f"tool {name!r} must be a Python function (plain or async)")
         try:
             schema = get_json_schema(tool)
         except Exception as err:  # transformers' DocstringParsingException / TypeHintParsingException
@@ -103,7 +104,7 @@ class ToolRunner:
     def run(self, calls: list[tuple[ToolCall, dict]]) -> list[tuple[str, str, bool]]:
         """[(call, {name: function})] -> [(tool name, result text, failed)], in order; every call runs at once."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(len(calls), 1), thread_name_prefix="rlft-tool")
-        futures = [None if call.error or call.name not in tools else pool.submit(tools[call.name], **call.arguments)
+        futures = [None if call.error or call.name not in tools else pool.submit(_call, tools[call.name], call.arguments)
                    for call, tools in calls]
         out = [self._result(call, tools, future) for (call, tools), future in zip(calls, futures)]
         pool.shutdown(wait=False, cancel_futures=True)
@@ -121,6 +122,12 @@ class ToolRunner:
         except Exception as err:  # the tool's own failure, or arguments that do not fit its signature
             return call.name, _error(f"{call.name} raised {type(err).__name__}: {err}"), True
         return call.name, result if isinstance(result, str) else json.dumps(result, default=str), False
+
+
+def _call(function, arguments: dict):
+    """One tool call in its worker thread; an async tool runs to completion on that thread's own event loop."""
+    result = function(**arguments)
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
 def _error(message: str) -> str:

@@ -37,7 +37,7 @@ INSTALL = ("vLLM is not installed: `pip install 'rlft[vllm]'` on a GPU machine, 
 
 
 def import_vllm():
-    from rlft.config import ConfigError
+    from rlft.errors import ConfigError
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
     try:
@@ -184,7 +184,7 @@ class VLLMColocate(StaleAfterStep):
     """The rollout protocol on a vLLM engine in this process."""
 
     def __init__(self, args, tokenizer, model, source=None, full_weights=None):
-        from rlft.config import ConfigError
+        from rlft.errors import ConfigError
 
         if args.vllm_tensor_parallel_size != 1:
             raise ConfigError("vllm_tensor_parallel_size > 1 in colocate mode is not supported yet; use 1, or "

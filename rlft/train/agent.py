@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-from rlft.config import ConfigError
-from rlft.data.prompts import DatasetError, render_prompt
+from rlft.data.prompts import DatasetError, load_dataset_any, render_prompt
+from rlft.errors import ConfigError
 from rlft.rollout import make_generator
 from rlft.rollout.environments import Environments, function_rollout
 from rlft.rollout.hf import Rollout, eos_token_ids
@@ -47,10 +47,34 @@ class RolloutSource:
         if not (tools or self.environments):
             return []
         check_template(self.tokenizer, args.chat_template_kwargs)
-        schemas = self.environments.schemas if self.environments else tool_schemas(tools)
+        schemas = self.environments.all_schemas if self.environments else tool_schemas(tools)
         self._template_kwargs["tools"] = schemas or None  # rendered into every prompt, as TRL does
         self._toolset = Toolset({t.__name__: t for t in tools}, schemas)
-        return [self.environments.reward_function()] if self.environments and self.environments.owns_reward else []
+        return self.environments.reward_functions() if self.environments else []
+
+    def _environment_data(self, train_dataset):
+        """TRL's: with environments the data may be the environments' own. No train_dataset (one environment,
+        max_steps set): one generation round of empty prompts, cycled; a row without `prompt` gets an empty user
+        message that the environment's reset() fills."""
+        import datasets
+
+        args, empty = self.args, [{"role": "user", "content": ""}]
+        if train_dataset is None and self.environments is not None:
+            if self.environments.multi:
+                raise ConfigError("a dict environment_factory (several environments) requires a `train_dataset` with an "
+                                  "`environment` column routing each row; give one, or pass a single factory")
+            if args.max_steps <= 0:
+                raise ConfigError("without a train_dataset (the environment returns the prompt from reset()), set "
+                                  "max_steps > 0: it sets the length of the run")
+            spg = args.steps_per_generation or args.gradient_accumulation_steps
+            rows = args.generation_batch_size or args.per_device_train_batch_size * spg * self.accelerator.num_processes
+            return load_dataset_any([{"prompt": empty} for _ in range(max(rows // args.num_generations, 1))])
+        dataset = load_dataset_any(train_dataset)
+        if self.environments is not None and "prompt" not in dataset.column_names:
+            if isinstance(dataset, datasets.IterableDataset):
+                return dataset.map(lambda row: {**row, "prompt": empty})
+            return dataset.add_column("prompt", [empty] * len(dataset))
+        return dataset
 
     def _check_chat_prompts(self, prompts) -> None:
         if (self.tools or self.environments) and isinstance(prompts.rows[0]["prompt"], str):
@@ -87,10 +111,13 @@ class RolloutSource:
             columns = [k for k in prompts if k not in ("prompts", "prompt_ids")]
             rows = [{"prompt": p, **{c: prompts[c][i] for c in columns}}
                     for i, p in enumerate(prompts["prompts"]) for _ in range(count)]
-            envs = self.environments.take(len(rows))
-            texts = [render_prompt(p, self.tokenizer, i, self._template_kwargs)
-                     for i, p in enumerate(self.environments.reset(envs, rows))]
+            names = self.environments.names(rows)
+            envs = self.environments.take(names)
+            texts = [render_prompt(p, self.tokenizer, i, {**self._template_kwargs,
+                                                          "tools": self.environments.schemas[name] or None})
+                     for i, (p, name) in enumerate(zip(self.environments.reset(envs, rows), names))]
             ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            rollout = self.generator(unwrapped, ids, 1, greedy, toolsets=[self.environments.toolset(e) for e in envs])
+            rollout = self.generator(unwrapped, ids, 1, greedy,
+                                     toolsets=[self.environments.toolset(e, n) for e, n in zip(envs, names)])
         rollout.extra["environments"] = envs
         return rollout

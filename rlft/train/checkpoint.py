@@ -1,7 +1,7 @@
 """Checkpoints that hold no pickle, verified by checksums, written atomically.
 
-`output_dir/checkpoint-<step>/` holds:
-  model/                 a normal transformers or peft folder (safetensors) + tokenizer
+`output_dir/checkpoint-<step>/` holds, like transformers' checkpoints, the model at its top level (a normal
+transformers or peft folder: `from_pretrained("checkpoint-<step>")` loads it), and beside it:
   optimizer.pt           the optimizer's state dict: tensors and plain containers, loaded with weights_only=True
   scheduler.json         the LR scheduler's state dict
   rng_state_<rank>.json  every process's python / numpy / torch RNG states
@@ -171,12 +171,12 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
     accelerator.wait_for_everyone()
     (tmp / f"rng_state_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
     if gathered:
-        state_dict = engine_io.save_pretrained(accelerator, engine, model, tmp / "model", tokenizer)
+        state_dict = engine_io.save_pretrained(accelerator, engine, model, tmp, tokenizer)
         engine_io.save_engine_state(accelerator, engine, model, optimizer, tmp / "engine", state_dict)
     if accelerator.is_main_process:
         if not gathered:
-            unwrapped.save_pretrained(tmp / "model")
-            tokenizer.save_pretrained(tmp / "model")
+            unwrapped.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
         if extra_tensors:
@@ -205,6 +205,11 @@ def _rotate(output_dir: Path, limit: int | None) -> None:
 
 
 # ---- reading --------------------------------------------------------------------------------------
+def model_folder(path: Path) -> Path:
+    """Where a checkpoint's model files are: its top level (older rlft checkpoints: its model/ folder)."""
+    return path / "model" if (path / "model" / "config.json").is_file() else path
+
+
 def load_model_weights(model, folder: Path) -> None:
     """Load trainable weights saved by `save_pretrained` (peft adapter or full model) in place."""
     from peft import PeftModel, set_peft_model_state_dict
@@ -213,7 +218,7 @@ def load_model_weights(model, folder: Path) -> None:
         set_peft_model_state_dict(model, _load_safetensors(folder / "adapter_model.safetensors"))
         return
     state = {}
-    for shard in sorted(folder.glob("*.safetensors")):
+    for shard in sorted(folder.glob("model*.safetensors")):  # model.safetensors or model-0000k-of-0000n shards
         state.update(_load_safetensors(shard))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name in missing if "lm_head" in name}  # tied to the embeddings, not saved twice
@@ -243,7 +248,7 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path, engine
     Returns (rlft state, extra tensors, extra json)."""
     state = verify(path)
     if state.get("num_processes", 1) != accelerator.num_processes:
-        from rlft.config import ConfigError
+        from rlft.errors import ConfigError
 
         raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same number "
                           f"(now {accelerator.num_processes}): the RNG states and data order are per process")
@@ -263,11 +268,11 @@ def _load_weights_and_optimizer(accelerator, model, optimizer, path: Path, engin
     if gathered != (path / "engine").is_dir():
         written = "FSDP2 or DeepSpeed" if (path / "engine").is_dir() else "DDP or one process"
         raise CheckpointError(f"{path} was written by {written}; this run is {engine.name if engine else 'ddp'}: "
-                              "resume with the engine that wrote it (or start from its model/ folder)")
+                              "resume with the engine that wrote it (or start a new run from its model files)")
     if gathered:
         engine_io.load_engine_state(accelerator, engine, model, optimizer, path / "engine")
         return
-    load_model_weights(accelerator.unwrap_model(model), path / "model")
+    load_model_weights(accelerator.unwrap_model(model), model_folder(path))
     try:
         optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     except Exception as err:  # weights_only refuses anything but tensors and plain containers

@@ -173,5 +173,18 @@ def _create_optimizer_state(model) -> None:
     ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     model.backward(model(input_ids=ids).logits.float().sum() * 0.0, scale_wrt_gas=False)
     model.step()
+    relink_optimizer_state(model.optimizer)
     for group, lr in zip(base.param_groups, rates, strict=True):
         group["lr"] = lr
+
+
+def relink_optimizer_state(zero) -> None:
+    """ZeRO-1/2 link each parameter to its optimizer state after the first step, but already after the first
+    param group's step, before the later groups have any state (transformers' decay / no-decay groups): link
+    again once every group has stepped, so each parameter's full optimizer state can be read and written."""
+    if getattr(zero, "_rlft_states_relinked", False) or not hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        return
+    if all(zero.optimizer.state.get(p) for group in zero.optimizer.param_groups for p in group["params"]):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+        zero._rlft_states_relinked = True

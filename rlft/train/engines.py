@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from rlft.config import ConfigError
+from rlft.errors import ConfigError
 
 ASKED = {"ACCELERATE_USE_FSDP": "fsdp", "ACCELERATE_USE_DEEPSPEED": "deepspeed"}
 NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "deepspeed": "DeepSpeed"}
@@ -275,6 +275,9 @@ class Engine:
             optimizer.step()
             return True, None
         model.step()
+        from rlft.train.engine_io import relink_optimizer_state
+
+        relink_optimizer_state(model.optimizer)
         norm = model.get_global_grad_norm()
         return bool(model.was_step_applied()), None if norm is None else float(norm)
 

@@ -82,22 +82,3 @@ class Flow:
             setattr(self.state, name, getattr(loaded, name))
         self.loss_sum = loss_sum
         self.start_step = loaded.global_step
-
-
-class TrainerSurface:
-    """What both trainers share on top of their `flow` (and `log` once training runs): transformers.Trainer's
-    callback-list methods, and one row logged to log_history, callbacks and metrics.jsonl."""
-
-    def _log_row(self, row: dict) -> None:
-        logs = self.flow.record(row)
-        if getattr(self, "log", None) is not None:  # evaluate() may run before train()
-            self.log.log(logs, self.flow.state.global_step)
-
-    def add_callback(self, callback) -> None:
-        self.flow.handler.add_callback(callback)
-
-    def pop_callback(self, callback):
-        return self.flow.handler.pop_callback(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.flow.handler.remove_callback(callback)

@@ -10,6 +10,7 @@ The loop keeps a transformers TrainerState and fires TrainerCallback events (rlf
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 from pathlib import Path
@@ -17,17 +18,13 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 from transformers import TrainerCallback
+from transformers.trainer_utils import TrainOutput
 
-from rlft.config import ConfigError, GRPOConfig, to_dict, validate
+from rlft.compat import no_effect_notes
+from rlft.config import GRPOConfig, to_dict, validate
 from rlft.core.advantages import multi_reward_advantages
-from rlft.data.prompts import (
-    PromptSet,
-    datasets_from_args,
-    epoch_order,
-    load_dataset_any,
-    load_eval_datasets,
-    materialize,
-)
+from rlft.data.prompts import PromptSet, epoch_order, load_eval_datasets, materialize
+from rlft.errors import ConfigError
 from rlft.models import (
     GradientFlowError,
     apply_lora,
@@ -36,10 +33,10 @@ from rlft.models import (
     disable_dropout,
     enable_checkpointing,
     load_causal_lm,
-    lora_config_from,
     parameter_summary,
     prepare_tokenizer,
-    resolve_dtype,
+    router_loss_coef,
+    training_dtype,
 )
 from rlft.rewards.calling import RewardLog, check_keywords, compute_rewards, resolve_rewards
 from rlft.tracking import RunLog
@@ -48,9 +45,11 @@ from rlft.train import engine_io, runs
 from rlft.train import state as run_state
 from rlft.train.agent import RolloutSource
 from rlft.train.engines import Engine
-from rlft.train.flow import Flow, TrainerSurface
+from rlft.train.flow import Flow
+from rlft.train.grpo_helpers import GRPOHelpers
 from rlft.train.grpo_update import PolicyUpdate, RolloutBatch, option_notes
 from rlft.train.metrics import MetricWindow, rollout_metrics, tool_metrics
+from rlft.train.surface import TrainerSurface
 
 ZERO_LOSS_NOTE = (
     "loss is ~0 while grad_norm > 0: expected. With one update per rollout the ratio is exactly 1, so the "
@@ -63,15 +62,24 @@ def _repeat(values: list, times: int) -> list:
     return [v for v in values for _ in range(times)]
 
 
-class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
+def default_output_dir(model, suffix: str) -> str:
+    """TRL's output_dir when no args are given: '<model name>-GRPO' / '<model name>-Reward'."""
+    name = model if isinstance(model, str | Path) else getattr(getattr(model, "config", None), "_name_or_path", "")
+    return f"{Path(str(name or 'model')).name}-{suffix}"
+
+
+class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
     """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`; `tools`,
     `environment_factory` and `rollout_func` as in TRL (rlft/train/agent.py)."""
 
+    _tag_names = ["trl", "grpo", "rlft"]
+    _name = "GRPO"
+
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, tools=None, rollout_func=None, environment_factory=None):
-        self.args = args = validate(args or GRPOConfig())
-        train_dataset, eval_dataset = datasets_from_args(args, train_dataset, eval_dataset)
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None):
+        self.args = args = validate(args or GRPOConfig(output_dir=default_output_dir(model, "GRPO")))
         run_state.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
         self.accelerator = run_state.make_accelerator(args)
         self.engine = Engine(self.accelerator)
@@ -84,18 +92,21 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
         weights = None if args.reward_weights is None else [*args.reward_weights, *[1.0] * len(own_reward)]
         self.reward_funcs, self.reward_names, self.reward_weights = resolve_rewards(
             reward_funcs, weights, reward_processing_classes, args.max_completion_length)
+        self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]  # TRL's list
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self._setup_batches(load_dataset_any(train_dataset), model)
+        self._setup_batches(self._environment_data(train_dataset), model)
         self._check_chat_prompts(self.train_prompts)
         self._setup_notes = [] if rollout_func is not None else \
             check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
-        self._setup_model(model, source, peft_config, optimizers)
+        self._setup_model(model, source, peft_config, optimizers, quantization_config)
         self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
         self.steps_skipped, self._nonfinite_in_a_row = 0, 0
         self.entropy_coef, self.last_entropy, self.ref_syncs = args.entropy_coef, math.inf, 0  # in checkpoints
-        self._setup_notes += option_notes(args)
+        for note in option_notes(args):  # at construction, as TRL warns
+            logging.getLogger("rlft").warning(note)
+        self._setup_notes += no_effect_notes(args)
         self.generator = self._wrap_generator(source)
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
                          self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
@@ -105,13 +116,6 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
         if isinstance(engine, TrainerCallback):  # an engine that must hear of optimiser steps (vLLM)
             self.add_callback(engine)
         self.flow.fire("on_init_end")
-
-    @classmethod
-    def from_config(cls, cfg: GRPOConfig) -> GRPOTrainer:
-        """Everything from one config (what `rlft grpo --config` runs)."""
-        if not cfg.model_name_or_path:
-            raise ConfigError("model_name_or_path is not set: give a hub id or a local model folder")
-        return cls(cfg.model_name_or_path, cfg.reward_funcs, cfg, cfg.train_dataset, cfg.eval_dataset)
 
     # ---- set-up, all checks before the model is loaded -------------------------------------------
     def _setup_batches(self, dataset, model) -> None:
@@ -148,16 +152,18 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
             int(args.num_train_epochs * self.rollouts_per_epoch) * self.steps_per_rollout
         self.context = context
 
-    def _setup_model(self, model, source, peft_config, optimizers) -> None:
+    def _setup_model(self, model, source, peft_config, optimizers, quantization_config=None) -> None:
         args = self.args
-        dtype = resolve_dtype(args.dtype, args.bf16, args.fp16, self.accelerator.device)
+        dtype = training_dtype(args, self.accelerator.device)
         self.engine.before_loading(dtype)
-        model = load_causal_lm(model, dtype, args.model_init_kwargs, args.trust_remote_code)
+        init_kwargs = {**(args.model_init_kwargs or {}),
+                       **({"quantization_config": quantization_config} if quantization_config is not None else {})}
+        model = load_causal_lm(model, dtype, init_kwargs, args.trust_remote_code)
         if args.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(model)
-        if peft_config is None and args.use_peft:
-            peft_config = lora_config_from(args, "CAUSAL_LM")
         model = apply_lora(model, peft_config, "CAUSAL_LM")
+        self._add_model_tags(model)
+        self.router_aux_loss_coef = router_loss_coef(model, args.router_aux_loss_coef)
         if args.disable_dropout:  # after LoRA: its adapters' dropout too
             disable_dropout(model)
         elif args.use_vllm and args.vllm_importance_sampling_correction and any(
@@ -222,11 +228,11 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
                     batch = self._train_step(step, batch, window)
                     if flow.control.should_training_stop:
                         break
-                flow.record(flow.summary(self.rows_per_step * self.accelerator.num_processes))
+                summary = self._final_row(window, batch)
                 flow.fire("on_train_end")
         finally:
             self.log.close()
-        return flow.state.log_history
+        return TrainOutput(flow.state.global_step, summary["train_loss"], summary)
 
     def _train_step(self, step: int, batch: RolloutBatch | None, window: MetricWindow) -> RolloutBatch:
         flow, per_epoch = self.flow, self.rollouts_per_epoch * self.steps_per_rollout
@@ -253,12 +259,8 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
 
     def _log_save_evaluate(self, step: int, window: MetricWindow, batch: RolloutBatch) -> None:
         control = self.flow.control
-        if (control.should_log or step == self.total_steps) and window.rows:  # rlft also logs the final step
-            logged = window.flush()
-            self._explain(logged)
-            if self.args.log_completions:
-                self.log.samples(batch.samples[: self.args.num_completions_to_log], step)
-            self._log_row(logged)
+        if control.should_log and window.rows:
+            self._log_row(self._flush(window, batch, step))
         if control.should_evaluate and self.eval_datasets:
             self.evaluate()
         self.log.advance(step, f"reward {window.last.get('reward', float('nan')):.3f}")
@@ -271,6 +273,21 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
                 {"metrics": batch.metrics, "samples": batch.samples} if mid_rollout else None, self.flow,
                 self.args.save_total_limit, self.engine)
             self.flow.fire("on_save")
+
+    def _flush(self, window: MetricWindow, batch: RolloutBatch | None, step: int) -> dict:
+        logged = window.flush()
+        self._explain(logged)
+        if self.args.log_completions and batch is not None:
+            self.log.samples(batch.samples[: self.args.num_completions_to_log], step)
+        return logged
+
+    def _final_row(self, window: MetricWindow, batch: RolloutBatch | None) -> dict:
+        """The summary row transformers logs at the end (train_runtime, train_loss, ...), holding the metrics of the
+        steps since the last log, as TRL's does: no step's metrics are lost and log_history[-1] has them."""
+        summary = self.flow.summary(self.rows_per_step * self.accelerator.num_processes)
+        if not window.rows:
+            return self.flow.record(summary)
+        return self._log_row({**self._flush(window, batch, self.flow.state.global_step), **summary})
 
     def _rlft_state(self, window: MetricWindow) -> dict:
         return {"num_processes": self.accelerator.num_processes, "config": self._record,
@@ -387,7 +404,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, TrainerSurface):
         if cached and name in self._eval_prompts:
             return self._eval_prompts[name]
         args = self.args
-        prompts = PromptSet(materialize(dataset, None)[0], self.tokenizer, args.max_prompt_length,
+        prompts = PromptSet(materialize(dataset, None, whole=True)[0], self.tokenizer, args.max_prompt_length,
                             args.max_completion_length, self.context, self._template_kwargs)
         if cached:
             self._eval_prompts[name] = prompts

@@ -87,6 +87,10 @@ def option_notes(args) -> list[str]:
     if args.loss_type == "vespo" and args.importance_sampling_level != "token":
         notes.append("loss_type vespo computes its own sequence weight from token ratios; importance_sampling_level "
                      "only changes the clip metrics: leave it at token")
+    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        notes.append(f"importance_sampling_level: sequence with loss_type {args.loss_type!r}: the loss sums per-token "
+                     "contributions, which effectively weights each sequence by its completion length instead of the "
+                     "per-sequence objective; GSPO's setup is loss_type: grpo")
     if args.delta is not None and args.delta <= 1 + (args.epsilon_high or args.epsilon):
         notes.append(f"delta={args.delta} is not above 1 + epsilon_high: it also caps ratios the clip range allows")
     return notes
@@ -95,10 +99,12 @@ def option_notes(args) -> list[str]:
 class PolicyUpdate:
     """Mixed into GRPOTrainer; uses its args, accelerator, model, optimizer, scheduler, log."""
 
-    def _forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False):
-        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]) for `rows` (a slice
-        or an index tensor). The batch is cut to its own longest completion (c <= C) and its longest prompt:
-        columns that are padding in every row cost a forward pass and change nothing."""
+    def _forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
+                 router_loss: bool = False):
+        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; and a MoE policy's router
+        load-balancing loss, the model's own `aux_loss`) for `rows` (a slice or an index tensor). The batch is cut
+        to its own longest completion (c <= C) and its longest prompt: columns that are padding in every row cost
+        a forward pass and change nothing."""
         completion_mask = rollout.completion_mask[rows]
         width = max(int(completion_mask.sum(dim=1).max()), 1)
         multiple = self.args.pad_to_multiple_of
@@ -110,13 +116,14 @@ class PolicyUpdate:
         ids = torch.cat([rollout.prompt_ids[rows, first:], completion_ids], dim=1)
         mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                       logits_to_keep=width + 1).logits[:, :-1]  # [b, c, V]: position t predicts token t
+        outputs = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                        logits_to_keep=width + 1, **({"output_router_logits": True} if router_loss else {}))
+        logits = outputs.logits[:, :-1]  # [b, c, V]: position t predicts token t
         chunk = self.args.logprob_chunk_size or default_chunk_size(logits)
         logps = selective_log_softmax(logits, completion_ids, self.args.temperature, chunk)
         ent = entropy_from_logits(logits if entropy_grad else logits.detach(), self.args.temperature, chunk) \
             if entropy else None
-        return logps, ent
+        return logps, ent, outputs.aux_loss if router_loss else None
 
     def _sync_reference(self, step: int) -> dict[str, float]:
         """TR-DPO: every ref_model_sync_steps optimiser steps the reference moves toward the policy
@@ -241,7 +248,8 @@ class PolicyUpdate:
         weighted by pi_old / pi_sampler (`vllm_importance_sampling_*`, rlft/core/importance.py)."""
         args, rollout = self.args, batch.rollout
         bonus = self._entropy_bonus_on()
-        logps, entropy = self._forward(self.model, rollout, rows, entropy=True, entropy_grad=bonus)
+        logps, entropy, router = self._forward(self.model, rollout, rows, entropy=True, entropy_grad=bonus,
+                                               router_loss=self.router_aux_loss_coef != 0.0)
         width = logps.shape[1]
         mask = (rollout.loss_mask if keep is None else keep)[rows, :width]
         old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
@@ -276,6 +284,11 @@ class PolicyUpdate:
             share = entropy_bonus(entropy, mask, applied, num_items)
             loss = loss + share
             metrics["entropy_loss"] = share.detach()
+        if router is not None:  # TRL's: coef * aux_loss per micro-batch, averaged over micro-batches and processes
+            share = self.router_aux_loss_coef * router / (self.args.gradient_accumulation_steps
+                                                         * self.accelerator.num_processes)
+            loss = loss + share
+            metrics["aux_loss"], metrics["router_loss"] = router.detach(), share.detach()
         return loss, metrics, None if entropy is None else entropy.detach(), mask
 
     def _finish_step(self, sums: StepSums, started: float, check_flow: bool) -> dict[str, float]:

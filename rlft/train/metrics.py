@@ -7,11 +7,11 @@ import math
 
 import torch
 
-LAST_KEYS = ("num_tokens", "steps_skipped", "learning_rate", "ref_model/syncs")  # a window shows the latest value, not a mean
+LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate", "ref_model/syncs")  # a window shows the latest value, not a mean
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/delta_mean",
                    "ratio_mean", "kl")
-SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean")
-SHARE_KEYS = ("kl_loss", "entropy_loss")  # parts of the loss, summed over micro-batches like the loss
+SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean", "aux_loss")
+SHARE_KEYS = ("kl_loss", "entropy_loss", "router_loss")  # parts of the loss, summed over micro-batches like it
 
 
 def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
@@ -92,7 +92,8 @@ class StepSums:
         summed = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
         loss, tokens, sequences, *rest = summed.tolist()
         shares, weighted = dict(zip(SHARE_KEYS, rest[:len(SHARE_KEYS)])), rest[len(SHARE_KEYS):]
-        out = {"loss": loss, "policy_loss": loss - sum(shares.values())}
+        # TRL's policy_loss: the loss before the entropy bonus and the MoE router term (the KL term included)
+        out = {"loss": loss, "policy_loss": loss - shares["entropy_loss"] - shares["router_loss"]}
         if shares["entropy_loss"]:
             out["entropy_loss"] = shares["entropy_loss"]
         for key, value in zip(keys, weighted):

@@ -13,33 +13,31 @@ import math
 from pathlib import Path
 
 import torch
+from transformers.trainer_utils import TrainOutput
 
-from rlft.config import ConfigError, RewardConfig, to_dict, validate
+from rlft.compat import no_effect_notes
+from rlft.config import RewardConfig, to_dict, validate
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
-from rlft.data.prompts import (
-    datasets_from_args,
-    epoch_order,
-    load_dataset_any,
-    load_eval_datasets,
-    materialize,
-)
+from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
+from rlft.errors import ConfigError
 from rlft.models import (
     apply_lora,
     disable_dropout,
     enable_checkpointing,
     load_sequence_classifier,
-    lora_config_from,
     parameter_summary,
     prepare_tokenizer,
-    resolve_dtype,
+    training_dtype,
 )
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state
 from rlft.train.engines import Engine
-from rlft.train.flow import Flow, TrainerSurface
+from rlft.train.flow import Flow
+from rlft.train.metrics import MetricWindow
+from rlft.train.surface import TrainerSurface
 
 HEAD_NAMES = ("score", "classifier")
 
@@ -67,64 +65,61 @@ def check_head_trainable(model) -> list[str]:
 class RewardTrainer(TrainerSurface):
     """`RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config).train()`."""
 
+    _tag_names = ["trl", "reward-trainer", "rlft"]
+    _name = "Reward"
+
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None):
-        self.args = args = validate(args or RewardConfig())
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None):
+        from rlft.train.grpo import default_output_dir
+
+        self.args = args = validate(args or RewardConfig(output_dir=default_output_dir(model, "Reward")))
         if isinstance(data_collator, list) or hasattr(data_collator, "column_names"):
             raise ConfigError("the third positional argument of RewardTrainer is data_collator (TRL's order); pass "
                               "the dataset as train_dataset=")
-        if data_collator is not None or compute_metrics is not None:
-            raise ConfigError("data_collator= and compute_metrics= are not supported: rlft pads pairs itself and "
-                              "reports loss, accuracy and margins")
-        train_dataset, eval_dataset = datasets_from_args(args, train_dataset, eval_dataset)
+        if data_collator is not None and not callable(data_collator):
+            raise ConfigError(f"data_collator must be callable (like DataCollatorForPreference), got {data_collator!r}")
+        self.data_collator, self.compute_metrics = data_collator, compute_metrics
         run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
         self.engine = Engine(self.accelerator)
         run_state.check_writable(args.output_dir)
         source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", None)
         self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "right")
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pairs_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps \
             * self.accelerator.num_processes
         dataset, _ = materialize(load_dataset_any(train_dataset), args.max_steps * pairs_per_step
                                  if args.max_steps > 0 else None)
         self.train_pairs = PreferencePairs(dataset, self.tokenizer, args.max_length, args.truncation)
         self.eval_sets = self._eval_pairs(eval_dataset)
-        self.steps_per_epoch = len(self.train_pairs) // pairs_per_step
-        if self.steps_per_epoch == 0:
-            report = self.train_pairs.report
-            left_out = "; ".join(report.lines(args.max_length, args.truncation)) or "none left out"
-            raise ConfigError(
-                f"{len(self.train_pairs)} usable pairs (of {report.total} rows: {left_out}) are fewer than one step "
-                f"needs: per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
-                f"{args.gradient_accumulation_steps} x {self.accelerator.num_processes} process(es) = {pairs_per_step}")
+        # TRL's attributes after tokenization: the processed rows (chosen_ids, rejected_ids[, margin])
+        self.train_dataset = self.train_pairs.as_dataset()
+        named = {name: pairs.as_dataset() for name, pairs in self.eval_sets.items()}
+        self.eval_dataset = None if not named else named.get(None, named) if None in named else named
+        # Every pair once per epoch, as TRL's data loader: the last step's batch is filled with the epoch's first pairs
+        # (accelerate's even_batches), so every step and process has the same shape
+        self.steps_per_epoch = -(-len(self.train_pairs) // pairs_per_step)
         self.total_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * self.steps_per_epoch)
-        self._setup_model(model, peft_config, optimizers)
+        self._setup_model(model, peft_config, optimizers, quantization_config)
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
                          self.total_steps, self.steps_per_epoch, self.accelerator, args.per_device_train_batch_size)
         self.state = self.flow.state
         self.flow.fire("on_init_end")
 
-    @classmethod
-    def from_config(cls, cfg: RewardConfig) -> RewardTrainer:
-        """Everything from one config (what `rlft reward --config` runs)."""
-        if not cfg.model_name_or_path:
-            raise ConfigError("model_name_or_path is not set: give a hub id or a local model folder")
-        return cls(cfg.model_name_or_path, cfg, train_dataset=cfg.train_dataset, eval_dataset=cfg.eval_dataset)
-
-    def _setup_model(self, model, peft_config, optimizers) -> None:
+    def _setup_model(self, model, peft_config, optimizers, quantization_config=None) -> None:
         args = self.args
-        dtype = resolve_dtype(args.dtype, args.bf16, args.fp16, self.accelerator.device)
+        dtype = training_dtype(args, self.accelerator.device)
         self.engine.before_loading(dtype)
+        init_kwargs = {**(args.model_init_kwargs or {}),
+                       **({"quantization_config": quantization_config} if quantization_config is not None else {})}
         try:
-            model = load_sequence_classifier(model, dtype, self.tokenizer.pad_token_id, args.model_init_kwargs,
+            model = load_sequence_classifier(model, dtype, self.tokenizer.pad_token_id, init_kwargs,
                                              args.trust_remote_code)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        if peft_config is None and args.use_peft:
-            peft_config = lora_config_from(args, "SEQ_CLS")
         model = apply_lora(model, peft_config, "SEQ_CLS")
+        self._add_model_tags(model)
         if args.disable_dropout:  # after LoRA: its adapters' dropout too
             disable_dropout(model)
         self.head_parameters = check_head_trainable(model)
@@ -148,7 +143,8 @@ class RewardTrainer(TrainerSurface):
         start_step = self._resume(resume_from_checkpoint)
         self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
                           start_step, show_progress=not args.disable_tqdm, project="rlft-reward")
-        for line in [*self.train_pairs.report.lines(args.max_length, args.truncation), *filter(None, self._notes)]:
+        for line in [*self.train_pairs.report.lines(args.max_length, args.truncation), *filter(None, self._notes),
+                     *no_effect_notes(args)]:
             self.log.warn(line)
         self.log.info(f"reward model: {len(self.train_pairs)} pairs, {self.total_steps} steps, "
                       f"{self.param_summary['trainable']:,} trainable parameters, head: {self.head_parameters[:2]}, "
@@ -175,12 +171,15 @@ class RewardTrainer(TrainerSurface):
                     self._after_step(step + 1, metrics)  # log -> checkpoint
                     if flow.control.should_training_stop:
                         break
-                flow.record(flow.summary(args.per_device_train_batch_size * args.gradient_accumulation_steps
-                                           * self.accelerator.num_processes))
+                summary = flow.summary(args.per_device_train_batch_size * args.gradient_accumulation_steps
+                                       * self.accelerator.num_processes)
+                # the steps since the last log go into transformers' final summary row (as in TRL): none is lost
+                summary = self._log_row({**self.window.flush(), **summary}) if self.window.rows \
+                    else flow.record(summary)
                 flow.fire("on_train_end")
         finally:
             self.log.close()
-        return flow.state.log_history
+        return TrainOutput(flow.state.global_step, summary["train_loss"], summary)
 
     def _skip(self, step: int, consecutive: int) -> None:
         self.nonfinite_skipped += 1
@@ -202,7 +201,7 @@ class RewardTrainer(TrainerSurface):
         size = self.args.per_device_train_batch_size
         block = ((offset * self.args.gradient_accumulation_steps + micro) * self.accelerator.num_processes
                  + self.accelerator.process_index) * size
-        return order[block:block + size]
+        return [order[(block + k) % len(order)] for k in range(size)]
 
     def _scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
@@ -225,7 +224,7 @@ class RewardTrainer(TrainerSurface):
         sums, rewards, finite = {}, [], True
         for micro in range(args.gradient_accumulation_steps):
             batch = self.train_pairs.batch(self._indices(step, micro), self.tokenizer.pad_token_id,
-                                           self.pad_multiple)
+                                           self.pad_multiple, self.data_collator)
             last = micro == args.gradient_accumulation_steps - 1
             with self.engine.micro_batch(self.model, last):
                 loss, metrics, chosen, rejected = self._pair_loss(batch)
@@ -259,14 +258,16 @@ class RewardTrainer(TrainerSurface):
             reduced = acc.reduce(torch.tensor([sums[k] for k in keys], device=acc.device), "mean").tolist()
             sums = dict(zip(keys, reduced))
             all_rewards = acc.gather(all_rewards)
-        return {**sums, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+        return {**sums, "min_reward": all_rewards.min().item(), "mean_reward": all_rewards.mean().item(),
+                "max_reward": all_rewards.max().item(), "reward_std": all_rewards.std().item(),
                 "grad_norm": float(grad_norm), "learning_rate": learning_rate,
                 "nonfinite_skipped": self.nonfinite_skipped}
 
     def _after_step(self, step: int, metrics: dict[str, float]) -> None:
         control = self.flow.control
-        if control.should_log or step == self.total_steps:  # rlft also logs the final step, as GRPO does
-            self._log_row(metrics)
+        self.window.add(metrics)
+        if control.should_log:  # averaged over the steps since the last log, as TRL does
+            self._log_row(self.window.flush())
         if control.should_evaluate and self.eval_sets:
             self.evaluate()
         self.log.advance(step, f"loss {metrics.get('loss', float('nan')):.3f} acc {metrics.get('accuracy', 0):.2f}")
@@ -276,7 +277,8 @@ class RewardTrainer(TrainerSurface):
                                                               "config": self._record,
                                                               "config_hash": runs.config_hash(self._record),
                                                               "loss_sum": self.flow.loss_sum,
-                                                              "nonfinite_skipped": self.nonfinite_skipped},
+                                                              "nonfinite_skipped": self.nonfinite_skipped,
+                                                              "metric_window": self.window.rows},
                                  flow=self.flow, save_total_limit=self.args.save_total_limit, engine=self.engine)
             self.flow.fire("on_save")
 
@@ -296,7 +298,7 @@ class RewardTrainer(TrainerSurface):
         return metrics
 
     def _eval_pairs(self, eval_dataset) -> dict[str | None, PreferencePairs]:
-        return {name: PreferencePairs(materialize(d, None)[0], self.tokenizer, self.args.max_length,
+        return {name: PreferencePairs(materialize(d, None, whole=True)[0], self.tokenizer, self.args.max_length,
                                       self.args.truncation) for name, d in load_eval_datasets(eval_dataset).items()}
 
     def _evaluate_pairs(self, pairs: PreferencePairs) -> dict[str, float]:
@@ -304,15 +306,24 @@ class RewardTrainer(TrainerSurface):
         size, chosen_all, rejected_all = self.args.per_device_eval_batch_size, [], []
         for start in range(0, len(pairs), size):
             batch = pairs.batch(list(range(start, min(start + size, len(pairs)))), self.tokenizer.pad_token_id,
-                                self.pad_multiple)
+                                self.pad_multiple, self.data_collator)
             chosen, rejected = self._scores(batch)
             chosen_all.append(chosen)
             rejected_all.append(rejected)
-        loss, metrics = bradley_terry_loss(torch.cat(chosen_all), torch.cat(rejected_all))
-        return {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}}
+        chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)
+        loss, metrics = bradley_terry_loss(chosen, rejected)
+        both = torch.cat([chosen, rejected])
+        out = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}, "min_reward": both.min().item(),
+               "mean_reward": both.mean().item(), "max_reward": both.max().item()}
+        if self.compute_metrics is not None:  # scores [N, 2] (chosen, rejected); label 0: the chosen one wins
+            from transformers.trainer_utils import EvalPrediction
+
+            scores = torch.stack([chosen, rejected], dim=1).cpu().numpy()
+            out.update(self.compute_metrics(EvalPrediction(predictions=scores, label_ids=scores[:, 0] * 0)))
+        return out
 
     def _resume(self, resume_from_checkpoint) -> int:
-        self.nonfinite_skipped, self._consecutive = 0, 0
+        self.nonfinite_skipped, self._consecutive, self.window = 0, 0, MetricWindow()
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model))
         if path is None:
@@ -326,6 +337,7 @@ class RewardTrainer(TrainerSurface):
             runs.apply_learning_rate(self.optimizer, self.scheduler, self.args.learning_rate)
         self.flow.load(path, state.get("loss_sum", 0.0))
         self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
+        self.window.rows = state.get("metric_window", [])
         return state["global_step"]
 
     def save_model(self, output_dir: str | Path | None = None) -> None:

@@ -21,7 +21,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rlft.config import ConfigError, to_dict
+from rlft.compat import NO_EFFECT
+from rlft.config import to_dict
+from rlft.errors import ConfigError
 
 # Fields a resumed run may change: they do not touch what is computed up to the resumed step.
 MAY_CHANGE = frozenset({
@@ -30,7 +32,9 @@ MAY_CHANGE = frozenset({
     "save_strategy", "save_steps", "save_total_limit", "eval_strategy", "eval_steps", "eval_delay",
     "eval_on_start", "eval_dataset", "per_device_eval_batch_size", "num_generations_eval", "ddp_timeout",
     "max_nonfinite_steps", "zero_signal_warning_steps", "dataloader_num_workers", "max_steps", "num_train_epochs",
-    "learning_rate", "logprob_chunk_size",
+    "learning_rate", "logprob_chunk_size", "push_to_hub", "hub_model_id", "hub_strategy", "hub_token",
+    "hub_private_repo", "hub_always_push", "hub_revision", "do_train", "do_eval", "do_predict", "local_rank", "project",
+    "tf32", *NO_EFFECT,
 })
 RUN_FILES = ("metrics.jsonl", "completions.jsonl")
 MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")

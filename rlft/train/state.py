@@ -10,55 +10,47 @@ import math
 import os
 import random
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import get_scheduler
 
-from rlft.config import ConfigError
-
-DEFAULT_DDP_TIMEOUT, CPU_DDP_TIMEOUT = 1800, 600  # seconds
+from rlft.errors import ConfigError
+from rlft.launch import collective_timeout, on_cpu_processes
 
 
 def make_accelerator(cfg):
-    """The run's Accelerator, running the engine the launch asks for (rlft/train/engines.py).
-
-    Launched as several processes on a machine without CUDA (torchrun, `accelerate launch --multi_gpu` on
-    CPUs), accelerate only forms the gloo process group when told cpu=True; without it every process would
-    train alone as rank 0. The LR scheduler is never handed to accelerate: a prepared scheduler advances once
-    per process per optimiser step."""
-    from datetime import timedelta
-
+    """The run's Accelerator, running the engine the launch asks for (rlft/train/engines.py), on the process
+    state the config already describes (rlft/launch.py). The LR scheduler is never handed to accelerate: a
+    prepared scheduler advances once per process per optimiser step."""
+    import torch
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     from rlft.train.engines import asked_engine, check_engine, engine_plugins, force_engine
 
-    engine = asked_engine()
-    world, cuda = int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available()
-    if engine != "ddp" and world == 1 and not cuda:
+    engine, cuda = asked_engine(), torch.cuda.is_available()
+    if engine != "ddp" and int(os.environ.get("WORLD_SIZE", "1")) == 1 and not cuda:
         raise ConfigError(f"the launch asks for {engine} on one process of a machine without CUDA; sharding needs "
                           "several processes there (accelerate launch --num_processes 2 ..., docs/distributed.md)")
-    from accelerate.state import AcceleratorState
-
     # A second Accelerator in one process (a second trainer) shares the first one's state and plugin.
     plugins = engine_plugins(engine) if not AcceleratorState._shared_state else {}
-    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout(cfg)))
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout(cfg)))]
+    ddp = {name: getattr(cfg, f"ddp_{name}") for name in DDP_OPTIONS if getattr(cfg, f"ddp_{name}") is not None}
+    if ddp:  # TrainingArguments' ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers, ...
+        handlers.append(DistributedDataParallelKwargs(**ddp))
     accelerator = Accelerator(log_with=cfg.report_to or None, project_dir=cfg.output_dir,
-                              cpu=world > 1 and not cuda, kwargs_handlers=[timeout], **plugins)
+                              cpu=on_cpu_processes(cfg), kwargs_handlers=handlers, **plugins)
     if engine != "ddp" and not cuda and plugins:
         force_engine(accelerator, engine, plugins)
     check_engine(accelerator, engine)
     return accelerator
 
 
-def collective_timeout(cfg) -> int:
-    """TrainingArguments' ddp_timeout; left at its default (30 min) on a machine without CUDA, 10 min: a CPU
-    rank that stops answering should not hold the others for half an hour."""
-    if cfg.ddp_timeout == DEFAULT_DDP_TIMEOUT and not torch.cuda.is_available():
-        return CPU_DDP_TIMEOUT
-    return cfg.ddp_timeout
+DDP_OPTIONS = ("find_unused_parameters", "bucket_cap_mb", "broadcast_buffers", "static_graph")
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -133,12 +125,34 @@ def check_writable(output_dir: str | Path) -> None:
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optim == "sgd":  # plain gradient steps: what the distributed equivalence tests compare
-        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    fused = cfg.optim == "adamw_torch_fused" and torch.cuda.is_available()  # transformers' default, on GPUs
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay, fused=fused or None)
+    """transformers' own optimizer for `cfg.optim` (every name `Trainer.get_optimizer_cls_and_kwargs` knows:
+    adamw_torch_fused, adamw_8bit, paged_adamw_32bit, adafactor, lion_*, sgd, ...) with transformers' weight-decay
+    groups (none on biases and norms). One that cannot run here is an error naming it, its package and the device."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": cfg.weight_decay},
+              {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    try:
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(cfg, model)
+        for key in ("params", "model", "optimizer_dict"):  # GaLore, LOMO, layer-wise: their own parameter sets
+            if key in kwargs:
+                groups = kwargs.pop(key)
+        return optimizer_cls(groups, **kwargs)
+    except (ImportError, ModuleNotFoundError, RuntimeError, ValueError) as err:
+        raise ConfigError(optimizer_unavailable(str(getattr(cfg.optim, "value", cfg.optim)), err)) from err
+
+
+def optimizer_unavailable(name: str, err: Exception) -> str:
+    device = "a CUDA GPU" if torch.cuda.is_available() else "this machine's CPU (no CUDA GPU)"
+    package = next((p for p in ("bitsandbytes", "torchao", "galore_torch", "apollo_torch", "lomo_optim",
+                                "grokadamw", "schedulefree", "torch_optimi") if p in str(err) or
+                    (p == "bitsandbytes" and ("8bit" in name or "paged" in name or "bnb" in name))), None)
+    needs = f"; it needs the {package} package" if package else ""
+    return (f"optim={name!r} cannot run on {device}{needs} ({type(err).__name__}: {err}). Install it where it "
+            f"runs, or choose an optimizer that runs here (adamw_torch, adamw_torch_fused, sgd, adafactor)")
 
 
 def build_scheduler(optimizer, cfg, total_steps: int):

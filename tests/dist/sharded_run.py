@@ -28,19 +28,26 @@ def world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def lora_config(lora: bool, task_type: str):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, target_modules="all-linear", task_type=task_type) if lora else None
+
+
 def grpo(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> GRPOTrainer:
-    cfg = GRPOConfig(dtype=dtype, output_dir=str(out), num_generations=4, per_device_train_batch_size=4, beta=0.04,
-                     gradient_accumulation_steps=2 // world(),
-                     max_completion_length=8, use_peft=lora, lora_r=4, **COMMON)
-    trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(16))
+    cfg = GRPOConfig(model_init_kwargs={"dtype": dtype}, output_dir=str(out), num_generations=4,
+                     per_device_train_batch_size=4, beta=0.04, gradient_accumulation_steps=2 // world(),
+                     max_completion_length=8, **COMMON)
+    trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(16),
+                          peft_config=lora_config(lora, "CAUSAL_LM"))
     trainer.generator = FixedGenerator(trainer.tokenizer)
     return trainer
 
 
 def reward(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> RewardTrainer:
-    cfg = RewardConfig(dtype=dtype, output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2 // world(),
-                       use_peft=lora, lora_r=4, max_length=32, **COMMON)
-    return RewardTrainer(model_dir, cfg, train_dataset=preference_rows(32))
+    cfg = RewardConfig(model_init_kwargs={"dtype": dtype}, output_dir=str(out), per_device_train_batch_size=2,
+                       gradient_accumulation_steps=2 // world(), max_length=32, **COMMON)
+    return RewardTrainer(model_dir, cfg, train_dataset=preference_rows(32), peft_config=lora_config(lora, "SEQ_CLS"))
 
 
 def main() -> None:

@@ -1,0 +1,433 @@
+"""Normalising and checking a config: every problem found at once, each naming its field, value and fix.
+
+Run by the configs' `__post_init__` (before transformers' own checks, which name fields less clearly)
+and again by the trainers, so a config changed after construction is checked too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from rlft.compat import unimplemented_errors
+from rlft.errors import ConfigError
+
+# Fields given as dicts that the command line and YAML may spell as a JSON or YAML string.
+DICT_FIELDS = (
+    "model_init_kwargs",
+    "generation_kwargs",
+    "chat_template_kwargs",
+    "lr_scheduler_kwargs",
+    "gradient_checkpointing_kwargs",
+    "activation_checkpointing_kwargs",
+    "transformers_continuous_batching_config",
+)
+
+SCALE_REWARDS = ("group", "batch", "none")
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")  # transformers' names
+IS_LEVELS = ("token", "sequence")
+VLLM_MODES = ("colocate", "server")
+VLLM_MODEL_IMPLS = ("vllm", "transformers", "auto")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+TRUNCATION = ("keep_start", "keep_end", "error")
+STRATEGIES = ("no", "steps", "epoch")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+# accelerate's tracker names ("all": every one that is installed, as in transformers).
+TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
+# Largest learning rate accepted: far above any that trains, far below what overflows float32 optimizer state.
+MAX_LEARNING_RATE = 1e3
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Every init field's annotation (transformers' own included), from the classes' annotations:
+    HfArgumentParser rewrites `Field.type` in place when it builds a parser."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
+
+
+def read_dict_value(name: str, value: Any) -> Any:
+    """A dict field given as a JSON/YAML string on the command line or in a config ('{min_lr: 1e-6}')."""
+    if isinstance(value, str) and value.strip().startswith("{"):
+        parsed = yaml.safe_load(value)
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"{name}={value!r} is not a mapping; write it as {{key: value}}")
+        return parsed
+    return value
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    """TrainingArguments.to_dict (enums as values, tokens masked)."""
+    return cfg.to_dict()
+
+
+def normalize_report_to(value: Any) -> list[str]:
+    """transformers' semantics: "none" -> [], "all" -> every installed tracker, a name -> [name], a list."""
+    if value is None or value == "none":
+        return []
+    if isinstance(
+        value, str
+    ):  # the command line: "tensorboard", "tensorboard,trackio", "[tensorboard, trackio]"
+        value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+    names = [str(v) for v in value]
+    if "all" in names:
+        from accelerate.utils import is_tensorboard_available, is_trackio_available, is_wandb_available
+
+        found = {
+            "tensorboard": is_tensorboard_available(),
+            "wandb": is_wandb_available(),
+            "trackio": is_trackio_available(),
+        }
+        return [name for name, ok in found.items() if ok]
+    return [n for n in names if n != "none"]
+
+
+def _bf16_device() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def normalize_before(cfg) -> None:
+    """TRL/transformers spellings to one form, before any check runs."""
+    for name in DICT_FIELDS:
+        if hasattr(cfg, name):
+            setattr(cfg, name, read_dict_value(name, getattr(cfg, name)))
+    cfg.report_to = normalize_report_to(cfg.report_to)
+    cfg.disable_tqdm = bool(cfg.disable_tqdm)
+    if cfg.activation_checkpointing is None and cfg.gradient_checkpointing is not None:
+        cfg.activation_checkpointing = cfg.gradient_checkpointing  # transformers 5's name; no FutureWarning
+    if cfg.activation_checkpointing_kwargs is None and cfg.gradient_checkpointing_kwargs is not None:
+        cfg.activation_checkpointing_kwargs = cfg.gradient_checkpointing_kwargs
+    if cfg.bf16 is None:  # TRL: "True unless fp16"; rlft: True where the device has bfloat16 (not on a CPU)
+        cfg.bf16 = not cfg.fp16 and not cfg.use_cpu and _bf16_device()
+    if isinstance(cfg.pad_to_multiple_of, str) and cfg.pad_to_multiple_of != "auto":
+        text = cfg.pad_to_multiple_of.lower()
+        cfg.pad_to_multiple_of = None if text in ("none", "null") else int(text) if text.isdigit() else text
+    if hasattr(cfg, "scale_rewards"):
+        value = cfg.scale_rewards
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        cfg.scale_rewards = {True: "group", False: "none"}.get(value, value)  # TRL's spellings
+        if cfg.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
+            cfg.vllm_importance_sampling_clip_max = cfg.vllm_importance_sampling_cap
+    if cfg.eval_strategy == "steps" and not cfg.eval_steps:
+        cfg.eval_steps = cfg.logging_steps  # transformers' rule
+    elif cfg.eval_steps is not None and cfg.eval_strategy == "no":
+        logging.getLogger("rlft").warning(
+            "eval_steps=%s is set but eval_strategy='no': no evaluation will run (set eval_strategy='steps')",
+            cfg.eval_steps,
+        )
+
+
+# ---- checks ---------------------------------------------------------------------------------------------
+def _value(value: Any) -> Any:
+    return getattr(value, "value", value)  # transformers' str enums
+
+
+def _enum(errors: list[str], cfg: Any, name: str, allowed: tuple) -> None:
+    value = _value(getattr(cfg, name))
+    if value not in allowed:
+        errors.append(f"{name}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+
+
+def _positive(errors: list[str], cfg: Any, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not allow_zero):
+            errors.append(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _check_learning_rate(cfg, errors: list[str]) -> None:
+    rate = cfg.learning_rate
+    if not math.isfinite(rate) or rate <= 0:
+        errors.append(f"learning_rate={rate!r} must be a finite number > 0")
+    elif rate > MAX_LEARNING_RATE:
+        errors.append(
+            f"learning_rate={rate!r} is far above any rate that trains (at most {MAX_LEARNING_RATE:g} "
+            "is accepted; typical: 1e-6 to 1e-4 full fine-tuning, 1e-5 to 1e-3 LoRA)"
+        )
+
+
+def _validate_common(cfg, errors: list[str]) -> None:
+    from transformers.trainer_utils import SchedulerType
+    from transformers.training_args import OptimizerNames
+
+    for name, allowed in [
+        ("logging_strategy", STRATEGIES),
+        ("save_strategy", SAVE_STRATEGIES),
+        ("eval_strategy", STRATEGIES),
+        ("lr_scheduler_type", tuple(s.value for s in SchedulerType)),
+        ("optim", tuple(o.value for o in OptimizerNames)),
+    ]:
+        _enum(errors, cfg, name, allowed)
+    _check_learning_rate(cfg, errors)
+    _positive(
+        errors,
+        cfg,
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "save_steps",
+        "num_train_epochs",
+        "max_nonfinite_steps",
+        "ddp_timeout",
+        "save_total_limit",
+    )
+    _positive(
+        errors,
+        cfg,
+        "weight_decay",
+        "max_grad_norm",
+        "warmup_ratio",
+        "warmup_steps",
+        "dataloader_num_workers",
+        "eval_delay",
+        allow_zero=True,
+    )
+    if cfg.max_steps == 0 or cfg.max_steps < -1:
+        errors.append(f"max_steps={cfg.max_steps!r} must be > 0, or -1 to run num_train_epochs")
+    if cfg.bf16 and cfg.fp16:
+        errors.append("bf16=True and fp16=True together: pick one")
+    if cfg.eval_steps is not None and cfg.eval_steps <= 0:
+        errors.append(f"eval_steps={cfg.eval_steps!r} must be > 0 or null")
+    unknown = [r for r in cfg.report_to if r not in TRACKERS]
+    if unknown:
+        errors.append(
+            f"report_to has unknown tracker(s) {unknown}; use 'none', 'all' or any of {list(TRACKERS)}"
+        )
+    if not (
+        cfg.pad_to_multiple_of in (None, "auto")
+        or (isinstance(cfg.pad_to_multiple_of, int) and cfg.pad_to_multiple_of > 0)
+    ):
+        errors.append(f"pad_to_multiple_of={cfg.pad_to_multiple_of!r} must be a positive int, 'auto' or null")
+    errors.extend(unimplemented_errors(cfg))
+
+
+def _validate_generation_batch(cfg, errors: list[str]) -> None:
+    _positive(errors, cfg, "steps_per_generation", "generation_batch_size", "num_generations_eval")
+    if cfg.steps_per_generation is not None and cfg.generation_batch_size is not None:
+        errors.append("steps_per_generation and generation_batch_size are both set: give one (TRL's rule)")
+        return
+    spg = cfg.steps_per_generation or cfg.gradient_accumulation_steps
+    if spg % cfg.gradient_accumulation_steps:
+        errors.append(
+            f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps="
+            f"{cfg.gradient_accumulation_steps}: one generation must feed whole optimiser steps"
+        )
+    rollout = cfg.per_device_train_batch_size * spg
+    if cfg.num_generations >= 2 and cfg.generation_batch_size is None and rollout % cfg.num_generations:
+        valid = [cfg.num_generations * k for k in range(1, 5)]
+        errors.append(
+            f"per_device_train_batch_size * steps_per_generation = {rollout} completions is not divisible by "
+            f"num_generations={cfg.num_generations}; use a multiple such as {valid} (steps_per_generation "
+            "defaults to gradient_accumulation_steps)"
+        )
+
+
+def _validate_grpo(cfg, errors: list[str]) -> None:
+    from rlft.core.importance import MODES as IS_MODES
+    from rlft.core.losses import KL_ESTIMATORS, LOSS_TYPES
+
+    for name, allowed in [
+        ("loss_type", tuple(LOSS_TYPES)),
+        ("scale_rewards", SCALE_REWARDS),
+        ("importance_sampling_level", IS_LEVELS),
+        ("kl_estimator", KL_ESTIMATORS),
+        ("multi_objective_aggregation", AGGREGATIONS),
+        ("cache_implementation", CACHE_IMPLEMENTATIONS),
+        ("vllm_mode", VLLM_MODES),
+        ("vllm_importance_sampling_mode", IS_MODES),
+        ("vllm_dtype", DTYPES),
+        ("vllm_model_impl", VLLM_MODEL_IMPLS),
+    ]:
+        _enum(errors, cfg, name, allowed)
+    if cfg.num_generations is None or cfg.num_generations < 2:
+        errors.append(
+            f"num_generations={cfg.num_generations!r} must be >= 2: group-relative advantages "
+            "compare completions of the same prompt, so a group of 1 has no signal"
+        )
+        return
+    _positive(
+        errors,
+        cfg,
+        "max_completion_length",
+        "max_prompt_length",
+        "temperature",
+        "num_iterations",
+        "logprob_chunk_size",
+        "num_completions_to_log",
+        "sapo_temperature_pos",
+        "sapo_temperature_neg",
+        "tool_call_timeout",
+    )
+    _positive(
+        errors,
+        cfg,
+        "beta",
+        "epsilon",
+        "epsilon_high",
+        "top_k",
+        "min_p",
+        "max_tool_calling_iterations",
+        allow_zero=True,
+    )
+    if not 0 < cfg.top_p <= 1:
+        errors.append(f"top_p={cfg.top_p!r} must be in (0, 1]")
+    _validate_generation_batch(cfg, errors)
+    _validate_vllm(cfg, errors)
+    _validate_algorithm_options(cfg, errors)
+
+
+def _validate_algorithm_options(cfg, errors: list[str]) -> None:
+    _positive(
+        errors,
+        cfg,
+        "entropy_coef",
+        "entropy_coef_min",
+        "entropy_coef_max",
+        "entropy_coef_delta",
+        "entropy_target",
+        "off_policy_mask_threshold",
+        "vespo_lambda_pos",
+        "vespo_lambda_neg",
+        "router_aux_loss_coef",
+        allow_zero=True,
+    )
+    _positive(errors, cfg, "ref_model_sync_steps")
+    if cfg.delta is not None and cfg.delta <= 1:
+        errors.append(
+            f"delta={cfg.delta!r} must be > 1 (INTELLECT-2 caps the ratio of negative-advantage tokens "
+            f"from above; it should exceed 1 + epsilon_high)"
+        )
+    if not 0 <= cfg.top_entropy_quantile <= 1:
+        errors.append(
+            f"top_entropy_quantile={cfg.top_entropy_quantile!r} must be in [0, 1] (1 keeps every token)"
+        )
+    if cfg.entropy_coef_min > cfg.entropy_coef_max:
+        errors.append(
+            f"entropy_coef_min={cfg.entropy_coef_min} exceeds entropy_coef_max={cfg.entropy_coef_max}"
+        )
+    if not 0 <= cfg.ref_model_mixup_alpha <= 1:
+        errors.append(f"ref_model_mixup_alpha={cfg.ref_model_mixup_alpha!r} must be in [0, 1]")
+    if cfg.sync_ref_model and cfg.beta == 0:
+        errors.append(
+            "sync_ref_model=True with beta=0: there is no reference model to update (the KL term is off); "
+            "set beta > 0 or sync_ref_model: false"
+        )
+    if (
+        cfg.loss_type == "vespo"
+        and cfg.use_vllm
+        and cfg.vllm_importance_sampling_correction
+        and cfg.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+    ):
+        errors.append(
+            f"loss_type vespo folds the sampling correction into its sequence weight token by token: "
+            f"set vllm_importance_sampling_mode to token_truncate or token_mask (not "
+            f"{cfg.vllm_importance_sampling_mode})"
+        )
+
+
+def _validate_vllm(cfg, errors: list[str]) -> None:
+    _positive(
+        errors,
+        cfg,
+        "vllm_server_timeout",
+        "vllm_tensor_parallel_size",
+        "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_cap",
+        "vllm_max_model_length",
+    )
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low > high:
+        errors.append(
+            f"vllm_importance_sampling_clip_min={low} exceeds vllm_importance_sampling_clip_max={high}"
+        )
+    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+        errors.append(f"vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization!r} must be in (0, 1]")
+
+
+def _validate_reward(cfg, errors: list[str]) -> None:
+    _enum(errors, cfg, "truncation", TRUNCATION)
+    _positive(errors, cfg, "max_length")
+
+
+# ---- types --------------------------------------------------------------------------------------------
+def type_ok(value: Any, annotation: Any) -> bool:
+    """Whether `value` fits a field annotation (unions, lists, bool vs int); unknown annotations pass."""
+    if annotation is Any or value is None:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(type_ok(value, a) for a in typing.get_args(annotation) if a is not type(None))
+    target = origin or annotation
+    if target is bool:
+        return isinstance(value, bool)
+    if target is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if target is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if target is list:
+        inner = typing.get_args(annotation)
+        return isinstance(value, list | tuple) and (not inner or all(type_ok(v, inner[0]) for v in value))
+    if target is str:
+        return isinstance(value, str)
+    return isinstance(value, target) if isinstance(target, type) else True
+
+
+# TrainingArguments' fields that __post_init__ turns into transformers' own objects (enums, configs).
+CONVERTED_BY_TRANSFORMERS = frozenset(
+    {
+        "accelerator_config",
+        "debug",
+        "include_num_input_tokens_seen",
+        "report_to",
+        "fsdp",
+        "fsdp_config",
+        "deepspeed",
+        "parallelism_config",
+        "optim",
+        "lr_scheduler_type",
+        "logging_strategy",
+        "save_strategy",
+        "eval_strategy",
+        "hub_strategy",
+    }
+)
+
+
+def _validate_types(cfg, errors: list[str]) -> None:
+    for name, annotation in field_types(type(cfg)).items():
+        if name in CONVERTED_BY_TRANSFORMERS:
+            continue
+        value = getattr(cfg, name)
+        if not type_ok(value, annotation):
+            shown = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+            errors.append(f"{name}={value!r} is a {type(value).__name__}; the field takes {shown}")
+
+
+def validate(cfg):
+    """Check every field; raise one ConfigError listing all problems."""
+    errors: list[str] = []
+    _validate_types(cfg, errors)
+    if errors:  # the checks below assume the types are right
+        raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))
+    _validate_common(cfg, errors)
+    if hasattr(cfg, "num_generations"):
+        _validate_grpo(cfg, errors)
+    if hasattr(cfg, "truncation"):
+        _validate_reward(cfg, errors)
+    if errors:
+        raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))
+    return cfg

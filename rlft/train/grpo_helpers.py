@@ -1,0 +1,78 @@
+"""TRL's GRPOTrainer helper methods under their names and signatures, thin wrappers over rlft/core/, and the
+attributes TRL users read off the trainer. Mixed into GRPOTrainer; the maths lives in core/ only."""
+
+from __future__ import annotations
+
+import torch
+
+from rlft.core.losses import off_policy_sequence_mask, vespo_weights
+from rlft.core.regularizers import entropy_threshold, high_entropy_mask
+
+
+class GRPOHelpers:
+    """`get_high_entropy_mask`, `get_off_policy_mask`, `get_gamma_weights`; `aux_loss_enabled`, ..."""
+
+    def get_high_entropy_mask(
+        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
+    ) -> torch.Tensor:
+        """TRL's: True where a token's entropy reaches the `threshold` quantile of every process's unpadded
+        entropies (threshold = 1 - top_entropy_quantile); padding is never True. [B, T] x2 -> [B, T] bool."""
+        local = entropies[mask.bool()].float()
+        gathered = self.accelerator.gather(
+            self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)
+        )
+        values = gathered[
+            gathered >= 0
+        ]  # entropies are >= 0: -1 marks the padding that evened out the lengths
+        if values.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        return high_entropy_mask(entropies, mask, entropy_threshold(values, 1.0 - threshold)).bool()
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's DeepSeek-V3.2 sequence mask: [B, 1], 1 keeps a completion (rlft/core/losses.py)."""
+        return off_policy_sequence_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+        ).to(mask.dtype)
+
+    @staticmethod
+    def get_gamma_weights(
+        advantages: torch.Tensor,
+        log_ratio_per_token: torch.Tensor,
+        mask: torch.Tensor,
+        importance_sampling_ratio: torch.Tensor | None,
+        k_pos: float = 2.0,
+        lambda_pos: float = 3.0,
+        k_neg: float = 3.0,
+        lambda_neg: float = 2.0,
+    ) -> torch.Tensor:
+        """TRL's VESPO gamma weights phi(w): [B, 1] (rlft/core/losses.py: vespo_weights)."""
+        return vespo_weights(
+            log_ratio_per_token,
+            mask,
+            advantages,
+            importance_sampling_ratio,
+            k_pos,
+            lambda_pos,
+            k_neg,
+            lambda_neg,
+        )
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """A Mixture-of-Experts policy whose router load-balancing loss is added (TRL's attribute)."""
+        return self.router_aux_loss_coef != 0.0
+
+    @property
+    def _entropy_bonus_enabled(self) -> bool:
+        return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        return list(self.reward_names)
