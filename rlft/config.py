@@ -157,6 +157,7 @@ class _GRPOFields(_BaseConfig):
     kl_estimator: str = "k3"
     shared_prompt_prefill: bool = True
     logprob_chunk_size: int | None = None
+    token_budget: int | None = None
     allow_nan_rewards: bool = False
     num_completions_to_log: int = 8
     zero_signal_warning_steps: int = 5
@@ -239,5 +240,6 @@ RLFT_FIELDS = frozenset(
         "tools",
         "tool_call_timeout",
         "truncation",
+        "token_budget",
     }
 )

@@ -267,6 +267,7 @@ def _validate_grpo(cfg, errors: list[str]) -> None:
         "temperature",
         "num_iterations",
         "logprob_chunk_size",
+        "token_budget",
         "num_completions_to_log",
         "sapo_temperature_pos",
         "sapo_temperature_neg",

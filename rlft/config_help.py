@@ -128,7 +128,10 @@ SECTIONS: dict[str, dict[str, str]] = {
         "use_transformers_paged": "TRL's deprecated name for use_transformers_continuous_batching; no effect",
         "ds3_gather_for_generation": "no effect: under ZeRO-3 rlft gathers each layer in turn while generating",
         "shared_prompt_prefill": "dynamic cache: prefill each prompt once for its whole group",
-        "logprob_chunk_size": "positions per block of the float32 log-softmax; null: ~1M elements on a CPU, 1024 on a GPU",
+        "token_budget": "fill micro-batches by prompt + completion tokens (at most this many each; a longer row alone) "
+                        "instead of per_device_train_batch_size rows",
+        "logprob_chunk_size": "positions per tile of the fused LM head (float32 logits of one tile at a time); "
+                              "null: sized to the vocabulary (~16M logits per tile)",
     },
     "GRPO: loss and advantages": {
         "loss_type": "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo (docs/losses.md)",

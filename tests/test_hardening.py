@@ -17,6 +17,7 @@ from rlft.models import load_tokenizer
 from rlft.recipes import parse_run
 from rlft.rewards import RewardFunctionError
 from rlft.rollout.hf import shared_prompt_cache
+from rlft.scoring import Scored
 from rlft.tracking import read_metrics
 from rlft.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, resolve_resume
 from rlft.train.grpo_update import NonFiniteStepError
@@ -97,10 +98,10 @@ def test_non_finite_steps_are_skipped_then_stop_and_nothing_non_finite_is_saved(
     model = trainer.accelerator.unwrap_model(trainer.model)
     calls = {"n": 0}
 
-    def overflow_after_first_step(module, inputs, output):  # logits overflow from step 2 on
-        if module.training and trainer.state.global_step >= 1:
+    def overflow_after_first_step(module, inputs, output):  # scores overflow from step 2 on
+        if module.training and trainer.state.global_step >= 1 and isinstance(output, Scored):
             calls["n"] += 1
-            output.logits = output.logits * float("inf")
+            output.logps = output.logps * float("inf")
         return output
 
     model.register_forward_hook(overflow_after_first_step)

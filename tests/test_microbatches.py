@@ -68,3 +68,31 @@ def test_no_grad_log_probs_fill_every_row_in_its_place(tmp_path, tiny_causal_dir
     assert width < mask.shape[1] and not mask[:, width:].any()
     assert torch.allclose(batch.old_logps[:, :width][mask[:, :width]], whole[mask[:, :width]], atol=1e-5, rtol=0)
     assert (batch.old_logps[:, width:] == 0).all()
+
+
+@pytest.mark.parametrize("budget", [30, 60, 1000])
+def test_token_budget_micro_batches_give_the_one_batch_step(tmp_path, tiny_causal_dir, budget):
+    """Micro-batches filled by tokens (TRL's token_budget): long rows alone, short rows together, the same step."""
+    whole, whole_metrics, _, batch = one_step(tiny_causal_dir, tmp_path, 16, 1, loss_type="dapo", beta=0.04)
+    split, split_metrics, shapes, _ = one_step(tiny_causal_dir, tmp_path / "b", 16, 1, loss_type="dapo", beta=0.04,
+                                               token_budget=budget)
+    for name, param in whole.items():
+        assert torch.allclose(param, split[name], atol=1e-6, rtol=0), name
+    assert whole_metrics["loss"] == pytest.approx(split_metrics["loss"], abs=1e-6)
+    tokens = (batch.rollout.prompt_mask.sum(1) + batch.rollout.completion_mask.sum(1)).tolist()
+    if budget < max(tokens) + min(tokens):  # nothing fits beside the longest row: it goes alone
+        assert len(shapes) > 1 and min(s[0] for s in shapes) == 1
+    if budget >= sum(tokens):
+        assert [s[0] for s in shapes] == [16]  # everything in one micro-batch
+
+
+def test_token_budget_bins_respect_the_budget_and_reach_a_requested_count():
+    from rlft.core.batching import balanced_bins, budget_bins
+
+    tokens = torch.tensor([50, 10, 40, 10, 30, 25, 5])
+    bins = budget_bins(tokens, 50)
+    assert sorted(r for b in bins for r in b) == list(range(7))
+    assert all(sum(int(tokens[r]) for r in b) <= 50 for b in bins) and bins[0] == [0]  # the longest row alone
+    more = balanced_bins(tokens, len(bins) + 2, 50)  # another process needs more micro-batches: as many here
+    assert len(more) == len(bins) + 2 and sorted(int(r) for b in more for r in b) == list(range(7))
+    assert budget_bins(torch.tensor([80, 5]), 50) == [[0], [1]]  # a row over the budget goes alone

@@ -39,6 +39,7 @@ from rlft.models import (
     training_dtype,
 )
 from rlft.rewards.calling import RewardLog, check_keywords, compute_rewards, resolve_rewards
+from rlft.scoring import install_scoring
 from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
@@ -159,6 +160,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         init_kwargs = {**(args.model_init_kwargs or {}),
                        **({"quantization_config": quantization_config} if quantization_config is not None else {})}
         model = load_causal_lm(model, dtype, init_kwargs, args.trust_remote_code)
+        install_scoring(model)  # log-probs from hidden states through the LM head in tiles (rlft/scoring.py)
         if args.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(model)
         model = apply_lora(model, peft_config, "CAUSAL_LM")
@@ -206,6 +208,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
             raise ConfigError("ZeRO-3 full fine-tuning with beta > 0 loads the reference model a second time: pass "
                               "the model as a hub id or folder, not a loaded model object")
         reference = load_causal_lm(source, dtype, self.args.model_init_kwargs, self.args.trust_remote_code)
+        install_scoring(reference)
         return reference.eval().requires_grad_(False)
 
     # ---- the loop -------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlft.core.batching import balanced_bins, budget_count
 from rlft.core.importance import correction_stats, sampling_correction
-from rlft.core.logprobs import default_chunk_size, entropy_from_logits, selective_log_softmax
 from rlft.core.losses import off_policy_sequence_mask, policy_loss
 from rlft.core.regularizers import (
     adaptive_entropy_coef,
@@ -27,6 +27,7 @@ from rlft.core.regularizers import (
 )
 from rlft.models import GradientFlowError, check_gradient_flow
 from rlft.rollout.hf import Rollout
+from rlft.scoring import Score
 from rlft.train.metrics import StepSums, correction_metrics
 
 
@@ -116,14 +117,12 @@ class PolicyUpdate:
         ids = torch.cat([rollout.prompt_ids[rows, first:], completion_ids], dim=1)
         mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-        outputs = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                        logits_to_keep=width + 1, **({"output_router_logits": True} if router_loss else {}))
-        logits = outputs.logits[:, :-1]  # [b, c, V]: position t predicts token t
-        chunk = self.args.logprob_chunk_size or default_chunk_size(logits)
-        logps = selective_log_softmax(logits, completion_ids, self.args.temperature, chunk)
-        ent = entropy_from_logits(logits if entropy_grad else logits.detach(), self.args.temperature, chunk) \
-            if entropy else None
-        return logps, ent, outputs.aux_loss if router_loss else None
+        # the backbone, then the LM head tile by tile on the completion positions only (rlft/scoring.py)
+        score = Score(completion_ids, completion_mask[:, :width], self.args.temperature, entropy, router_loss,
+                      self.args.logprob_chunk_size)
+        scored = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
+        ent = None if scored.entropy is None else scored.entropy if entropy_grad else scored.entropy.detach()
+        return scored.logps, ent, scored.aux_loss
 
     def _sync_reference(self, step: int) -> dict[str, float]:
         """TR-DPO: every ref_model_sync_steps optimiser steps the reference moves toward the policy
@@ -152,10 +151,17 @@ class PolicyUpdate:
 
     def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         """Row indices of each micro-batch, longest completions first, so a micro-batch pads only to its own
-        longest row (the step's loss is a sum over rows with global normalisers: row order changes nothing)."""
+        longest row (the step's loss is a sum over rows with global normalisers: row order changes nothing).
+        With `token_budget`, micro-batches are filled by tokens instead of rows (rlft/core/batching.py)."""
         lengths = rollout.completion_mask.sum(dim=1)
-        order = torch.argsort(lengths, descending=True, stable=True)
-        return list(order.split(self.args.per_device_train_batch_size))
+        if self.args.token_budget is None:
+            order = torch.argsort(lengths, descending=True, stable=True)
+            return list(order.split(self.args.per_device_train_batch_size))
+        tokens = (rollout.prompt_mask.sum(dim=1) + lengths).cpu()
+        count = torch.tensor(budget_count(tokens, self.args.token_budget), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:  # every process runs as many forwards (sharded engines need it)
+            count = self.accelerator.reduce(count, "max")
+        return [rows.to(lengths.device) for rows in balanced_bins(tokens, int(count), self.args.token_budget)]
 
     @torch.no_grad()
     def _logps_no_grad(self, model, rollout: Rollout) -> torch.Tensor:

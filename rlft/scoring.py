@@ -1,0 +1,163 @@
+"""Scoring a policy's completion tokens without `[B, T, V]` logits: the model's forward, asked with `rlft_score=`,
+runs the backbone and turns the hidden states of the completion positions into per-token log-probs (and entropy)
+tile by tile through the LM head (rlft/core/fused_head.py). Without `rlft_score` the forward is the original one,
+so generation and everything else is unchanged.
+
+The forward is patched on the transformers model itself (before or after peft wraps it), so every wrapper calls
+it as usual: DDP (gradient sync), FSDP2 (unsharding hooks) and DeepSpeed go through their own forward. The LM head
+is used as a plain weight when it is an `nn.Linear` (an FSDP2 DTensor weight is made whole for the tile loop, with
+its gradient sharded back; a ZeRO-3 partitioned one is gathered around the forward and the backward tile loops);
+a head that peft adapts is called as a module, one checkpointed tile at a time, so its adapters apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from rlft.core.fused_head import fused_token_logprobs, tile_positions
+
+
+@dataclass
+class Score:
+    """What `model(..., rlft_score=Score(...))` scores: `targets` [b, c] (the completion tokens, the last c positions
+    of the input), `mask` [b, c] (which of them are real), at `temperature`."""
+
+    targets: torch.Tensor
+    mask: torch.Tensor
+    temperature: float = 1.0
+    entropy: bool = False  # also the entropy of each position's distribution
+    router_loss: bool = False  # a Mixture-of-Experts policy's load-balancing loss
+    tile: int | None = None  # positions per tile (None: sized to the vocabulary)
+
+
+@dataclass
+class Scored:
+    logps: torch.Tensor  # [b, c], 0 at masked positions
+    entropy: torch.Tensor | None  # [b, c]
+    aux_loss: torch.Tensor | None
+
+
+def head_settings(config) -> tuple[float, float | None]:
+    """(logit scale, final-logit softcap) as the model's own forward applies them before the softmax."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = getattr(text, "logit_scale", None)
+    for name in ("output_multiplier", "lm_head_multiplier"):
+        scale = getattr(text, name, None) if scale is None else scale
+    if scale is None and getattr(text, "logits_scaling", None):  # Granite divides by it
+        scale = 1.0 / text.logits_scaling
+    return (1.0 if scale is None else float(scale)), getattr(text, "final_logit_softcapping", None)
+
+
+def install_scoring(model) -> None:
+    """Give `model` (a transformers causal LM, or a peft model around one) the `rlft_score=` forward. Idempotent."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(model, "_rlft_scoring", False):
+        return
+
+    @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
+    def forward(self, *args, rlft_score: Score | None = None, **kwargs):
+        if rlft_score is None:  # the class's forward: a deep copy of the model (a reference) calls its own
+            return type(self).forward(self, *args, **kwargs)
+        return score_forward(self, rlft_score, *args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+    model._rlft_scoring = True
+
+
+def score_forward(model, score: Score, *args, **kwargs) -> Scored:
+    kwargs.pop("logits_to_keep", None)
+    kwargs["use_cache"] = False
+    if score.router_loss:
+        kwargs["output_router_logits"] = True
+    backbone = getattr(model, model.base_model_prefix)
+    outputs = backbone(*args, **kwargs)
+    width = score.targets.shape[1]
+    hidden = outputs.last_hidden_state[:, -(width + 1):-1]  # [b, c, H]: position t predicts token t + 1
+    mask = score.mask.bool()
+    scale, softcap = head_settings(model.config)
+    head = model.get_output_embeddings()
+    logps, entropy = _head_scores(model, head, hidden[mask], score.targets[mask], score, scale, softcap)  # [n]
+    full = hidden.new_zeros(mask.shape, dtype=logps.dtype)
+    logps = full.masked_scatter(mask, logps)  # [b, c]; an all-masked batch stays connected to the graph
+    if entropy is not None:
+        entropy = full.masked_scatter(mask, entropy)
+    aux = _router_loss(model, outputs, kwargs.get("attention_mask")) if score.router_loss else None
+    return Scored(logps, entropy, aux)
+
+
+def _plain_weight(head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The head's weight and bias when it can be used as a plain matrix (not peft-adapted); an FSDP2 DTensor
+    weight made whole (differentiably: its gradient is sharded back)."""
+    if type(head) is not torch.nn.Linear:
+        return None
+    weight, bias = head.weight, head.bias
+    if hasattr(weight, "full_tensor"):  # torch.distributed.tensor.DTensor
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    return weight, bias
+
+
+def _gathered(*params):
+    """A ZeRO-3 partitioned weight made whole for the tile loops (forward and backward), unless DeepSpeed holds it
+    whole already (a head tied to the embeddings, in use); a no-op without ZeRO-3."""
+    params = [p for p in params if p is not None and hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext
+
+    def whole():
+        import deepspeed
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        missing = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
+        return deepspeed.zero.GatheredParameters(missing, modifier_rank=None) if missing else contextlib.nullcontext()
+
+    return whole
+
+
+def _head_scores(model, head, hidden, targets, score: Score, scale: float, softcap: float | None):
+    plain = _plain_weight(head)
+    if plain is not None:
+        weight, bias = plain
+        return fused_token_logprobs(hidden.to(weight.dtype), weight, targets, bias, score.temperature, scale, softcap,
+                                    score.entropy, score.tile, _gathered(weight, bias))
+    return _module_scores(head, hidden, targets, score, scale, softcap)
+
+
+def _module_scores(head, hidden, targets, score: Score, scale: float, softcap: float | None):
+    """The head called as a module, one checkpointed tile at a time (its [t, V] logits recomputed in backward)."""
+    tile = score.tile or tile_positions(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
+    parts = [checkpoint(_tile_scores, head, hidden[i:i + tile], targets[i:i + tile], score.temperature, scale,
+                        softcap, score.entropy, use_reentrant=False) for i in range(0, hidden.shape[0], tile)]
+    if not parts:
+        empty = hidden.sum(-1).float()
+        return empty, (empty if score.entropy else None)
+    logps = torch.cat([p[0] for p in parts])
+    return logps, (torch.cat([p[1] for p in parts]) if score.entropy else None)
+
+
+def _tile_scores(head, hidden, targets, temperature, scale, softcap, entropy):
+    z = head(hidden).float() * scale  # [t, V]
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    log_probs = torch.log_softmax(z, dim=-1)
+    picked = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    return picked, (-(log_probs.exp() * log_probs).sum(-1) if entropy else picked)
+
+
+def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
+    """The load-balancing loss the model's own forward computes from its router logits (its module's function)."""
+    module = sys.modules[type(model).__module__]
+    balance = getattr(module, "load_balancing_loss_func", None)
+    if balance is None:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as balance
+    config = model.config.get_text_config()
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    return balance(outputs.router_logits, experts, config.num_experts_per_tok, attention_mask)

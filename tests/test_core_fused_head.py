@@ -1,0 +1,108 @@
+"""Fused LM-head scoring: per-token log-probs and entropy from hidden states, tile by tile, never [N, V].
+
+The reference is written from the definition (log-softmax of the scaled, softcapped, tempered logits) in float64;
+gradients are checked against autograd of that reference and with torch.autograd.gradcheck.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlft.core.fused_head import fused_token_logprobs, tile_positions
+
+
+def reference(hidden, weight, bias, targets, temperature, scale, softcap):
+    z = (hidden @ weight.T + (0 if bias is None else bias)) * scale  # [N, V]
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    log_probs = torch.log_softmax(z / temperature, dim=-1)
+    picked = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    return picked, -(log_probs.exp() * log_probs).sum(-1)
+
+
+def inputs(n=9, h=6, v=13, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    return hidden, weight, b, torch.randint(0, v, (n,), generator=g)
+
+
+@pytest.mark.parametrize("temperature,scale,softcap,tile", [(1.0, 1.0, None, 4), (0.7, 1.0, None, 1),
+                                                            (1.3, 0.5, 2.5, 3), (1.0, 2.0, 30.0, 100)])
+def test_values_and_gradients_equal_the_float64_definition(temperature, scale, softcap, tile):
+    hidden, weight, bias, targets = inputs()
+    logps, entropy = fused_token_logprobs(hidden, weight, targets, bias, temperature, scale, softcap, True, tile)
+    want_logps, want_entropy = reference(hidden, weight, bias, targets, temperature, scale, softcap)
+    torch.testing.assert_close(logps, want_logps, rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-12)
+    up, ue = torch.randn(len(targets), dtype=torch.float64), torch.randn(len(targets), dtype=torch.float64)
+    got = torch.autograd.grad((logps * up).sum() + (entropy * ue).sum(), (hidden, weight, bias))
+    want = torch.autograd.grad((want_logps * up).sum() + (want_entropy * ue).sum(), (hidden, weight, bias))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_gradcheck_with_and_without_bias_and_entropy():
+    for bias in (True, False):
+        hidden, weight, b, targets = inputs(n=5, h=4, v=7, bias=bias)
+        args = (hidden, weight) + ((b,) if bias else ())
+
+        def both(h, w, *rest, targets=targets):
+            return fused_token_logprobs(h, w, targets, rest[0] if rest else None, 0.8, 1.2, 3.0, True, 2)
+
+        assert torch.autograd.gradcheck(both, args)
+        assert torch.autograd.gradcheck(lambda h, w, *r: both(h, w, *r)[0], args)  # log-probs alone
+
+
+def test_an_empty_batch_gives_empty_results_connected_to_the_graph():
+    hidden, weight, _, _ = inputs(n=0)
+    logps, entropy = fused_token_logprobs(hidden, weight, torch.zeros(0, dtype=torch.long), entropy=True)
+    assert logps.shape == (0,) and entropy.shape == (0,)
+    logps.sum().backward()
+    assert hidden.grad is not None
+
+
+def test_low_precision_weights_score_in_float32():
+    hidden, weight, bias, targets = inputs(n=8, h=16, v=50)
+    logps, _ = fused_token_logprobs(hidden.detach().bfloat16(), weight.detach().bfloat16(), targets,
+                                    bias.detach().bfloat16(), tile=3)
+    assert logps.dtype == torch.float32
+    want, _ = reference(hidden.bfloat16().float(), weight.bfloat16().float(), bias.bfloat16().float(), targets,
+                        1.0, 1.0, None)
+    torch.testing.assert_close(logps, want.float(), rtol=0, atol=0.05)  # a bf16 matmul, then float32
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any operation produces (with `vocab`: among those with a vocabulary-sized
+    dimension, i.e. logits and their gradients)."""
+
+    def __init__(self, vocab: int | None = None):
+        super().__init__()
+        self.vocab, self.largest = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(value, torch.Tensor) and (self.vocab is None or self.vocab in value.shape):
+                self.largest = max(self.largest, value.numel())
+        return out
+
+
+def test_no_tensor_of_positions_times_vocabulary_is_built_forward_or_backward():
+    n, h, v, tile = 64, 8, 500, 8
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    with LargestTensor() as watch:
+        logps, entropy = fused_token_logprobs(hidden, weight, targets, entropy=True, tile=tile)
+        (logps.sum() + entropy.sum()).backward()
+    assert watch.largest <= max(tile * v, v * h)  # one tile of logits, or the head's own gradient; never n * v
+    assert watch.largest < n * v
+
+
+def test_tiles_are_sized_to_the_vocabulary():
+    assert tile_positions(151_936) == (1 << 24) // 151_936
+    assert tile_positions(10) == (1 << 24) // 10 and tile_positions(1 << 30) == 1
