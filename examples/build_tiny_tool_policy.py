@@ -22,11 +22,33 @@ from pathlib import Path
 
 import torch
 
-from rlft.data.addition import split_problems
-from rlft.data.calculator import TOOLS, episode, tool_accuracy
+from rlft.data.addition import prompt_messages, split_problems
+from rlft.data.calculator import TOOLS, add, answer_reward, episode, tool_use_reward
+from rlft.rollout.hf import HFGenerator
+from rlft.rollout.multiturn import ToolLoop, Toolset
+from rlft.rollout.tools import tool_schemas
 from rlft.tiny import build_causal_lm, build_tokenizer, save_tiny
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "rlft" / "assets" / "tiny-calculator"
+
+
+@torch.no_grad()
+def tool_accuracy(model, tokenizer, problems: list[tuple[int, int]], batch_size: int = 100,
+                  max_completion_length: int = 64) -> tuple[float, float]:
+    """(greedy accuracy, share of completions that called the tool) on `problems`, with the add tool live:
+    the same tool loop GRPO trains with (rlft/rollout/multiturn.py)."""
+    schemas = tool_schemas(TOOLS)
+    loop = ToolLoop(HFGenerator(tokenizer, max_new_tokens=max_completion_length), tokenizer,
+                    Toolset({"add": add}, schemas), max_completion_length, max_iterations=2, timeout=5.0)
+    correct, used = 0.0, 0.0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start:start + batch_size]
+        ids = [tokenizer.apply_chat_template(prompt_messages(a, b), tools=schemas, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for a, b in chunk]
+        rollout = loop(model, ids, 1, greedy=True)
+        correct += sum(answer_reward(rollout.completions, [str(a + b) for a, b in chunk]))
+        used += sum(tool_use_reward(rollout.completions))
+    return correct / len(problems), used / len(problems)
 
 
 def assistant_labels(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:

@@ -123,6 +123,7 @@ class _GRPOFields(_BaseConfig):
     reward_weights: list[float] | None = None
     multi_objective_aggregation: str = "sum_then_normalize"
     scale_rewards: str = "group"
+    advantage_estimator: str = "grpo"
     loss_type: str = "dapo"
     mask_truncated_completions: bool = False
     sync_ref_model: bool = False

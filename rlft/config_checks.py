@@ -237,11 +237,13 @@ def _validate_generation_batch(cfg, errors: list[str]) -> None:
 
 
 def _validate_grpo(cfg, errors: list[str]) -> None:
+    from rlft.core.advantages import ADVANTAGE_ESTIMATORS
     from rlft.core.importance import MODES as IS_MODES
-    from rlft.core.losses import KL_ESTIMATORS, LOSS_TYPES
+    from rlft.core.losses import KL_ESTIMATORS, LOSSES
 
     for name, allowed in [
-        ("loss_type", tuple(LOSS_TYPES)),
+        ("loss_type", tuple(LOSSES)),
+        ("advantage_estimator", tuple(ADVANTAGE_ESTIMATORS)),
         ("scale_rewards", SCALE_REWARDS),
         ("importance_sampling_level", IS_LEVELS),
         ("kl_estimator", KL_ESTIMATORS),

@@ -7,6 +7,9 @@ Types and defaults come from the dataclasses; transformers' own fields keep tran
 
 from __future__ import annotations
 
+from rlft.core.advantages import ADVANTAGE_ESTIMATORS
+from rlft.core.losses import LOSSES
+
 SECTIONS: dict[str, dict[str, str]] = {
     "model and data": {
         "model_name_or_path": "policy (GRPO) or reward model: a local folder or a hub id",
@@ -134,7 +137,8 @@ SECTIONS: dict[str, dict[str, str]] = {
                               "null: sized to the vocabulary (~16M logits per tile)",
     },
     "GRPO: loss and advantages": {
-        "loss_type": "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo (docs/losses.md)",
+        "loss_type": f"{', '.join(LOSSES)} (docs/losses.md)",
+        "advantage_estimator": f"{', '.join(ADVANTAGE_ESTIMATORS)} (rlft/core/advantages.py)",
         "beta": "KL coefficient against the reference policy (0: no reference model)",
         "kl_estimator": "k1, k2, or k3 (Schulman's estimators)",
         "use_bias_correction_kl": "weight the KL term by the importance ratio (TRL's default)",

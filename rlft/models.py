@@ -19,7 +19,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, RlftError
 from rlft.quiet import known_noise
 
 logger = logging.getLogger("rlft")
@@ -59,7 +59,7 @@ def from_pretrained(auto_class, source, **kwargs):
             from err
 
 
-class GradientFlowError(RuntimeError):
+class GradientFlowError(RlftError, RuntimeError):
     """Trainable parameters that received no usable gradient after a backward pass."""
 
 

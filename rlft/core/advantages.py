@@ -1,16 +1,25 @@
-"""Group-relative advantages (GRPO), with NaN-aware multi-reward aggregation.
+"""Advantage estimators over a step's sequence rewards, in a registry, with NaN-aware multi-reward aggregation.
 
-DeepSeekMath (Shao et al., 2024, arXiv:2402.03300), outcome supervision:
+Rewards come as [N] with N = prompts x G (num_generations) and each prompt's completions contiguous. NaN means
+"not applicable" and is left out of every statistic; a completion whose reward is NaN gets advantage 0.
+Groups with zero spread (all rewards equal) carry no signal and give exactly 0 under every estimator.
+`std` is the unbiased (Bessel-corrected) sample standard deviation, as in TRL.
 
-    A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
-
-`std` is the unbiased (Bessel-corrected) sample standard deviation, as in TRL. Rewards come
-as [N] with N = prompts x group_size and each prompt's completions contiguous. NaN means
-"not applicable" and is left out of every statistic; a completion whose reward is NaN gets
-advantage 0. Groups with zero spread (all rewards equal) carry no signal and give exactly 0.
+ADVANTAGE_ESTIMATORS maps a name (the config's `advantage_estimator`) to `fn(rewards [N], num_generations,
+*, scale_rewards, eps, lengths) -> advantages [N]`; `register_estimator` adds one:
+    grpo                   DeepSeekMath (arXiv:2402.03300): (r_i - mean_g) / (std_g + eps); `scale_rewards`
+                           batch / none divide by the batch's std or by nothing (TRL's options)
+    dr_grpo                Dr. GRPO (arXiv:2503.20783): r_i - mean_g, never divided by a std
+    rloo                   RLOO (Ahmadian et al., arXiv:2402.14740): r_i - (1/(G-1)) sum_{j != i} r_j
+    reinforce_pp_baseline  REINFORCE++-baseline (arXiv:2501.03262): c_i = r_i - mean_g, then normalised over the
+                           batch, (c_i - mean(c)) / (std(c) + eps)
+    opo                    OPO (arXiv:2505.23585): r_i - b_g with the length-weighted baseline
+                           b_g = sum_j |o_j| r_j / sum_j |o_j| (needs `lengths`)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -32,19 +41,18 @@ def _batch_std(values: torch.Tensor) -> torch.Tensor:
     return valid.std() if valid.numel() > 1 else values.new_zeros(())
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
-                     eps: float = 1e-4) -> tuple[torch.Tensor, dict[str, float]]:
-    """Advantages for rewards [N] (groups contiguous). Returns (advantages [N], stats).
-
-    scale_rewards: "group" divides by the group's std, "batch" by the std of all rewards in the
-    batch (Dr. GRPO argues for not dividing per group), "none" only centres.
-    stats: reward_std_within_group (mean of the groups' stds), frac_reward_zero_std (fraction of groups whose rewards
-    are all equal, i.e. no learning signal), advantage_abs_mean.
-    """
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of {group_size}")
-    grouped = rewards.view(-1, group_size)  # [groups, G]
-    mean, std, count = _group_mean_std(grouped)
+    return rewards.view(-1, group_size)  # [groups, G]
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO: centred by the group mean, divided by the group's std ("group"), the batch's ("batch") or not
+    ("none")."""
+    grouped = _grouped(rewards, group_size)
+    mean, std, _ = _group_mean_std(grouped)
     centred = grouped - mean
     if scale_rewards == "group":
         scale = std
@@ -55,7 +63,83 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     else:
         raise ValueError(f"scale_rewards={scale_rewards!r}: choose 'group', 'batch' or 'none'")
     advantages = centred if scale is None else centred / (scale + eps)
-    advantages = torch.nan_to_num(advantages, nan=0.0).view(-1)  # NaN rewards -> 0
+    return torch.nan_to_num(advantages, nan=0.0).view(-1)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4,
+                       lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Dr. GRPO: the group mean subtracted, no division (whatever scale_rewards says)."""
+    return grpo_advantages(rewards, group_size, scale_rewards="none")
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """RLOO: each reward minus the mean of the OTHER valid rewards of its group, r_i - (S - r_i) / (n - 1) with S
+    the group's sum over its n valid rewards; 0 where n < 2."""
+    grouped = _grouped(rewards, group_size)
+    valid = ~torch.isnan(grouped)
+    count = valid.sum(-1, keepdim=True)
+    filled = torch.where(valid, grouped, torch.zeros_like(grouped))
+    others = (filled.sum(-1, keepdim=True) - filled) / (count - 1).clamp(min=1)
+    advantages = torch.where(valid & (count > 1), filled - others, torch.zeros_like(filled))
+    return advantages.view(-1)
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
+                                     eps: float = 1e-4, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++-baseline: the group mean subtracted, then the centred values whitened over the whole batch."""
+    centred = grpo_advantages(rewards, group_size, scale_rewards="none")  # NaN rewards -> 0
+    valid = ~torch.isnan(rewards)
+    values = centred[valid]
+    if values.numel() < 2:
+        return centred
+    whitened = (centred - values.mean()) / (values.std() + eps)
+    return torch.where(valid, whitened, torch.zeros_like(whitened))
+
+
+def opo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4,
+                   lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """OPO: each reward minus its group's length-weighted mean reward (the variance-optimal baseline for a
+    sequence-sum loss); lengths [N] are the completions' token counts."""
+    if lengths is None:
+        raise ValueError("the opo estimator needs the completion lengths (lengths=[N])")
+    grouped = _grouped(rewards, group_size)
+    weight = torch.where(torch.isnan(grouped), torch.zeros_like(grouped), lengths.to(grouped.dtype).view_as(grouped))
+    filled = torch.nan_to_num(grouped, nan=0.0)
+    baseline = (weight * filled).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp(min=1e-12)
+    return torch.where(torch.isnan(grouped), torch.zeros_like(grouped), filled - baseline).view(-1)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def register_estimator(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Add an estimator; `advantage_estimator: <name>` in a config then selects it (the config's allowed values
+    are this registry's keys). A new one is its function, this call, and its float64 reference test."""
+    if name in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage estimator {name!r} is already registered")
+    ADVANTAGE_ESTIMATORS[name] = fn
+    return fn
+
+
+for _name, _fn in [("grpo", grpo_advantages), ("dr_grpo", dr_grpo_advantages), ("rloo", rloo_advantages),
+                   ("reinforce_pp_baseline", reinforce_pp_baseline_advantages), ("opo", opo_advantages)]:
+    register_estimator(_name, _fn)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4,
+                     estimator: str = "grpo", lengths: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Advantages for rewards [N] (groups contiguous) by the named estimator. Returns (advantages [N], stats).
+
+    stats: reward_std_within_group (mean of the groups' stds), frac_reward_zero_std (fraction of groups whose rewards
+    are all equal, i.e. no learning signal), advantage_abs_mean.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator={estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    _, std, count = _group_mean_std(_grouped(rewards, group_size))
+    advantages = ADVANTAGE_ESTIMATORS[estimator](rewards, group_size, scale_rewards=scale_rewards, eps=eps,
+                                                 lengths=lengths)
     zero_spread = (std.squeeze(-1) == 0) | (count.squeeze(-1) < 2)
     stats = {
         "reward_std_within_group": std.mean().item(),
@@ -67,13 +151,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
 
 def multi_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor | None, group_size: int,
                             scale_rewards: str = "group", aggregation: str = "sum_then_normalize",
-                            eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                            eps: float = 1e-4, estimator: str = "grpo", lengths: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Advantages from per-function rewards [N, F] (NaN = not applicable) and weights [F].
 
     sum_then_normalize (GRPO/TRL): r_i = sum_f w_f r_if over the non-NaN entries (NaN if all are
-        NaN), then `group_advantages(r)`.
+        NaN), then the estimator's advantages of r (`group_advantages`).
     normalize_then_sum (GDPO, group reward-decoupled normalisation): A_i = sum_f w_f A_if with
-        A_if the group advantage of reward f alone, then normalised over the batch:
+        A_if the estimator's advantage of reward f alone, then normalised over the batch:
         (A - mean_batch(A)) / (std_batch(A) + eps).
     Returns (advantages [N], total reward [N] used for logging, stats). A row whose rewards are all
     NaN gets advantage 0 under both aggregations.
@@ -85,16 +170,16 @@ def multi_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor | None,
     total = torch.nansum(rewards * weights, dim=1)  # [N]
     total = torch.where(all_nan, torch.full_like(total, float("nan")), total)
     if aggregation == "sum_then_normalize":
-        advantages, stats = group_advantages(total, group_size, scale_rewards, eps)
+        advantages, stats = group_advantages(total, group_size, scale_rewards, eps, estimator, lengths)
     elif aggregation == "normalize_then_sum":
-        per_function = [group_advantages(rewards[:, f], group_size, scale_rewards, eps)[0]
+        per_function = [group_advantages(rewards[:, f], group_size, scale_rewards, eps, estimator, lengths)[0]
                         for f in range(rewards.shape[1])]
         summed = (torch.stack(per_function, dim=1) * weights).sum(dim=1)  # [N]
         valid = summed[~all_nan]
         std = valid.std() if valid.numel() > 1 else summed.new_zeros(())
         mean = valid.mean() if valid.numel() else summed.new_zeros(())
         advantages = torch.where(all_nan, torch.zeros_like(summed), (summed - mean) / (std + eps))
-        _, stats = group_advantages(total, group_size, scale_rewards, eps)
+        _, stats = group_advantages(total, group_size, scale_rewards, eps, estimator, lengths)
         stats["advantage_abs_mean"] = advantages.abs().mean().item()
     else:
         raise ValueError(f"aggregation={aggregation!r}: choose 'sum_then_normalize' or 'normalize_then_sum'")

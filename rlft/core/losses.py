@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -63,24 +64,31 @@ def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k
     raise ValueError(f"estimator={estimator!r}: choose one of {KL_ESTIMATORS}")
 
 
-def _clip_term(ratio, logps, adv, ctx) -> torch.Tensor:
-    clipped = torch.clamp(ratio, 1 - ctx["epsilon_low"], 1 + ctx["epsilon_high"])
-    unclipped = ratio if ctx["delta"] is None else torch.clamp(ratio, max=ctx["delta"])
+def _clip_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
+    clipped = torch.clamp(ratio, 1 - opts.epsilon_low, 1 + opts.eps_high)
+    unclipped = ratio if opts.delta is None else torch.clamp(ratio, max=opts.delta)
     return -torch.min(unclipped * adv, clipped * adv)
 
 
-def _cispo_term(ratio, logps, adv, ctx) -> torch.Tensor:
-    weight = torch.clamp(ratio, max=1 + ctx["epsilon_high"]).detach()
+def _cispo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
+    weight = torch.clamp(ratio, max=1 + opts.eps_high).detach()
     return -weight * adv * logps
 
 
-def _sapo_term(ratio, logps, adv, ctx) -> torch.Tensor:
-    tau = torch.where(adv > 0, ctx["sapo_temperature_pos"], ctx["sapo_temperature_neg"])
+def _sapo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
+    tau = torch.where(adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
 
 
-def _vespo_term(ratio, logps, adv, ctx) -> torch.Tensor:
-    return -ctx["vespo_phi"] * adv * logps
+def _vespo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
+    return -prepared["phi"] * adv * logps
+
+
+def _vespo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tuple[dict, dict]:
+    """VESPO's sequence weight phi, computed before the term (it folds in the sampling-correction weights)."""
+    phi = vespo_weights(logps - old_logps, mask, adv, rollout_is_weights, opts.vespo_k_pos, opts.vespo_lambda_pos,
+                        opts.vespo_k_neg, opts.vespo_lambda_neg)
+    return {"phi": phi}, {"vespo/phi_seq_mean": phi.mean()}
 
 
 def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
@@ -139,103 +147,173 @@ def _sequence_sum(per_token, mask, n_seq, n_tok, max_len) -> torch.Tensor:
     return (per_token * mask).sum() / n_seq
 
 
-# loss_type -> (per-token term, aggregation). A new variant is one line here (+ its term).
-LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
-    "grpo": (_clip_term, _sequence_mean),
-    "bnpo": (_clip_term, _token_mean),
-    "dapo": (_clip_term, _token_mean),
-    "dr_grpo": (_clip_term, _constant),
-    "cispo": (_cispo_term, _token_mean),
-    "sapo": (_sapo_term, _sequence_mean),
-    "luspo": (_clip_term, _sequence_sum),
-    "vespo": (_vespo_term, _token_mean),
+AGGREGATIONS: dict[str, Callable] = {
+    "sequence_mean": _sequence_mean,
+    "token_mean": _token_mean,
+    "constant": _constant,
+    "sequence_sum": _sequence_sum,
 }
 
 
-def policy_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
-    *,
-    loss_type: str = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    ref_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_importance_weighted: bool = False,
-    importance_sampling_level: str = "token",
-    max_completion_length: int | None = None,
-    num_items: float | torch.Tensor | None = None,
-    num_sequences: float | torch.Tensor | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    rollout_is_weights: torch.Tensor | None = None,
-    delta: float | None = None,
-    keep: torch.Tensor | None = None,
-    vespo: dict[str, float] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class LossOptions:
+    """Every setting of the GRPO-family loss, built once per run (`from_config`), read by the terms.
+
+    epsilon_low / epsilon_high: the clip range (epsilon_high None: symmetric); delta: INTELLECT-2's cap;
+    beta, kl_estimator, kl_importance_weighted: the KL term; importance_sampling_level: token or sequence (GSPO);
+    max_completion_length: Dr. GRPO's constant normaliser; sapo_*: SAPO's temperatures; vespo_*: VESPO's (k, lam).
+    """
+
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_importance_weighted: bool = False
+    importance_sampling_level: str = "token"
+    max_completion_length: int | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def from_config(cls, args) -> LossOptions:
+        """From a GRPOConfig (TRL's field names: epsilon, use_bias_correction_kl, ...)."""
+        return cls(epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta, beta=args.beta,
+                   kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
+                   importance_sampling_level=args.importance_sampling_level,
+                   max_completion_length=args.max_completion_length,
+                   sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+                   vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+                   vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+
+    @classmethod
+    def of(cls, vespo: dict[str, float] | None = None, **values) -> LossOptions:
+        """From keyword arguments (`policy_loss(..., epsilon_low=0.2, vespo={"k_pos": 2.0})`)."""
+        values.update({f"vespo_{k}": v for k, v in (vespo or {}).items()})
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown loss options {unknown}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One loss_type: its per-token term `term(ratio, logps, adv, options, prepared) -> [B, L] or [B, 1]`, its
+    aggregation (a key of AGGREGATIONS), and an optional `prepare(logps, old_logps, mask, adv,
+    rollout_is_weights, options) -> (prepared, metrics)` run before the term. `folds_sampling_weights`: the
+    loss takes the sampling-correction weights in `prepare` instead of having them multiply its term."""
+
+    name: str
+    term: Callable
+    aggregation: str
+    prepare: Callable | None = None
+    folds_sampling_weights: bool = False
+
+    @property
+    def aggregate(self) -> Callable:
+        return AGGREGATIONS[self.aggregation]
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, term: Callable, aggregation: str, prepare: Callable | None = None,
+                  folds_sampling_weights: bool = False) -> LossSpec:
+    """Add a loss_type: `loss_type: <name>` in a config then selects it (the config's allowed values are this
+    registry's keys). A new variant is its term, this one call, and its float64 reference test."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r}: choose one of {sorted(AGGREGATIONS)}")
+    if name in LOSSES:
+        raise ValueError(f"loss_type {name!r} is already registered")
+    LOSSES[name] = spec = LossSpec(name, term, aggregation, prepare, folds_sampling_weights)
+    return spec
+
+
+register_loss("grpo", _clip_term, "sequence_mean")
+register_loss("bnpo", _clip_term, "token_mean")
+register_loss("dapo", _clip_term, "token_mean")
+register_loss("dr_grpo", _clip_term, "constant")
+register_loss("cispo", _cispo_term, "token_mean")
+register_loss("sapo", _sapo_term, "sequence_mean")
+register_loss("luspo", _clip_term, "sequence_sum")
+register_loss("vespo", _vespo_term, "token_mean", prepare=_vespo_prepare, folds_sampling_weights=True)
+LOSS_TYPES = LOSSES  # the name tests and older code import
+
+
+def _ratio(logps, old_logps, mask, level: str) -> torch.Tensor:
+    """r_it (token level) or GSPO's s_i (sequence level, [B, 1])."""
+    log_ratio = logps - old_logps  # [B, L]
+    if level == "sequence":
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    return torch.exp(log_ratio)
+
+
+def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                completion_mask: torch.Tensor, *, loss_type: str = "dapo", options: LossOptions | None = None,
+                ref_logps: torch.Tensor | None = None, num_items: float | torch.Tensor | None = None,
+                num_sequences: float | torch.Tensor | None = None, rollout_is_weights: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None, **option_values) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss for one micro-batch, scaled so that micro-batch losses SUM to the step loss.
 
-    logps, old_logps, ref_logps, completion_mask: [B, L]; advantages: [B].
+    logps, old_logps, ref_logps, completion_mask: [B, L]; advantages: [B]. `options` (LossOptions, built once
+    per run) or its fields as keyword arguments (epsilon_low=..., beta=..., vespo={"k_pos": ...}).
     num_items: completion tokens in the whole optimiser step (default: this micro-batch's count).
     num_sequences: completions in the whole optimiser step (default: B).
     bnpo and dapo are the same aggregation here: with a global num_items, normalising "per
     batch" and "per step" coincide (TRL's bnpo normalises per micro-batch instead).
     rollout_is_weights: [B, L] or [B, 1] importance weights pi_old / pi_sampler for completions sampled by
     another engine (rlft/core/importance.py); they multiply the policy term, not the KL term (TRL's order);
-    under vespo they enter the sequence weight w instead.
-    delta: INTELLECT-2's cap on the unclipped ratio (clip losses). keep: [B, 1] or [B, L] 0/1 multiplying the
-    policy term (`off_policy_sequence_mask`). vespo: k_pos, lambda_pos, k_neg, lambda_neg for `vespo_weights`.
+    under vespo they enter the sequence weight w instead. keep: [B, 1] or [B, L] 0/1 multiplying the
+    policy term (`off_policy_sequence_mask`).
     Returns (loss, metrics) with metrics as detached masked means over this micro-batch.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: choose one of {sorted(LOSS_TYPES)}")
-    if importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: 'token' or 'sequence'")
-    if beta > 0 and ref_logps is None:
+    if loss_type not in LOSSES:
+        raise ValueError(f"loss_type={loss_type!r}: choose one of {sorted(LOSSES)}")
+    opts = options if options is not None else LossOptions.of(**option_values)
+    if opts.importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level={opts.importance_sampling_level!r}: 'token' or 'sequence'")
+    if opts.beta > 0 and ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps (log-probs of the reference policy)")
-    term, aggregate = LOSS_TYPES[loss_type]
+    spec = LOSSES[loss_type]
     mask = completion_mask.to(logps.dtype)  # [B, L]
-    log_ratio = logps - old_logps  # [B, L]
-    if importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))  # [B, 1]
-    ratio = torch.exp(log_ratio)  # [B, L] or [B, 1]
+    ratio = _ratio(logps, old_logps, mask, opts.importance_sampling_level)  # [B, L] or [B, 1]
     adv = advantages.to(logps.dtype)[:, None]  # [B, 1]
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    ctx = {"epsilon_low": epsilon_low, "epsilon_high": eps_high, "delta": delta,
-           "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg}
-    if loss_type == "vespo":
-        ctx["vespo_phi"] = vespo_weights(logps - old_logps, mask, adv, rollout_is_weights, **(vespo or {}))
-    per_token = term(ratio, logps, adv, ctx).expand_as(logps)  # [B, L]
-    if rollout_is_weights is not None and loss_type != "vespo":
+    prepared, extra_metrics = ({}, {}) if spec.prepare is None else \
+        spec.prepare(logps, old_logps, mask, adv, rollout_is_weights, opts)
+    per_token = spec.term(ratio, logps, adv, opts, prepared).expand_as(logps)  # [B, L]
+    if rollout_is_weights is not None and not spec.folds_sampling_weights:
         per_token = per_token * rollout_is_weights.to(logps.dtype)  # [B, L] x [B, L] or [B, 1]
     if keep is not None:
         per_token = per_token * keep.to(logps.dtype)
     kl = None
-    if beta > 0:
-        kl = kl_penalty(logps, ref_logps, kl_estimator)  # [B, L]
-        if kl_importance_weighted:
+    if opts.beta > 0:
+        kl = kl_penalty(logps, ref_logps, opts.kl_estimator)  # [B, L]
+        if opts.kl_importance_weighted:
             kl = kl * ratio  # [B, L]; ratio is [B, L] or [B, 1] (sequence level)
-        per_token = per_token + beta * kl
+        per_token = per_token + opts.beta * kl
     n_tok = mask.sum().clamp(min=1) if num_items is None else num_items
     n_seq = logps.shape[0] if num_sequences is None else num_sequences
-    max_len = logps.shape[1] if max_completion_length is None else max_completion_length
-    loss = aggregate(per_token, mask, n_seq, n_tok, max_len)
-    metrics = _metrics(ratio.expand_as(logps).detach(), adv, mask, ctx, kl)
-    if loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = ctx["vespo_phi"].mean()
+    max_len = logps.shape[1] if opts.max_completion_length is None else opts.max_completion_length
+    loss = spec.aggregate(per_token, mask, n_seq, n_tok, max_len)
+    metrics = {**_metrics(ratio.expand_as(logps).detach(), adv, mask, opts, kl), **extra_metrics}
     if kl is not None:  # the KL share of `loss`, aggregated the same way (policy part = loss - kl_loss)
-        metrics["kl_loss"] = aggregate(beta * kl.detach(), mask, n_seq, n_tok, max_len)
+        metrics["kl_loss"] = spec.aggregate(opts.beta * kl.detach(), mask, n_seq, n_tok, max_len)
     return loss, metrics
 
 
 @torch.no_grad()
-def _metrics(ratio, adv, mask, ctx, kl) -> dict[str, torch.Tensor]:
+def _metrics(ratio, adv, mask, opts: LossOptions, kl) -> dict[str, torch.Tensor]:
     tokens = mask.sum().clamp(min=1)
-    low = ((ratio < 1 - ctx["epsilon_low"]) & (adv < 0)).to(mask.dtype)
-    high = ((ratio > 1 + ctx["epsilon_high"]) & (adv > 0)).to(mask.dtype)
+    low = ((ratio < 1 - opts.epsilon_low) & (adv < 0)).to(mask.dtype)
+    high = ((ratio > 1 + opts.eps_high) & (adv > 0)).to(mask.dtype)
     lengths = mask.sum(-1)  # [B]; TRL's low_min / high_max: extremes over completions of their clipped fraction
     rows = lengths > 0
     seq_low = ((low * mask).sum(-1) / lengths.clamp(min=1))[rows]
@@ -248,8 +326,8 @@ def _metrics(ratio, adv, mask, ctx, kl) -> dict[str, torch.Tensor]:
         "clip_ratio/region_mean": (((low + high) > 0).to(mask.dtype) * mask).sum() / tokens,
         "ratio_mean": (ratio * mask).sum() / tokens,
     }
-    if ctx["delta"] is not None:
-        capped = ((ratio > ctx["delta"]) & (adv < 0)).to(mask.dtype)
+    if opts.delta is not None:
+        capped = ((ratio > opts.delta) & (adv < 0)).to(mask.dtype)
         metrics["clip_ratio/delta_mean"] = (capped * mask).sum() / tokens
     if kl is not None:
         metrics["kl"] = (kl.detach() * mask).sum() / tokens

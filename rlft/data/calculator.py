@@ -8,8 +8,6 @@ is then often wrong). Used by `examples/build_tiny_tool_policy.py` (the shipped 
 
 from __future__ import annotations
 
-import torch
-
 from rlft.data.addition import extract_answer, prompt_messages
 from rlft.data.addition import rows as addition_rows
 
@@ -51,26 +49,3 @@ def answer_reward(completions, answer, **kwargs) -> list[float]:
 def tool_use_reward(completions, **kwargs) -> list[float]:
     """1 when the completion holds a tool result that is not an error (the tool was called and worked)."""
     return [float(any(m["role"] == "tool" and '"error"' not in m["content"] for m in c)) for c in completions]
-
-
-@torch.no_grad()
-def tool_accuracy(model, tokenizer, problems: list[tuple[int, int]], batch_size: int = 100,
-                  max_completion_length: int = 64) -> tuple[float, float]:
-    """(greedy accuracy, share of completions that called the tool) on `problems`, with the add tool live:
-    the same tool loop GRPO trains with (rlft/rollout/multiturn.py)."""
-    from rlft.rollout.hf import HFGenerator
-    from rlft.rollout.multiturn import ToolLoop, Toolset
-    from rlft.rollout.tools import tool_schemas
-
-    schemas = tool_schemas(TOOLS)
-    loop = ToolLoop(HFGenerator(tokenizer, max_new_tokens=max_completion_length), tokenizer,
-                    Toolset({"add": add}, schemas), max_completion_length, max_iterations=2, timeout=5.0)
-    correct, used = 0.0, 0.0
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start:start + batch_size]
-        ids = [tokenizer.apply_chat_template(prompt_messages(a, b), tools=schemas, add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for a, b in chunk]
-        rollout = loop(model, ids, 1, greedy=True)
-        correct += sum(answer_reward(rollout.completions, [str(a + b) for a, b in chunk]))
-        used += sum(tool_use_reward(rollout.completions))
-    return correct / len(problems), used / len(problems)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rlft.errors import RlftError
+
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # Keyword arguments rlft passes to every reward function; a dataset column must not shadow one.
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
@@ -20,7 +22,7 @@ REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state",
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DatasetError(ValueError):
+class DatasetError(RlftError, ValueError):
     """Unusable dataset rows or columns; the message names the row/column and the fix."""
 
 

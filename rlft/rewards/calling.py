@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
+from rlft.errors import RlftError
 from rlft.rewards.builtins import BUILTIN_REWARDS, get_soft_overlong_punishment
 
 MAX_REWARD = 1e15  # squared deviations overflow float32 near 1.8e19; this keeps a wide margin below that
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(RlftError, RuntimeError):
     """A reward function raised or returned something unusable."""
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlft.errors import RlftError
 from rlft.rollout.hf import Rollout, eos_token_ids
 from rlft.rollout.vllm import (
     StaleAfterStep,
@@ -37,7 +38,7 @@ from rlft.rollout.vllm import (
 )
 
 
-class VLLMServerError(RuntimeError):
+class VLLMServerError(RlftError, RuntimeError):
     """The vLLM server is unreachable, too slow, or refused a request; the message names the URL."""
 
 

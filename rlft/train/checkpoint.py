@@ -32,14 +32,11 @@ import numpy as np
 import torch
 
 from rlft.train import engine_io
+from rlft.train.safe_files import CheckpointError, check_finite, load_json, load_safetensors
 
 logger = logging.getLogger("rlft")
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "rlft_state.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete, corrupt, or not rlft's; the message names the file."""
 
 
 # ---- RNG states as JSON ---------------------------------------------------------------------------
@@ -141,16 +138,6 @@ def resolve_resume(resume: bool | str | Path | None, output_dir: str | Path) -> 
 
 
 # ---- writing --------------------------------------------------------------------------------------
-def check_finite(model_or_state_dict) -> None:
-    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model). Takes a model
-    or a (gathered) state dict."""
-    named = model_or_state_dict.items() if isinstance(model_or_state_dict, dict) else \
-        model_or_state_dict.named_parameters()
-    bad = [name for name, p in named if p.is_floating_point() and not torch.isfinite(p).all()]
-    if bad:
-        raise CheckpointError(f"refusing to save: {len(bad)} parameter tensors hold inf/NaN (e.g. {bad[:3]})")
-
-
 def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_dir: str | Path, step: int,
                     state: dict[str, Any], extra_tensors: dict[str, torch.Tensor] | None = None,
                     extra_json: dict[str, Any] | None = None, flow=None, save_total_limit: int | None = None,
@@ -215,32 +202,16 @@ def load_model_weights(model, folder: Path) -> None:
     from peft import PeftModel, set_peft_model_state_dict
 
     if isinstance(model, PeftModel):
-        set_peft_model_state_dict(model, _load_safetensors(folder / "adapter_model.safetensors"))
+        set_peft_model_state_dict(model, load_safetensors(folder / "adapter_model.safetensors"))
         return
     state = {}
     for shard in sorted(folder.glob("model*.safetensors")):  # model.safetensors or model-0000k-of-0000n shards
-        state.update(_load_safetensors(shard))
+        state.update(load_safetensors(shard))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name in missing if "lm_head" in name}  # tied to the embeddings, not saved twice
     if unexpected or set(missing) - tied:
         raise CheckpointError(f"checkpoint {folder} does not match the model: missing "
                               f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as err:  # safetensors raises its own error types for a malformed header
-        raise CheckpointError(f"{path} is not a valid safetensors file ({err})") from err
-
-
-def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} cannot be read as JSON ({err})") from err
 
 
 def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path, engine=None) -> tuple[dict, dict, dict]:
@@ -253,13 +224,13 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path, engine
         raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same number "
                           f"(now {accelerator.num_processes}): the RNG states and data order are per process")
     _load_weights_and_optimizer(accelerator, model, optimizer, path, engine)
-    scheduler.load_state_dict(_load_json(path / "scheduler.json"))
+    scheduler.load_state_dict(load_json(path / "scheduler.json"))
     rng_file = path / f"rng_state_{accelerator.process_index}.json"
     if not rng_file.is_file():
         raise CheckpointError(f"{rng_file} is missing: the checkpoint was written by fewer processes")
-    set_rng_state(_load_json(rng_file))
-    tensors = _load_safetensors(path / "extra.safetensors") if (path / "extra.safetensors").exists() else {}
-    extra = _load_json(path / "extra.json") if (path / "extra.json").exists() else {}
+    set_rng_state(load_json(rng_file))
+    tensors = load_safetensors(path / "extra.safetensors") if (path / "extra.safetensors").exists() else {}
+    extra = load_json(path / "extra.json") if (path / "extra.json").exists() else {}
     return state, tensors, extra
 
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from rlft.models import trainable_parameters
+from rlft.train.safe_files import check_finite, load_json, load_safetensors
 
 
 def save_pretrained(accelerator, engine, model, folder: Path, tokenizer=None) -> dict | None:
     """`save_pretrained` of the full weights, gathered on every process (FSDP2, ZeRO-3), written by the main one.
     Returns the gathered state dict (the main process's; None when nothing had to be gathered)."""
-    from rlft.train.checkpoint import check_finite
 
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model) if engine.sharded else None
@@ -118,11 +118,10 @@ def _deepspeed_states(accelerator, model):
 
 def load_engine_state(accelerator, engine, model, optimizer, folder: Path) -> None:
     """Read engine/ back into the sharded model and optimizer; every process calls this."""
-    from rlft.train.checkpoint import _load_json, _load_safetensors
 
-    weights = _load_safetensors(folder / "weights.safetensors")
-    tensors = _load_safetensors(folder / "optimizer.safetensors")
-    scalars = _load_json(folder / "optimizer.json")
+    weights = load_safetensors(folder / "weights.safetensors")
+    tensors = load_safetensors(folder / "optimizer.safetensors")
+    scalars = load_json(folder / "optimizer.json")
     if engine.fsdp:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

@@ -364,7 +364,8 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         gathered = [acc.gather(t.to(acc.device)).cpu() if acc.num_processes > 1 else t.cpu()
                     for t in (rewards, lengths, rollout.truncated.float())]
         advantages, total, stats = multi_reward_advantages(
-            gathered[0], self.reward_weights, args.num_generations, args.scale_rewards, args.multi_objective_aggregation)
+            gathered[0], self.reward_weights, args.num_generations, args.scale_rewards, args.multi_objective_aggregation,
+            estimator=args.advantage_estimator, lengths=gathered[1])
         rows = slice(acc.process_index * rewards.shape[0], (acc.process_index + 1) * rewards.shape[0])
         everyone = (gathered[0], total, gathered[1], gathered[2].bool())
         return advantages[rows], total[rows], stats, everyone

@@ -17,7 +17,7 @@ import torch
 
 from rlft.core.batching import balanced_bins, budget_count
 from rlft.core.importance import correction_stats, sampling_correction
-from rlft.core.losses import off_policy_sequence_mask, policy_loss
+from rlft.core.losses import LossOptions, off_policy_sequence_mask, policy_loss
 from rlft.core.regularizers import (
     adaptive_entropy_coef,
     entropy_bonus,
@@ -25,14 +25,11 @@ from rlft.core.regularizers import (
     high_entropy_mask,
     mix_reference,
 )
+from rlft.errors import NonFiniteStepError
 from rlft.models import GradientFlowError, check_gradient_flow
 from rlft.rollout.hf import Rollout
 from rlft.scoring import Score
 from rlft.train.metrics import StepSums, correction_metrics
-
-
-class NonFiniteStepError(RuntimeError):
-    """Too many consecutive GRPO steps with an inf/NaN loss or gradient norm."""
 
 
 @dataclass
@@ -99,6 +96,13 @@ def option_notes(args) -> list[str]:
 
 class PolicyUpdate:
     """Mixed into GRPOTrainer; uses its args, accelerator, model, optimizer, scheduler, log."""
+
+    @property
+    def loss_options(self) -> LossOptions:
+        """The loss's settings, read from the config once per run (a frozen LossOptions)."""
+        if getattr(self, "_loss_options", None) is None:
+            self._loss_options = LossOptions.from_config(self.args)
+        return self._loss_options
 
     def _forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
                  router_loss: bool = False):
@@ -272,16 +276,9 @@ class PolicyUpdate:
             off_policy = off_policy_sequence_mask(advantages, logps, old if sampler is None else sampler, mask,
                                                   args.off_policy_mask_threshold)
         loss, metrics = policy_loss(
-            logps, old, advantages, mask, loss_type=args.loss_type,
-            epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-            ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], beta=args.beta,
-            kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
-            importance_sampling_level=args.importance_sampling_level,
-            max_completion_length=args.max_completion_length, num_items=num_items,
-            num_sequences=num_sequences, sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg, rollout_is_weights=weights, delta=args.delta,
-            keep=off_policy, vespo={"k_pos": args.vespo_k_pos, "lambda_pos": args.vespo_lambda_pos,
-                                    "k_neg": args.vespo_k_neg, "lambda_neg": args.vespo_lambda_neg})
+            logps, old, advantages, mask, loss_type=args.loss_type, options=self.loss_options,
+            ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], num_items=num_items,
+            num_sequences=num_sequences, rollout_is_weights=weights, keep=off_policy)
         if off_policy is not None:
             metrics["off_policy/masked_fraction"] = 1.0 - off_policy.mean()
         if bonus:

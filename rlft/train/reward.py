@@ -20,7 +20,7 @@ from rlft.config import RewardConfig, to_dict, validate
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, NonFiniteLossError, RlftError
 from rlft.models import (
     apply_lora,
     disable_dropout,
@@ -42,12 +42,8 @@ from rlft.train.surface import TrainerSurface
 HEAD_NAMES = ("score", "classifier")
 
 
-class HeadFrozenError(RuntimeError):
+class HeadFrozenError(RlftError, RuntimeError):
     """The score/classifier head of a reward model would not be trained."""
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive steps with an inf/NaN loss."""
 
 
 def check_head_trainable(model) -> list[str]:

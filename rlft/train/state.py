@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import get_scheduler
 
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, RlftError
 from rlft.launch import collective_timeout, on_cpu_processes
 
 
@@ -53,7 +53,7 @@ def make_accelerator(cfg):
 DDP_OPTIONS = ("find_unused_parameters", "bucket_cap_mb", "broadcast_buffers", "static_graph")
 
 
-class CollectiveTimeoutError(RuntimeError):
+class CollectiveTimeoutError(RlftError, RuntimeError):
     """Another process did not reach a collective within ddp_timeout; the message names it."""
 
 

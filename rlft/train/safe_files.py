@@ -1,0 +1,43 @@
+"""Reading and writing the files of a checkpoint without pickle: the checks both the checkpoint logic
+(rlft/train/checkpoint.py) and the engines' state files (rlft/train/engine_io.py) use, in one module below
+both so neither imports the other."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlft.errors import RlftError
+
+
+class CheckpointError(RlftError, RuntimeError):
+    """A checkpoint that is incomplete, corrupt, or not rlft's; the message names the file."""
+
+
+def check_finite(model_or_state_dict) -> None:
+    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model). Takes a model
+    or a (gathered) state dict."""
+    named = model_or_state_dict.items() if isinstance(model_or_state_dict, dict) else \
+        model_or_state_dict.named_parameters()
+    bad = [name for name, p in named if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise CheckpointError(f"refusing to save: {len(bad)} parameter tensors hold inf/NaN (e.g. {bad[:3]})")
+
+
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for a malformed header
+        raise CheckpointError(f"{path} is not a valid safetensors file ({err})") from err
+
+
+def load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} cannot be read as JSON ({err})") from err

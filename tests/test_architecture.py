@@ -1,0 +1,141 @@
+"""The shape of the package, checked: rlft's modules import each other without a cycle, `rlft/core/` (the pure
+formulas) imports nothing else from rlft, the data layer nothing from rollout or training; every exception rlft
+defines derives from `RlftError`; no file over 500 lines and no function over 60 (docs/concepts.md)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import rlft
+from rlft.errors import RlftError
+
+PACKAGE = Path(rlft.__file__).parent
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """rlft modules `name` imports anywhere in its file (top level or inside functions)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names)
+    resolved = set()
+    for target in targets:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            resolved.add(target)
+    return resolved
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (iterative Tarjan)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    edges = graph()
+    assert len(edges) > 60 and "rlft.train.checkpoint" in edges["rlft.train.grpo"] | edges["rlft.train.reward"]
+    assert cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_core_imports_nothing_else_from_rlft_and_data_nothing_from_above():
+    edges = graph()
+    for name, targets in edges.items():
+        if name.startswith("rlft.core"):
+            assert {t for t in targets if not t.startswith("rlft.core")} == set(), name
+        if name.startswith("rlft.data"):
+            above = {t for t in targets if t.startswith(("rlft.rollout", "rlft.train", "rlft.trainer"))}
+            assert above == set(), name
+
+
+def test_every_rlft_exception_derives_from_rlft_error():
+    classes = {}
+    for info in pkgutil.walk_packages(rlft.__path__, "rlft."):
+        if info.name.startswith("rlft.assets"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (vLLM) is not installed here
+            continue
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, BaseException) and cls.__module__.startswith("rlft."):
+                classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    assert len(classes) >= 12
+    assert [name for name, cls in classes.items() if not issubclass(cls, RlftError)] == []
+
+
+def test_no_file_over_500_lines_and_no_function_over_60():
+    long_files, long_functions = [], []
+    for name, path in modules().items():
+        text = path.read_text()
+        if text.count("\n") > 500:
+            long_files.append(name)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                long_functions.append(f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long_files == [] and long_functions == []
