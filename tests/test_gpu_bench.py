@@ -1,0 +1,41 @@
+"""benchmarks/gpu/bench.py runs end to end at its tiny CPU shape: it is written for a GPU that CI lacks, so
+this is what keeps it from rotting. TRL joins only where this interpreter can import it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench.py"
+FIELDS = {"lib", "shape", "rows", "length", "dtype", "device_name", "versions", "model_gb", "seconds",
+          "tokens_per_s", "logp_sum", "grad_norm", "memory", "peak_gb"}
+
+
+def test_tiny_cpu_run_agrees_across_libraries(tmp_path):
+    libs = ["rlft", "plain"] + (["trl"] if importlib.util.find_spec("trl") else [])
+    out = tmp_path / "results.md"
+    command = [sys.executable, str(BENCH), "--device", "cpu", "--shape", "tiny", "--lengths", "32",
+               "--rows", "2", "--repeats", "1", "--libs", *libs, "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = {row["lib"]: row for row in map(json.loads, lines)}
+    assert set(rows) == set(libs)
+    for row in rows.values():
+        assert "error" not in row, row
+        assert FIELDS <= set(row), FIELDS - set(row)
+        assert (row["shape"], row["rows"], row["length"], row["dtype"]) == ("tiny", 2, 32, "float32")
+        assert row["seconds"] > 0 and row["peak_gb"] > 0 and row["memory"] == "peak RSS"
+    for lib in libs[1:]:  # same model, seed and tokens: same log-probs and gradient, whoever computes them
+        assert math.isclose(rows[lib]["logp_sum"], rows["rlft"]["logp_sum"], rel_tol=1e-4), lib
+        assert math.isclose(rows[lib]["grad_norm"], rows["rlft"]["grad_norm"], rel_tol=1e-4), lib
+    report = out.read_text()
+    assert report.startswith("# rlft vs TRL 1.16 scoring on CPU")
+    assert "Command: `python " in report and "--shape tiny" in report and "torch " in report
+    assert "| shape | library | completion tokens | peak RSS (GiB) |" in report
+    assert all(f"| tiny | {lib} | 32 |" in report for lib in libs)
+    assert report.count("\n{") == len(libs)  # the JSON lines, one per child
