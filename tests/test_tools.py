@@ -82,6 +82,28 @@ def test_template_checks(tok, tiny_causal_dir):
     assert suffix == "\n<|im_start|>tool\n46<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_a_template_that_rewrites_an_earlier_turn_still_gives_the_tool_suffix(tok):
+    """Qwen3's template is not prefix-preserving: an assistant turn gets an empty think block only while it is the
+    last message. What follows the turn's EOS is the same either way, so the suffix is found after the turn's EOS;
+    a template whose tool messages cannot be found after that EOS is still refused."""
+    import copy
+
+    from rlft.tiny import TOOL_CHAT_TEMPLATE
+
+    thinking = copy.deepcopy(tok)
+    thinking.chat_template = TOOL_CHAT_TEMPLATE.replace(
+        "\n{{ message['content'] or '' }}",
+        "\n{% if message['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+        "{{ message['content'] or '' }}")
+    messages = [{"role": "tool", "name": "add", "content": "46"}]
+    assert tool_suffix_ids(thinking, messages) == tool_suffix_ids(tok, messages)
+    broken = copy.deepcopy(tok)  # ... and tool results glued into the turn, with no EOS of their own
+    broken.chat_template = thinking.chat_template.replace(
+        "<|im_end|>\n{% endfor %}", "{% if message['role'] != 'tool' %}<|im_end|>\n{% endif %}{% endfor %}")
+    with pytest.raises(ConfigError, match="not prefix-preserving"):
+        tool_suffix_ids(broken, messages)
+
+
 def test_call_runs_and_result_is_context_not_trained(tok):
     tools, engine = loop(tok, add_then_answer)
     prompt = prompt_ids(tok)

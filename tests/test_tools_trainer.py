@@ -286,6 +286,10 @@ def test_a_dict_of_environments_routes_each_row_by_its_environment_column(tmp_pa
     trainer = scripted(GRPOTrainer(tiny_tool_dir, [lambda completions, **k: [0.0] * len(completions)], cfg,
                                    train_dataset=rows, environment_factory={"lamp": Lamp, "door": Door}), script)
     assert trainer.reward_names[-1] == "Lamp"
+    # TRL's attributes: every environment's tools once (get_reward and reset are not tools), and each one's own
+    assert sorted(t.__name__ for t in trainer.tools) == ["knock", "switch"]
+    assert {k: [t.__name__ for t in v] for k, v in trainer._env_tools.items()} == {"lamp": ["switch"],
+                                                                                   "door": ["knock"]}
     batch = trainer._make_rollout(0)
     lamp_rewards = [s["Lamp"] for s in batch.samples]
     kinds = [type(env).__name__ for env in batch.rollout.extra["environments"]]

@@ -593,6 +593,7 @@ def test_named_and_streaming_eval_sets_for_both_trainers(tmp_path, shipped_polic
     )
     metrics = grpo.evaluate()
     assert all(any(k.startswith(p) and k.endswith("reward") for k in metrics) for p in prefixes), metrics
+    assert all(metrics[f"{p}loss"] == 0.0 for p in prefixes), metrics  # greedy: no advantage, no KL
     evaluation, prefixes = shaped(preference_rows(4, heldout=True), preference_rows(6, heldout=True))
     reward = RewardTrainer(
         str(tiny_rm_dir),
@@ -672,3 +673,57 @@ def test_trl_grpo_command_line_arguments_are_accepted(tmp_path, shipped_policy_d
         "q_proj",
         "v_proj",
     ]
+
+
+# ---- what TRL's own tests read around the loop --------------------------------------------------------------
+def test_evaluate_reports_the_loss_on_the_eval_completions(tmp_path, shipped_policy_dir):
+    """Greedy evaluation (one completion per prompt) has no advantage, so its loss is exactly 0; with sampled
+    groups the on-policy dapo loss is -sum_i A_i |o_i| / sum_i |o_i| (ratio 1, nothing clipped)."""
+    cfg = tiny_grpo_config(tmp_path, max_completion_length=8)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], cfg, addition_rows(16),
+                          eval_dataset=addition_rows(3, heldout=True))
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == 0.0 and "eval_reward" in metrics
+    rollout = trainer._generate(trainer.train_prompts.batch([0]), 4)
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [0.0]])
+    lengths = rollout.loss_mask.sum(dim=1).double()
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64) * 0.5 / (3 ** -0.5 + 1e-4)
+    expected = -(advantages * lengths).sum() / lengths.sum()
+    assert trainer._eval_loss(rollout, rewards, 4) == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_streamed_train_set_is_read_per_process_as_trl_configures_it(tmp_path, shipped_policy_dir):
+    import datasets
+
+    stream = datasets.Dataset.from_list(addition_rows(16)).to_iterable_dataset()
+    with pytest.raises(ConfigError, match=r"Iterable datasets require `dispatch_batches=False`"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer],
+                    tiny_grpo_config(tmp_path, accelerator_config={"dispatch_batches": True}), stream)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer],
+                          tiny_grpo_config(tmp_path, dataloader_num_workers=4), stream)
+    assert trainer.args.accelerator_config.dispatch_batches is False
+    assert trainer.args.dataloader_num_workers == 0  # workers would split the stream's groups
+
+
+def test_log_extra_columns_reach_the_latest_generation_batch_view(tmp_path, shipped_policy_dir):
+    def tagged(completions, log_extra=None, **kwargs):
+        log_extra("first_char", [str(c)[:1] for c in completions])
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(str(shipped_policy_dir), [tagged], tiny_grpo_config(tmp_path, max_steps=1),
+                          addition_rows(16))
+    trainer.train()
+    logs = trainer._logs
+    assert len(logs["extra"]["first_char"]) == len(logs["completion"]) == 8
+    assert logs["rewards"]["tagged"] == [0.0] * 8 and len(logs["advantages"]) == 8
+
+
+def test_trls_older_pretokenized_column_names_warn_in_trls_words(tiny_rm_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_rm_dir)
+    rows = [{"chosen_input_ids": tokenizer(r["chosen"]).input_ids,
+             "rejected_input_ids": tokenizer(r["rejected"]).input_ids} for r in preference_rows(8)]
+    with pytest.warns(FutureWarning, match="will not be supported in v1"):
+        RewardTrainer(str(tiny_rm_dir), RewardConfig(output_dir=str(tmp_path), report_to="none"),
+                      train_dataset=rows)

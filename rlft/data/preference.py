@@ -105,8 +105,9 @@ class PreferencePairs:
         self.tokenized = next((names for names in TOKENIZED_NAMES if all(c in dataset.column_names for c in names)),
                               None)
         if self.tokenized == TOKENIZED_NAMES[1]:
-            warnings.warn("the columns chosen_input_ids / rejected_input_ids are TRL's older names: rename them "
-                          "chosen_ids / rejected_ids", FutureWarning, stacklevel=3)
+            warnings.warn("the columns chosen_input_ids / rejected_input_ids are TRL's older names, which TRL says "
+                          "will not be supported in v1: rename them chosen_ids / rejected_ids", FutureWarning,
+                          stacklevel=3)
         missing = [c for c in ("chosen", "rejected") if c not in dataset.column_names]
         if missing and not self.tokenized:
             raise DatasetError(f"preference dataset lacks column(s) {missing}; columns found: {dataset.column_names}. "

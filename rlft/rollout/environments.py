@@ -38,7 +38,7 @@ class Environments:
         if not factories:
             raise ConfigError("environment_factory is an empty dict: give at least one name: factory")
         self.factories, self.tools = dict(factories), list(tools)
-        self.pools, self.kinds, self.schemas = {}, {}, {}
+        self.pools, self.kinds, self.schemas, self.tools_of = {}, {}, {}, {}
         for name, factory in self.factories.items():
             if not callable(factory):
                 raise ConfigError(f"environment_factory{'' if name is None else f'[{name!r}]'} must be a callable "
@@ -49,7 +49,8 @@ class Environments:
                 raise ConfigError(f"environment {kind.__name__} has no reset() method: define reset(self, **row), "
                                   "returning None or a string appended to the prompt")
             self.pools[name], self.kinds[name] = [probe], kind
-            self.schemas[name] = tool_schemas(self.tools + _methods(probe))  # checked once, the same per instance
+            self.tools_of[name] = self.tools + _methods(probe)  # the probe's bound methods (TRL's `_env_tools`)
+            self.schemas[name] = tool_schemas(self.tools_of[name])  # checked once, the same per instance
         self.owners = list(dict.fromkeys(k for k in self.kinds.values() if callable(getattr(k, "get_reward", None))))
 
     @property

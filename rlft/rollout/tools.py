@@ -145,11 +145,21 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: dict 
     after = list(tokenizer.apply_chat_template(head + tool_messages, add_generation_prompt=True, **kwargs))
     eos = [i for i, t in enumerate(before) if t == tokenizer.eos_token_id]
     before = before[:eos[-1] + 1] if eos else before
-    if after[:len(before)] != before:
-        raise ConfigError("the chat template renders an assistant turn differently once tool messages follow it "
-                          "(it is not prefix-preserving), so tool results cannot be appended to generated tokens; "
-                          "use a template that renders earlier messages the same whatever follows")
-    return after[len(before):]
+    if after[:len(before)] == before:
+        return after[len(before):]
+    # Not prefix-preserving: e.g. Qwen3's template drops the empty <think></think> of an assistant turn that is no
+    # longer the last one. The turn still ends at the same EOS, and what follows it does not depend on the turn:
+    # the suffix starts after as many EOS tokens as the conversation without the tool messages has.
+    ends = [i for i, t in enumerate(after) if t == tokenizer.eos_token_id]
+    if eos and len(ends) > len(eos):
+        suffix = after[ends[len(eos) - 1] + 1:]
+        text = tokenizer.decode(suffix)
+        if all(str(m["content"]) in text for m in tool_messages) and tokenizer.eos_token_id in suffix:
+            return suffix
+    raise ConfigError("the chat template renders an assistant turn differently once tool messages follow it "
+                      "(it is not prefix-preserving) and the tool messages cannot be told apart from that turn, "
+                      "so tool results cannot be appended to generated tokens; use a template that renders "
+                      "earlier messages the same whatever follows")
 
 
 def check_template(tokenizer, template_kwargs: dict | None = None) -> None:

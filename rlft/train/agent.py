@@ -29,6 +29,17 @@ def import_tools(names: list[str] | str) -> list:
     return tools
 
 
+def streaming_settings(args) -> None:
+    """A streamed (iterable) train set is read by every process, each keeping its own rows, in one thread: the
+    settings say so, as TRL's do (`dispatch_batches=False`, no dataloader workers that would split the groups)."""
+    if args.accelerator_config.dispatch_batches:
+        raise ConfigError("Iterable datasets require `dispatch_batches=False`: every process reads the stream and "
+                          "keeps its own rows (dispatching from the main process is not supported); remove "
+                          "accelerator_config.dispatch_batches or set it to false")
+    args.accelerator_config.dispatch_batches = False
+    args.dataloader_num_workers = 0
+
+
 class RolloutSource:
     """Uses the trainer's args, tokenizer, accelerator, engine and model."""
 
@@ -43,6 +54,11 @@ class RolloutSource:
             raise ConfigError(f"rollout_func must be callable, got {rollout_func!r}")
         self.rollout_func, self.tools = rollout_func, tools
         self.environments = None if environment_factory is None else Environments(environment_factory, tools)
+        if self.environments is not None:  # TRL's: every environment's tools once, and each environment's own
+            self._env_tools = dict(self.environments.tools_of)
+            self.tools = list(tools)
+            for methods in self._env_tools.values():
+                self.tools += [m for m in methods if m.__name__ not in {t.__name__ for t in self.tools}]
         self._template_kwargs = dict(args.chat_template_kwargs or {})
         if not (tools or self.environments):
             return []
@@ -70,6 +86,8 @@ class RolloutSource:
             rows = args.generation_batch_size or args.per_device_train_batch_size * spg * self.accelerator.num_processes
             return load_dataset_any([{"prompt": empty} for _ in range(max(rows // args.num_generations, 1))])
         dataset = load_dataset_any(train_dataset)
+        if isinstance(dataset, datasets.IterableDataset):
+            streaming_settings(args)
         if self.environments is not None and "prompt" not in dataset.column_names:
             if isinstance(dataset, datasets.IterableDataset):
                 return dataset.map(lambda row: {**row, "prompt": empty})

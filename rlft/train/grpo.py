@@ -354,6 +354,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
                          for i, (p, c, t, a, row) in enumerate(zip(_repeat(prompts["prompts"], args.num_generations),
                                                                    completions, total.tolist(), advantages.tolist(),
                                                                    rewards.tolist()))]
+        self._latest_samples = batch.samples
         return batch
 
     def _advantages(self, rewards: torch.Tensor, rollout):
@@ -391,8 +392,9 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Completions for every eval prompt (greedy; num_generations_eval sampled ones when set), scored by
-        every reward function -> `<prefix>_reward`, `<prefix>_rewards/<name>/mean`. A dict of datasets is
-        evaluated per name with prefix `<prefix>_<name>`."""
+        every reward function -> `<prefix>_reward`, `<prefix>_rewards/<name>/mean`, and the loss on them ->
+        `<prefix>_loss` (0 for greedy completions without KL: one per prompt has no advantage). A dict of datasets
+        is evaluated per name with prefix `<prefix>_<name>`."""
         datasets = self.eval_datasets if eval_dataset is None else load_eval_datasets(eval_dataset)
         if not datasets:
             raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or the call)")
@@ -416,14 +418,16 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
 
     def _evaluate_one(self, prompts: PromptSet, prefix: str) -> dict[str, float]:
         n = self.args.num_generations_eval or 1
-        rows, chunk, all_rewards = list(range(len(prompts))), max(256 // n, 1), []
+        rows, chunk, all_rewards, loss = list(range(len(prompts))), max(256 // n, 1), [], 0.0
         for start in range(0, len(rows), chunk):
             batch = prompts.batch(rows[start:start + chunk])
             rollout = self._generate(batch, n, greedy=self.args.num_generations_eval is None)
             all_rewards.append(self._score(rollout, batch, n)[0])
+            loss += self._eval_loss(rollout, all_rewards[-1], n) * all_rewards[-1].shape[0]
         rewards = torch.cat(all_rewards)  # [E * n, F]
-        metrics = {f"{prefix}_rewards/{r}/mean": torch.nanmean(rewards[:, i]).item()
-                   for i, r in enumerate(self.reward_names)}
+        metrics = {f"{prefix}_loss": loss / max(rewards.shape[0], 1)}
+        metrics.update({f"{prefix}_rewards/{r}/mean": torch.nanmean(rewards[:, i]).item()
+                        for i, r in enumerate(self.reward_names)})
         metrics[f"{prefix}_reward"] = torch.nanmean(torch.nansum(rewards * self.reward_weights, dim=1)).item()
         return metrics
 

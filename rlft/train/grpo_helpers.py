@@ -76,3 +76,14 @@ class GRPOHelpers:
     @property
     def reward_func_names(self) -> list[str]:
         return list(self.reward_names)
+
+    @property
+    def _logs(self) -> dict:
+        """TRL's view of the latest generation batch (what its completions table shows): prompt, completion,
+        rewards per function, advantages, and the `log_extra` columns reward functions added."""
+        samples = getattr(self, "_latest_samples", [])
+        known = {"prompt", "completion", "reward", "advantage", *self.reward_names}
+        extra = {k: [s[k] for s in samples] for k in (samples[0] if samples else {}) if k not in known}
+        return {"prompt": [s["prompt"] for s in samples], "completion": [s["completion"] for s in samples],
+                "rewards": {n: [s[n] for s in samples] for n in self.reward_names},
+                "advantages": [s["advantage"] for s in samples], "extra": extra}

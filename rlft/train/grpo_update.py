@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlft.core.advantages import multi_reward_advantages
 from rlft.core.batching import balanced_bins, budget_count
 from rlft.core.importance import correction_stats, sampling_correction
 from rlft.core.losses import LossOptions, off_policy_sequence_mask, policy_loss
@@ -174,6 +175,25 @@ class PolicyUpdate:
             logps = self._forward(model, rollout, rows)[0]
             out[rows, :logps.shape[1]] = logps.float()
         return out
+
+    @torch.no_grad()
+    def _eval_loss(self, rollout: Rollout, rewards: torch.Tensor, group: int) -> float:
+        """The loss on evaluation completions (TRL's `eval_loss`): advantages within each prompt's `group`
+        completions, the policy on-policy (ratio 1), plus the KL term when beta > 0. Greedy evaluation (one
+        completion per prompt) has advantage 0 everywhere: without KL its loss is exactly 0, and no forward pass
+        is spent on it."""
+        args = self.args
+        lengths = rollout.loss_mask.sum(dim=1).float().cpu()
+        advantages, _, _ = multi_reward_advantages(rewards.cpu(), self.reward_weights, group, args.scale_rewards,
+                                                   args.multi_objective_aggregation,
+                                                   estimator=args.advantage_estimator, lengths=lengths)
+        if args.beta == 0 and not bool(advantages.abs().any()):
+            return 0.0
+        logps = self._logps_no_grad(self.model, rollout)
+        ref = self._reference_logps(rollout) if args.beta > 0 else None
+        loss, _ = policy_loss(logps, logps, advantages.to(logps.device), rollout.loss_mask, loss_type=args.loss_type,
+                              options=self.loss_options, ref_logps=ref)
+        return loss.item()
 
     def _reference_logps(self, rollout: Rollout) -> torch.Tensor:
         if self.ref_model is not None:
