@@ -151,8 +151,12 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     report.add("PASS", "model", f"{type(unwrapped).__name__}, {'LoRA' if trainer.is_peft else 'full'}; "
                + _summarise_trainable(unwrapped))
-    report.add("INFO", "dtype", f"weights {next(unwrapped.parameters()).dtype}; log-probs and loss float32")
+    dtype = next(unwrapped.parameters()).dtype
+    report.add("INFO", "dtype", f"weights {dtype}; log-probs and loss float32")
     batch = trainer._make_rollout(0)
+    report.add("INFO", "machine", f"matmul peak {trainer.throughput.peak / 1e9:,.0f} GFLOP/s in {dtype} on "
+               f"{trainer.accelerator.device} (measured: a square matmul, best of 5); this rollout used "
+               f"{batch.metrics['perf/mfu_generation']:.2g}% of it (perf/mfu_* metrics are against this peak)")
     sample = batch.samples[0]
     report.add("PASS", "generation", f"{len(batch.samples)} completions, e.g. {str(sample['completion'])[:80]!r}")
     zero = batch.metrics["frac_reward_zero_std"]

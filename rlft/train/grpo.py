@@ -331,6 +331,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         rollout = self._generate(prompts, args.num_generations)  # the engine, the tool loop or rollout_func
         generated = time.perf_counter()
         tokens = (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()  # before any masking
+        sampling = self.throughput.generation(rollout, generated - started, args.num_generations)
         reward_log = RewardLog()
         rewards, completions = self._score(rollout, prompts, args.num_generations, reward_log)
         scored = time.perf_counter()
@@ -345,6 +346,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         batch.metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
         batch.metrics.update(reward_log.metrics(self.accelerator))
         batch.metrics.update(tool_metrics(rollout.stats, self.accelerator))
+        batch.metrics.update(sampling)
         batch.metrics.update({"time/generation_seconds": generated - started, "time/reward_seconds": scored - generated})
         self.flow.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens.to(self.accelerator.device),
                                                                              "sum").item())

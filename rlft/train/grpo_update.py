@@ -28,6 +28,7 @@ from rlft.core.regularizers import (
 )
 from rlft.errors import NonFiniteStepError
 from rlft.models import GradientFlowError, check_gradient_flow
+from rlft.perf import Throughput
 from rlft.rollout.hf import Rollout
 from rlft.scoring import Score
 from rlft.train.metrics import StepSums, correction_metrics
@@ -97,6 +98,14 @@ def option_notes(args) -> list[str]:
 
 class PolicyUpdate:
     """Mixed into GRPOTrainer; uses its args, accelerator, model, optimizer, scheduler, log."""
+
+    @property
+    def throughput(self) -> Throughput:
+        """MFU and tokens/s per phase against this device's measured matmul peak (rlft/perf.py)."""
+        if getattr(self, "_throughput", None) is None:
+            model = self.accelerator.unwrap_model(self.model)
+            self._throughput = Throughput(model.config, self.accelerator.device, next(model.parameters()).dtype)
+        return self._throughput
 
     @property
     def loss_options(self) -> LossOptions:
@@ -233,6 +242,8 @@ class PolicyUpdate:
                 self.engine.backward(self.model, loss * acc.num_processes)
             sums.add(loss, metrics, entropy, mask)
         metrics = self._finish_step(sums, started, check_flow)
+        if "grad_norm" in metrics:  # an applied step: how much of the machine its forward + backward used
+            metrics.update(self.throughput.training(rollout, metrics["time/train_seconds"]))
         metrics.update(extra)
         if self._entropy_bonus_on() and "entropy" in metrics:  # a skipped step measured nothing: no update
             metrics.update(self._entropy_control(metrics["entropy"]))
