@@ -199,7 +199,7 @@ def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
     before = _engine_mismatch(trainer, rollout)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad()
-    generator.on_optimizer_step(args, trainer.state, None)
+    generator.on_weights_changed()
     prompts = trainer.train_prompts.batch([0])["prompt_ids"]
     after = _engine_mismatch(trainer, generator(unwrapped, prompts, args.num_generations))
     detail = f"max |trainer - engine| log-prob: {before:.2g} at the start, {after:.2g} after one optimiser step"

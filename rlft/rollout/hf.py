@@ -124,6 +124,14 @@ class HFGenerator:
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and \
             not synced and self.sampling.get("num_beams", 1) == 1
 
+    holds_own_weights = False  # generate reads the live model: nothing to sync
+
+    def on_weights_changed(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     @torch.no_grad()
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
                  max_new_tokens: int | None = None) -> Rollout:

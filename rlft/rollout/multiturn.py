@@ -49,6 +49,16 @@ class ToolLoop:
         self.runner = ToolRunner(timeout)
         self.template_kwargs = template_kwargs
 
+    @property
+    def holds_own_weights(self) -> bool:
+        return self.engine.holds_own_weights
+
+    def on_weights_changed(self) -> None:
+        self.engine.on_weights_changed()
+
+    def close(self) -> None:
+        self.engine.close()
+
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
                  toolsets: list[Toolset] | None = None) -> Rollout:
         prompts = [ids for ids in prompt_ids for _ in range(num_generations)]

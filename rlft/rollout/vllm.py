@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import TrainerCallback
 
 from rlft.data.prompts import left_pad
 from rlft.rollout.hf import Rollout, completion_mask_from, eos_token_ids
@@ -167,17 +166,15 @@ def request_fields(args, eos_ids: list[int], seed: int | None, max_tokens: int |
             "min_p": args.min_p or 0.0, "seed": seed, "logprobs": 0}
 
 
-class StaleAfterStep(TrainerCallback):
-    """An engine holding its own copy of the weights: every optimiser step (and a resume) marks it stale;
-    it syncs once before its next generation."""
+class StaleAfterStep:
+    """An engine holding its own copy of the weights: the trainer marks it stale after every applied optimiser
+    step and after a resume (`on_weights_changed`); it syncs once before its next generation."""
 
     stale, syncs = True, 0
+    holds_own_weights = True
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
+    def on_weights_changed(self) -> None:
         self.stale = True
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.stale = True  # resume loaded other weights
 
 
 class VLLMColocate(StaleAfterStep):

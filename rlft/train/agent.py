@@ -13,7 +13,6 @@ from rlft.rollout.environments import Environments, function_rollout
 from rlft.rollout.hf import Rollout, eos_token_ids
 from rlft.rollout.multiturn import ToolLoop, Toolset
 from rlft.rollout.tools import check_template, tool_schemas
-from rlft.rollout.vllm import StaleAfterStep
 
 
 def import_tools(names: list[str] | str) -> list:
@@ -111,8 +110,7 @@ class RolloutSource:
     def _generation_context(self):
         """FSDP2 gathers every layer for generate; a vLLM engine never runs the policy's forward (its weight
         sync makes the weights whole itself), so it is spared holding the whole policy for the rollout."""
-        engine = getattr(self.generator, "engine", self.generator)
-        if self.rollout_func is None and isinstance(engine, StaleAfterStep):
+        if self.rollout_func is None and self.generator.holds_own_weights:
             return contextlib.nullcontext()
         return self.engine.for_generation(self.model)
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
 
 from rlft.compat import no_effect_notes
@@ -113,9 +112,6 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
                          self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
                          args.per_device_train_batch_size)
         self.state = self.flow.state
-        engine = getattr(self.generator, "engine", self.generator)  # the engine inside a tool loop
-        if isinstance(engine, TrainerCallback):  # an engine that must hear of optimiser steps (vLLM)
-            self.add_callback(engine)
         self.flow.fire("on_init_end")
 
     # ---- set-up, all checks before the model is loaded -------------------------------------------
@@ -222,6 +218,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
                       f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
         for note in [*self._setup_notes, *filter(None, self._notes)]:
             self.log.warn(note)
+        self.generator.on_weights_changed()  # a resume may have loaded other weights than the engine holds
         flow.fire("on_train_begin")
         try:
             with run_state.named_timeouts(self.accelerator, args):

@@ -339,6 +339,7 @@ class PolicyUpdate:
         grad_norm = engine_norm if grad_norm is None else grad_norm
         if not applied:  # DeepSpeed found the gradient norm not finite and left the weights as they were
             return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started, nonfinite=True)
+        self.generator.on_weights_changed()  # an engine with its own copy of the weights syncs before it samples
         self.flow.fire("on_optimizer_step")
         self.scheduler.step()
         self.engine.zero_grad(self.model, self.optimizer)

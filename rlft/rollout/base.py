@@ -1,0 +1,29 @@
+"""The one protocol every rollout engine meets: transformers' generate (`hf.py`), vLLM colocated (`vllm.py`) or
+as a server (`vllm_server.py`), and the tool loop around any of them (`multiturn.py`).
+
+The trainer calls the engine for completions and tells it when the policy's weights changed (after each applied
+optimiser step and after a resume); an engine holding its own copy of the weights (vLLM) syncs before its next
+generation, one reading the live model (generate) has nothing to do.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from rlft.rollout.hf import Rollout
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """`engine(model, prompt_ids, num_generations, greedy=False) -> Rollout` (groups of num_generations
+    consecutive rows per prompt), `on_weights_changed()`, `close()`; `holds_own_weights` says whether the engine
+    keeps a copy of the weights (so the trainer need not make its own whole for a rollout)."""
+
+    holds_own_weights: bool
+
+    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
+                 **kwargs) -> Rollout: ...
+
+    def on_weights_changed(self) -> None: ...
+
+    def close(self) -> None: ...
