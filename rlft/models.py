@@ -317,7 +317,7 @@ def parameter_summary(model) -> dict:
 
 def check_gradient_flow(model_or_grads) -> None:
     """After a backward pass: every trainable parameter must hold a finite, non-zero gradient. Takes a model
-    (its param.grad) or (name, full gradient) pairs (rlft/train/engines.py: Engine.grads, for DeepSpeed)."""
+    (its param.grad) or (name, full gradient) pairs (rlft/train/engines/: TrainingEngine.grads, for DeepSpeed)."""
     if isinstance(model_or_grads, torch.nn.Module):
         grads = [(name, p.grad) for name, p in trainable_parameters(model_or_grads)]
     else:

@@ -143,7 +143,7 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
                     extra_json: dict[str, Any] | None = None, flow=None, save_total_limit: int | None = None,
                     engine=None) -> Path:
     """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files). Under FSDP2 and
-    DeepSpeed the weights and optimizer state are gathered whole (rlft/train/engine_io.py)."""
+    DeepSpeed the weights and optimizer state are gathered whole (the engine's save_state, rlft/train/engines/)."""
     from safetensors.torch import save_file
 
     output_dir = Path(output_dir)

@@ -44,7 +44,7 @@ from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state
 from rlft.train.agent import RolloutSource
-from rlft.train.engines import Engine
+from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.grpo_helpers import GRPOHelpers
 from rlft.train.grpo_update import PolicyUpdate, RolloutBatch, option_notes
@@ -82,7 +82,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         self.args = args = validate(args or GRPOConfig(output_dir=default_output_dir(model, "GRPO")))
         run_state.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
         self.accelerator = run_state.make_accelerator(args)
-        self.engine = Engine(self.accelerator)
+        self.engine = make_engine(self.accelerator)
         run_state.check_writable(args.output_dir)
         source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", None)
         self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "left")
@@ -198,7 +198,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         if self.args.sync_ref_model and self.engine.sharded:
             raise ConfigError(f"sync_ref_model under {self.engine.name}: moving a reference whose weights are in pieces is not "
                               "built; use DDP, or sync_ref_model: false")
-        if self.engine.zero_stage != 3:
+        if not self.engine.partitions_on_load:
             return copy.deepcopy(model).eval().requires_grad_(False)
         if source is None or isinstance(source, torch.nn.Module):
             raise ConfigError("ZeRO-3 full fine-tuning with beta > 0 loads the reference model a second time: pass "

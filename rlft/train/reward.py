@@ -34,7 +34,7 @@ from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state
-from rlft.train.engines import Engine
+from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.metrics import MetricWindow
 from rlft.train.surface import TrainerSurface
@@ -79,7 +79,7 @@ class RewardTrainer(TrainerSurface):
         self.data_collator, self.compute_metrics = data_collator, compute_metrics
         run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
-        self.engine = Engine(self.accelerator)
+        self.engine = make_engine(self.accelerator)
         run_state.check_writable(args.output_dir)
         source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", None)
         self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "right")

@@ -22,7 +22,7 @@ from rlft.launch import collective_timeout, on_cpu_processes
 
 
 def make_accelerator(cfg):
-    """The run's Accelerator, running the engine the launch asks for (rlft/train/engines.py), on the process
+    """The run's Accelerator, running the engine the launch asks for (rlft/train/engines/), on the process
     state the config already describes (rlft/launch.py). The LR scheduler is never handed to accelerate: a
     prepared scheduler advances once per process per optimiser step."""
     import torch
