@@ -27,3 +27,15 @@ class RolloutEngine(Protocol):
     def on_weights_changed(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def holds_own_weights(engine) -> bool:
+    """The engine's `holds_own_weights`; a bare callable engine (a test stub, a user's own) reads the live model."""
+    return bool(getattr(engine, "holds_own_weights", False))
+
+
+def weights_changed(engine) -> None:
+    """Tell the engine the policy's weights changed; a bare callable engine has nothing to sync."""
+    notify = getattr(engine, "on_weights_changed", None)
+    if notify is not None:
+        notify()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlft.data.prompts import right_pad
+from rlft.rollout.base import holds_own_weights, weights_changed
 from rlft.rollout.hf import Rollout
 from rlft.rollout.tools import ToolCall, ToolRunner, parse_turn, tool_suffix_ids
 
@@ -51,13 +52,14 @@ class ToolLoop:
 
     @property
     def holds_own_weights(self) -> bool:
-        return self.engine.holds_own_weights
+        return holds_own_weights(self.engine)
 
     def on_weights_changed(self) -> None:
-        self.engine.on_weights_changed()
+        weights_changed(self.engine)
 
     def close(self) -> None:
-        self.engine.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
                  toolsets: list[Toolset] | None = None) -> Rollout:

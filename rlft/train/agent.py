@@ -9,6 +9,7 @@ import importlib
 from rlft.data.prompts import DatasetError, load_dataset_any, render_prompt
 from rlft.errors import ConfigError
 from rlft.rollout import make_generator
+from rlft.rollout.base import holds_own_weights
 from rlft.rollout.environments import Environments, function_rollout
 from rlft.rollout.hf import Rollout, eos_token_ids
 from rlft.rollout.multiturn import ToolLoop, Toolset
@@ -110,7 +111,7 @@ class RolloutSource:
     def _generation_context(self):
         """FSDP2 gathers every layer for generate; a vLLM engine never runs the policy's forward (its weight
         sync makes the weights whole itself), so it is spared holding the whole policy for the rollout."""
-        if self.rollout_func is None and self.generator.holds_own_weights:
+        if self.rollout_func is None and holds_own_weights(self.generator):
             return contextlib.nullcontext()
         return self.engine.for_generation(self.model)
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers.trainer_utils import TrainOutput
 
 from rlft.compat import no_effect_notes
-from rlft.config import GRPOConfig, to_dict, validate
+from rlft.config import GRPOConfig, validate
 from rlft.core.advantages import multi_reward_advantages
 from rlft.data.prompts import PromptSet, epoch_order, load_eval_datasets, materialize
 from rlft.errors import ConfigError
@@ -38,8 +36,8 @@ from rlft.models import (
     training_dtype,
 )
 from rlft.rewards.calling import RewardLog, check_keywords, compute_rewards, resolve_rewards
+from rlft.rollout.base import weights_changed
 from rlft.scoring import install_scoring
-from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state
@@ -47,7 +45,8 @@ from rlft.train.agent import RolloutSource
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.grpo_helpers import GRPOHelpers
-from rlft.train.grpo_update import PolicyUpdate, RolloutBatch, option_notes
+from rlft.train.grpo_update import PolicyUpdate, RolloutBatch, UpdateCounters, option_notes
+from rlft.train.loop import TrainLoop
 from rlft.train.metrics import MetricWindow, rollout_metrics, tool_metrics
 from rlft.train.surface import TrainerSurface
 
@@ -68,7 +67,7 @@ def default_output_dir(model, suffix: str) -> str:
     return f"{Path(str(name or 'model')).name}-{suffix}"
 
 
-class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
+class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
     """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`; `tools`,
     `environment_factory` and `rollout_func` as in TRL (rlft/train/agent.py)."""
 
@@ -101,9 +100,8 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
         self._setup_model(model, source, peft_config, optimizers, quantization_config)
-        self._flow_checked, self._zero_loss_noted, self._zero_signal_steps = False, False, 0
-        self.steps_skipped, self._nonfinite_in_a_row = 0, 0
-        self.entropy_coef, self.last_entropy, self.ref_syncs = args.entropy_coef, math.inf, 0  # in checkpoints
+        self._zero_loss_noted, self._zero_signal_steps = False, 0
+        self.counters = UpdateCounters(entropy_coef=args.entropy_coef)  # in checkpoints
         for note in option_notes(args):  # at construction, as TRL warns
             logging.getLogger("rlft").warning(note)
         self._setup_notes += no_effect_notes(args)
@@ -207,58 +205,42 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         install_scoring(reference)
         return reference.eval().requires_grad_(False)
 
-    # ---- the loop -------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None):
-        args, flow = self.args, self.flow
-        start_step, batch, window = self._resume(resume_from_checkpoint)
-        self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
-                          start_step, show_progress=not args.disable_tqdm)
+    # ---- the loop (rlft/train/loop.py runs the steps) ------------------------------------------------
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.rollouts_per_epoch * self.steps_per_rollout
+
+    @property
+    def _eval_sets(self) -> dict:
+        return self.eval_datasets
+
+    def _announce(self) -> None:
         self.log.info(f"GRPO: {self.total_steps} steps, {self.param_summary['trainable']:,} trainable of "
                       f"{self.param_summary['total']:,} parameters ({'LoRA' if self.is_peft else 'full'}), "
                       f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
         for note in [*self._setup_notes, *filter(None, self._notes)]:
             self.log.warn(note)
-        self.generator.on_weights_changed()  # a resume may have loaded other weights than the engine holds
-        flow.fire("on_train_begin")
-        try:
-            with run_state.named_timeouts(self.accelerator, args):
-                if args.eval_on_start and start_step == 0 and self.eval_datasets:
-                    self.evaluate()
-                for step in range(start_step, self.total_steps):
-                    batch = self._train_step(step, batch, window)
-                    if flow.control.should_training_stop:
-                        break
-                summary = self._final_row(window, batch)
-                flow.fire("on_train_end")
-        finally:
-            self.log.close()
-        return TrainOutput(flow.state.global_step, summary["train_loss"], summary)
+        weights_changed(self.generator)  # a resume may have loaded other weights than the engine holds
 
-    def _train_step(self, step: int, batch: RolloutBatch | None, window: MetricWindow) -> RolloutBatch:
-        flow, per_epoch = self.flow, self.rollouts_per_epoch * self.steps_per_rollout
-        if step % per_epoch == 0:
-            flow.fire("on_epoch_begin")
-        flow.fire("on_step_begin")
+    def _step(self, step: int) -> dict[str, float]:
+        """One GRPO step: a new rollout every steps_per_rollout steps (rollout -> rewards -> advantages), then
+        one policy update on this step's part of it, then the reference sync (sync_ref_model)."""
         started = time.perf_counter()
-        if batch is None or step % self.steps_per_rollout == 0:
-            batch = self._make_rollout(step // self.steps_per_rollout)  # rollout -> rewards -> advantages
+        if self._batch is None or step % self.steps_per_rollout == 0:
+            self._batch = self._make_rollout(step // self.steps_per_rollout)  # rollout -> rewards -> advantages
+        batch, state = self._batch, self.flow.state
         part = (step % self.steps_per_rollout) % (self.steps_per_rollout // self.args.num_iterations)
-        metrics = {**batch.metrics, **self._optimizer_step(batch.part(part, self.rows_per_step))}  # policy updates
+        metrics = {**batch.metrics, **self._optimizer_step(batch.part(part, self.rows_per_step))}  # update
         metrics.update(self._sync_reference(step + 1))  # sync_ref_model (TR-DPO)
         seconds = time.perf_counter() - started
-        metrics.update({"step_time": seconds, "time/step_seconds": seconds, "num_tokens": flow.state.num_input_tokens_seen,
+        metrics.update({"step_time": seconds, "time/step_seconds": seconds, "num_tokens": state.num_input_tokens_seen,
                         "tokens_per_second": batch.rollout.completion_mask.sum().item() / seconds})
-        flow.loss_sum += metrics.get("loss", 0.0)
-        window.add(metrics)
-        flow.set_step(step + 1)
-        flow.fire("on_step_end")
-        if (step + 1) % per_epoch == 0:
-            flow.fire("on_epoch_end")
-        self._log_save_evaluate(step + 1, window, batch)  # log -> checkpoint
-        return batch
+        return metrics
 
-    def _log_save_evaluate(self, step: int, window: MetricWindow, batch: RolloutBatch) -> None:
-        control = self.flow.control
+    def _after_step(self, step: int, metrics: dict[str, float]) -> None:
+        """log -> evaluate -> checkpoint (a checkpoint inside a rollout holds the rest of that rollout)."""
+        control, window, batch = self.flow.control, self._window, self._batch
+        window.add(metrics)
         if control.should_log and window.rows:
             self._log_row(self._flush(window, batch, step))
         if control.should_evaluate and self.eval_datasets:
@@ -281,9 +263,10 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
             self.log.samples(batch.samples[: self.args.num_completions_to_log], step)
         return logged
 
-    def _final_row(self, window: MetricWindow, batch: RolloutBatch | None) -> dict:
+    def _final_row(self) -> dict:
         """The summary row transformers logs at the end (train_runtime, train_loss, ...), holding the metrics of the
         steps since the last log, as TRL's does: no step's metrics are lost and log_history[-1] has them."""
+        window, batch = self._window, self._batch
         summary = self.flow.summary(self.rows_per_step * self.accelerator.num_processes)
         if not window.rows:
             return self.flow.record(summary)
@@ -292,10 +275,7 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
     def _rlft_state(self, window: MetricWindow) -> dict:
         return {"num_processes": self.accelerator.num_processes, "config": self._record,
                 "config_hash": runs.config_hash(self._record), "loss_sum": self.flow.loss_sum,
-                "steps_skipped": self.steps_skipped, "metric_window": window.rows,
-                "flow_checked": self._flow_checked, "entropy_coef": self.entropy_coef,
-                "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy,
-                "ref_syncs": self.ref_syncs}
+                "metric_window": window.rows, **self.counters.state_dict()}
 
     def _explain(self, logged: dict) -> None:
         """Say in the run itself what a zero loss or a zero-signal batch means."""
@@ -430,28 +410,28 @@ class GRPOTrainer(PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSurface):
         metrics[f"{prefix}_reward"] = torch.nanmean(torch.nansum(rewards * self.reward_weights, dim=1)).item()
         return metrics
 
-    def _resume(self, resume_from_checkpoint) -> tuple[int, RolloutBatch | None, MetricWindow]:
+    def _resume(self, resume_from_checkpoint) -> int:
+        """The first step to run; restores the rollout in flight and the logging window with it."""
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         window = MetricWindow()
         self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model), self.reward_names)
         if path is None:
             self._notes = [runs.claim_output_dir(self.accelerator, self.args)]
             run_state.seed_everything(self.args.seed)
-            return 0, None, window
+            self._batch, self._window = None, window
+            return 0
         self._notes = runs.check_resume(path, ckpt.read_state(path), self._record)
         state, tensors, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler,
                                                      path, self.engine)
         if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:
             runs.apply_learning_rate(self.optimizer, self.scheduler, self.args.learning_rate)
         self.flow.load(path, state.get("loss_sum", 0.0))
-        self.steps_skipped, self._flow_checked = state.get("steps_skipped", 0), state.get("flow_checked", False)
         window.rows = state.get("metric_window", [])
-        self.entropy_coef = state.get("entropy_coef", self.args.entropy_coef)
-        self.last_entropy = math.inf if state.get("last_entropy") is None else state["last_entropy"]
-        self.ref_syncs = state.get("ref_syncs", 0)
+        self.counters.load_state_dict(state)
         tensors = self._load_reference_tensors(tensors)
         batch = RolloutBatch.from_saved(tensors, extra, self.accelerator.device) if tensors else None
-        return state["global_step"], batch, window
+        self._batch, self._window = batch, window
+        return state["global_step"]
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """A normal transformers folder (full fine-tuning) or peft adapter folder (LoRA), plus the tokenizer."""

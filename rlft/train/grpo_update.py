@@ -29,9 +29,40 @@ from rlft.core.regularizers import (
 from rlft.errors import NonFiniteStepError
 from rlft.models import GradientFlowError, check_gradient_flow
 from rlft.perf import Throughput
+from rlft.rollout.base import weights_changed
 from rlft.rollout.hf import Rollout
 from rlft.scoring import Score
 from rlft.train.metrics import StepSums, correction_metrics
+
+
+@dataclass
+class UpdateCounters:
+    """What the policy update counts and carries from step to step; all but the run of non-finite steps go into
+    checkpoints (rlft_state.json, under the keys of `state_dict`), so a resumed run continues them."""
+
+    steps_skipped: int = 0
+    nonfinite_in_a_row: int = 0
+    flow_checked: bool = False  # the gradient-flow check ran (once, at the first step with a learning signal)
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient (Skywork-OR1's adaptive control moves it)
+    last_entropy: float = math.inf  # the previous step's entropy, for that control
+    ref_syncs: int = 0  # sync_ref_model updates of the reference
+
+    def state_dict(self) -> dict:
+        return {"steps_skipped": self.steps_skipped, "flow_checked": self.flow_checked,
+                "entropy_coef": self.entropy_coef,
+                "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy,
+                "ref_syncs": self.ref_syncs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps_skipped, self.flow_checked = state.get("steps_skipped", 0), state.get("flow_checked", False)
+        self.entropy_coef = state.get("entropy_coef", self.entropy_coef)
+        self.last_entropy = math.inf if state.get("last_entropy") is None else state["last_entropy"]
+        self.ref_syncs = state.get("ref_syncs", 0)
+
+
+def _counter(name: str) -> property:
+    """The trainer's attribute of the same name reads and writes the counter (older code and tests use it)."""
+    return property(lambda self: getattr(self.counters, name), lambda self, value: setattr(self.counters, name, value))
 
 
 @dataclass
@@ -97,7 +128,11 @@ def option_notes(args) -> list[str]:
 
 
 class PolicyUpdate:
-    """Mixed into GRPOTrainer; uses its args, accelerator, model, optimizer, scheduler, log."""
+    """Mixed into GRPOTrainer; uses its args, accelerator, model, optimizer, scheduler, log, generator; owns
+    `counters` (UpdateCounters)."""
+
+    steps_skipped, entropy_coef = _counter("steps_skipped"), _counter("entropy_coef")
+    last_entropy, ref_syncs = _counter("last_entropy"), _counter("ref_syncs")
 
     @property
     def throughput(self) -> Throughput:
@@ -147,8 +182,8 @@ class PolicyUpdate:
         policy = self.accelerator.unwrap_model(self.model)
         for ref, current in zip(self.ref_model.parameters(), policy.parameters(), strict=True):
             mix_reference(ref.data, current.data, args.ref_model_mixup_alpha)
-        self.ref_syncs += 1
-        return {"ref_model/syncs": float(self.ref_syncs)}
+        self.counters.ref_syncs += 1
+        return {"ref_model/syncs": float(self.counters.ref_syncs)}
 
     def _reference_tensors(self) -> dict[str, torch.Tensor]:
         """A moved reference is part of the run's state: saved in checkpoints (as tensors, like the rollout)."""
@@ -227,7 +262,7 @@ class PolicyUpdate:
         sums, corrections = StepSums(), []
         # Checked at the first step with a learning signal on any process: with all advantages 0 (and LoRA's
         # B = 0 making policy == reference) a zero gradient is correct, not a wiring fault.
-        check_flow = not self._flow_checked and float(acc.reduce(batch.advantages.abs().sum(), "sum")) > 0
+        check_flow = not self.counters.flow_checked and float(acc.reduce(batch.advantages.abs().sum(), "sum")) > 0
         if check_flow:
             self.engine.watch_grads(self.model)
         batches = self._micro_batches(rollout)
@@ -332,18 +367,18 @@ class PolicyUpdate:
             return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started, nonfinite=True)
         if check_flow:
             check_gradient_flow(self.engine.grads(self.model))
-            self._flow_checked = True
+            self.counters.flow_checked = True
         learning_rate = self.scheduler.get_last_lr()[0]
         self.flow.fire("on_pre_optimizer_step")
         applied, engine_norm = self.engine.step(self.model, self.optimizer)
         grad_norm = engine_norm if grad_norm is None else grad_norm
         if not applied:  # DeepSpeed found the gradient norm not finite and left the weights as they were
             return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started, nonfinite=True)
-        self.generator.on_weights_changed()  # an engine with its own copy of the weights syncs before it samples
+        weights_changed(self.generator)  # an engine with its own copy of the weights syncs before it samples
         self.flow.fire("on_optimizer_step")
         self.scheduler.step()
         self.engine.zero_grad(self.model, self.optimizer)
-        self._nonfinite_in_a_row = 0
+        self.counters.nonfinite_in_a_row = 0
         metrics.update({"grad_norm": grad_norm, "learning_rate": learning_rate, "steps_skipped": self.steps_skipped,
                         "time/train_seconds": time.perf_counter() - started})
         return metrics
@@ -358,12 +393,12 @@ class PolicyUpdate:
         self.engine.zero_grad(self.model, self.optimizer)
         learning_rate = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        self.steps_skipped += 1
-        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if nonfinite else 0
+        self.counters.steps_skipped += 1
+        self.counters.nonfinite_in_a_row = self.counters.nonfinite_in_a_row + 1 if nonfinite else 0
         step = self.flow.state.global_step + 1
         self.log.warn(f"step {step} skipped, weights unchanged ({self.steps_skipped} skipped so far): {reason}")
-        if self._nonfinite_in_a_row >= self.args.max_nonfinite_steps:
-            raise NonFiniteStepError(f"{self._nonfinite_in_a_row} consecutive steps were non-finite "
+        if self.counters.nonfinite_in_a_row >= self.args.max_nonfinite_steps:
+            raise NonFiniteStepError(f"{self.counters.nonfinite_in_a_row} consecutive steps were non-finite "
                                      f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping. {reason}")
         return {"learning_rate": learning_rate, "steps_skipped": self.steps_skipped,
                 "time/train_seconds": time.perf_counter() - started}

@@ -13,10 +13,9 @@ import math
 from pathlib import Path
 
 import torch
-from transformers.trainer_utils import TrainOutput
 
 from rlft.compat import no_effect_notes
-from rlft.config import RewardConfig, to_dict, validate
+from rlft.config import RewardConfig, validate
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
@@ -30,12 +29,12 @@ from rlft.models import (
     prepare_tokenizer,
     training_dtype,
 )
-from rlft.tracking import RunLog
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
+from rlft.train.loop import TrainLoop
 from rlft.train.metrics import MetricWindow
 from rlft.train.surface import TrainerSurface
 
@@ -58,7 +57,7 @@ def check_head_trainable(model) -> list[str]:
     return trainable
 
 
-class RewardTrainer(TrainerSurface):
+class RewardTrainer(TrainLoop, TrainerSurface):
     """`RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config).train()`."""
 
     _tag_names = ["trl", "reward-trainer", "rlft"]
@@ -133,49 +132,37 @@ class RewardTrainer(TrainerSurface):
         self.scheduler = scheduler or run_state.build_scheduler(optimizer, args, self.total_steps)
         self.model, self.optimizer = self.engine.prepare(model, optimizer, args.max_grad_norm)  # not the scheduler
 
-    # ---- the loop -------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None):
-        args, flow = self.args, self.flow
-        start_step = self._resume(resume_from_checkpoint)
-        self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
-                          start_step, show_progress=not args.disable_tqdm, project="rlft-reward")
+    # ---- the loop (rlft/train/loop.py runs the steps) ------------------------------------------------
+    log_project = "rlft-reward"
+
+    @property
+    def _eval_sets(self) -> dict:
+        return self.eval_sets
+
+    def _announce(self) -> None:
+        args = self.args
         for line in [*self.train_pairs.report.lines(args.max_length, args.truncation), *filter(None, self._notes),
                      *no_effect_notes(args)]:
             self.log.warn(line)
         self.log.info(f"reward model: {len(self.train_pairs)} pairs, {self.total_steps} steps, "
                       f"{self.param_summary['trainable']:,} trainable parameters, head: {self.head_parameters[:2]}, "
                       f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
-        flow.fire("on_train_begin")
-        try:
-            with run_state.named_timeouts(self.accelerator, args):
-                if args.eval_on_start and start_step == 0 and self.eval_sets:
-                    self.evaluate()
-                for step in range(start_step, self.total_steps):
-                    if step % self.steps_per_epoch == 0:
-                        flow.fire("on_epoch_begin")
-                    flow.fire("on_step_begin")
-                    metrics = self._optimizer_step(step)  # pairs -> scores -> loss -> update
-                    self._consecutive = self._consecutive + 1 if metrics is None else 0
-                    if metrics is None:
-                        self._skip(step, self._consecutive)
-                        metrics = {"nonfinite_skipped": self.nonfinite_skipped}
-                    flow.loss_sum += metrics.get("loss", 0.0)
-                    flow.set_step(step + 1)
-                    flow.fire("on_step_end")
-                    if (step + 1) % self.steps_per_epoch == 0:
-                        flow.fire("on_epoch_end")
-                    self._after_step(step + 1, metrics)  # log -> checkpoint
-                    if flow.control.should_training_stop:
-                        break
-                summary = flow.summary(args.per_device_train_batch_size * args.gradient_accumulation_steps
-                                       * self.accelerator.num_processes)
-                # the steps since the last log go into transformers' final summary row (as in TRL): none is lost
-                summary = self._log_row({**self.window.flush(), **summary}) if self.window.rows \
-                    else flow.record(summary)
-                flow.fire("on_train_end")
-        finally:
-            self.log.close()
-        return TrainOutput(flow.state.global_step, summary["train_loss"], summary)
+
+    def _step(self, step: int) -> dict[str, float]:
+        """pairs -> scores -> Bradley-Terry loss -> update; a non-finite step is skipped and counted."""
+        metrics = self._optimizer_step(step)
+        self._consecutive = self._consecutive + 1 if metrics is None else 0
+        if metrics is None:
+            self._skip(step, self._consecutive)
+            metrics = {"nonfinite_skipped": self.nonfinite_skipped}
+        return metrics
+
+    def _final_row(self) -> dict:
+        """transformers' summary row, holding the steps since the last log (as in TRL): none is lost."""
+        args, flow = self.args, self.flow
+        summary = flow.summary(args.per_device_train_batch_size * args.gradient_accumulation_steps
+                               * self.accelerator.num_processes)
+        return self._log_row({**self.window.flush(), **summary}) if self.window.rows else flow.record(summary)
 
     def _skip(self, step: int, consecutive: int) -> None:
         self.nonfinite_skipped += 1
