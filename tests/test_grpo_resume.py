@@ -13,7 +13,7 @@ from rlft.train.checkpoint import latest_checkpoint
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, stop_after, tiny_grpo_config
 from tests.test_grpo_trainer import lora
 
-TIMING = ("time/", "tokens_per_second", "step_time", "perf/")  
+TIMING = ("time/", "tokens_per_second", "step_time", "perf/")  # wall-clock measurements
 
 
 def comparable(rows):
