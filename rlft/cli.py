@@ -52,6 +52,8 @@ def train_command(kind: str, argv: list[str]) -> int:
 
 HELP = {"grpo": "GRPO training. Fields of every group below can be in the --config YAML or given here (options win "
                 "over the YAML); TRL's `trl grpo` arguments are accepted; examples/configs/ holds runnable configs.",
+        "rloo": "RLOO training (TRL's RLOOTrainer: leave-one-out baseline, KL in the reward). Fields of every group "
+                "below can be in the --config YAML or given here; TRL's `trl rloo` arguments are accepted.",
         "reward": "Bradley-Terry reward-model training. Fields of every group below can be in the --config YAML or "
                   "given here (options win over the YAML); TRL's `trl reward` arguments are accepted."}
 
@@ -100,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--verbose", action="store_true",
                         help="show third-party progress bars and vLLM's INFO log (also: RLFT_VERBOSE=1)")
 
-    for name, what in (("grpo", "GRPO training"), ("reward", "Bradley-Terry reward-model training")):
+    for name, what in (("grpo", "GRPO training"), ("rloo", "RLOO training (TRL's RLOOTrainer)"),
+                       ("reward", "Bradley-Terry reward-model training")):
         sub.add_parser(name, parents=[common], add_help=False, help=f"{what} from a YAML config and/or --field "
                        f"value options (rlft {name} --help lists every field)")
 
@@ -144,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv and argv[0] in ("grpo", "reward"):  # every field of four dataclasses: their own parser (rlft/recipes.py)
+    if argv and argv[0] in ("grpo", "rloo", "reward"):  # fields of four dataclasses: their own parser (recipes.py)
         command, run = argv[0], lambda: train_command(argv[0], argv[1:])
         verbose = "--verbose" in argv
     else:
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra and args.command not in ("doctor", "vllm-serve"):  # vllm-serve: passed to vLLM
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         command, run, verbose = args.command, lambda: args.func(args, extra), getattr(args, "verbose", False)
-    if command in ("grpo", "reward", "demo", "doctor"):
+    if command in ("grpo", "rloo", "reward", "demo", "doctor"):
         from rlft.quiet import quiet_command_line
 
         quiet_command_line(verbose)

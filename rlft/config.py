@@ -205,6 +205,19 @@ class _SFTFields(_BaseConfig):
     activation_offloading: bool = False
 
 
+@dataclass
+class _RLOOFields(_GRPOFields):
+    """RLOO run (TRL 1.16's RLOOConfig): GRPO's machinery with the leave-one-out baseline, the KL penalty in the
+    reward (beta * sum of per-token log-ratios old/reference), a sequence-level PPO clip, and TRL's defaults."""
+
+    num_generations: int | None = 2
+    beta: float = 0.05
+    normalize_advantages: bool = False
+    reward_clip_range: list[float] | None = None  # (min, max); a list so `--reward_clip_range -1 1` parses
+    advantage_estimator: str = "rloo"
+    loss_type: str = "rloo"
+
+
 def _with_help(cls: type, name: str) -> type:
     """The class under its public name, with rlft's one-line help on every field it declares (argparse
     shows it; transformers' fields keep transformers' help)."""
@@ -218,6 +231,7 @@ def _with_help(cls: type, name: str) -> type:
 GRPOConfig = _with_help(_GRPOFields, "GRPOConfig")
 RewardConfig = _with_help(_RewardFields, "RewardConfig")
 SFTConfig = _with_help(_SFTFields, "SFTConfig")
+RLOOConfig = _with_help(_RLOOFields, "RLOOConfig")
 TrainConfig = _BaseConfig
 
 # rlft's additions to TRL's fields (docs/migration.md says why each exists).

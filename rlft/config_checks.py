@@ -290,6 +290,9 @@ def _validate_grpo(cfg, errors: list[str]) -> None:
         errors.append(f"top_p={cfg.top_p!r} must be in (0, 1]")
     _validate_generation_batch(cfg, errors)
     _validate_vllm(cfg, errors)
+    clip = getattr(cfg, "reward_clip_range", None)
+    if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
+        errors.append(f"reward_clip_range={list(clip)!r} must be two numbers (min, max) with min < max")
     _validate_algorithm_options(cfg, errors)
 
 
@@ -381,7 +384,7 @@ def type_ok(value: Any, annotation: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if target is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
-    if target is list:
+    if target in (list, tuple):  # a YAML or JSON list stands for a tuple
         inner = typing.get_args(annotation)
         return isinstance(value, list | tuple) and (not inner or all(type_ok(v, inner[0]) for v in value))
     if target is str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlft.config import GRPOConfig, RewardConfig
+from rlft.config import GRPOConfig, RewardConfig, RLOOConfig
 from rlft.config_help import FIELD_HELP
 from rlft.errors import ConfigError
 from rlft.model_config import ModelConfig, get_peft_config, get_quantization_config
@@ -52,7 +52,8 @@ class RewardScriptArguments(ScriptArguments):
     eval_dataset: str | None = field(default=None, metadata=_help("eval_dataset"))
 
 
-KINDS = {"grpo": (GRPOScriptArguments, GRPOConfig), "reward": (RewardScriptArguments, RewardConfig)}
+KINDS = {"grpo": (GRPOScriptArguments, GRPOConfig), "reward": (RewardScriptArguments, RewardConfig),
+         "rloo": (GRPOScriptArguments, RLOOConfig)}
 
 
 def make_parser(kind: str, **kwargs) -> TrlParser:
@@ -160,8 +161,10 @@ def build_trainer(kind: str, script_args, training_args, model_args, mixture_arg
 
         return RewardTrainer(model_args.model_name_or_path, **common)
     from rlft.train.grpo import GRPOTrainer
+    from rlft.train.rloo import RLOOTrainer
 
     rewards = (
         [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
     ) + list(script_args.reward_funcs or [])
-    return GRPOTrainer(model_args.model_name_or_path, reward_funcs=rewards, **common)
+    trainer = RLOOTrainer if kind == "rloo" else GRPOTrainer
+    return trainer(model_args.model_name_or_path, reward_funcs=rewards, **common)

@@ -184,3 +184,21 @@ def multi_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor | None,
     else:
         raise ValueError(f"aggregation={aggregation!r}: choose 'sum_then_normalize' or 'normalize_then_sum'")
     return advantages, total, stats
+
+
+def kl_shaped_rewards(rewards: torch.Tensor, sequence_kl: torch.Tensor | None, beta: float,
+                      clip_range: tuple[float, float] | list[float] | None = None) -> torch.Tensor:
+    """RLOO's reward (Ahmadian et al. 2024, arXiv:2402.14740; TRL 1.16's RLOOTrainer): clipped to `clip_range`
+    when given, minus beta times the sequence's KL estimate sum_t (log pi_old(o_t) - log pi_ref(o_t)) (the
+    first-order estimate, which can be negative). NaN (unscorable) stays NaN. [N], [N] -> [N]."""
+    if clip_range is not None:
+        rewards = rewards.clamp(min=clip_range[0], max=clip_range[1])
+    return rewards if sequence_kl is None or beta == 0 else rewards - beta * sequence_kl
+
+
+def whiten(values: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """(v - mean) / (std + eps) over the non-NaN entries (unbiased std); NaN entries become 0."""
+    valid = values[~torch.isnan(values)]
+    if valid.numel() < 2:
+        return torch.nan_to_num(values - (valid.mean() if valid.numel() else 0.0), nan=0.0)
+    return torch.nan_to_num((values - valid.mean()) / (valid.std() + eps), nan=0.0)

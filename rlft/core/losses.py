@@ -7,6 +7,9 @@ Per-token terms
     clip  (PPO/GRPO):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
     cispo (MiniMax-M1, arXiv:2506.13585): l = -sg[min(r, 1 + eps_high)] A log pi(o_it)
     sapo  (arXiv:2511.20347): l = -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else tau_neg
+    rloo  (Ahmadian et al. 2024, arXiv:2402.14740, as TRL 1.16's RLOOTrainer): a sequence-level PPO clip on
+          rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it))), l_i = -min(rho_i A_i, clip(rho_i) A_i), averaged
+          over sequences (the sequence_mean aggregation of a constant-per-sequence term)
     vespo (arXiv:2602.10693): l = -sg[phi(w_i)] A log pi(o_it), phi(w) = e^lam w^k e^(-lam w) (phi(1) = 1),
           w_i = prod_t r_it (times the sampling-correction weights), (k, lam) by the sign of A (`vespo_weights`)
     delta (INTELLECT-2, arXiv:2505.07291): the unclipped ratio of the clip term is capped too,
@@ -82,6 +85,25 @@ def _sapo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
 
 def _vespo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
     return -prepared["phi"] * adv * logps
+
+
+def _rloo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tuple[dict, dict]:
+    """RLOO's sequence ratio rho_i = exp(sum_t m_it (log pi(o_it) - log pi_old(o_it))) -- a SUM of log-ratios
+    (TRL 1.16's RLOOTrainer), unlike GSPO's mean -- and its clip metrics, counted per sequence."""
+    ratio = torch.exp(((logps - old_logps) * mask).sum(-1, keepdim=True))  # [B, 1]
+    with torch.no_grad():
+        low = ((ratio < 1 - opts.epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + opts.eps_high) & (adv > 0)).float()
+        metrics = {"clip_ratio/low_mean": low.mean(), "clip_ratio/low_min": low.min(),
+                   "clip_ratio/high_mean": high.mean(), "clip_ratio/high_max": high.max(),
+                   "clip_ratio/region_mean": ((low + high) > 0).float().mean()}
+    return {"ratio": ratio}, metrics
+
+
+def _rloo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
+    """-min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i), one value per sequence ([B, 1])."""
+    rho = prepared["ratio"]
+    return -torch.min(rho * adv, torch.clamp(rho, 1 - opts.epsilon_low, 1 + opts.eps_high) * adv)
 
 
 def _vespo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tuple[dict, dict]:
@@ -245,6 +267,7 @@ register_loss("cispo", _cispo_term, "token_mean")
 register_loss("sapo", _sapo_term, "sequence_mean")
 register_loss("luspo", _clip_term, "sequence_sum")
 register_loss("vespo", _vespo_term, "token_mean", prepare=_vespo_prepare, folds_sampling_weights=True)
+register_loss("rloo", _rloo_term, "sequence_mean", prepare=_rloo_prepare)
 LOSS_TYPES = LOSSES  # the name tests and older code import
 
 

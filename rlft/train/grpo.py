@@ -73,6 +73,7 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
 
     _tag_names = ["trl", "grpo", "rlft"]
     _name = "GRPO"
+    kl_in_loss = True  # beta weighs a per-token KL term of the loss (RLOOTrainer puts it in the reward)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
@@ -215,7 +216,7 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         return self.eval_datasets
 
     def _announce(self) -> None:
-        self.log.info(f"GRPO: {self.total_steps} steps, {self.param_summary['trainable']:,} trainable of "
+        self.log.info(f"{self._name}: {self.total_steps} steps, {self.param_summary['trainable']:,} trainable of "
                       f"{self.param_summary['total']:,} parameters ({'LoRA' if self.is_peft else 'full'}), "
                       f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
         for note in [*self._setup_notes, *filter(None, self._notes)]:
@@ -318,7 +319,7 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         batch = RolloutBatch(rollout, advantages.to(self.accelerator.device))
         if self.steps_per_rollout > 1:
             batch.old_logps = self._logps_no_grad(self.model, rollout)
-        if args.beta > 0:
+        if args.beta > 0 and self.kl_in_loss:
             batch.ref_logps = self._reference_logps(rollout)
         batch.metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
         batch.metrics.update(reward_log.metrics(self.accelerator))
