@@ -1,8 +1,8 @@
 """Rollout engines behind one protocol (`RolloutEngine`, rlft/rollout/base.py): `engine(model, prompt_ids,
 num_generations, greedy=False) -> Rollout`, `on_weights_changed()`, `close()`.
 
-`make_generator(args, tokenizer)` builds the engine a config asks for from a small table; the trainer never knows
-which one runs: transformers' `generate` (`hf.py`, the default) or vLLM (`vllm.py`, `use_vllm=True`).
+`make_generator(args, tokenizer)` builds the engine a config asks for from a small table; the trainer never
+knows which one runs: transformers' `generate` (`hf.py`, the default) or vLLM (`vllm.py`, `use_vllm=True`).
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ RESERVED = ("reset", "get_reward")
 
 
 class Environments:
-    """Pools of environment instances: one factory (every row uses it), or TRL's dict of named factories, where each
-    row's `environment` column picks its environment and only that environment's tools are in its prompt."""
+    """Pools of environment instances: one factory (every row uses it), or TRL's dict of named factories,
+    where each row's `environment` column picks its environment and only that environment's tools are in its
+    prompt."""
 
     def __init__(self, factories, tools: list):
         self.multi = isinstance(factories, dict)
@@ -55,7 +56,8 @@ class Environments:
 
     @property
     def all_schemas(self) -> list[dict]:
-        """Every environment's tools once (the up-front rendering of prompts; each row's own is rendered later)."""
+        """Every environment's tools once (the up-front rendering of prompts; each row's own is rendered
+        later)."""
         seen = {}
         for schemas in self.schemas.values():
             for schema in schemas:
@@ -88,7 +90,8 @@ class Environments:
         return Toolset({f.__name__: f for f in functions}, self.schemas[name])
 
     def reset(self, envs: list, rows: list[dict]) -> list:
-        """Reset each environment with its dataset row; the prompts, each extended by what its reset returned."""
+        """Reset each environment with its dataset row; the prompts, each extended by what its reset
+        returned."""
         prompts = []
         for index, (env, row) in enumerate(zip(envs, rows, strict=True)):
             observation = env.reset(**row)
@@ -102,8 +105,8 @@ class Environments:
         return prompts
 
     def reward_functions(self) -> list:
-        """Each environment class that owns its reward, as a reward function (TRL's: named after the class, weight
-        1); a row whose environment is another class gets None from it."""
+        """Each environment class that owns its reward, as a reward function (TRL's: named after the class,
+        weight 1); a row whose environment is another class gets None from it."""
         return [_owned_reward(kind) for kind in self.owners]
 
 

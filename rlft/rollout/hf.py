@@ -24,7 +24,8 @@ class Rollout:
     completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
     truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
     sampling_logps: torch.Tensor | None = None  # [N, C] the engine's log-prob of each sampled token (vLLM)
-    # Multi-turn rollouts: 1 where the policy sampled the token, 0 for tool output and chat-template glue, which
+    # Multi-turn rollouts: 1 where the policy sampled the token, 0 for tool output and chat-template glue,
+    # which
     # the policy reads (attention: completion_mask) but is not trained on (loss: loss_mask).
     tool_mask: torch.Tensor | None = None  # [N, C]
     completions: list | None = None  # per row, the completion as chat messages (what reward functions receive)
@@ -83,8 +84,9 @@ RESHAPING = {"num_return_sequences": "num_generations sets the completions per p
 
 
 def check_generation_kwargs(kwargs: dict | None) -> dict:
-    """generation_kwargs for transformers' generate: every key a GenerationConfig field or a generate() argument,
-    none that reshapes generate's output; an unknown one is an error naming it (generate would fail later)."""
+    """generation_kwargs for transformers' generate: every key a GenerationConfig field or a generate()
+    argument, none that reshapes generate's output; an unknown one is an error naming it (generate would fail
+    later)."""
     from transformers import GenerationConfig
 
     kwargs = dict(kwargs or {})
@@ -119,7 +121,8 @@ class HFGenerator:
         if synced:  # sharded weights: a process that finished keeps running forward passes until all have
             self.sampling["synced_gpus"] = True
         self.sampling.update(check_generation_kwargs(generation_kwargs))  # TRL's: passed to generate, win over the rest
-        # Not with sharded weights (whether a process prefills is decided per process, and all must take part), nor
+        # Not with sharded weights (whether a process prefills is decided per process, and all must take
+        # part), nor
         # with beam search (generate expands each row into beams itself)
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and \
             not synced and self.sampling.get("num_beams", 1) == 1

@@ -1,7 +1,8 @@
 """The tool-calling loop around a rollout engine: generate a turn, run its tool calls, append the tool
 messages as tokens, generate the next turn, until no row calls a tool, `max_tool_calling_iterations`
 rounds of tools have run, or the completion budget (`max_completion_length`, tool output included) is
-spent. Same protocol as the engines, plus per-row tool sets (an environment's methods are its own row's tools).
+spent. Same protocol as the engines, plus per-row tool sets (an environment's methods are its own row's
+tools).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlft.data.prompts import right_pad
-from rlft.rollout.base import holds_own_weights, weights_changed
+from rlft.rollout.base import engine_metrics, holds_own_weights, weights_changed
 from rlft.rollout.hf import Rollout
 from rlft.rollout.tools import ToolCall, ToolRunner, parse_turn, tool_suffix_ids
 
@@ -57,6 +58,9 @@ class ToolLoop:
     def on_weights_changed(self) -> None:
         weights_changed(self.engine)
 
+    def metrics(self) -> dict[str, float]:
+        return engine_metrics(self.engine)
+
     def close(self) -> None:
         if hasattr(self.engine, "close"):
             self.engine.close()
@@ -78,7 +82,8 @@ class ToolLoop:
         return self._assemble(rows, first)
 
     def _absorb(self, rows: list[_Row], out: Rollout) -> None:
-        """Append each row's newly generated turn (cut to what is left of the budget) and parse its tool calls."""
+        """Append each row's newly generated turn (cut to what is left of the budget) and parse its tool
+        calls."""
         for i, row in enumerate(rows):
             ids = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
             room = self.max_length - len(row.ids)
@@ -100,8 +105,9 @@ class ToolLoop:
             row.messages.append({**message, "tool_calls": valid} if valid else message)
 
     def _answer(self, rows: list[_Row]) -> list[_Row]:
-        """Run every pending call of every row at once; append the tool messages as tokens (mask 0). A row whose
-        tool results would leave no room for another token stops here, its calls counted but unanswered."""
+        """Run every pending call of every row at once; append the tool messages as tokens (mask 0). A row
+        whose tool results would leave no room for another token stops here, its calls counted but
+        unanswered."""
         jobs = [(call, row.toolset.functions) for row in rows for call in row.pending]
         results, going, start = self.runner.run(jobs), [], 0
         for row in rows:

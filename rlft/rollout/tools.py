@@ -77,7 +77,8 @@ def _read_call(raw: Any) -> ToolCall:
 
 def parse_turn(tokenizer, ids: list[int], prefix_ids: list[int], tools: list) -> tuple[str, list[ToolCall]]:
     """(text content, tool calls) of one generated turn. With a tokenizer `response_template`, transformers'
-    parse_response reads it; otherwise the Hermes format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+    parse_response reads it; otherwise the Hermes format `<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`."""
     if getattr(tokenizer, "response_template", None) is not None:
         try:
             message = tokenizer.parse_response(ids, prefix=prefix_ids, tools=tools or None)
@@ -95,14 +96,15 @@ def parse_turn(tokenizer, ids: list[int], prefix_ids: list[int], tools: list) ->
 
 
 class ToolRunner:
-    """Runs tool calls on worker threads with a timeout. A call that times out is abandoned (Python cannot stop
-    a thread): its result is dropped and the policy reads a timeout error."""
+    """Runs tool calls on worker threads with a timeout. A call that times out is abandoned (Python cannot
+    stop a thread): its result is dropped and the policy reads a timeout error."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
 
     def run(self, calls: list[tuple[ToolCall, dict]]) -> list[tuple[str, str, bool]]:
-        """[(call, {name: function})] -> [(tool name, result text, failed)], in order; every call runs at once."""
+        """[(call, {name: function})] -> [(tool name, result text, failed)], in order; every call runs at
+        once."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(len(calls), 1), thread_name_prefix="rlft-tool")
         futures = [None if call.error or call.name not in tools else pool.submit(_call, tools[call.name], call.arguments)
                    for call, tools in calls]
@@ -125,7 +127,8 @@ class ToolRunner:
 
 
 def _call(function, arguments: dict):
-    """One tool call in its worker thread; an async tool runs to completion on that thread's own event loop."""
+    """One tool call in its worker thread; an async tool runs to completion on that thread's own event
+    loop."""
     result = function(**arguments)
     return asyncio.run(result) if inspect.iscoroutine(result) else result
 
@@ -137,7 +140,8 @@ def _error(message: str) -> str:
 def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """The tokens that follow an assistant turn's EOS when tool messages answer it, up to the next assistant
     header: the chat template's rendering of a conversation with the tool messages, less the one without them
-    (cut after its last EOS: templates add glue such as a newline after the EOS, which belongs to the suffix)."""
+    (cut after its last EOS: templates add glue such as a newline after the EOS, which belongs to the
+    suffix)."""
     calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in tool_messages]
     head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     kwargs = dict(template_kwargs or {}, tokenize=True, return_dict=False)
@@ -147,8 +151,10 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: dict 
     before = before[:eos[-1] + 1] if eos else before
     if after[:len(before)] == before:
         return after[len(before):]
-    # Not prefix-preserving: e.g. Qwen3's template drops the empty <think></think> of an assistant turn that is no
-    # longer the last one. The turn still ends at the same EOS, and what follows it does not depend on the turn:
+    # Not prefix-preserving: e.g. Qwen3's template drops the empty <think></think> of an assistant turn that
+    # is no
+    # longer the last one. The turn still ends at the same EOS, and what follows it does not depend on the
+    # turn:
     # the suffix starts after as many EOS tokens as the conversation without the tool messages has.
     ends = [i for i, t in enumerate(after) if t == tokenizer.eos_token_id]
     if eos and len(ends) > len(eos):

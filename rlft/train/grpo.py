@@ -36,7 +36,7 @@ from rlft.models import (
     training_dtype,
 )
 from rlft.rewards.calling import RewardLog, check_keywords, compute_rewards, resolve_rewards
-from rlft.rollout.base import weights_changed
+from rlft.rollout.base import engine_metrics, weights_changed
 from rlft.scoring import install_scoring
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
@@ -309,7 +309,8 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         rollout = self._generate(prompts, args.num_generations)  # the engine, the tool loop or rollout_func
         generated = time.perf_counter()
         tokens = (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()  # before any masking
-        sampling = self.throughput.generation(rollout, generated - started, args.num_generations)
+        sampling = {**self.throughput.generation(rollout, generated - started, args.num_generations),
+                    **engine_metrics(self.generator)}  # vLLM: weight-sync seconds and bytes
         reward_log = RewardLog()
         rewards, completions = self._score(rollout, prompts, args.num_generations, reward_log)
         scored = time.perf_counter()
