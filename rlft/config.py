@@ -124,6 +124,8 @@ class _GRPOFields(_BaseConfig):
     multi_objective_aggregation: str = "sum_then_normalize"
     scale_rewards: str = "group"
     advantage_estimator: str = "grpo"
+    dynamic_sampling: bool = False
+    max_num_gen_batches: int = 10
     loss_type: str = "dapo"
     mask_truncated_completions: bool = False
     sync_ref_model: bool = False
@@ -256,5 +258,8 @@ RLFT_FIELDS = frozenset(
         "tool_call_timeout",
         "truncation",
         "token_budget",
+        "advantage_estimator",
+        "dynamic_sampling",
+        "max_num_gen_batches",
     }
 )

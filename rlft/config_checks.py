@@ -309,6 +309,7 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
         "vespo_lambda_pos",
         "vespo_lambda_neg",
         "router_aux_loss_coef",
+        "max_num_gen_batches",
         allow_zero=True,
     )
     _positive(errors, cfg, "ref_model_sync_steps")

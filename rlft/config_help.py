@@ -139,6 +139,12 @@ SECTIONS: dict[str, dict[str, str]] = {
     "GRPO: loss and advantages": {
         "loss_type": f"{', '.join(LOSSES)} (docs/losses.md)",
         "advantage_estimator": f"{', '.join(ADVANTAGE_ESTIMATORS)} (rlft/core/advantages.py)",
+        "dynamic_sampling": "DAPO: drop groups whose rewards are all equal and sample more prompts until the batch "
+                            "is full of groups with a learning signal",
+        "max_num_gen_batches": "dynamic sampling: at most this many generation rounds per rollout (0: no limit); "
+                               "then the batch is filled with zero-spread groups",
+        "normalize_advantages": "RLOO: whiten the advantages over the batch",
+        "reward_clip_range": "RLOO: clip each total reward to [min, max] before the KL penalty",
         "beta": "KL coefficient against the reference policy (0: no reference model)",
         "kl_estimator": "k1, k2, or k3 (Schulman's estimators)",
         "use_bias_correction_kl": "weight the KL term by the importance ratio (TRL's default)",

@@ -76,6 +76,19 @@ def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_pa
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
+def test_dynamic_sampling_on_two_processes_agrees_on_its_rounds(tmp_path, shipped_policy_dir):
+    """Each process samples its own prompts; all run the same rounds (a disagreement would hang a collective)
+    and every group in the batch has a reward spread unless the round limit was hit."""
+    config, out = lora_run_yaml(tmp_path, shipped_policy_dir, "dynamic_sampling: true\nmax_num_gen_batches: 4\n"
+                                "temperature: 1.2\n")
+    cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "2")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["completions/count"] == 16 for r in rows)
+    for row in rows:
+        assert 1 <= row["dynamic_sampling/generation_rounds"] <= 4 and 0 <= row["dynamic_sampling/kept_fraction"] <= 1
+        assert row["frac_reward_zero_std"] == 0.0 or row["dynamic_sampling/generation_rounds"] == 4
+
+
 def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(128))
     out = tmp_path / "rm"

@@ -42,6 +42,7 @@ from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state
 from rlft.train.agent import RolloutSource
+from rlft.train.dynamic import sample_informative
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.grpo_helpers import GRPOHelpers
@@ -303,17 +304,32 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         start = (offset * self.accelerator.num_processes + self.accelerator.process_index) * per_process
         return order[start:start + per_process]
 
-    def _make_rollout(self, rollout_index: int) -> RolloutBatch:
+    def _generate_and_score(self, prompts: dict, reward_log: RewardLog, timing: dict):
+        """num_generations completions per prompt (the engine, the tool loop or rollout_func) and their rewards;
+        adds to the step's timings, token count and generation utilisation."""
         args, started = self.args, time.perf_counter()
-        prompts = self.train_prompts.batch(self._prompt_indices(rollout_index))
-        rollout = self._generate(prompts, args.num_generations)  # the engine, the tool loop or rollout_func
+        rollout = self._generate(prompts, args.num_generations)
         generated = time.perf_counter()
-        tokens = (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()  # before any masking
-        sampling = {**self.throughput.generation(rollout, generated - started, args.num_generations),
-                    **engine_metrics(self.generator)}  # vLLM: weight-sync seconds and bytes
-        reward_log = RewardLog()
+        timing["tokens"] += (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()  # before masking
+        for key, value in self.throughput.generation(rollout, generated - started, args.num_generations).items():
+            timing[key] = timing.get(key, 0.0) + value * (generated - started)  # time-weighted over rounds
         rewards, completions = self._score(rollout, prompts, args.num_generations, reward_log)
-        scored = time.perf_counter()
+        timing["time/generation_seconds"] += generated - started
+        timing["time/reward_seconds"] += time.perf_counter() - generated
+        return rollout, rewards, completions
+
+    def _make_rollout(self, rollout_index: int) -> RolloutBatch:
+        args, reward_log = self.args, RewardLog()
+        timing = {"time/generation_seconds": 0.0, "time/reward_seconds": 0.0, "tokens": torch.zeros(())}
+        if args.dynamic_sampling:  # rounds until the batch holds groups with a reward spread (DAPO)
+            prompts, rollout, rewards, completions, sampling = sample_informative(self, rollout_index, reward_log,
+                                                                                   timing)
+        else:
+            prompts = self.train_prompts.batch(self._prompt_indices(rollout_index))
+            (rollout, rewards, completions), sampling = self._generate_and_score(prompts, reward_log, timing), {}
+        tokens, seconds = timing.pop("tokens"), max(timing["time/generation_seconds"], 1e-12)
+        sampling.update({k: timing.pop(k) / seconds for k in [k for k in timing if k.startswith("perf/")]})
+        sampling.update({**timing, **engine_metrics(self.generator)})  # vLLM: weight-sync seconds and bytes
         advantages, total, stats, everyone = self._advantages(rewards, rollout)
         if args.mask_truncated_completions:
             rollout.completion_mask[rollout.truncated] = 0
@@ -326,7 +342,6 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         batch.metrics.update(reward_log.metrics(self.accelerator))
         batch.metrics.update(tool_metrics(rollout.stats, self.accelerator))
         batch.metrics.update(sampling)
-        batch.metrics.update({"time/generation_seconds": generated - started, "time/reward_seconds": scored - generated})
         self.flow.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens.to(self.accelerator.device),
                                                                              "sum").item())
         columns = reward_log.columns(len(completions))

@@ -51,9 +51,9 @@ def check_head_trainable(model) -> list[str]:
     trainable = [n for n, p in head if p.requires_grad]
     if head and not trainable:
         raise HeadFrozenError(
-            f"the reward head ({head[0][0]}, ...) is frozen, so it would stay at its random initialisation while "
-            "the loss still falls. With LoRA use task_type='SEQ_CLS' (rlft sets it) and keep the head in "
-            "modules_to_save; without LoRA do not freeze it")
+            f"the reward head ({head[0][0]}, ...) is frozen, so it would stay at its random initialisation "
+            "while the loss still falls. With LoRA use task_type='SEQ_CLS' (rlft sets it) and keep the head "
+            "in modules_to_save; without LoRA do not freeze it")
     return trainable
 
 
@@ -71,10 +71,11 @@ class RewardTrainer(TrainLoop, TrainerSurface):
 
         self.args = args = validate(args or RewardConfig(output_dir=default_output_dir(model, "Reward")))
         if isinstance(data_collator, list) or hasattr(data_collator, "column_names"):
-            raise ConfigError("the third positional argument of RewardTrainer is data_collator (TRL's order); pass "
-                              "the dataset as train_dataset=")
+            raise ConfigError("the third positional argument of RewardTrainer is data_collator "
+                              "(TRL's order); pass the dataset as train_dataset=")
         if data_collator is not None and not callable(data_collator):
-            raise ConfigError(f"data_collator must be callable (like DataCollatorForPreference), got {data_collator!r}")
+            raise ConfigError("data_collator must be callable (like DataCollatorForPreference), "
+                              f"got {data_collator!r}")
         self.data_collator, self.compute_metrics = data_collator, compute_metrics
         run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
@@ -92,13 +93,15 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         self.train_dataset = self.train_pairs.as_dataset()
         named = {name: pairs.as_dataset() for name, pairs in self.eval_sets.items()}
         self.eval_dataset = None if not named else named.get(None, named) if None in named else named
-        # Every pair once per epoch, as TRL's data loader: the last step's batch is filled with the epoch's first pairs
-        # (accelerate's even_batches), so every step and process has the same shape
+        # Every pair once per epoch, as TRL's data loader: the last step's batch is filled with the epoch's
+        # first pairs (accelerate's even_batches), so every step and process has the same shape
         self.steps_per_epoch = -(-len(self.train_pairs) // pairs_per_step)
-        self.total_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * self.steps_per_epoch)
+        self.total_steps = (args.max_steps if args.max_steps > 0
+                            else int(args.num_train_epochs * self.steps_per_epoch))
         self._setup_model(model, peft_config, optimizers, quantization_config)
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
-                         self.total_steps, self.steps_per_epoch, self.accelerator, args.per_device_train_batch_size)
+                         self.total_steps, self.steps_per_epoch, self.accelerator,
+                         args.per_device_train_batch_size)
         self.state = self.flow.state
         self.flow.fire("on_init_end")
 
@@ -107,7 +110,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         dtype = training_dtype(args, self.accelerator.device)
         self.engine.before_loading(dtype)
         init_kwargs = {**(args.model_init_kwargs or {}),
-                       **({"quantization_config": quantization_config} if quantization_config is not None else {})}
+                       **({"quantization_config": quantization_config}
+                          if quantization_config is not None else {})}
         try:
             model = load_sequence_classifier(model, dtype, self.tokenizer.pad_token_id, init_kwargs,
                                              args.trust_remote_code)
@@ -130,7 +134,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         optimizer, scheduler = optimizers
         optimizer = optimizer or run_state.build_optimizer(model, args)
         self.scheduler = scheduler or run_state.build_scheduler(optimizer, args, self.total_steps)
-        self.model, self.optimizer = self.engine.prepare(model, optimizer, args.max_grad_norm)  # not the scheduler
+        # not the scheduler
+        self.model, self.optimizer = self.engine.prepare(model, optimizer, args.max_grad_norm)
 
     # ---- the loop (rlft/train/loop.py runs the steps) ------------------------------------------------
     log_project = "rlft-reward"
@@ -141,11 +146,12 @@ class RewardTrainer(TrainLoop, TrainerSurface):
 
     def _announce(self) -> None:
         args = self.args
-        for line in [*self.train_pairs.report.lines(args.max_length, args.truncation), *filter(None, self._notes),
-                     *no_effect_notes(args)]:
+        for line in [*self.train_pairs.report.lines(args.max_length, args.truncation),
+                     *filter(None, self._notes), *no_effect_notes(args)]:
             self.log.warn(line)
         self.log.info(f"reward model: {len(self.train_pairs)} pairs, {self.total_steps} steps, "
-                      f"{self.param_summary['trainable']:,} trainable parameters, head: {self.head_parameters[:2]}, "
+                      f"{self.param_summary['trainable']:,} trainable parameters, "
+                      f"head: {self.head_parameters[:2]}, "
                       f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
 
     def _step(self, step: int) -> dict[str, float]:
@@ -169,14 +175,15 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         self.log.warn(f"step {step + 1}: non-finite loss or gradient norm, step skipped, weights unchanged "
                       f"({self.nonfinite_skipped} so far)")
         if consecutive >= self.args.max_nonfinite_steps:
-            half = self.autocast_dtype == torch.float16 or self.accelerator.unwrap_model(self.model).dtype == \
-                torch.float16
+            half = (self.autocast_dtype == torch.float16
+                    or self.accelerator.unwrap_model(self.model).dtype == torch.float16)
             raise NonFiniteLossError(
                 f"{consecutive} consecutive steps had an inf/NaN loss or gradient norm (max_nonfinite_steps="
                 f"{self.args.max_nonfinite_steps}). Likely cause: a learning rate too high (now "
                 f"{self.args.learning_rate}; lower it or set max_grad_norm)"
                 + (", or float16 activations overflowing (use dtype bfloat16 or float32)" if half else
-                   f"; the model runs in {self.accelerator.unwrap_model(self.model).dtype}, so not a float16 overflow"))
+                   f"; the model runs in {self.accelerator.unwrap_model(self.model).dtype}, "
+                   "so not a float16 overflow"))
 
     def _indices(self, step: int, micro: int) -> list[int]:
         epoch, offset = divmod(step, self.steps_per_epoch)
@@ -198,7 +205,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
 
     def _pair_loss(self, batch):
         chosen, rejected = self._scores(batch)
-        loss, metrics = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.args.center_rewards_coefficient)
+        loss, metrics = bradley_terry_loss(chosen, rejected, batch.get("margin"),
+                                           self.args.center_rewards_coefficient)
         return loss, metrics, chosen.detach(), rejected.detach()
 
     def _optimizer_step(self, step: int) -> dict[str, float] | None:
@@ -213,15 +221,17 @@ class RewardTrainer(TrainLoop, TrainerSurface):
                 loss, metrics, chosen, rejected = self._pair_loss(batch)
                 finite = finite and bool(torch.isfinite(loss))
                 if loss.requires_grad:  # every process runs backward, finite or not: DDP syncs there
-                    self.engine.backward(self.model, torch.nan_to_num(loss) / args.gradient_accumulation_steps)
+                    self.engine.backward(self.model,
+                                         torch.nan_to_num(loss) / args.gradient_accumulation_steps)
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 sums[key] = sums.get(key, 0.0) + value.item() / args.gradient_accumulation_steps
             rewards.append(torch.cat([chosen, rejected]))
         grad_norm = self.engine.clip(self.model, args.max_grad_norm)  # None: DeepSpeed clips in its step
         norm_ok = grad_norm is None or math.isfinite(grad_norm)
         flags = torch.tensor([float(finite and norm_ok)], device=acc.device)
-        if acc.num_processes > 1:  # every process must skip together: a local inf loss may leave a finite norm
-            flags = acc.reduce(flags, "min")
+        # every process must skip together: a local inf loss may leave a finite norm
+        if acc.num_processes > 1:
+            flags = -acc.reduce(-flags, "max")  # a min: accelerate's reduce knows sum, mean and max only
         learning_rate = self.scheduler.get_last_lr()[0]
         applied = flags.item() >= 1
         if applied:
@@ -253,7 +263,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             self._log_row(self.window.flush())
         if control.should_evaluate and self.eval_sets:
             self.evaluate()
-        self.log.advance(step, f"loss {metrics.get('loss', float('nan')):.3f} acc {metrics.get('accuracy', 0):.2f}")
+        self.log.advance(step, f"loss {metrics.get('loss', float('nan')):.3f} "
+                               f"acc {metrics.get('accuracy', 0):.2f}")
         if control.should_save:
             ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler,
                                  self.args.output_dir, step, {"num_processes": self.accelerator.num_processes,
@@ -262,13 +273,15 @@ class RewardTrainer(TrainLoop, TrainerSurface):
                                                               "loss_sum": self.flow.loss_sum,
                                                               "nonfinite_skipped": self.nonfinite_skipped,
                                                               "metric_window": self.window.rows},
-                                 flow=self.flow, save_total_limit=self.args.save_total_limit, engine=self.engine)
+                                 flow=self.flow, save_total_limit=self.args.save_total_limit,
+                                 engine=self.engine)
             self.flow.fire("on_save")
 
     @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss, accuracy and mean margin over a whole eval set -> `eval_loss`, `eval_accuracy`, ...; a dict of
-        eval datasets gives `eval_<name>_*` per name."""
+    def evaluate(self, eval_dataset=None, ignore_keys=None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss, accuracy and mean margin over a whole eval set -> `eval_loss`, `eval_accuracy`, ...; a dict
+        of eval datasets gives `eval_<name>_*` per name."""
         sets = self.eval_sets if eval_dataset is None else self._eval_pairs(eval_dataset)
         if not sets:
             raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or the call)")
@@ -281,23 +294,25 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         return metrics
 
     def _eval_pairs(self, eval_dataset) -> dict[str | None, PreferencePairs]:
-        return {name: PreferencePairs(materialize(d, None, whole=True)[0], self.tokenizer, self.args.max_length,
-                                      self.args.truncation) for name, d in load_eval_datasets(eval_dataset).items()}
+        return {name: PreferencePairs(materialize(d, None, whole=True)[0], self.tokenizer,
+                                      self.args.max_length, self.args.truncation)
+                for name, d in load_eval_datasets(eval_dataset).items()}
 
     def _evaluate_pairs(self, pairs: PreferencePairs) -> dict[str, float]:
         self.model.eval()
         size, chosen_all, rejected_all = self.args.per_device_eval_batch_size, [], []
         for start in range(0, len(pairs), size):
-            batch = pairs.batch(list(range(start, min(start + size, len(pairs)))), self.tokenizer.pad_token_id,
-                                self.pad_multiple, self.data_collator)
+            batch = pairs.batch(list(range(start, min(start + size, len(pairs)))),
+                                self.tokenizer.pad_token_id, self.pad_multiple, self.data_collator)
             chosen, rejected = self._scores(batch)
             chosen_all.append(chosen)
             rejected_all.append(rejected)
         chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)
         loss, metrics = bradley_terry_loss(chosen, rejected)
         both = torch.cat([chosen, rejected])
-        out = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}, "min_reward": both.min().item(),
-               "mean_reward": both.mean().item(), "max_reward": both.max().item()}
+        out = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()},
+               "min_reward": both.min().item(), "mean_reward": both.mean().item(),
+               "max_reward": both.max().item()}
         if self.compute_metrics is not None:  # scores [N, 2] (chosen, rejected); label 0: the chosen one wins
             from transformers.trainer_utils import EvalPrediction
 
@@ -331,7 +346,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         if not hasattr(model, "merge_and_unload"):
             engine_io.save_pretrained(self.accelerator, self.engine, self.model, output_dir, self.tokenizer)
             return
-        state_dict = self.accelerator.get_state_dict(self.model) if self.engine.sharded else None  # every process
+        # every process
+        state_dict = self.accelerator.get_state_dict(self.model) if self.engine.sharded else None
         if self.accelerator.is_main_process:
             with self.engine.unpartitioned():
                 merged = engine_io.merged_copy(model, state_dict)

@@ -96,7 +96,8 @@ def main() -> None:
         metrics = {**batch.metrics, **trainer._optimizer_step(batch)}
         params = trainer.accelerator.get_state_dict(trainer.model) or {}  # every process gathers; ZeRO-3: rank 0 gets it
         results[name] = {"params": {k: v.detach().clone() for k, v in params.items()}, "engine": trainer.engine.name,
-                         "metrics": {k: v for k, v in metrics.items() if "time" not in k and k != "tokens_per_second"}}
+                         "metrics": {k: v for k, v in metrics.items()
+                                     if "time" not in k and k != "tokens_per_second" and not k.startswith("perf/")}}
     if trainer.accelerator.is_main_process:
         torch.save(results, out)
     accelerator = trainer.accelerator
