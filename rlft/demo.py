@@ -28,10 +28,12 @@ CALCULATOR_KEY = "eval_rewards/answer_reward/mean"
 def demo_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False) -> GRPOConfig:
     """The demo's hyperparameters, in one place (docs/quickstart.md quotes them)."""
     return GRPOConfig(
-        output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps, learning_rate=5e-4 if lora else 3e-5,
+        output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps,
+        learning_rate=5e-4 if lora else 3e-5,
         lr_scheduler_type="constant", num_generations=8, per_device_train_batch_size=64,
         max_completion_length=8, temperature=0.7, loss_type="dapo", beta=0.0,
-        logging_steps=20, logging_first_step=True, eval_strategy="steps", eval_steps=EVAL_EVERY, eval_on_start=True, save_steps=steps,
+        logging_steps=20, logging_first_step=True, eval_strategy="steps", eval_steps=EVAL_EVERY,
+        eval_on_start=True, save_steps=steps,
         report_to="none", gradient_checkpointing=False, log_completions=True, use_vllm=use_vllm,
     )
 
@@ -42,10 +44,12 @@ def demo_lora(lora: bool):
         return None
     from peft import LoraConfig
 
-    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
 
 
-def calculator_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False) -> GRPOConfig:
+def calculator_config(output_dir: str, steps: int, lora: bool, seed: int,
+                      use_vllm: bool = False) -> GRPOConfig:
     """The tool demo: completions hold a tool call, its result and the answer (~45 tokens, up to 64)."""
     cfg = demo_config(output_dir, steps, lora, seed, use_vllm)
     cfg.max_completion_length, cfg.max_tool_calling_iterations, cfg.reward_weights = 64, 2, [1.0, 0.2]
@@ -66,13 +70,15 @@ def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_
 
         cfg = calculator_config(output_dir, steps or CALCULATOR_STEPS, lora, seed, use_vllm)
         trainer = GRPOTrainer(str(shipped_policy_path("tiny-calculator")),
-                              [calculator.answer_reward, calculator.tool_use_reward], cfg, train_dataset=rows(train),
-                              eval_dataset=rows(heldout), tools=calculator.TOOLS, peft_config=demo_lora(lora))
+                              [calculator.answer_reward, calculator.tool_use_reward], cfg,
+                              train_dataset=rows(train), eval_dataset=rows(heldout), tools=calculator.TOOLS,
+                              peft_config=demo_lora(lora))
         key = CALCULATOR_KEY
     else:
         cfg = demo_config(output_dir, steps or DEMO_STEPS, lora, seed, use_vllm)
         trainer = GRPOTrainer(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
-                              train_dataset=rows(train), eval_dataset=rows(heldout), peft_config=demo_lora(lora))
+                              train_dataset=rows(train), eval_dataset=rows(heldout),
+                              peft_config=demo_lora(lora))
         key = HELDOUT_KEY
     trainer.train()
     accuracy = [h[key] for h in trainer.state.log_history if key in h]
@@ -83,8 +89,10 @@ def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_
     wall = time.perf_counter() - started
     print(
         "\nrlft demo summary\n"
-        f"  held-out greedy accuracy: {before:.1%} -> {after:.1%}  ({len(heldout)} problems never trained on)\n"
-        f"  steps: {cfg.max_steps} ({'LoRA r16' if lora else 'full fine-tuning'}, {cfg.num_generations} completions x "
+        f"  held-out greedy accuracy: {before:.1%} -> {after:.1%}  "
+        f"({len(heldout)} problems never trained on)\n"
+        f"  steps: {cfg.max_steps} ({'LoRA r16' if lora else 'full fine-tuning'}, "
+        f"{cfg.num_generations} completions x "
         f"{cfg.per_device_train_batch_size // cfg.num_generations} prompts per step, "
         f"{'vLLM' if use_vllm else 'transformers generate'})\n"
         f"  wall time: {wall:.0f} s including start-up\n"

@@ -20,12 +20,12 @@ from rich.table import Table
 from rlft.config import GRPOConfig, RewardConfig
 
 TRAPS_GRPO = [
-    ("loss shows 0", "expected with one update per rollout; rlft logs grad_norm and frac_reward_zero_std and says "
-                     "which case you are in (docs/troubleshooting.md)"),
+    ("loss shows 0", "expected with one update per rollout; rlft logs grad_norm and frac_reward_zero_std and "
+                     "says which case you are in (docs/troubleshooting.md)"),
     ("'element 0 of tensors does not require grad'", "rlft enables input grads for checkpointing and checks "
                                                      "gradient flow after the first backward"),
-    ("loss normalisation", "explicit loss_type; KL added per token before aggregation; normalisers global over "
-                           "accumulation and processes (docs/losses.md)"),
+    ("loss normalisation", "explicit loss_type; KL added per token before aggregation; normalisers global "
+                           "over accumulation and processes (docs/losses.md)"),
     ("curves differ from docs", "every figure in docs/ is produced by a command written next to it"),
 ]
 TRAPS_REWARD = [
@@ -63,7 +63,8 @@ def detect_kind(config_path: str | None) -> str:
     if config_path is None:
         return "grpo"
     values = yaml.safe_load(Path(config_path).read_text()) or {}
-    reward_only = {f.name for f in dataclasses.fields(RewardConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    reward_only = ({f.name for f in dataclasses.fields(RewardConfig)}
+                   - {f.name for f in dataclasses.fields(GRPOConfig)})
     return "reward" if reward_only & set(values) or values.get("lora_task_type") == "SEQ_CLS" else "grpo"
 
 
@@ -80,15 +81,17 @@ class Run:
         from rlft.data.prompts import load_dataset_any
         from rlft.recipes import recipe_datasets
 
-        dataset = load_dataset_any(given if given is not None else recipe_datasets(self.script, self.cfg, self.mixture)[0])
+        dataset = load_dataset_any(given if given is not None
+                                   else recipe_datasets(self.script, self.cfg, self.mixture)[0])
         return dataset.select(range(min(len(dataset), rows)))
 
     def small(self, per_device: int):
         """The config for a one-step trial: whole data in one micro-batch, no tracker, a scratch folder."""
         from rlft.recipes import model_init_kwargs
 
-        return dataclasses.replace(self.cfg, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
-                                   max_steps=1, report_to=[], disable_tqdm=True,
+        return dataclasses.replace(self.cfg, per_device_train_batch_size=per_device,
+                                   gradient_accumulation_steps=1, max_steps=1, report_to=[],
+                                   disable_tqdm=True,
                                    model_init_kwargs=model_init_kwargs(self.model_args, self.cfg),
                                    output_dir=tempfile.mkdtemp(prefix="rlft-doctor-"))
 
@@ -98,8 +101,9 @@ def _tokenizer_checks(report: Report, source: Any, tokenizer, needs_chat: bool) 
 
     raw = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(source))
     if raw.pad_token is None:
-        report.add("FAIL", "pad token", f"the tokenizer has no pad token (eos={raw.eos_token!r}). Padding with eos "
-                   "hides where sequences end (a reward model scores the wrong token); add a distinct pad token: "
+        report.add("FAIL", "pad token", f"the tokenizer has no pad token (eos={raw.eos_token!r}). "
+                   "Padding with eos hides where sequences end (a reward model scores the wrong token); "
+                   "add a distinct pad token: "
                    "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the embeddings")
     else:
         report.add("PASS", "pad token", f"pad={raw.pad_token!r} eos={raw.eos_token!r}")
@@ -145,7 +149,8 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
                       is_conversational(dataset[0].get("prompt")))
     cfg = run.small(run.cfg.num_generations * len(dataset))
     if reward_funcs is None:
-        reward_funcs = [*filter(None, [run.script.reward_model_name_or_path]), *(run.script.reward_funcs or [])]
+        reward_funcs = [*filter(None, [run.script.reward_model_name_or_path]),
+                        *(run.script.reward_funcs or [])]
     trainer = GRPOTrainer(source, reward_funcs, cfg, dataset, processing_class=tokenizer,
                           peft_config=get_peft_config(run.model_args))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
@@ -156,15 +161,17 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
     batch = trainer._make_rollout(0)
     report.add("INFO", "machine", f"matmul peak {trainer.throughput.peak / 1e9:,.0f} GFLOP/s in {dtype} on "
                f"{trainer.accelerator.device} (measured: a square matmul, best of 5); this rollout used "
-               f"{batch.metrics['perf/mfu_generation']:.2g}% of it (perf/mfu_* metrics are against this peak)")
+               f"{batch.metrics['perf/mfu_generation']:.2g}% of it "
+               "(perf/mfu_* metrics are against this peak)")
     sample = batch.samples[0]
-    report.add("PASS", "generation", f"{len(batch.samples)} completions, e.g. {str(sample['completion'])[:80]!r}")
+    report.add("PASS", "generation",
+               f"{len(batch.samples)} completions, e.g. {str(sample['completion'])[:80]!r}")
     zero = batch.metrics["frac_reward_zero_std"]
     spread = ", ".join(f"{n} std {batch.metrics[f'rewards/{n}/std']:.3g}" for n in trainer.reward_names)
     report.add("FAIL" if zero >= 1.0 else ("WARN" if zero > 0.5 else "PASS"), "reward spread",
                f"{zero:.0%} of groups have zero spread ({spread})" + (
-                   ": no learning signal at all; advantages and gradients would be 0. Make rewards graded, the "
-                   "task easier, or raise num_generations/temperature" if zero >= 1.0 else ""))
+                   ": no learning signal at all; advantages and gradients would be 0. Make rewards graded, "
+                   "the task easier, or raise num_generations/temperature" if zero >= 1.0 else ""))
     signs = torch.tensor([1.0, -1.0]).repeat(batch.advantages.numel() // 2 + 1)[: batch.advantages.numel()]
 
     def backward():  # synthetic +-1 advantages: tests the wiring whatever the rewards were
@@ -193,24 +200,27 @@ def _engine_mismatch(trainer, rollout) -> float:
 def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
     """The engine started and generated (above); its log-probs match the trainer's before and after one real
     optimiser step (the gradients of the gradient-flow check), i.e. the weight sync works."""
-    args, generator = trainer.args, getattr(trainer.generator, "engine", trainer.generator)  # inside a tool loop
+    # inside a tool loop
+    args, generator = trainer.args, getattr(trainer.generator, "engine", trainer.generator)
     exact = generator.dtype == next(unwrapped.parameters()).dtype == torch.float32
-    report.add("PASS", "vLLM engine", f"{args.vllm_mode} mode, engine dtype {str(generator.dtype).split('.')[-1]}")
+    report.add("PASS", "vLLM engine",
+               f"{args.vllm_mode} mode, engine dtype {str(generator.dtype).split('.')[-1]}")
     before = _engine_mismatch(trainer, rollout)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad()
     generator.on_weights_changed()
     prompts = trainer.train_prompts.batch([0])["prompt_ids"]
     after = _engine_mismatch(trainer, generator(unwrapped, prompts, args.num_generations))
-    detail = f"max |trainer - engine| log-prob: {before:.2g} at the start, {after:.2g} after one optimiser step"
+    detail = (f"max |trainer - engine| log-prob: {before:.2g} at the start, "
+              f"{after:.2g} after one optimiser step")
     if not exact:
         report.add("INFO", "vLLM weight sync", detail + " (engine and trainer dtypes differ: expected; "
                    "vllm_importance_sampling_correction weighs it)")
     elif max(before, after) < 1e-4:
         report.add("PASS", "vLLM weight sync", detail)
     else:
-        report.add("FAIL", "vLLM weight sync", detail + ": the engine does not hold the trainer's weights (with "
-                   "dropout on, set disable_dropout: true; else report it with this output)")
+        report.add("FAIL", "vLLM weight sync", detail + ": the engine does not hold the trainer's weights "
+                   "(with dropout on, set disable_dropout: true; else report it with this output)")
 
 
 def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, tokenizer=None) -> None:
@@ -224,12 +234,11 @@ def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, toke
                       is_conversational(dataset[0].get("chosen")))
     model_args = run.model_args
     if model_args.use_peft and model_args.lora_task_type != "SEQ_CLS":
-        report.add("FAIL", "LoRA task type", f"lora_task_type={model_args.lora_task_type!r}: with peft alone the "
-                   "score head "
-                   "would stay frozen at its random init. rlft sets SEQ_CLS when training, but make the config say "
-                   "so: lora_task_type: SEQ_CLS")
-    trainer = RewardTrainer(source, run.small(len(dataset)), train_dataset=dataset, processing_class=tokenizer,
-                            peft_config=get_peft_config(model_args))
+        report.add("FAIL", "LoRA task type", f"lora_task_type={model_args.lora_task_type!r}: "
+                   "with peft alone the score head would stay frozen at its random init. "
+                   "rlft sets SEQ_CLS when training, but make the config say so: lora_task_type: SEQ_CLS")
+    trainer = RewardTrainer(source, run.small(len(dataset)), train_dataset=dataset,
+                            processing_class=tokenizer, peft_config=get_peft_config(model_args))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     report.add("PASS", "score head trainable", ", ".join(trainer.head_parameters[:3]))
     report.add("PASS", "model", _summarise_trainable(unwrapped))
@@ -241,7 +250,8 @@ def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, toke
 
 
 def run_doctor(config_path: str | None = None, kind: str = "auto", argv: list[str] | None = None,
-               console: Console | None = None, overrides: dict | None = None, **objects) -> tuple[int, Report]:
+               console: Console | None = None, overrides: dict | None = None,
+               **objects) -> tuple[int, Report]:
     """Run every check; `argv` holds --field value options, `overrides` a dict of them; objects (model=,
     reward_funcs=, train_dataset=, tokenizer=) replace the config's."""
     from rlft.recipes import parse_run

@@ -1,7 +1,8 @@
 """rlft's exceptions share one base, so a caller can catch every error rlft raises about its input or run.
 
 Each specific class also keeps the built-in base it had (ValueError, RuntimeError), so code written against
-those still catches them. Modules raise the classes defined here; a few keep a local name for an old import path.
+those still catches them. Modules raise the classes defined here; a few keep a local name for an old import
+path.
 """
 
 

@@ -45,7 +45,8 @@ def bad_weight_files(folder: Path) -> list[str]:
 
 
 def from_pretrained(auto_class, source, **kwargs):
-    """`auto_class.from_pretrained`, with a truncated or corrupt weight file named (transformers' error does not)."""
+    """`auto_class.from_pretrained`, with a truncated or corrupt weight file named (transformers' error does
+    not)."""
     try:
         return auto_class.from_pretrained(str(source), **kwargs)
     except Exception as err:
@@ -54,9 +55,9 @@ def from_pretrained(auto_class, source, **kwargs):
         folder = Path(str(source))
         problems = bad_weight_files(folder) if folder.is_dir() else []
         shown = "; ".join(problems) or f"{source}: {err}"
-        raise ModelFileError(f"the model's weights cannot be read: {shown}. The file is truncated or corrupt (an "
-                             "interrupted download or copy): download or copy it again, or re-save the model") \
-            from err
+        raise ModelFileError(f"the model's weights cannot be read: {shown}. The file is truncated or corrupt "
+                             "(an interrupted download or copy): download or copy it again, or re-save the "
+                             "model") from err
 
 
 class GradientFlowError(RlftError, RuntimeError):
@@ -92,14 +93,15 @@ def training_dtype(args, device: torch.device | None = None) -> torch.dtype:
         return asked
     if asked not in (None, "auto"):
         if asked not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"model_init_kwargs dtype={asked!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
+            raise ConfigError(f"model_init_kwargs dtype={asked!r}: "
+                              "use 'auto', 'float32', 'bfloat16' or 'float16'")
         return getattr(torch, asked)
     return resolve_dtype("auto", args.bf16, args.fp16, device)
 
 
 def check_quantization(init_kwargs: dict) -> None:
-    """bitsandbytes k-bit loading (quantization_config, load_in_4bit/8bit) needs its package and a CUDA GPU: say so
-    before transformers fails deep inside from_pretrained."""
+    """bitsandbytes k-bit loading (quantization_config, load_in_4bit/8bit) needs its package and a CUDA GPU:
+    say so before transformers fails deep inside from_pretrained."""
     quantization = init_kwargs.get("quantization_config")
     if quantization is None:
         return
@@ -124,8 +126,9 @@ def load_tokenizer(name_or_path: str | Path, padding_side: str = "left", trust_r
     """AutoTokenizer with a pad token (eos when the tokenizer has none) and the requested padding side."""
     path = Path(str(name_or_path))
     if path.is_dir() and not any((path / f).exists() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the "
-                                "tokenizer beside the model (tokenizer.save_pretrained) or pass processing_class=")
+        raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): "
+                                "save the tokenizer beside the model (tokenizer.save_pretrained) "
+                                "or pass processing_class=")
     _check_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
     tokenizer.padding_side = padding_side
@@ -140,7 +143,8 @@ def ensure_pad_token(tokenizer, where: str = "the tokenizer"):
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {where} has neither a pad nor an eos token; add a pad token "
-                             "(tokenizer.add_special_tokens({'pad_token': ...})) or set pad_token in the config")
+                             "(tokenizer.add_special_tokens({'pad_token': ...})) "
+                             "or set pad_token in the config")
         logger.info("tokenizer has no pad token; using eos %r as pad", tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -151,7 +155,8 @@ def prepare_tokenizer(processing_class, source, args, padding_side: str):
     pad_token and eos_token applied, and a pad token guaranteed."""
     if processing_class is None:
         if source is None:
-            raise ValueError("the model object has no name_or_path to load a tokenizer from: pass processing_class=")
+            raise ValueError("the model object has no name_or_path to load a tokenizer from: "
+                             "pass processing_class=")
         processing_class = load_tokenizer(source, padding_side, args.trust_remote_code)
     tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor wraps its tokenizer
     tokenizer.padding_side = padding_side
@@ -190,14 +195,16 @@ def load_causal_lm(model, dtype: torch.dtype, model_init_kwargs: dict | None = N
                    trust_remote_code: bool = False) -> PreTrainedModel:
     if isinstance(model, torch.nn.Module):
         if model_init_kwargs:
-            raise ValueError("model_init_kwargs only applies when the model is given as a name or path; the model "
-                             "passed in is already loaded")
+            raise ValueError("model_init_kwargs only applies when the model is given as a name or path; "
+                             "the model passed in is already loaded")
         return model
     _check_model_path(model)
-    return from_pretrained(AutoModelForCausalLM, model, **_init_kwargs(dtype, model_init_kwargs, trust_remote_code))
+    return from_pretrained(AutoModelForCausalLM, model,
+                           **_init_kwargs(dtype, model_init_kwargs, trust_remote_code))
 
 
-def load_sequence_classifier(model, dtype: torch.dtype, pad_token_id: int | None, model_init_kwargs: dict | None = None,
+def load_sequence_classifier(model, dtype: torch.dtype, pad_token_id: int | None,
+                             model_init_kwargs: dict | None = None,
                              trust_remote_code: bool = False) -> PreTrainedModel:
     if not isinstance(model, torch.nn.Module):
         _check_model_path(model)
@@ -213,8 +220,8 @@ def check_single_score(model) -> None:
     """A Bradley-Terry reward model outputs one score per sequence."""
     labels = getattr(model.config, "num_labels", 1)
     if labels != 1:
-        raise ValueError(f"reward models require `num_labels=1`; this one has num_labels={labels} (one score per "
-                         "sequence is what Bradley-Terry trains). "
+        raise ValueError(f"reward models require `num_labels=1`; this one has num_labels={labels} "
+                         "(one score per sequence is what Bradley-Terry trains). "
                          "Load it with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)")
 
 
@@ -237,9 +244,9 @@ def disable_dropout(model) -> None:
 
 def cast_lm_head_to_fp32(model) -> None:
     """ScaleRL's float32 LM head (arXiv:2510.13786): the head's weights and its input in float32, so the
-    logits behind the log-probs are computed in full precision. A head tied to the input embeddings (TRL's rule)
-    makes the shared weight float32; the embeddings' output is cast back to the model's dtype, so only the logits
-    change precision."""
+    logits behind the log-probs are computed in full precision. A head tied to the input embeddings (TRL's
+    rule) makes the shared weight float32; the embeddings' output is cast back to the model's dtype, so only
+    the logits change precision."""
     head = model.get_output_embeddings()
     original = head.weight.dtype
     head.float()
@@ -259,7 +266,8 @@ def apply_lora(model, peft_config, expected_task_type: str):
     task_type = getattr(peft_config, "task_type", None)
     task_type = getattr(task_type, "value", task_type)
     if task_type != expected_task_type:
-        logger.warning("peft_config.task_type=%r; rlft sets it to %r for this model", task_type, expected_task_type)
+        logger.warning("peft_config.task_type=%r; rlft sets it to %r for this model", task_type,
+                       expected_task_type)
         peft_config.task_type = expected_task_type
     with known_noise():  # peft reads transformers' deprecated is_gradient_checkpointing
         return get_peft_model(model, peft_config)
@@ -286,13 +294,15 @@ def enable_checkpointing(model, kwargs: dict | None = None) -> None:
 
 def router_loss_coef(model, asked: float | None) -> float:
     """A Mixture-of-Experts policy's router load-balancing coefficient (TRL's rule): the config's own
-    `router_aux_loss_coef` unless asked otherwise; 0 for a model without router logits (asking is then an error)."""
+    `router_aux_loss_coef` unless asked otherwise; 0 for a model without router logits (asking is then an
+    error)."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     moe = hasattr(config, "output_router_logits")
     if asked and not moe:
-        raise ConfigError(f"router_aux_loss_coef={asked} is set but {type(model).__name__} is not a Mixture-of-Experts "
-                         "model (its config has no output_router_logits); leave router_aux_loss_coef unset")
+        raise ConfigError(f"router_aux_loss_coef={asked} is set but {type(model).__name__} is not a "
+                          "Mixture-of-Experts model (its config has no output_router_logits); "
+                          "leave router_aux_loss_coef unset")
     if not moe:
         return 0.0
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if asked is None else float(asked)
@@ -317,7 +327,8 @@ def parameter_summary(model) -> dict:
 
 def check_gradient_flow(model_or_grads) -> None:
     """After a backward pass: every trainable parameter must hold a finite, non-zero gradient. Takes a model
-    (its param.grad) or (name, full gradient) pairs (rlft/train/engines/: TrainingEngine.grads, for DeepSpeed)."""
+    (its param.grad) or (name, full gradient) pairs (rlft/train/engines/: TrainingEngine.grads, for
+    DeepSpeed)."""
     if isinstance(model_or_grads, torch.nn.Module):
         grads = [(name, p.grad) for name, p in trainable_parameters(model_or_grads)]
     else:

@@ -1,9 +1,9 @@
-"""How close a run is to the machine's limit: the device's measured matmul peak (a probe, once per process) and
-the model FLOPs utilisation of each phase of a GRPO step (rlft/core/flops.py counts the FLOPs).
+"""How close a run is to the machine's limit: the device's measured matmul peak (a probe, once per process)
+and the model FLOPs utilisation of each phase of a GRPO step (rlft/core/flops.py counts the FLOPs).
 
-The peak is measured, not looked up: a square matmul in the training dtype, timed after a warm-up, best of a few
-runs. On a GPU this lands near the datasheet's dense peak; on a CPU it is what the cores and their vector units
-(AVX-512, AMX) deliver to torch. `rlft doctor` prints it; every GRPO step logs
+The peak is measured, not looked up: a square matmul in the training dtype, timed after a warm-up, best of a
+few runs. On a GPU this lands near the datasheet's dense peak; on a CPU it is what the cores and their vector
+units (AVX-512, AMX) deliver to torch. `rlft doctor` prints it; every GRPO step logs
 
     perf/mfu_fwd_bwd                  training forward + backward (the optimiser step's micro-batches), in %
     perf/mfu_generation               sampling the step's completions, in %

@@ -8,8 +8,10 @@ from pathlib import Path
 from rlft.tracking import read_metrics
 
 PANELS = [
-    ("reward (train, sampled)", lambda k: k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))),
-    ("held-out / eval (greedy)", lambda k: k.startswith("eval/") and k.endswith("/mean") or k == "eval/reward"),
+    ("reward (train, sampled)",
+     lambda k: k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))),
+    ("held-out / eval (greedy)",
+     lambda k: k.startswith("eval/") and k.endswith("/mean") or k == "eval/reward"),
     ("KL to reference", lambda k: k == "kl"),
     ("entropy", lambda k: k == "entropy"),
     ("completion length", lambda k: k in ("completions/mean_length", "completions/max_length")),
@@ -20,7 +22,8 @@ PANELS = [
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    points = [(r["step"], r[key]) for r in rows
+              if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
     return [p[0] for p in points], [p[1] for p in points]
 
 

@@ -46,7 +46,8 @@ def quiet_command_line(verbose_flag: bool) -> None:
     import torch
 
     if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        # what DeepSpeed would detect, said up front: it warns "Setting accelerator to CPU" when it has to guess
+        # what DeepSpeed would detect, said up front: it warns "Setting accelerator to CPU" when it has
+        # to guess
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import datasets
     import huggingface_hub.utils

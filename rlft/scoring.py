@@ -1,13 +1,14 @@
-"""Scoring a policy's completion tokens without `[B, T, V]` logits: the model's forward, asked with `rlft_score=`,
-runs the backbone and turns the hidden states of the completion positions into per-token log-probs (and entropy)
-tile by tile through the LM head (rlft/core/fused_head.py). Without `rlft_score` the forward is the original one,
-so generation and everything else is unchanged.
+"""Scoring a policy's completion tokens without `[B, T, V]` logits: the model's forward, asked with
+`rlft_score=`, runs the backbone and turns the hidden states of the completion positions into per-token
+log-probs (and entropy) tile by tile through the LM head (rlft/core/fused_head.py). Without `rlft_score` the
+forward is the original one, so generation and everything else is unchanged.
 
-The forward is patched on the transformers model itself (before or after peft wraps it), so every wrapper calls
-it as usual: DDP (gradient sync), FSDP2 (unsharding hooks) and DeepSpeed go through their own forward. The LM head
-is used as a plain weight when it is an `nn.Linear` (an FSDP2 DTensor weight is made whole for the tile loop, with
-its gradient sharded back; a ZeRO-3 partitioned one is gathered around the forward and the backward tile loops);
-a head that peft adapts is called as a module, one checkpointed tile at a time, so its adapters apply.
+The forward is patched on the transformers model itself (before or after peft wraps it), so every wrapper
+calls it as usual: DDP (gradient sync), FSDP2 (unsharding hooks) and DeepSpeed go through their own forward.
+The LM head is used as a plain weight when it is an `nn.Linear` (an FSDP2 DTensor weight is made whole for the
+tile loop, with its gradient sharded back; a ZeRO-3 partitioned one is gathered around the forward and the
+backward tile loops); a head that peft adapts is called as a module, one checkpointed tile at a time, so its
+adapters apply.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from rlft.core.fused_head import fused_token_logprobs, tile_positions
 
 @dataclass
 class Score:
-    """What `model(..., rlft_score=Score(...))` scores: `targets` [b, c] (the completion tokens, the last c positions
-    of the input), `mask` [b, c] (which of them are real), at `temperature`."""
+    """What `model(..., rlft_score=Score(...))` scores: `targets` [b, c] (the completion tokens, the last c
+    positions of the input), `mask` [b, c] (which of them are real), at `temperature`."""
 
     targets: torch.Tensor
     mask: torch.Tensor
@@ -56,7 +57,8 @@ def head_settings(config) -> tuple[float, float | None]:
 
 
 def install_scoring(model) -> None:
-    """Give `model` (a transformers causal LM, or a peft model around one) the `rlft_score=` forward. Idempotent."""
+    """Give `model` (a transformers causal LM, or a peft model around one) the `rlft_score=` forward.
+    Idempotent."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(model, "_rlft_scoring", False):
         return
@@ -83,7 +85,8 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
     mask = score.mask.bool()
     scale, softcap = head_settings(model.config)
     head = model.get_output_embeddings()
-    logps, entropy = _head_scores(model, head, hidden[mask], score.targets[mask], score, scale, softcap)  # [n]
+    logps, entropy = _head_scores(model, head, hidden[mask], score.targets[mask], score, scale,
+                                  softcap)  # [n]
     full = hidden.new_zeros(mask.shape, dtype=logps.dtype)
     logps = full.masked_scatter(mask, logps)  # [b, c]; an all-masked batch stays connected to the graph
     if entropy is not None:
@@ -105,8 +108,8 @@ def _plain_weight(head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 
 def _gathered(*params):
-    """A ZeRO-3 partitioned weight made whole for the tile loops (forward and backward), unless DeepSpeed holds it
-    whole already (a head tied to the embeddings, in use); a no-op without ZeRO-3."""
+    """A ZeRO-3 partitioned weight made whole for the tile loops (forward and backward), unless DeepSpeed
+    holds it whole already (a head tied to the embeddings, in use); a no-op without ZeRO-3."""
     params = [p for p in params if p is not None and hasattr(p, "ds_id")]
     if not params:
         return contextlib.nullcontext
@@ -116,7 +119,8 @@ def _gathered(*params):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         missing = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
-        return deepspeed.zero.GatheredParameters(missing, modifier_rank=None) if missing else contextlib.nullcontext()
+        return (deepspeed.zero.GatheredParameters(missing, modifier_rank=None) if missing
+                else contextlib.nullcontext())
 
     return whole
 
@@ -125,14 +129,16 @@ def _head_scores(model, head, hidden, targets, score: Score, scale: float, softc
     plain = _plain_weight(head)
     if plain is not None:
         weight, bias = plain
-        return fused_token_logprobs(hidden.to(weight.dtype), weight, targets, bias, score.temperature, scale, softcap,
-                                    score.entropy, score.tile, _gathered(weight, bias))
+        return fused_token_logprobs(hidden.to(weight.dtype), weight, targets, bias, score.temperature, scale,
+                                    softcap, score.entropy, score.tile, _gathered(weight, bias))
     return _module_scores(head, hidden, targets, score, scale, softcap)
 
 
 def _module_scores(head, hidden, targets, score: Score, scale: float, softcap: float | None):
-    """The head called as a module, one checkpointed tile at a time (its [t, V] logits recomputed in backward)."""
-    tile = score.tile or tile_positions(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
+    """The head called as a module, one checkpointed tile at a time (its [t, V] logits recomputed in
+    backward)."""
+    tile = score.tile or tile_positions(head.out_features if hasattr(head, "out_features")
+                                        else head.weight.shape[0])
     parts = [checkpoint(_tile_scores, head, hidden[i:i + tile], targets[i:i + tile], score.temperature, scale,
                         softcap, score.entropy, use_reentrant=False) for i in range(0, hidden.shape[0], tile)]
     if not parts:
@@ -153,7 +159,8 @@ def _tile_scores(head, hidden, targets, temperature, scale, softcap, entropy):
 
 
 def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
-    """The load-balancing loss the model's own forward computes from its router logits (its module's function)."""
+    """The load-balancing loss the model's own forward computes from its router logits (its module's
+    function)."""
     module = sys.modules[type(model).__module__]
     balance = getattr(module, "load_balancing_loss_func", None)
     if balance is None:

@@ -35,14 +35,15 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# ChatML with tools (Hermes / Qwen2.5 tool-call format): the tools listed in a system turn by name and arguments,
-# each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results in 'tool' turns.
+# ChatML with tools (Hermes / Qwen2.5 tool-call format): the tools listed in a system turn by name and
+# arguments, each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results in 'tool' turns.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}"
     "({{ tool.function.parameters.properties | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
-    "{% for call in message['tool_calls'] or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _WORDS = (
@@ -60,7 +61,8 @@ def _tokenizer_corpus(seed: int, lines: int = 2000, tools: bool = False) -> list
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
         corpus.append(f"What is {a}+{b}? {words.capitalize()}. The answer is {a + b}!")
         if tools:
-            corpus.append(f'Tools: add(a, b)\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\ntool\n{a + b}')
+            corpus.append(f'Tools: add(a, b)\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n'
+                          f'tool\n{a + b}')
     return corpus
 
 
@@ -119,11 +121,13 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
         return Qwen2Config(**common)
     if arch == "llama":
         return LlamaConfig(**common)
-    if arch == "qwen2_moe":  # a Mixture-of-Experts policy: 4 experts, 2 per token, a router load-balancing loss
+    # a Mixture-of-Experts policy: 4 experts, 2 per token, a router load-balancing loss
+    if arch == "qwen2_moe":
         from transformers import Qwen2MoeConfig
 
-        return Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
-                              shared_expert_intermediate_size=hidden_size, router_aux_loss_coef=0.01)
+        return Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=hidden_size, shared_expert_intermediate_size=hidden_size,
+                              router_aux_loss_coef=0.01)
     raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama' or 'qwen2_moe'")
 
 

@@ -72,15 +72,16 @@ class RunLog:
         if self.trackers:
             accelerator.init_trackers(project, config=_flat_config(config))
         if show_progress and not self.plain:
-            self.progress = Progress(TextColumn("[bold]rlft"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                     TextColumn("{task.fields[status]}"), console=console, transient=False)
+            self.progress = Progress(TextColumn("[bold]rlft"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
+                                     console=console, transient=False)
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
             self.progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """Drop rows past the resumed step, and the end-of-run summary an interrupted run wrote at it (the resumed
-        run logs those steps again). Written to a temporary file and renamed into place: a kill during the rewrite
-        leaves the old file whole, never a cut one."""
+        """Drop rows past the resumed step, and the end-of-run summary an interrupted run wrote at it (the
+        resumed run logs those steps again). Written to a temporary file and renamed into place: a kill during
+        the rewrite leaves the old file whole, never a cut one."""
         for path in (self.metrics_path, self.samples_path):
             if not path.exists():
                 continue
@@ -107,7 +108,8 @@ class RunLog:
             return
         with self.samples_path.open("a") as handle:
             for row in rows:
-                handle.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in row.items()}}, default=str) + "\n")
+                handle.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in row.items()}},
+                                        default=str) + "\n")
 
     def advance(self, step: int, status: str) -> None:
         if self.progress is not None:
@@ -135,8 +137,8 @@ PLAIN_KEYS = ("reward", "loss", "grad_norm", "accuracy", "step_time")
 
 
 def plain_line(row: dict, total_steps: int) -> str:
-    """One readable progress line: `rlft step 20/1500 reward 1.250 loss -0.0012 grad_norm 0.31 ...`; evaluation
-    results (eval_*) are shown as they come."""
+    """One readable progress line: `rlft step 20/1500 reward 1.250 loss -0.0012 grad_norm 0.31 ...`;
+    evaluation results (eval_*) are shown as they come."""
     shown = [(k, row[k]) for k in PLAIN_KEYS if isinstance(row.get(k), int | float)]
     shown += [(k, v) for k, v in row.items() if k.startswith("eval") and isinstance(v, int | float)]
     text = " ".join(f"{k} {v:.4g}" for k, v in shown)
@@ -144,4 +146,5 @@ def plain_line(row: dict, total_steps: int) -> str:
 
 
 def _flat_config(config: dict) -> dict:
-    return {k: (v if isinstance(v, int | float | str | bool) or v is None else str(v)) for k, v in config.items()}
+    return {k: (v if isinstance(v, int | float | str | bool) or v is None else str(v))
+            for k, v in config.items()}

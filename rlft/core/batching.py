@@ -12,7 +12,8 @@ import torch
 
 def budget_bins(tokens: torch.Tensor, budget: int) -> list[list[int]]:
     """Rows in groups of at most `budget` tokens each: longest first, first fit (a row longer than the budget
-    goes alone). tokens: [N] prompt + completion tokens per row -> groups of row indices, each longest first."""
+    goes alone). tokens: [N] prompt + completion tokens per row -> groups of row indices, each longest
+    first."""
     bins: list[list[int]] = []
     loads: list[int] = []
     for row in torch.argsort(tokens, descending=True, stable=True).tolist():

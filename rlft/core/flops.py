@@ -1,10 +1,10 @@
 """Model FLOPs of a decoder-only transformer, for model FLOPs utilisation (MFU).
 
-Counting follows Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", arXiv:2001.08361, sec. 2.1) and
-PaLM's MFU (Chowdhery et al. 2022, arXiv:2204.02311, appendix B): a matmul with a weight of n parameters costs 2n
-FLOPs per token forward; backward costs twice the forward, so training costs 3x forward. Model FLOPs count the
-work the model needs, not what the hardware does: recomputation (gradient checkpointing) and padding are not
-counted, so they show up as lower utilisation.
+Counting follows Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", arXiv:2001.08361, sec. 2.1)
+and PaLM's MFU (Chowdhery et al. 2022, arXiv:2204.02311, appendix B): a matmul with a weight of n parameters
+costs 2n FLOPs per token forward; backward costs twice the forward, so training costs 3x forward. Model FLOPs
+count the work the model needs, not what the hardware does: recomputation (gradient checkpointing) and padding
+are not counted, so they show up as lower utilisation.
 
 Per token, forward, with hidden size h, L layers, q heads and k key/value heads of size d, MLP width m:
     attention projections   2 (h q d + 2 h k d + q d h)
@@ -62,8 +62,8 @@ def lm_head_flops(config, positions: int) -> float:
 
 
 def scoring_flops(config, prompt_lengths: Sequence[int], completion_lengths: Sequence[int]) -> float:
-    """Forward FLOPs of scoring completions: every prompt + completion token through the layers, the LM head at
-    the completion positions only. Training (forward + backward) is 3x this."""
+    """Forward FLOPs of scoring completions: every prompt + completion token through the layers, the LM head
+    at the completion positions only. Training (forward + backward) is 3x this."""
     per_token = layer_flops_per_token(config)
     total = 0.0
     for p, c in zip(prompt_lengths, completion_lengths, strict=True):

@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-TILE_ELEMENTS = 1 << 24  # float32 logits per tile (64 MiB): large enough that re-reading W per tile is amortised
+# float32 logits per tile (64 MiB): large enough that re-reading W per tile is amortised
+TILE_ELEMENTS = 1 << 24
 
 
 def tile_positions(vocab: int, tile_elements: int = TILE_ELEMENTS) -> int:
@@ -54,8 +55,8 @@ class _TiledLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, tile, with_entropy, whole):
         with whole():
-            return _TiledLogProbs._forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, tile,
-                                           with_entropy, whole)
+            return _TiledLogProbs._forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap,
+                                           tile, with_entropy, whole)
 
     @staticmethod
     def _forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, tile, with_entropy, whole):
@@ -80,15 +81,16 @@ class _TiledLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logps, grad_entropy):
         hidden, weight, bias, targets, lses, entropy = ctx.saved_tensors
         with ctx.settings[4]():
-            return _TiledLogProbs._backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets, lses,
-                                            entropy)
+            return _TiledLogProbs._backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets,
+                                            lses, entropy)
 
     @staticmethod
     def _backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets, lses, entropy):
         temperature, scale, softcap, tile, _ = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
-        work = torch.promote_types(weight.dtype, torch.float32)  # float32 accumulation (float64 stays float64)
+        # float32 accumulation (float64 stays float64)
+        work = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=work, device=weight.device) if need_w else None  # [V, H]
         grad_b = torch.zeros(weight.shape[0], dtype=work, device=weight.device) \
             if need_b and bias is not None else None  # [V]
@@ -119,14 +121,14 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          softcap: float | None = None, entropy: bool = False, tile: int | None = None,
                          whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) [N] (float32) and, with `entropy`, the entropy [N] of each position's next-token distribution,
-    from hidden states [N, H] and an LM head weight [V, H] (bias [V]). Differentiable in hidden, weight and bias;
-    the entropy only when it is used in the loss (its gradient is exact too). Never allocates [N, V].
-    `whole()`: a context in which the weight is whole, entered around the forward and the backward tile loops
-    (a partitioned weight gathered for them)."""
+    """log p(targets) [N] (float32) and, with `entropy`, the entropy [N] of each position's next-token
+    distribution, from hidden states [N, H] and an LM head weight [V, H] (bias [V]). Differentiable in hidden,
+    weight and bias; the entropy only when it is used in the loss (its gradient is exact too). Never allocates
+    [N, V]. `whole()`: a context in which the weight is whole, entered around the forward and the backward
+    tile loops (a partitioned weight gathered for them)."""
     if hidden.shape[0] == 0:
         empty = hidden.sum(-1).float()  # [0], still connected to the graph
         return empty, (empty if entropy else None)
     tile = tile or tile_positions(weight.shape[0])
-    return _TiledLogProbs.apply(hidden, weight, bias, targets, float(temperature), float(logit_scale), softcap,
-                                int(tile), bool(entropy), whole)
+    return _TiledLogProbs.apply(hidden, weight, bias, targets, float(temperature), float(logit_scale),
+                                softcap, int(tile), bool(entropy), whole)

@@ -24,8 +24,9 @@ import torch
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def sampling_correction(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
-                        clip_min: float | None = None, clip_max: float | None = 3.0) -> torch.Tensor:
+def sampling_correction(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                        mode: str, clip_min: float | None = None,
+                        clip_max: float | None = 3.0) -> torch.Tensor:
     """Importance weights pi_theta_old / pi_sampler, bounded as `mode` says.
 
     trainer_logps, sampler_logps, mask: [B, T]. Returns [B, T] for token_* modes, [B, 1] for sequence_*
@@ -57,9 +58,11 @@ def correction_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, m
         flat = flat[mask.bool().any(dim=-1)]
     empty = torch.tensor(0.0, device=mask.device)
     return {
-        "delta_sum": delta.sum() if delta.numel() else empty, "delta_count": torch.tensor(float(delta.numel())),
+        "delta_sum": delta.sum() if delta.numel() else empty,
+        "delta_count": torch.tensor(float(delta.numel())),
         "delta_max": delta.max() if delta.numel() else empty,
         "ratio_sum": flat.sum() if flat.numel() else empty, "ratio_count": torch.tensor(float(flat.numel())),
-        "ratio_min": flat.min() if flat.numel() else empty, "ratio_max": flat.max() if flat.numel() else empty,
+        "ratio_min": flat.min() if flat.numel() else empty,
+        "ratio_max": flat.max() if flat.numel() else empty,
         "zeroed": (flat == 0).sum().float(),
     }

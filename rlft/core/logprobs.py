@@ -121,8 +121,10 @@ class _Entropy(torch.autograd.Function):
         return grad_logits, None, None
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
-    """Per-position entropy H = logsumexp(s) - sum_v p_v s_v of p = softmax(s), s = logits / T, float32, chunked.
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
+                        chunk_size: int = 1024) -> torch.Tensor:
+    """Per-position entropy H = logsumexp(s) - sum_v p_v s_v of p = softmax(s), s = logits / T, float32,
+    chunked.
 
     logits: [batch, seq, vocab] -> [batch, seq]. Differentiable (dH/dz_v = -p_v (s_v - E_p[s]) / T, for an
     entropy bonus); pass `logits.detach()` for a metric. Extra memory stays O(chunk_size * vocab).

@@ -8,10 +8,11 @@ Per-token terms
     cispo (MiniMax-M1, arXiv:2506.13585): l = -sg[min(r, 1 + eps_high)] A log pi(o_it)
     sapo  (arXiv:2511.20347): l = -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else tau_neg
     rloo  (Ahmadian et al. 2024, arXiv:2402.14740, as TRL 1.16's RLOOTrainer): a sequence-level PPO clip on
-          rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it))), l_i = -min(rho_i A_i, clip(rho_i) A_i), averaged
-          over sequences (the sequence_mean aggregation of a constant-per-sequence term)
+          rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it))), l_i = -min(rho_i A_i, clip(rho_i) A_i),
+          averaged over sequences (the sequence_mean aggregation of a constant-per-sequence term)
     vespo (arXiv:2602.10693): l = -sg[phi(w_i)] A log pi(o_it), phi(w) = e^lam w^k e^(-lam w) (phi(1) = 1),
-          w_i = prod_t r_it (times the sampling-correction weights), (k, lam) by the sign of A (`vespo_weights`)
+          w_i = prod_t r_it (times the sampling-correction weights), (k, lam) by the sign of A
+          (`vespo_weights`)
     delta (INTELLECT-2, arXiv:2505.07291): the unclipped ratio of the clip term is capped too,
           l = -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A): with A < 0 a huge r is bounded.
     keep  (off-policy sequence masking, DeepSeek-V3.2 arXiv:2512.02556, `off_policy_sequence_mask`): the
@@ -27,8 +28,8 @@ gradient-accumulation micro-batches and all processes, passed as num_sequences /
     sequence_mean  (grpo, sapo; DeepSeekMath arXiv:2402.03300):  (1/N) sum_i (1/|o_i|) sum_t l_it
     token_mean     (dapo, bnpo, cispo; DAPO arXiv:2503.14476):    (1/T) sum_it l_it,  T = sum_i |o_i|
     constant       (dr_grpo; Dr. GRPO arXiv:2503.20783):          (1/(N * L_max)) sum_it l_it
-    sequence_sum   (luspo; LUSPO arXiv:2602.05261):               (1/N) sum_i sum_t l_it  (each sequence weighted
-                   by its length: GSPO's sequence loss without its length bias)
+    sequence_sum   (luspo; LUSPO arXiv:2602.05261):               (1/N) sum_i sum_t l_it  (each sequence
+                   weighted by its length: GSPO's sequence loss without its length bias)
 The mask m_it may be narrower than the completion (top_entropy_quantile keeps the high-entropy tokens only,
 `high_entropy_mask`): T and |o_i| then count the kept tokens, as they count completion tokens.
 
@@ -108,8 +109,8 @@ def _rloo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
 
 def _vespo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tuple[dict, dict]:
     """VESPO's sequence weight phi, computed before the term (it folds in the sampling-correction weights)."""
-    phi = vespo_weights(logps - old_logps, mask, adv, rollout_is_weights, opts.vespo_k_pos, opts.vespo_lambda_pos,
-                        opts.vespo_k_neg, opts.vespo_lambda_neg)
+    phi = vespo_weights(logps - old_logps, mask, adv, rollout_is_weights, opts.vespo_k_pos,
+                        opts.vespo_lambda_pos, opts.vespo_k_neg, opts.vespo_lambda_neg)
     return {"phi": phi}, {"vespo/phi_seq_mean": phi.mean()}
 
 
@@ -120,9 +121,9 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch
 
     log w_i = sum_t m_it clamp(log r_it, -20, 20) + sum_t m_it log(rho_it), clamped to [log 1e-8, 20], where
     rho are the sampling-correction weights (pi_old / pi_sampler) when another engine sampled. (k, lam) are
-    (k_pos, lambda_pos) for A_i >= 0, else (k_neg, lambda_neg); lam is floored at 1e-4. phi(1) = 1, it peaks at
-    w = k / lam and falls smoothly on both sides: a soft trust region instead of a hard clip. No gradient: it
-    only scales the REINFORCE term. log_ratio, mask: [B, L]; advantages: [B] or [B, 1] -> [B, 1].
+    (k_pos, lambda_pos) for A_i >= 0, else (k_neg, lambda_neg); lam is floored at 1e-4. phi(1) = 1, it peaks
+    at w = k / lam and falls smoothly on both sides: a soft trust region instead of a hard clip. No gradient:
+    it only scales the REINFORCE term. log_ratio, mask: [B, L]; advantages: [B] or [B, 1] -> [B, 1].
     """
     low = math.log(1e-8)
     log_w = (torch.clamp(log_ratio.detach(), -20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
@@ -140,8 +141,8 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch
 @torch.no_grad()
 def off_policy_sequence_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor,
                              mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): keep completion i unless its advantage
-    is negative AND its mean per-token KL(pi_sampler || pi_theta) estimate exceeds `threshold`:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): keep completion i unless its
+    advantage is negative AND its mean per-token KL(pi_sampler || pi_theta) estimate exceeds `threshold`:
 
         keep_i = [A_i >= 0] or [(1/|o_i|) sum_t m_it (log pi_sampler(o_it) - log pi_theta(o_it)) <= threshold]
 
@@ -182,8 +183,9 @@ class LossOptions:
     """Every setting of the GRPO-family loss, built once per run (`from_config`), read by the terms.
 
     epsilon_low / epsilon_high: the clip range (epsilon_high None: symmetric); delta: INTELLECT-2's cap;
-    beta, kl_estimator, kl_importance_weighted: the KL term; importance_sampling_level: token or sequence (GSPO);
-    max_completion_length: Dr. GRPO's constant normaliser; sapo_*: SAPO's temperatures; vespo_*: VESPO's (k, lam).
+    beta, kl_estimator, kl_importance_weighted: the KL term; importance_sampling_level: token or sequence
+    (GSPO); max_completion_length: Dr. GRPO's constant normaliser; sapo_*: SAPO's temperatures;
+    vespo_*: VESPO's (k, lam).
     """
 
     epsilon_low: float = 0.2
@@ -212,7 +214,8 @@ class LossOptions:
                    kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
                    importance_sampling_level=args.importance_sampling_level,
                    max_completion_length=args.max_completion_length,
-                   sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+                   sapo_temperature_pos=args.sapo_temperature_pos,
+                   sapo_temperature_neg=args.sapo_temperature_neg,
                    vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
                    vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
 
@@ -275,15 +278,17 @@ def _ratio(logps, old_logps, mask, level: str) -> torch.Tensor:
     """r_it (token level) or GSPO's s_i (sequence level, [B, 1])."""
     log_ratio = logps - old_logps  # [B, L]
     if level == "sequence":
-        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True)
+                     / mask.sum(-1, keepdim=True).clamp(min=1))  # [B, 1]
     return torch.exp(log_ratio)
 
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
                 completion_mask: torch.Tensor, *, loss_type: str = "dapo", options: LossOptions | None = None,
                 ref_logps: torch.Tensor | None = None, num_items: float | torch.Tensor | None = None,
-                num_sequences: float | torch.Tensor | None = None, rollout_is_weights: torch.Tensor | None = None,
-                keep: torch.Tensor | None = None, **option_values) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                num_sequences: float | torch.Tensor | None = None,
+                rollout_is_weights: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+                **option_values) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss for one micro-batch, scaled so that micro-batch losses SUM to the step loss.
 
     logps, old_logps, ref_logps, completion_mask: [B, L]; advantages: [B]. `options` (LossOptions, built once
@@ -302,7 +307,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
         raise ValueError(f"loss_type={loss_type!r}: choose one of {sorted(LOSSES)}")
     opts = options if options is not None else LossOptions.of(**option_values)
     if opts.importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level={opts.importance_sampling_level!r}: 'token' or 'sequence'")
+        raise ValueError(f"importance_sampling_level={opts.importance_sampling_level!r}: "
+                         "'token' or 'sequence'")
     if opts.beta > 0 and ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps (log-probs of the reference policy)")
     spec = LOSSES[loss_type]
@@ -337,7 +343,8 @@ def _metrics(ratio, adv, mask, opts: LossOptions, kl) -> dict[str, torch.Tensor]
     tokens = mask.sum().clamp(min=1)
     low = ((ratio < 1 - opts.epsilon_low) & (adv < 0)).to(mask.dtype)
     high = ((ratio > 1 + opts.eps_high) & (adv > 0)).to(mask.dtype)
-    lengths = mask.sum(-1)  # [B]; TRL's low_min / high_max: extremes over completions of their clipped fraction
+    # [B]; TRL's low_min / high_max: extremes over completions of their clipped fraction
+    lengths = mask.sum(-1)
     rows = lengths > 0
     seq_low = ((low * mask).sum(-1) / lengths.clamp(min=1))[rows]
     seq_high = ((high * mask).sum(-1) / lengths.clamp(min=1))[rows]

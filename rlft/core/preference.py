@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
                        margin: torch.Tensor | None = None,
-                       center_rewards_coefficient: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """chosen_scores, rejected_scores, margin: [B] -> (loss, {accuracy, margin, ...}); `margin` in the metrics is
-    TRL's: the mean score difference chosen - rejected (not the margin column)."""
+                       center_rewards_coefficient: float | None = None
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """chosen_scores, rejected_scores, margin: [B] -> (loss, {accuracy, margin, ...}); `margin` in the metrics
+    is TRL's: the mean score difference chosen - rejected (not the margin column)."""
     chosen = chosen_scores.float().reshape(-1)  # [B]
     rejected = rejected_scores.float().reshape(-1)  # [B]
     diff = chosen - rejected

@@ -21,8 +21,8 @@ import torch
 
 
 def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
-    """tau_rho: the `1 - quantile` quantile (linear interpolation, torch.quantile) of a 1-D tensor of the step's
-    completion-token entropies. No tokens: +inf (nothing is kept)."""
+    """tau_rho: the `1 - quantile` quantile (linear interpolation, torch.quantile) of a 1-D tensor of the
+    step's completion-token entropies. No tokens: +inf (nothing is kept)."""
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile={quantile!r} must be in [0, 1]")
     values = entropies.detach().reshape(-1).to(torch.promote_types(entropies.dtype, torch.float32))
@@ -31,23 +31,24 @@ def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
     return torch.quantile(values, 1.0 - quantile)
 
 
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: torch.Tensor | float) -> torch.Tensor:
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor,
+                      threshold: torch.Tensor | float) -> torch.Tensor:
     """e = [H >= tau] * m: [B, L], [B, L] -> [B, L] in mask's dtype (padding never kept)."""
     return ((entropies.detach() >= threshold) & mask.bool()).to(mask.dtype)
 
 
 def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, coef: float,
                   num_items: float | torch.Tensor | None = None) -> torch.Tensor:
-    """This micro-batch's share of -c * (1/T) sum_it m_it H_it (T: trained tokens of the whole step, default this
-    micro-batch's). Added to the policy loss; differentiable through `entropies`."""
+    """This micro-batch's share of -c * (1/T) sum_it m_it H_it (T: trained tokens of the whole step, default
+    this micro-batch's). Added to the policy loss; differentiable through `entropies`."""
     tokens = mask.sum().clamp(min=1) if num_items is None else num_items
     return -coef * (entropies * mask).sum() / tokens
 
 
 def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float,
                           high: float) -> float:
-    """Skywork-OR1's controller: raise c by delta when the step's entropy is at or below the target, else lower
-    it; kept in [low, high]."""
+    """Skywork-OR1's controller: raise c by delta when the step's entropy is at or below the target, else
+    lower it; kept in [low, high]."""
     moved = coef + delta if entropy <= target else coef - delta
     return min(max(moved, low), high)
 

@@ -33,14 +33,15 @@ class PairReport:
     def lines(self, max_length: int | None, policy: str) -> list[str]:
         out = []
         if self.truncated:
-            out.append(f"{self.truncated} of {self.total} pairs exceed max_length={max_length} tokens and were truncated "
-                       f"with truncation={policy!r} (first: row {self.first_rows['truncated']})")
+            out.append(f"{self.truncated} of {self.total} pairs exceed max_length={max_length} tokens "
+                       f"and were truncated with truncation={policy!r} "
+                       f"(first: row {self.first_rows['truncated']})")
         if self.identical:
             out.append(f"{self.identical} pairs have chosen identical to rejected and were left out "
                        f"(first: row {self.first_rows['identical']})")
         if self.identical_after_truncation:
-            out.append(f"{self.identical_after_truncation} pairs became identical after truncation and were left out; "
-                       f"raise max_length or use truncation='keep_end' (first: row "
+            out.append(f"{self.identical_after_truncation} pairs became identical after truncation and were "
+                       "left out; raise max_length or use truncation='keep_end' (first: row "
                        f"{self.first_rows['identical_after_truncation']})")
         return out
 
@@ -49,17 +50,22 @@ class PairReport:
         self.first_rows.setdefault(kind, row)
 
 
-def _render(value: Any, prompt: Any, tokenizer, row: int, column: str, template_kwargs: dict | None = None) -> str:
+def _render(value: Any, prompt: Any, tokenizer, row: int, column: str,
+            template_kwargs: dict | None = None) -> str:
     if value is None or (isinstance(value, str | list) and len(value) == 0):
-        raise DatasetError(f"row {row}: '{column}' is empty; every pair needs non-empty chosen and rejected responses")
+        raise DatasetError(f"row {row}: '{column}' is empty; "
+                           "every pair needs non-empty chosen and rejected responses")
     if is_conversational(value) or is_conversational(prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(f"row {row}: '{column}' is a list of chat messages but the tokenizer has no chat template "
-                               "(BERT-style encoders have none); give plain-text pairs or set tokenizer.chat_template")
-        messages = (prompt or []) + (value if isinstance(value, list) else [{"role": "assistant", "content": value}])
+            raise DatasetError(f"row {row}: '{column}' is a list of chat messages but the tokenizer has no "
+                               "chat template (BERT-style encoders have none); give plain-text pairs or set "
+                               "tokenizer.chat_template")
+        messages = (prompt or []) + (value if isinstance(value, list)
+                                     else [{"role": "assistant", "content": value}])
         return tokenizer.apply_chat_template(messages, tokenize=False, **(template_kwargs or {}))
     if not isinstance(value, str):
-        raise DatasetError(f"row {row}: '{column}' must be a string or a list of chat messages, got {type(value).__name__}")
+        raise DatasetError(f"row {row}: '{column}' must be a string or a list of chat messages, "
+                           f"got {type(value).__name__}")
     return (prompt or "") + value
 
 
@@ -67,15 +73,15 @@ def _truncate(ids: list[int], max_length: int | None, policy: str, row: int) -> 
     if max_length is None or len(ids) <= max_length:
         return ids, False
     if policy == "error":
-        raise DatasetError(f"row {row}: {len(ids)} tokens exceed max_length={max_length}; raise max_length or choose "
-                           "truncation='keep_start' / 'keep_end'")
+        raise DatasetError(f"row {row}: {len(ids)} tokens exceed max_length={max_length}; "
+                           "raise max_length or choose truncation='keep_start' / 'keep_end'")
     return (ids[:max_length] if policy == "keep_start" else ids[-max_length:]), True
 
 
 class DataCollatorForPreference:
-    """TRL's preference collator: examples with `chosen_ids`, `rejected_ids` (and optionally `margin`) -> a batch of
-    the chosen rows then the rejected rows, right-padded with `pad_token_id` (to a multiple of `pad_to_multiple_of`):
-    `input_ids`, `attention_mask` [2B, L] and `margin` [B]."""
+    """TRL's preference collator: examples with `chosen_ids`, `rejected_ids` (and optionally `margin`) -> a
+    batch of the chosen rows then the rejected rows, right-padded with `pad_token_id` (to a multiple of
+    `pad_to_multiple_of`): `input_ids`, `attention_mask` [2B, L] and `margin` [B]."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, return_tensors: str = "pt"):
         if return_tensors != "pt":
@@ -102,15 +108,16 @@ class PreferencePairs:
     """Tokenized chosen/rejected pairs (+ margins), checked up front."""
 
     def __init__(self, dataset, tokenizer, max_length: int | None, truncation: str):
-        self.tokenized = next((names for names in TOKENIZED_NAMES if all(c in dataset.column_names for c in names)),
-                              None)
+        self.tokenized = next((names for names in TOKENIZED_NAMES
+                               if all(c in dataset.column_names for c in names)), None)
         if self.tokenized == TOKENIZED_NAMES[1]:
-            warnings.warn("the columns chosen_input_ids / rejected_input_ids are TRL's older names, which TRL says "
-                          "will not be supported in v1: rename them chosen_ids / rejected_ids", FutureWarning,
-                          stacklevel=3)
+            warnings.warn("the columns chosen_input_ids / rejected_input_ids are TRL's older names, "
+                          "which TRL says will not be supported in v1: rename them chosen_ids / rejected_ids",
+                          FutureWarning, stacklevel=3)
         missing = [c for c in ("chosen", "rejected") if c not in dataset.column_names]
         if missing and not self.tokenized:
-            raise DatasetError(f"preference dataset lacks column(s) {missing}; columns found: {dataset.column_names}. "
+            raise DatasetError(f"preference dataset lacks column(s) {missing}; "
+                               f"columns found: {dataset.column_names}. "
                                "A pair needs 'chosen' and 'rejected' (and optionally 'prompt', 'margin'), or "
                                f"pre-tokenized {list(TOKENIZED_NAMES[0])}")
         self.chosen: list[list[int]] = []
@@ -121,7 +128,8 @@ class PreferencePairs:
             self._add(example, row, tokenizer, max_length, truncation)
         if not self.chosen:
             raise DatasetError(f"no usable preference pairs in {len(dataset)} rows: "
-                               + ("; ".join(self.report.lines(max_length, truncation)) or "the dataset is empty"))
+                               + ("; ".join(self.report.lines(max_length, truncation))
+                                  or "the dataset is empty"))
 
     def _token_ids(self, example: dict, row: int, tokenizer) -> list[list[int]] | None:
         if self.tokenized:
@@ -165,15 +173,15 @@ class PreferencePairs:
                  **({"margin": self.margins[i]} if self.margins is not None else {})} for i in indices]
 
     def as_dataset(self):
-        """Every usable pair as a datasets.Dataset of TRL's processed columns (what TRL's trainer.train_dataset
-        holds after tokenization)."""
+        """Every usable pair as a datasets.Dataset of TRL's processed columns (what TRL's
+        trainer.train_dataset holds after tokenization)."""
         import datasets
 
         return datasets.Dataset.from_list(self.examples(list(range(len(self)))))
 
     def batch(self, indices: list[int], pad_id: int, pad_to_multiple_of: int | None = None,
               collator=None) -> dict[str, torch.Tensor]:
-        """Chosen rows then rejected rows, right-padded: input_ids/attention_mask [2B, L], margin [B]; a TRL-style
-        data collator given to the trainer builds the batch instead."""
+        """Chosen rows then rejected rows, right-padded: input_ids/attention_mask [2B, L], margin [B]; a
+        TRL-style data collator given to the trainer builds the batch instead."""
         collator = collator or DataCollatorForPreference(pad_id, pad_to_multiple_of)
         return collator(self.examples(indices))

@@ -37,15 +37,17 @@ def _load_named(source: str):
     if path.is_file():
         fmt = FILE_FORMATS.get(path.suffix)
         if fmt is None:
-            raise DatasetError(f"dataset file {path}: unknown format {path.suffix!r}; use one of {sorted(FILE_FORMATS)}")
+            raise DatasetError(f"dataset file {path}: unknown format {path.suffix!r}; "
+                               f"use one of {sorted(FILE_FORMATS)}")
         if not path.read_bytes().strip():
             raise DatasetError(f"dataset file {path} is empty; it needs one row per line (jsonl) or a table")
         try:
             with offline_datasets():
                 return datasets.load_dataset(fmt, data_files=str(path), split="train")
-        except Exception as err:  # datasets wraps the parser's error in DatasetGenerationError, without the file
-            raise DatasetError(f"dataset file {path}: {_first_bad_line(path) or f'{type(err).__name__}: {err}'}") \
-                from err
+        except Exception as err:
+            # datasets wraps the parser's error in DatasetGenerationError, without the file
+            raise DatasetError(f"dataset file {path}: "
+                               f"{_first_bad_line(path) or f'{type(err).__name__}: {err}'}") from err
     if path.is_dir():
         with offline_datasets():
             loaded = datasets.load_from_disk(str(path)) if (path / "dataset_info.json").exists() or \
@@ -58,7 +60,8 @@ def _load_named(source: str):
     try:
         return datasets.load_dataset(name, config or None)
     except Exception as err:  # offline, private, misspelled: datasets' own message says which
-        raise DatasetError(f"dataset {source!r} could not be loaded from the hub: {type(err).__name__}: {err}") from err
+        raise DatasetError(f"dataset {source!r} could not be loaded from the hub: "
+                           f"{type(err).__name__}: {err}") from err
 
 
 def _first_bad_line(path: Path) -> str | None:
@@ -76,7 +79,8 @@ def _first_bad_line(path: Path) -> str | None:
         try:
             value = json.loads(line)
         except ValueError as err:
-            return f"line {number} is not valid JSON ({err.msg} at column {err.colno}); fix or remove that line"
+            return (f"line {number} is not valid JSON ({err.msg} at column {err.colno}); "
+                    "fix or remove that line")
         if not isinstance(value, dict):
             return f"line {number} is a JSON {type(value).__name__}, not an object with one field per column"
     return None
@@ -102,16 +106,16 @@ def load_dataset_any(source: Any, split: str = "train"):
     import datasets
 
     if source is None:
-        raise DatasetError("`train_dataset` is required: pass train_dataset= (a datasets.Dataset, a file, a folder "
-                           "or a hub dataset id)")
+        raise DatasetError("`train_dataset` is required: pass train_dataset= (a datasets.Dataset, a file, "
+                           "a folder or a hub dataset id)")
     if isinstance(source, str | Path):
         source = _load_named(str(source))
     if isinstance(source, datasets.Dataset | datasets.IterableDataset):
         return source
     if isinstance(source, datasets.DatasetDict | datasets.IterableDatasetDict):
         if split not in source:
-            raise DatasetError(f"the DatasetDict has splits {list(source)} and no {split!r}; pass one split, e.g. "
-                               f"dataset[{next(iter(source), 'train')!r}]")
+            raise DatasetError(f"the DatasetDict has splits {list(source)} and no {split!r}; "
+                               f"pass one split, e.g. dataset[{next(iter(source), 'train')!r}]")
         return source[split]
     if isinstance(source, list):
         if not source:
@@ -120,8 +124,9 @@ def load_dataset_any(source: Any, split: str = "train"):
             bad = next(i for i, row in enumerate(source) if not isinstance(row, dict))
             raise DatasetError(f"row {bad} of the dataset list is a {type(source[bad]).__name__}, not a dict")
         return datasets.Dataset.from_list(source)
-    raise DatasetError(f"unsupported dataset type {type(source).__name__}: pass a datasets.Dataset, IterableDataset, "
-                       "DatasetDict, a list of dicts, a file path, a dataset folder or a hub dataset id")
+    raise DatasetError(f"unsupported dataset type {type(source).__name__}: pass a datasets.Dataset, "
+                       "IterableDataset, DatasetDict, a list of dicts, a file path, a dataset folder or "
+                       "a hub dataset id")
 
 
 def load_named_dataset(name: str, config: str | None = None, streaming: bool = False):
@@ -143,15 +148,15 @@ def load_named_dataset(name: str, config: str | None = None, streaming: bool = F
 def pick_split(loaded, split: str, field_name: str, hint: str = ""):
     """One split of a loaded DatasetDict, or an error naming the splits there are and the field to set."""
     if split not in loaded:
-        raise DatasetError(f"the dataset has the splits {list(loaded)} and no {split!r}: set {field_name} to one of "
-                           f"them{hint}")
+        raise DatasetError(f"the dataset has the splits {list(loaded)} and no {split!r}: "
+                           f"set {field_name} to one of them{hint}")
     return loaded[split]
 
 
 def load_eval_datasets(source: Any) -> dict[str | None, Any]:
     """None -> {}; a dict of datasets or a DatasetDict -> {name: dataset}, several named eval sets (metrics
-    `eval_<name>_*`, as TRL and transformers name them); else {None: dataset}. A file or hub id is one set (its
-    'test' split when it has several)."""
+    `eval_<name>_*`, as TRL and transformers name them); else {None: dataset}. A file or hub id is one set
+    (its 'test' split when it has several)."""
     if source is None:
         return {}
     if isinstance(source, dict):  # DatasetDict and IterableDatasetDict are dicts too
@@ -160,8 +165,8 @@ def load_eval_datasets(source: Any) -> dict[str | None, Any]:
 
 
 def materialize(dataset, rows_needed: int | None, whole: bool = False):
-    """An IterableDataset (streaming) is read only as far as the run needs, which requires max_steps (an eval set,
-    `whole`, is read to its end); returns (Dataset, streamed?)."""
+    """An IterableDataset (streaming) is read only as far as the run needs, which requires max_steps (an eval
+    set, `whole`, is read to its end); returns (Dataset, streamed?)."""
     import itertools
 
     import datasets
@@ -174,8 +179,8 @@ def materialize(dataset, rows_needed: int | None, whole: bool = False):
             raise DatasetError("the eval IterableDataset yielded no rows")
         return datasets.Dataset.from_list(rows), True
     if rows_needed is None:
-        raise DatasetError("an IterableDataset (streaming) has no length: set max_steps so rlft knows how many rows "
-                           "to read")
+        raise DatasetError("an IterableDataset (streaming) has no length: set max_steps so rlft knows how "
+                           "many rows to read")
     rows = list(itertools.islice(iter(dataset), rows_needed))
     if not rows:
         raise DatasetError("the IterableDataset yielded no rows")
@@ -193,11 +198,12 @@ def render_prompt(prompt: Any, tokenizer, row: int, chat_template_kwargs: dict |
         return prompt
     if is_conversational(prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(f"row {row}: the prompt is a list of chat messages but the tokenizer has no chat "
-                               "template; set tokenizer.chat_template or give prompts as plain strings")
+            raise DatasetError(f"row {row}: the prompt is a list of chat messages but the tokenizer has no "
+                               "chat template; set tokenizer.chat_template or give prompts as plain strings")
         for index, message in enumerate(prompt):
             if message.get("role") not in CHAT_ROLES:
-                raise DatasetError(f"row {row}: message {index} has role {message.get('role')!r}; use one of {CHAT_ROLES}")
+                raise DatasetError(f"row {row}: message {index} has role {message.get('role')!r}; "
+                                   f"use one of {CHAT_ROLES}")
             if message.get("content") is None and not message.get("tool_calls"):
                 raise DatasetError(f"row {row}: message {index} ({message['role']}) has no 'content'")
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
@@ -218,8 +224,8 @@ class PromptSet:
             raise DatasetError("dataset is empty")
         clash = [c for c in dataset.column_names if c in REWARD_ARGUMENTS]
         if clash:
-            raise DatasetError(f"dataset column(s) {clash} have the names of arguments rlft passes to reward functions "
-                               f"({', '.join(REWARD_ARGUMENTS)}); rename them")
+            raise DatasetError(f"dataset column(s) {clash} have the names of arguments rlft passes to reward "
+                               f"functions ({', '.join(REWARD_ARGUMENTS)}); rename them")
         self.rows = dataset.to_list()
         self.extra_columns = [c for c in dataset.column_names if c != "prompt"]
         self.texts = [render_prompt(r["prompt"], tokenizer, i, {**(chat_template_kwargs or {}),
@@ -234,12 +240,13 @@ class PromptSet:
         longest = max(range(len(lengths)), key=lengths.__getitem__)
         if max_prompt_length is not None and lengths[longest] > max_prompt_length:
             over = sum(n > max_prompt_length for n in lengths)
-            raise DatasetError(f"{over} prompt(s) exceed max_prompt_length={max_prompt_length} tokens (row {longest} "
-                               f"has {lengths[longest]}); raise max_prompt_length or shorten/filter those rows")
+            raise DatasetError(f"{over} prompt(s) exceed max_prompt_length={max_prompt_length} tokens "
+                               f"(row {longest} has {lengths[longest]}); raise max_prompt_length or "
+                               "shorten/filter those rows")
         if context_length is not None and lengths[longest] + max_completion_length > context_length:
             raise DatasetError(f"row {longest}: prompt of {lengths[longest]} tokens + max_completion_length="
-                               f"{max_completion_length} exceeds the model's context of {context_length} tokens; "
-                               "lower max_completion_length or shorten the prompt")
+                               f"{max_completion_length} exceeds the model's context of {context_length} "
+                               "tokens; lower max_completion_length or shorten the prompt")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -274,7 +281,8 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 def right_pad(rows: list[list], fill, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
-    """[[values]] -> (values [B, W] right-padded with `fill`, mask [B, W]): completions, tool masks, log-probs."""
+    """[[values]] -> (values [B, W] right-padded with `fill`, mask [B, W]): completions, tool masks,
+    log-probs."""
     width = max(len(r) for r in rows)
     values = torch.full((len(rows), width), fill, dtype=dtype)
     mask = torch.zeros((len(rows), width), dtype=torch.long)

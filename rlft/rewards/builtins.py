@@ -57,7 +57,8 @@ def exact_match_reward(completions, answer, **kwargs) -> list[float | None]:
             out.append(None)
             continue
         predicted = extract_final_answer(completion_text(completion))
-        out.append(float(predicted is not None and normalize_answer(predicted) == normalize_answer(str(gold))))
+        out.append(float(predicted is not None
+                         and normalize_answer(predicted) == normalize_answer(str(gold))))
     return out
 
 
@@ -78,10 +79,11 @@ def _verify_latex(text: str, gold, parse_kw: dict, verify_kw: dict) -> tuple[flo
     gold_parsed = parse(str(gold), **parse_kw)
     if not gold_parsed:
         return None, "[unparseable]", "[skipped]"
-    extraction = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
-                                        try_extract_without_anchor=False)]
+    extraction = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                        boxed_match_priority=0, try_extract_without_anchor=False)]
     answer = parse(text, extraction_config=extraction, extraction_mode="first_match", **parse_kw)
-    return float(verify(gold_parsed, answer, **verify_kw)), str(gold_parsed), str(answer) if answer else "[unparseable]"
+    return (float(verify(gold_parsed, answer, **verify_kw)), str(gold_parsed),
+            str(answer) if answer else "[unparseable]")
 
 
 def _log_parsed(log_extra, solution, golds: list[str], answers: list[str]) -> None:
@@ -105,11 +107,11 @@ def accuracy_reward(completions, solution, log_extra=None, **kwargs) -> list[flo
     return [r[0] for r in results]
 
 
-def reasoning_accuracy_reward(completions, solution, reasoning_delimiters: list[str] | None = None, log_extra=None,
-                              **kwargs) -> list[float | None]:
-    """TRL's `reasoning_accuracy_reward`: `accuracy_reward` on the text after the reasoning, i.e. after the first
-    delimiter found (default `</think>`). A completion whose reasoning never ends scores 0.0 (not None: an
-    unfinished reasoning is penalised); a gold that does not parse gives None."""
+def reasoning_accuracy_reward(completions, solution, reasoning_delimiters: list[str] | None = None,
+                              log_extra=None, **kwargs) -> list[float | None]:
+    """TRL's `reasoning_accuracy_reward`: `accuracy_reward` on the text after the reasoning, i.e. after the
+    first delimiter found (default `</think>`). A completion whose reasoning never ends scores 0.0 (not None:
+    an unfinished reasoning is penalised); a gold that does not parse gives None."""
     delimiters = reasoning_delimiters or ["</think>"]
     parse_kw, verify_kw = _math_verify_timeouts()
     results = []
@@ -151,8 +153,8 @@ class _RepetitionPenalty:
 
 
 def get_repetition_penalty_reward(ngram_size: int, max_penalty: float) -> Callable:
-    """TRL's repetition penalty (Demystifying Long CoT, arXiv:2502.03373): max_penalty times the share of repeated
-    n-grams among a completion's token n-grams; 0 for completions shorter than one n-gram."""
+    """TRL's repetition penalty (Demystifying Long CoT, arXiv:2502.03373): max_penalty times the share of
+    repeated n-grams among a completion's token n-grams; 0 for completions shorter than one n-gram."""
     if max_penalty > 0:
         raise ValueError(f"max_penalty={max_penalty} must be <= 0 (it is a penalty)")
     return _RepetitionPenalty(ngram_size, max_penalty)
@@ -179,9 +181,9 @@ class _CosineScaled:
 def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0, max_value_wrong: float = -0.5,
                              min_value_correct: float = 0.5, max_value_correct: float = 1.0) -> Callable:
     """TRL's cosine length-scaled correctness (arXiv:2502.03373, App. C.1): with p = min(len / max_len, 1),
-    r = v_lo + (v_hi - v_lo)(1 + cos(p pi)) / 2; correct: (v_lo, v_hi) = (min_value_correct, max_value_correct),
-    shorter is better; wrong: (max_value_wrong, min_value_wrong), shorter is penalised more. None where the gold
-    does not parse (accuracy_reward's None)."""
+    r = v_lo + (v_hi - v_lo)(1 + cos(p pi)) / 2; correct: (v_lo, v_hi) = (min_value_correct,
+    max_value_correct), shorter is better; wrong: (max_value_wrong, min_value_wrong), shorter is penalised
+    more. None where the gold does not parse (accuracy_reward's None)."""
     return _CosineScaled(max_len, (max_value_wrong, min_value_wrong), (min_value_correct, max_value_correct))
 
 def math_verify_reward(completions, solution=None, answer=None, **kwargs) -> list[float | None]:

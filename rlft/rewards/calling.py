@@ -51,12 +51,14 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
         raise RewardFunctionError(f"reward_funcs entry {spec!r} is neither callable nor a string")
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    if spec in ("soft_overlong", "get_soft_overlong_punishment"):  # the run's length; a quarter of it as the cache
+    # the run's length; a quarter of it as the cache
+    if spec in ("soft_overlong", "get_soft_overlong_punishment"):
         return get_soft_overlong_punishment(max_completion_length, max(max_completion_length // 4, 1))
     if not Path(spec).exists() and (":" in spec or _dotted(spec)):
         module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
         try:
-            if "" not in sys.path and os.getcwd() not in sys.path:  # TRL's scripts import from the working directory
+            # TRL's scripts import from the working directory
+            if "" not in sys.path and os.getcwd() not in sys.path:
                 sys.path.insert(0, os.getcwd())
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
@@ -69,8 +71,9 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
         except (OSError, ValueError) as err:
             raise RewardFunctionError(f"reward model {spec!r} could not be loaded: {err}") from err
     known = sorted([*BUILTIN_REWARDS, "soft_overlong", "get_soft_overlong_punishment"])
-    raise RewardFunctionError(f"reward function {spec!r} is not a built-in ({known}), not 'module:function' or "
-                              "'module.function', not a reward-model folder and not a hub model id 'org/name'")
+    raise RewardFunctionError(f"reward function {spec!r} is not a built-in ({known}), not 'module:function' "
+                              "or 'module.function', not a reward-model folder and not a hub model id "
+                              "'org/name'")
 
 
 def _dotted(spec: str) -> bool:
@@ -79,28 +82,32 @@ def _dotted(spec: str) -> bool:
     return len(parts) > 1 and "/" not in spec and all(p.isidentifier() for p in parts)
 
 
-def resolve_rewards(specs: Any, weights: list[float] | None, processing_classes: Any, max_completion_length: int):
+def resolve_rewards(specs: Any, weights: list[float] | None, processing_classes: Any,
+                    max_completion_length: int):
     """(functions, unique names, weights tensor) for the trainer's reward_funcs."""
     from rlft.errors import ConfigError
 
     specs = list(specs) if isinstance(specs, list | tuple) else ([] if specs is None else [specs])
     if not specs:
-        raise ConfigError("No reward source provided: pass reward_funcs (a function, a built-in name, a reward model), "
-                          "or an environment_factory whose environment defines get_reward")
+        raise ConfigError("No reward source provided: pass reward_funcs (a function, a built-in name, "
+                          "a reward model), or an environment_factory whose environment defines get_reward")
     if weights is not None and len(weights) != len(specs):
         raise ConfigError(f"reward_weights has {len(weights)} values but reward_funcs has {len(specs)}: "
                           "give one weight per reward function")
     if processing_classes is None:
         classes = [None] * len(specs)
     else:  # TRL's rule: one processing class per reward function (None for a plain function)
-        classes = list(processing_classes) if isinstance(processing_classes, list | tuple) else [processing_classes]
+        classes = (list(processing_classes) if isinstance(processing_classes, list | tuple)
+                   else [processing_classes])
     if len(classes) != len(specs):
-        raise ConfigError(f"The number of reward processing classes must match the number of reward functions: "
-                          f"reward_processing_classes has {len(classes)} entries, reward_funcs {len(specs)}")
+        raise ConfigError("The number of reward processing classes must match the number of reward "
+                          f"functions: reward_processing_classes has {len(classes)} entries, "
+                          f"reward_funcs {len(specs)}")
     funcs = [resolve_reward(s, max_completion_length, c) for s, c in zip(specs, classes)]
     names = [reward_name(f) for f in funcs]
     names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
-    return funcs, names, torch.tensor(weights if weights is not None else [1.0] * len(specs), dtype=torch.float32)
+    return funcs, names, torch.tensor(weights if weights is not None else [1.0] * len(specs),
+                                      dtype=torch.float32)
 
 
 def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) -> list[str]:
@@ -127,11 +134,12 @@ def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) 
             where = f"no dataset column (columns: {columns or 'only prompt'}) and no argument rlft passes " \
                     f"({', '.join(REWARD_ARGUMENTS)})."
             if param.default is param.empty:
-                raise RewardFunctionError(f"reward function {name!r} requires keyword {param.name!r}, which matches "
-                                          f"{where}{hint}")
-            if near:  # a defaulted keyword like no column is a parameter (format_reward's pattern), not a typo
-                warnings.append(f"reward function {name!r}: keyword {param.name!r} matches {where} It will always "
-                                f"get its default {param.default!r}.{hint}")
+                raise RewardFunctionError(f"reward function {name!r} requires keyword {param.name!r}, "
+                                          f"which matches {where}{hint}")
+            # a defaulted keyword like no column is a parameter (format_reward's pattern), not a typo
+            if near:
+                warnings.append(f"reward function {name!r}: keyword {param.name!r} matches {where} "
+                                f"It will always get its default {param.default!r}.{hint}")
     return warnings
 
 
@@ -192,7 +200,8 @@ def _invoke_all(funcs: list[Callable], kwargs: dict[str, Any]) -> list[Any]:
     return results
 
 
-def _check(name: str, values: Any, expected: int, step: int, completions: list, allow_nan: bool) -> list[float]:
+def _check(name: str, values: Any, expected: int, step: int, completions: list,
+           allow_nan: bool) -> list[float]:
     if isinstance(values, Exception):
         raise RewardFunctionError(f"reward function {name!r} raised at step {step}: "
                                   f"{type(values).__name__}: {values}") from values
@@ -200,24 +209,27 @@ def _check(name: str, values: Any, expected: int, step: int, completions: list, 
         values = values.tolist()
     if not isinstance(values, list | tuple) or len(values) != expected:
         got = len(values) if isinstance(values, list | tuple) else type(values).__name__
-        raise RewardFunctionError(f"reward function {name!r} returned {got} values at step {step}; it must return "
-                                  f"a list with one float (or None) per completion: {expected}")
+        raise RewardFunctionError(f"reward function {name!r} returned {got} values at step {step}; it must "
+                                  f"return a list with one float (or None) per completion: {expected}")
     out = []
     for row, value in enumerate(values):
         if value is None:
             out.append(float("nan"))
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise RewardFunctionError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) for "
-                                      f"completion {row} at step {step}: {completions[row]!r}; return float or None")
+            raise RewardFunctionError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) "
+                                      f"for completion {row} at step {step}: {completions[row]!r}; "
+                                      "return float or None")
         if math.isnan(value) and not allow_nan:
-            raise RewardFunctionError(f"reward function {name!r} returned NaN for completion {row} at step {step}: "
-                                      f"{completions[row]!r}. Return None for 'not applicable', or set "
+            raise RewardFunctionError(f"reward function {name!r} returned NaN for completion {row} "
+                                      f"at step {step}: {completions[row]!r}. "
+                                      "Return None for 'not applicable', or set "
                                       "allow_nan_rewards: true to treat NaN the same way")
         if math.isinf(value) or abs(value) > MAX_REWARD:
-            raise RewardFunctionError(f"reward function {name!r} returned {value!r} for completion {row} at step "
-                                      f"{step}: {completions[row]!r}. Rewards must be finite and below {MAX_REWARD:g} "
-                                      "in magnitude (group statistics would overflow); rescale the reward")
+            raise RewardFunctionError(f"reward function {name!r} returned {value!r} for completion {row} "
+                                      f"at step {step}: {completions[row]!r}. Rewards must be finite and "
+                                      f"below {MAX_REWARD:g} in magnitude (group statistics would overflow); "
+                                      "rescale the reward")
         out.append(float(value))
     return out
 
@@ -227,7 +239,8 @@ def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, c
                     reward_log: RewardLog, allow_nan: bool = False) -> torch.Tensor:
     """Call every reward function once on the whole rollout -> rewards [N, F] (NaN = not applicable)."""
     kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
-                  trainer_state=trainer_state, log_extra=reward_log.log_extra, log_metric=reward_log.log_metric)
+                  trainer_state=trainer_state, log_extra=reward_log.log_extra,
+                  log_metric=reward_log.log_metric)
     results = _invoke_all(funcs, kwargs)
     step = getattr(trainer_state, "global_step", trainer_state)
     rows = [_check(name, values, len(completions), step, completions, allow_nan)
@@ -238,7 +251,9 @@ def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, c
         row = int(unscored[0])
         shown = {k: v[row] for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)}
         logging.getLogger("rlft").warning(
-            "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at least one reward "
-            "function returns a valid reward (%d of %d completions have none; they get no advantage)",
-            {**shown, "prompt": prompts[row], "completion": completions[row]}, len(unscored), len(completions))
+            "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at least "
+            "one reward function returns a valid reward (%d of %d completions have none; they get no "
+            "advantage)",
+            {**shown, "prompt": prompts[row], "completion": completions[row]}, len(unscored),
+            len(completions))
     return rewards

@@ -20,7 +20,8 @@ class RewardModelScorer:
     entries); `tokenizer`: its processing class (TRL's reward_processing_classes), else loaded with it."""
 
     def __init__(self, model, tokenizer=None, batch_size: int = 16, max_length: int | None = None):
-        source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", "") or "reward_model"
+        source = (model if isinstance(model, str | Path)
+                  else getattr(model, "name_or_path", "") or "reward_model")
         self.__name__ = Path(str(source)).name
         if tokenizer is None:
             tokenizer = load_tokenizer(source, padding_side="right")
@@ -39,7 +40,8 @@ class RewardModelScorer:
                 turns = [m["content"] for m in prompt] + [completion if isinstance(completion, str)
                                                           else completion[-1]["content"]]
                 return "\n".join(turns)
-            reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+            reply = (completion if isinstance(completion, list)
+                     else [{"role": "assistant", "content": completion}])
             return self.tokenizer.apply_chat_template(prompt + reply, tokenize=False)
         text = completion if isinstance(completion, str) else completion[-1]["content"]
         return prompt + text
@@ -51,6 +53,7 @@ class RewardModelScorer:
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                 truncation=self.max_length is not None, max_length=self.max_length).to(device)
+                                 truncation=self.max_length is not None,
+                                 max_length=self.max_length).to(device)
             scores += self.model(**enc).logits[:, 0].float().tolist()
         return scores

@@ -16,9 +16,10 @@ __all__ = ["HFGenerator", "Rollout", "RolloutEngine", "make_generator"]
 def _hf(args, tokenizer, model, source, synced, full_weights) -> HFGenerator:
     return HFGenerator(tokenizer, max_new_tokens=args.max_completion_length, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                       repetition_penalty=args.repetition_penalty, cache_implementation=args.cache_implementation,
-                       shared_prompt_prefill=args.shared_prompt_prefill, generation_kwargs=args.generation_kwargs,
-                       synced=synced)
+                       repetition_penalty=args.repetition_penalty,
+                       cache_implementation=args.cache_implementation,
+                       shared_prompt_prefill=args.shared_prompt_prefill,
+                       generation_kwargs=args.generation_kwargs, synced=synced)
 
 
 def _vllm_colocate(args, tokenizer, model, source, synced, full_weights):

@@ -42,17 +42,19 @@ class Environments:
         self.pools, self.kinds, self.schemas, self.tools_of = {}, {}, {}, {}
         for name, factory in self.factories.items():
             if not callable(factory):
-                raise ConfigError(f"environment_factory{'' if name is None else f'[{name!r}]'} must be a callable "
-                                  f"returning an environment, got {factory!r}")
+                raise ConfigError(f"environment_factory{'' if name is None else f'[{name!r}]'} must be a "
+                                  f"callable returning an environment, got {factory!r}")
             probe = factory()
             kind = type(probe)
             if not callable(getattr(probe, "reset", None)):
-                raise ConfigError(f"environment {kind.__name__} has no reset() method: define reset(self, **row), "
-                                  "returning None or a string appended to the prompt")
+                raise ConfigError(f"environment {kind.__name__} has no reset() method: define "
+                                  "reset(self, **row), returning None or a string appended to the prompt")
             self.pools[name], self.kinds[name] = [probe], kind
-            self.tools_of[name] = self.tools + _methods(probe)  # the probe's bound methods (TRL's `_env_tools`)
+            # the probe's bound methods (TRL's `_env_tools`)
+            self.tools_of[name] = self.tools + _methods(probe)
             self.schemas[name] = tool_schemas(self.tools_of[name])  # checked once, the same per instance
-        self.owners = list(dict.fromkeys(k for k in self.kinds.values() if callable(getattr(k, "get_reward", None))))
+        self.owners = list(dict.fromkeys(k for k in self.kinds.values()
+                                         if callable(getattr(k, "get_reward", None))))
 
     @property
     def all_schemas(self) -> list[dict]:
@@ -70,8 +72,9 @@ class Environments:
             return [None] * len(rows)
         for index, row in enumerate(rows):
             if row.get("environment") not in self.factories:
-                raise ConfigError(f"row {index} has environment={row.get('environment')!r}, which is not among the "
-                                  f"environments passed to environment_factory: {list(self.factories)}")
+                raise ConfigError(f"row {index} has environment={row.get('environment')!r}, "
+                                  "which is not among the environments passed to environment_factory: "
+                                  f"{list(self.factories)}")
         return [row["environment"] for row in rows]
 
     def take(self, names: list) -> list:
@@ -98,8 +101,8 @@ class Environments:
             prompt = row["prompt"]
             if observation is not None:
                 if not isinstance(observation, str):
-                    raise ConfigError(f"{type(env).__name__}.reset() returned {type(observation).__name__} for row "
-                                      f"{index}: return None or a string to append to the prompt")
+                    raise ConfigError(f"{type(env).__name__}.reset() returned {type(observation).__name__} "
+                                      f"for row {index}: return None or a string to append to the prompt")
                 prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
             prompts.append(prompt)
         return prompts
@@ -132,16 +135,16 @@ def function_rollout(func, prompts: list, trainer, num_generations: int, eos_ids
     """Call a user's rollout_func and check what it returned, naming the key and row that is wrong."""
     out = func(prompts, trainer)
     if not isinstance(out, dict):
-        raise ConfigError(f"rollout_func returned {type(out).__name__}; return a dict with prompt_ids, completion_ids "
-                          "and logprobs")
+        raise ConfigError(f"rollout_func returned {type(out).__name__}; return a dict with prompt_ids, "
+                          "completion_ids and logprobs")
     missing = [k for k in ("prompt_ids", "completion_ids", "logprobs") if k not in out]
     if missing:
         raise ConfigError(f"rollout_func's dict lacks {missing} (logprobs may be None)")
     rows = len(prompts) * num_generations
     for key, value in out.items():
         if value is not None and (not isinstance(value, list | tuple) or len(value) != rows):
-            raise ConfigError(f"rollout_func's {key!r} must be a list of {rows} rows ({len(prompts)} prompts x "
-                              f"num_generations={num_generations}), got {_size(value)}")
+            raise ConfigError(f"rollout_func's {key!r} must be a list of {rows} rows ({len(prompts)} "
+                              f"prompts x num_generations={num_generations}), got {_size(value)}")
     completions = [list(map(int, ids)) for ids in out["completion_ids"]]
     for key in ("logprobs", "env_mask"):
         for row, values in enumerate(out.get(key) or []):
@@ -158,12 +161,13 @@ def function_rollout(func, prompts: list, trainer, num_generations: int, eos_ids
         if out["logprobs"] is not None else None
     if logps is not None and not bool(torch.isfinite(logps).all()):
         raise ConfigError("rollout_func's logprobs hold a non-finite value")
-    tool_mask = right_pad([list(map(int, r)) for r in out["env_mask"]], 0)[0] if out.get("env_mask") is not None \
-        else None
+    tool_mask = (right_pad([list(map(int, r)) for r in out["env_mask"]], 0)[0]
+                 if out.get("env_mask") is not None else None)
     truncated = torch.tensor([c[-1] not in eos_ids for c in completions])
-    extra = {k: list(v) for k, v in out.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
-    return Rollout(prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device), truncated.to(device),
-                   None if logps is None else logps.to(device),
+    extra = {k: list(v) for k, v in out.items()
+             if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+    return Rollout(prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device),
+                   truncated.to(device), None if logps is None else logps.to(device),
                    None if tool_mask is None else tool_mask.to(device), extra=extra)
 
 

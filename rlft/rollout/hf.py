@@ -25,12 +25,13 @@ class Rollout:
     truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
     sampling_logps: torch.Tensor | None = None  # [N, C] the engine's log-prob of each sampled token (vLLM)
     # Multi-turn rollouts: 1 where the policy sampled the token, 0 for tool output and chat-template glue,
-    # which
-    # the policy reads (attention: completion_mask) but is not trained on (loss: loss_mask).
+    # which the policy reads (attention: completion_mask) but is not trained on (loss: loss_mask).
     tool_mask: torch.Tensor | None = None  # [N, C]
-    completions: list | None = None  # per row, the completion as chat messages (what reward functions receive)
+    # per row, the completion as chat messages (what reward functions receive)
+    completions: list | None = None
     extra: dict[str, list] = field(default_factory=dict)  # per-row values passed to reward functions by name
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row counts: tool calls, failures, turns
+    # per-row counts: tool calls, failures, turns
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -45,7 +46,8 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def completion_mask_from(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_mask_from(completion_ids: torch.Tensor,
+                         eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask every token up to and including the first EOS; flag rows that never emit one."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [N, C]
     has_eos = is_eos.any(dim=1)
@@ -74,13 +76,14 @@ def shared_prompt_cache(model, prompt_ids: list[list[int]], copies: int, pad_tok
     return cache
 
 
-GENERATE_ARGUMENTS = ("synced_gpus", "streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
-                      "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
-                      "use_model_defaults", "tokenizer")
+GENERATE_ARGUMENTS = ("synced_gpus", "streamer", "logits_processor", "stopping_criteria",
+                      "prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids",
+                      "negative_prompt_attention_mask", "custom_generate", "use_model_defaults", "tokenizer")
 # GenerationConfig fields that change what generate returns or how many rows: rlft asks for its own.
 RESHAPING = {"num_return_sequences": "num_generations sets the completions per prompt",
-             "return_dict_in_generate": "rlft reads the generated token ids", "output_scores": "log-probs are "
-             "recomputed by the trainer", "output_logits": "log-probs are recomputed by the trainer"}
+             "return_dict_in_generate": "rlft reads the generated token ids",
+             "output_scores": "log-probs are recomputed by the trainer",
+             "output_logits": "log-probs are recomputed by the trainer"}
 
 
 def check_generation_kwargs(kwargs: dict | None) -> dict:
@@ -92,8 +95,8 @@ def check_generation_kwargs(kwargs: dict | None) -> dict:
     kwargs = dict(kwargs or {})
     unknown = sorted(set(kwargs) - set(GenerationConfig().to_dict()) - set(GENERATE_ARGUMENTS))
     if unknown:
-        raise ConfigError(f"generation_kwargs {unknown} are neither GenerationConfig fields nor generate() arguments; "
-                          "remove them (with use_vllm they would be vLLM SamplingParams fields)")
+        raise ConfigError(f"generation_kwargs {unknown} are neither GenerationConfig fields nor generate() "
+                          "arguments; remove them (with use_vllm they would be vLLM SamplingParams fields)")
     for key, why in RESHAPING.items():
         if kwargs.get(key) not in (None, False, 1):
             raise ConfigError(f"generation_kwargs {key}={kwargs[key]!r} is not supported: {why}")
@@ -108,9 +111,9 @@ class HFGenerator:
     ZeRO-3) generate runs with synced_gpus, as every sharded forward needs every process."""
 
     def __init__(self, tokenizer, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int | None = None, repetition_penalty: float = 1.0, cache_implementation: str | None = None,
-                 shared_prompt_prefill: bool = True, min_p: float | None = None, generation_kwargs: dict | None = None,
-                 synced: bool = False):
+                 top_k: int | None = None, repetition_penalty: float = 1.0,
+                 cache_implementation: str | None = None, shared_prompt_prefill: bool = True,
+                 min_p: float | None = None, generation_kwargs: dict | None = None, synced: bool = False):
         self.tokenizer = tokenizer
         self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k or 0, repetition_penalty=repetition_penalty)
@@ -120,10 +123,10 @@ class HFGenerator:
             self.sampling["cache_implementation"] = cache_implementation
         if synced:  # sharded weights: a process that finished keeps running forward passes until all have
             self.sampling["synced_gpus"] = True
-        self.sampling.update(check_generation_kwargs(generation_kwargs))  # TRL's: passed to generate, win over the rest
+        # TRL's: passed to generate, win over the rest
+        self.sampling.update(check_generation_kwargs(generation_kwargs))
         # Not with sharded weights (whether a process prefills is decided per process, and all must take
-        # part), nor
-        # with beam search (generate expands each row into beams itself)
+        # part), nor with beam search (generate expands each row into beams itself)
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and \
             not synced and self.sampling.get("num_beams", 1) == 1
 
@@ -145,8 +148,8 @@ class HFGenerator:
         eos_ids = eos_token_ids(model, self.tokenizer)
         was_training = model.training
         model.eval()
-        sampling = dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None) if greedy \
-            else dict(self.sampling, do_sample=True)
+        sampling = dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None,
+                        min_p=None) if greedy else dict(self.sampling, do_sample=True)
         if max_new_tokens is not None:  # a later turn of a multi-turn rollout: what is left of the budget
             sampling["max_new_tokens"] = max_new_tokens
         cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \

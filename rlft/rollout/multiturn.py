@@ -44,7 +44,8 @@ class ToolLoop:
     `completions` (each row as assistant / tool messages) and per-row `stats`."""
 
     def __init__(self, engine, tokenizer, toolset: Toolset, max_completion_length: int,
-                 max_iterations: int | None = None, timeout: float = 30.0, template_kwargs: dict | None = None):
+                 max_iterations: int | None = None, timeout: float = 30.0,
+                 template_kwargs: dict | None = None):
         self.engine, self.tokenizer, self.toolset = engine, tokenizer, toolset
         self.max_length = max_completion_length
         self.max_iterations = sys.maxsize if max_iterations is None else max_iterations
@@ -77,7 +78,8 @@ class ToolLoop:
             if not active:
                 break
             room = max(self.max_length - len(r.ids) for r in active)
-            self._absorb(active, self.engine(model, [r.prompt + r.ids for r in active], 1, greedy, max_new_tokens=room))
+            self._absorb(active, self.engine(model, [r.prompt + r.ids for r in active], 1, greedy,
+                                             max_new_tokens=room))
             active, rounds = [r for r in active if r.pending], rounds + 1
         return self._assemble(rows, first)
 
@@ -130,7 +132,8 @@ class ToolLoop:
         device = first.completion_ids.device
         ids, mask = right_pad([r.ids for r in rows], self.tokenizer.pad_token_id)
         tool_mask = right_pad([r.mask for r in rows], 0)[0]
-        logps = right_pad([r.logps for r in rows], 0.0, torch.float32)[0] if first.sampling_logps is not None else None
+        logps = (right_pad([r.logps for r in rows], 0.0, torch.float32)[0]
+                 if first.sampling_logps is not None else None)
         stats = {name: torch.tensor([float(value(r)) for r in rows]) for name, value in (
             ("tool_calls", lambda r: r.calls), ("tool_failures", lambda r: r.failures),
             ("turns", lambda r: r.turns), ("hit_limit", lambda r: bool(r.pending)))}

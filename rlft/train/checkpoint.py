@@ -2,7 +2,8 @@
 
 `output_dir/checkpoint-<step>/` holds, like transformers' checkpoints, the model at its top level (a normal
 transformers or peft folder: `from_pretrained("checkpoint-<step>")` loads it), and beside it:
-  optimizer.pt           the optimizer's state dict: tensors and plain containers, loaded with weights_only=True
+  optimizer.pt           the optimizer's state dict: tensors and plain containers, loaded with
+weights_only=True
   scheduler.json         the LR scheduler's state dict
   rng_state_<rank>.json  every process's python / numpy / torch RNG states
   extra.safetensors      tensors the trainer needs to continue (a GRPO rollout in flight), + extra.json
@@ -51,7 +52,8 @@ def _b64_tensor(text: str) -> torch.Tensor:
 def rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [name, keys.tolist(), pos, has_gauss, cached],
              "torch": _tensor_b64(torch.get_rng_state())}
     if torch.cuda.is_available():
         state["cuda"] = [_tensor_b64(s) for s in torch.cuda.get_rng_state_all()]
@@ -96,9 +98,11 @@ def read_state(path: Path) -> dict[str, Any]:
     try:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path / STATE_FILE} cannot be read as JSON ({err}); not an rlft checkpoint") from err
+        raise CheckpointError(f"{path / STATE_FILE} cannot be read as JSON ({err}); "
+                              "not an rlft checkpoint") from err
     if not isinstance(state, dict) or not isinstance(state.get("files"), dict):
-        raise CheckpointError(f"{path / STATE_FILE} has no file checksums: not a checkpoint written by this rlft")
+        raise CheckpointError(f"{path / STATE_FILE} has no file checksums: "
+                              "not a checkpoint written by this rlft")
     return state
 
 
@@ -110,7 +114,8 @@ def verify(path: Path) -> dict[str, Any]:
         if not file.is_file():
             raise CheckpointError(f"{file} is missing from the checkpoint")
         if _sha256(file) != expected:
-            raise CheckpointError(f"{file} is corrupt or truncated (its sha256 differs from the one recorded)")
+            raise CheckpointError(f"{file} is corrupt or truncated "
+                                  "(its sha256 differs from the one recorded)")
     return state
 
 
@@ -122,7 +127,8 @@ def resolve_resume(resume: bool | str | Path | None, output_dir: str | Path) -> 
     if resume in (True, "true", "True"):
         found = _checkpoints(Path(output_dir))
         if not found:
-            raise FileNotFoundError(f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint")
+            raise FileNotFoundError(f"resume_from_checkpoint=True but {output_dir} "
+                                    "holds no complete checkpoint")
         for _, path in reversed(found):
             try:
                 verify(path)
@@ -142,8 +148,9 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
                     state: dict[str, Any], extra_tensors: dict[str, torch.Tensor] | None = None,
                     extra_json: dict[str, Any] | None = None, flow=None, save_total_limit: int | None = None,
                     engine=None) -> Path:
-    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files). Under FSDP2 and
-    DeepSpeed the weights and optimizer state are gathered whole (the engine's save_state, rlft/train/engines/)."""
+    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files). Under FSDP2
+    and DeepSpeed the weights and optimizer state are gathered whole (the engine's save_state,
+    rlft/train/engines/)."""
     from safetensors.torch import save_file
 
     output_dir = Path(output_dir)
@@ -205,7 +212,8 @@ def load_model_weights(model, folder: Path) -> None:
         set_peft_model_state_dict(model, load_safetensors(folder / "adapter_model.safetensors"))
         return
     state = {}
-    for shard in sorted(folder.glob("model*.safetensors")):  # model.safetensors or model-0000k-of-0000n shards
+    # model.safetensors or model-0000k-of-0000n shards
+    for shard in sorted(folder.glob("model*.safetensors")):
         state.update(load_safetensors(shard))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name in missing if "lm_head" in name}  # tied to the embeddings, not saved twice
@@ -214,15 +222,17 @@ def load_model_weights(model, folder: Path) -> None:
                               f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
 
 
-def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path, engine=None) -> tuple[dict, dict, dict]:
+def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path,
+                    engine=None) -> tuple[dict, dict, dict]:
     """Restore weights, optimizer, scheduler and this process's RNG.
     Returns (rlft state, extra tensors, extra json)."""
     state = verify(path)
     if state.get("num_processes", 1) != accelerator.num_processes:
         from rlft.errors import ConfigError
 
-        raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same number "
-                          f"(now {accelerator.num_processes}): the RNG states and data order are per process")
+        raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same "
+                          f"number (now {accelerator.num_processes}): the RNG states and data order are per "
+                          "process")
     _load_weights_and_optimizer(accelerator, model, optimizer, path, engine)
     scheduler.load_state_dict(load_json(path / "scheduler.json"))
     rng_file = path / f"rng_state_{accelerator.process_index}.json"
@@ -238,8 +248,9 @@ def _load_weights_and_optimizer(accelerator, model, optimizer, path: Path, engin
     gathered = engine is not None and engine.gathers_checkpoints
     if gathered != (path / "engine").is_dir():
         written = "FSDP2 or DeepSpeed" if (path / "engine").is_dir() else "DDP or one process"
-        raise CheckpointError(f"{path} was written by {written}; this run is {engine.name if engine else 'ddp'}: "
-                              "resume with the engine that wrote it (or start a new run from its model files)")
+        raise CheckpointError(f"{path} was written by {written}; "
+                              f"this run is {engine.name if engine else 'ddp'}: resume with the engine that "
+                              "wrote it (or start a new run from its model files)")
     if gathered:
         engine_io.load_engine_state(accelerator, engine, model, optimizer, path / "engine")
         return
@@ -247,6 +258,6 @@ def _load_weights_and_optimizer(accelerator, model, optimizer, path: Path, engin
     try:
         optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     except Exception as err:  # weights_only refuses anything but tensors and plain containers
-        raise CheckpointError(f"{path / 'optimizer.pt'} is not a plain optimizer state dict; refusing to load it "
-                              f"({type(err).__name__})") from err
+        raise CheckpointError(f"{path / 'optimizer.pt'} is not a plain optimizer state dict; "
+                              f"refusing to load it ({type(err).__name__})") from err
     optimizer.load_state_dict(optimizer_state)

@@ -38,11 +38,12 @@ class Flow:
             is_local_process_zero=accelerator.is_local_main_process,
             is_world_process_zero=accelerator.is_main_process, max_steps=max_steps,
             num_train_epochs=int(math.ceil(max_steps / steps_per_epoch)), train_batch_size=train_batch_size,
-            logging_steps=_interval(args.logging_steps, max_steps), eval_steps=_interval(args.eval_steps, max_steps),
+            logging_steps=_interval(args.logging_steps, max_steps),
+            eval_steps=_interval(args.eval_steps, max_steps),
             save_steps=_interval(args.save_steps, max_steps))
         self.control = TrainerControl()
-        self.handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], model, processing_class, optimizer,
-                                       scheduler)
+        self.handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], model, processing_class,
+                                       optimizer, scheduler)
         self.loss_sum = 0.0  # sum of every step's loss since step 0 (train_loss), kept across resume
         self.started = time.perf_counter()
         self.start_step = 0
@@ -56,7 +57,8 @@ class Flow:
         self.state.epoch = step / self.steps_per_epoch
 
     def record(self, logs: dict) -> dict:
-        """What transformers' Trainer.log does: add epoch, append to log_history with the step, fire on_log."""
+        """What transformers' Trainer.log does: add epoch, append to log_history with the step, fire
+        on_log."""
         logs = {**logs, "epoch": self.state.epoch}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.fire("on_log", logs=logs)
@@ -66,8 +68,10 @@ class Flow:
         """The final row transformers/TRL log when training ends."""
         runtime = time.perf_counter() - self.started
         steps = self.state.global_step - self.start_step
-        return {"train_runtime": runtime, "train_samples_per_second": steps * samples_per_step / max(runtime, 1e-9),
-                "train_steps_per_second": steps / max(runtime, 1e-9), "total_flos": float(self.state.total_flos),
+        return {"train_runtime": runtime,
+                "train_samples_per_second": steps * samples_per_step / max(runtime, 1e-9),
+                "train_steps_per_second": steps / max(runtime, 1e-9),
+                "total_flos": float(self.state.total_flos),
                 "train_loss": self.loss_sum / max(self.state.global_step, 1)}
 
     # ---- checkpoint ----------------------------------------------------------------------------
@@ -77,8 +81,8 @@ class Flow:
 
     def load(self, folder: Path, loss_sum: float) -> None:
         loaded = TrainerState.load_from_json(str(folder / FLOW_FILE))
-        for name in ("global_step", "epoch", "log_history", "num_input_tokens_seen", "total_flos", "best_metric",
-                     "best_model_checkpoint"):
+        for name in ("global_step", "epoch", "log_history", "num_input_tokens_seen", "total_flos",
+                     "best_metric", "best_model_checkpoint"):
             setattr(self.state, name, getattr(loaded, name))
         self.loss_sum = loss_sum
         self.start_step = loaded.global_step

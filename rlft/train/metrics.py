@@ -7,15 +7,18 @@ import math
 
 import torch
 
-LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate", "ref_model/syncs")  # a window shows the latest value, not a mean
-TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/delta_mean",
-                   "ratio_mean", "kl")
+# a window shows the latest value, not a mean
+LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate", "ref_model/syncs")
+TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                   "clip_ratio/delta_mean", "ratio_mean", "kl")
 SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean", "aux_loss")
-SHARE_KEYS = ("kl_loss", "entropy_loss", "router_loss")  # parts of the loss, summed over micro-batches like it
+# parts of the loss, summed over micro-batches like it
+SHARE_KEYS = ("kl_loss", "entropy_loss", "router_loss")
 
 
-def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
-                    weights: torch.Tensor, names: list[str], stats: dict[str, float]) -> dict[str, float]:
+def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor,
+                    truncated: torch.Tensor, weights: torch.Tensor, names: list[str],
+                    stats: dict[str, float]) -> dict[str, float]:
     """Reward (total and per function, weighted as used), spread and completion-length statistics,
     over the rollout of every process. `reward_std` is TRL's: the std of the total reward over the batch."""
     valid_total = total[~torch.isnan(total)]
@@ -32,7 +35,8 @@ def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.T
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": truncated.float().mean().item(),
     })
-    terminated = lengths[~truncated] if (~truncated).any() else lengths.new_zeros(1)  # TRL logs 0 when none ended
+    # TRL logs 0 when none ended
+    terminated = lengths[~truncated] if (~truncated).any() else lengths.new_zeros(1)
     metrics.update({"completions/mean_terminated_length": terminated.mean().item(),
                     "completions/min_terminated_length": terminated.min().item(),
                     "completions/max_terminated_length": terminated.max().item()})
@@ -45,17 +49,19 @@ def tool_metrics(stats: dict[str, torch.Tensor], accelerator) -> dict[str, float
     stopped with a tool call unanswered (max_tool_calling_iterations or the completion budget reached)."""
     if not stats:
         return {}
-    local = torch.tensor([stats[k].sum().item() for k in ("tool_calls", "tool_failures", "turns", "hit_limit")]
+    local = torch.tensor([stats[k].sum().item()
+                          for k in ("tool_calls", "tool_failures", "turns", "hit_limit")]
                          + [float(stats["turns"].numel())], dtype=torch.float64, device=accelerator.device)
     calls, failures, turns, limited, rows = (accelerator.reduce(local, "sum") if accelerator.num_processes > 1
                                              else local).tolist()
-    return {"tools/call_frequency": calls / rows, "tools/failure_frequency": failures / calls if calls else 0.0,
+    return {"tools/call_frequency": calls / rows,
+            "tools/failure_frequency": failures / calls if calls else 0.0,
             "tools/turns_mean": turns / rows, "tools/hit_limit_fraction": limited / rows}
 
 
 class StepSums:
-    """Loss shares summed over micro-batches; token-mean metrics weighted by token counts, sequence-mean metrics
-    by completion counts."""
+    """Loss shares summed over micro-batches; token-mean metrics weighted by token counts, sequence-mean
+    metrics by completion counts."""
 
     def __init__(self):
         self.loss = 0.0
@@ -83,12 +89,14 @@ class StepSums:
             self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
         for key in SEQUENCE_MEAN_KEYS:
             if key in metrics:
-                self.weighted["seq:" + key] = self.weighted.get("seq:" + key, 0.0) + float(metrics[key]) * sequences
+                self.weighted["seq:" + key] = (self.weighted.get("seq:" + key, 0.0)
+                                               + float(metrics[key]) * sequences)
 
     def reduce(self, accelerator) -> dict[str, float]:
         keys = sorted(self.weighted)
         local = torch.tensor([self.loss, self.tokens, self.sequences] + [self.shares[k] for k in SHARE_KEYS]
-                             + [self.weighted[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+                             + [self.weighted[k] for k in keys], dtype=torch.float64,
+                             device=accelerator.device)
         summed = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
         loss, tokens, sequences, *rest = summed.tolist()
         shares, weighted = dict(zip(SHARE_KEYS, rest[:len(SHARE_KEYS)])), rest[len(SHARE_KEYS):]
@@ -101,7 +109,8 @@ class StepSums:
                 out[key[4:]] = value / max(sequences, 1.0)
             else:
                 out[key] = value / max(tokens, 1.0)
-        extremes = torch.tensor([self.low_min, -self.high_max], dtype=torch.float64, device=accelerator.device)
+        extremes = torch.tensor([self.low_min, -self.high_max], dtype=torch.float64,
+                                device=accelerator.device)
         if accelerator.num_processes > 1:
             import torch.distributed as dist
 
@@ -112,11 +121,11 @@ class StepSums:
 
 
 def correction_metrics(parts: list[dict[str, torch.Tensor]], accelerator) -> dict[str, float]:
-    """The sampler/trainer mismatch of one optimiser step, over every micro-batch and process, with TRL's names
-    (`sampling/...`), plus the fraction of weights a *_mask mode set to zero."""
+    """The sampler/trainer mismatch of one optimiser step, over every micro-batch and process, with TRL's
+    names (`sampling/...`), plus the fraction of weights a *_mask mode set to zero."""
     device = accelerator.device
-    sums = torch.stack([torch.stack([p[k].to(device).float() for k in ("delta_sum", "delta_count", "ratio_sum",
-                                                                        "ratio_count", "zeroed")]) for p in parts])
+    sums = torch.stack([torch.stack([p[k].to(device).float() for k in (
+        "delta_sum", "delta_count", "ratio_sum", "ratio_count", "zeroed")]) for p in parts])
     highs = torch.stack([torch.stack([p["delta_max"].to(device).float(), p["ratio_max"].to(device).float(),
                                       -p["ratio_min"].to(device).float()]) for p in parts]).max(dim=0).values
     sums = sums.sum(dim=0)

@@ -2,11 +2,13 @@
 vLLM, sharded engines, tools, exact resume -- with RLOO's reward, advantage and loss (Ahmadian et al. 2024,
 arXiv:2402.14740, as TRL computes them):
 
-    reward     r_i = clip(sum_f w_f r_if, reward_clip_range) - beta * sum_t (log pi_old(o_it) - log pi_ref(o_it))
-    advantage  A_i = r_i - mean of the other completions' r_j of the same prompt (leave-one-out), whitened over
-               the batch with normalize_advantages
+    reward     r_i = clip(sum_f w_f r_if, reward_clip_range)
+               - beta * sum_t (log pi_old(o_it) - log pi_ref(o_it))
+    advantage  A_i = r_i - mean of the other completions' r_j of the same prompt (leave-one-out), whitened
+               over the batch with normalize_advantages
     loss       mean_i -min(rho_i A_i, clip(rho_i, 1 - epsilon, 1 + epsilon_high) A_i),
-               rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it)))     (loss_type "rloo", rlft/core/losses.py)
+               rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it)))
+               (loss_type "rloo", rlft/core/losses.py)
 
 The KL term is in the reward, not in the loss (the loss's beta is 0).
 """
@@ -30,9 +32,11 @@ class RLOOTrainer(GRPOTrainer):
     _name = "RLOO"
     kl_in_loss = False  # beta shapes the reward instead
 
-    def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None, **kwargs):
-        super().__init__(model, reward_funcs, args or RLOOConfig(output_dir=default_output_dir(model, "RLOO")),
-                         train_dataset, **kwargs)
+    def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None,
+                 **kwargs):
+        super().__init__(model, reward_funcs,
+                         args or RLOOConfig(output_dir=default_output_dir(model, "RLOO")), train_dataset,
+                         **kwargs)
 
     @property
     def loss_options(self) -> LossOptions:
@@ -61,7 +65,8 @@ class RLOOTrainer(GRPOTrainer):
         total[unscorable] = float("nan")
         shaped = kl_shaped_rewards(total, gathered[3], args.beta, args.reward_clip_range)
         advantages, stats = group_advantages(shaped, args.num_generations, estimator="rloo")
-        if args.normalize_advantages:  # over the rows that have a leave-one-out baseline (TRL's nanmean/nanstd)
+        # over the rows that have a leave-one-out baseline (TRL's nanmean/nanstd)
+        if args.normalize_advantages:
             scorable = ~torch.isnan(shaped).view(-1, args.num_generations)
             baseline = (scorable & (scorable.sum(dim=1, keepdim=True) > 1)).view(-1)
             advantages = whiten(torch.where(baseline, advantages, float("nan")))

@@ -31,10 +31,10 @@ MAY_CHANGE = frozenset({
     "logging_strategy", "logging_steps", "logging_first_step", "log_completions", "num_completions_to_log",
     "save_strategy", "save_steps", "save_total_limit", "eval_strategy", "eval_steps", "eval_delay",
     "eval_on_start", "eval_dataset", "per_device_eval_batch_size", "num_generations_eval", "ddp_timeout",
-    "max_nonfinite_steps", "zero_signal_warning_steps", "dataloader_num_workers", "max_steps", "num_train_epochs",
-    "learning_rate", "logprob_chunk_size", "token_budget", "push_to_hub", "hub_model_id", "hub_strategy", "hub_token",
-    "hub_private_repo", "hub_always_push", "hub_revision", "do_train", "do_eval", "do_predict", "local_rank", "project",
-    "tf32", *NO_EFFECT,
+    "max_nonfinite_steps", "zero_signal_warning_steps", "dataloader_num_workers", "max_steps",
+    "num_train_epochs", "learning_rate", "logprob_chunk_size", "token_budget", "push_to_hub", "hub_model_id",
+    "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision", "do_train", "do_eval",
+    "do_predict", "local_rank", "project", "tf32", *NO_EFFECT,
 })
 RUN_FILES = ("metrics.jsonl", "completions.jsonl")
 MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
@@ -45,7 +45,8 @@ def run_record(args, model, reward_names: list[str] | tuple = ()) -> dict[str, A
     record = json.loads(json.dumps(to_dict(args), default=str))
     config = getattr(model, "config", None)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    record["_model"] = {"class": type(model).__name__, "name_or_path": str(getattr(config, "_name_or_path", "")),
+    record["_model"] = {"class": type(model).__name__,
+                        "name_or_path": str(getattr(config, "_name_or_path", "")),
                         "parameters": sum(p.numel() for p in model.parameters()), "trainable": trainable}
     if reward_names:
         record["_reward_funcs"] = list(reward_names)
@@ -108,7 +109,8 @@ def check_resume(path: Path, state: dict[str, Any], record: dict[str, Any]) -> l
     """Refuse a resume whose config differs in a field that breaks exactness; return the applied changes."""
     saved = state.get("config")
     if saved is None:
-        return [f"{path} records no config (written by an older rlft): the new config is not compared with it"]
+        return [f"{path} records no config (written by an older rlft): "
+                "the new config is not compared with it"]
     refused, applied = compare(saved, record)
     if refused:
         raise ConfigError(
@@ -123,8 +125,8 @@ def apply_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
     scheduler states carry the old one)."""
     lambdas = getattr(scheduler, "lr_lambdas", None)
     if lambdas is None:
-        raise ConfigError(f"learning_rate changed on resume but the scheduler {type(scheduler).__name__} is not a "
-                          "LambdaLR that rlft can rebuild; restore the old learning_rate")
+        raise ConfigError(f"learning_rate changed on resume but the scheduler {type(scheduler).__name__} is "
+                          "not a LambdaLR that rlft can rebuild; restore the old learning_rate")
     scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
     lrs = [learning_rate * fn(scheduler.last_epoch) for fn in lambdas]
     for group, lr in zip(optimizer.param_groups, lrs):

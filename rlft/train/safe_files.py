@@ -18,8 +18,8 @@ class CheckpointError(RlftError, RuntimeError):
 
 
 def check_finite(model_or_state_dict) -> None:
-    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model). Takes a model
-    or a (gathered) state dict."""
+    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model). Takes a
+    model or a (gathered) state dict."""
     named = model_or_state_dict.items() if isinstance(model_or_state_dict, dict) else \
         model_or_state_dict.named_parameters()
     bad = [name for name, p in named if p.is_floating_point() and not torch.isfinite(p).all()]

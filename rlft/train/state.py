@@ -34,12 +34,14 @@ def make_accelerator(cfg):
 
     engine, cuda = asked_engine(), torch.cuda.is_available()
     if engine != "ddp" and int(os.environ.get("WORLD_SIZE", "1")) == 1 and not cuda:
-        raise ConfigError(f"the launch asks for {engine} on one process of a machine without CUDA; sharding needs "
-                          "several processes there (accelerate launch --num_processes 2 ..., docs/distributed.md)")
+        raise ConfigError(f"the launch asks for {engine} on one process of a machine without CUDA; sharding "
+                          "needs several processes there (accelerate launch --num_processes 2 ..., "
+                          "docs/distributed.md)")
     # A second Accelerator in one process (a second trainer) shares the first one's state and plugin.
     plugins = engine_plugins(engine) if not AcceleratorState._shared_state else {}
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout(cfg)))]
-    ddp = {name: getattr(cfg, f"ddp_{name}") for name in DDP_OPTIONS if getattr(cfg, f"ddp_{name}") is not None}
+    ddp = {name: getattr(cfg, f"ddp_{name}") for name in DDP_OPTIONS
+           if getattr(cfg, f"ddp_{name}") is not None}
     if ddp:  # TrainingArguments' ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers, ...
         handlers.append(DistributedDataParallelKwargs(**ddp))
     accelerator = Accelerator(log_with=cfg.report_to or None, project_dir=cfg.output_dir,
@@ -76,8 +78,8 @@ def named_timeouts(accelerator, cfg):
         who = f"rank(s) {silent}" if silent else "another process"
         raise CollectiveTimeoutError(
             f"rank {accelerator.process_index}: {who} did not answer a collective within "
-            f"ddp_timeout={collective_timeout(cfg)} s; that process is stuck (a reward function, the dataset, the "
-            "model) or died. Raise ddp_timeout if it is only slow") from err
+            f"ddp_timeout={collective_timeout(cfg)} s; that process is stuck (a reward function, the "
+            "dataset, the model) or died. Raise ddp_timeout if it is only slow") from err
 
 
 def _silent_ranks(rank: int, world: int, wait_s: float = 5.0) -> list[int]:
@@ -121,13 +123,15 @@ def check_writable(output_dir: str | Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        raise ConfigError(f"output_dir={str(path)!r} is not writable ({err.strerror}); choose another folder") from err
+        raise ConfigError(f"output_dir={str(path)!r} is not writable ({err.strerror}); "
+                          "choose another folder") from err
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
     """transformers' own optimizer for `cfg.optim` (every name `Trainer.get_optimizer_cls_and_kwargs` knows:
-    adamw_torch_fused, adamw_8bit, paged_adamw_32bit, adafactor, lion_*, sgd, ...) with transformers' weight-decay
-    groups (none on biases and norms). One that cannot run here is an error naming it, its package and the device."""
+    adamw_torch_fused, adamw_8bit, paged_adamw_32bit, adafactor, lion_*, sgd, ...) with transformers'
+    weight-decay groups (none on biases and norms). One that cannot run here is an error naming it, its
+    package and the device."""
     from transformers import Trainer
 
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -137,7 +141,8 @@ def build_optimizer(model, cfg) -> torch.optim.Optimizer:
     groups = [g for g in groups if g["params"]]
     try:
         optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(cfg, model)
-        for key in ("params", "model", "optimizer_dict"):  # GaLore, LOMO, layer-wise: their own parameter sets
+        # GaLore, LOMO, layer-wise: their own parameter sets
+        for key in ("params", "model", "optimizer_dict"):
             if key in kwargs:
                 groups = kwargs.pop(key)
         return optimizer_cls(groups, **kwargs)
@@ -151,8 +156,9 @@ def optimizer_unavailable(name: str, err: Exception) -> str:
                                 "grokadamw", "schedulefree", "torch_optimi") if p in str(err) or
                     (p == "bitsandbytes" and ("8bit" in name or "paged" in name or "bnb" in name))), None)
     needs = f"; it needs the {package} package" if package else ""
-    return (f"optim={name!r} cannot run on {device}{needs} ({type(err).__name__}: {err}). Install it where it "
-            f"runs, or choose an optimizer that runs here (adamw_torch, adamw_torch_fused, sgd, adafactor)")
+    return (f"optim={name!r} cannot run on {device}{needs} ({type(err).__name__}: {err}). "
+            f"Install it where it runs, or choose an optimizer that runs here (adamw_torch, "
+            "adamw_torch_fused, sgd, adafactor)")
 
 
 def build_scheduler(optimizer, cfg, total_steps: int):
@@ -160,8 +166,8 @@ def build_scheduler(optimizer, cfg, total_steps: int):
     warmup = cfg.warmup_steps
     warmup = int(math.ceil(warmup * total_steps)) if 0 < warmup < 1 else int(warmup)
     warmup = warmup or int(round(cfg.warmup_ratio * total_steps))
-    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                         scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
+    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                         num_training_steps=total_steps, scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
 
 
 def seed_everything(seed: int) -> None:
