@@ -259,6 +259,7 @@ class Lamp:
 
 class Door:
     def reset(self, **row):
+        assert "environment" not in row  # it routes the row; reset gets the dataset's columns (TRL's rule)
         return None
 
     def knock(self, times: int) -> str:
@@ -341,3 +342,18 @@ def test_an_async_tool_runs_like_a_plain_one(tmp_path, tiny_tool_dir):
     tool_messages = [m for s in batch.samples for m in s["completion"] if m["role"] == "tool"]
     a, b = numbers(str(batch.samples[0]["prompt"]))
     assert tool_messages[0]["content"] == str(a + b) and batch.metrics["rewards/right/mean"] == 1.0
+
+
+def test_trls_views_of_the_environments_after_a_rollout(tmp_path, tiny_tool_dir):
+    """trainer.environments[i] is the instance that served row i of the latest rollout; _environment_pool holds
+    each environment's reusable instances, seeded by the probe."""
+    rows = [{**row, "environment": "lamp" if i % 2 else "door"} for i, row in enumerate(addition_rows(16))]
+    cfg = tiny_grpo_config(tmp_path, max_completion_length=96, num_generations=2, per_device_train_batch_size=8,
+                           max_steps=1)
+    trainer = scripted(GRPOTrainer(tiny_tool_dir, [lambda completions, **k: [0.0] * len(completions)], cfg,
+                                   train_dataset=rows, environment_factory={"lamp": Lamp, "door": Door}),
+                       lambda context, turn: "<answer>1</answer>")
+    assert trainer.environments and len(trainer.environments) == 0
+    assert {k: len(v) for k, v in trainer._environment_pool.items()} == {"lamp": 1, "door": 1}
+    batch = trainer._make_rollout(0)
+    assert [trainer.environments[i] for i in range(8)] == batch.rollout.extra["environments"]

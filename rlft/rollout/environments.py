@@ -86,7 +86,18 @@ class Environments:
                 pool.append(self.factories[name]())
             handed[name] = index + 1
             out.append(pool[index])
+        self.latest = out
         return out
+
+    def __getitem__(self, row: int):
+        """The instance that served row `row` of the latest rollout (TRL's `trainer.environments[row]`)."""
+        return getattr(self, "latest", [])[row]
+
+    def __len__(self) -> int:
+        return len(getattr(self, "latest", []))
+
+    def __bool__(self) -> bool:  # configured environments are there before any rollout used one
+        return True
 
     def toolset(self, env, name=None) -> Toolset:
         functions = self.tools + _methods(env)
@@ -97,7 +108,8 @@ class Environments:
         returned."""
         prompts = []
         for index, (env, row) in enumerate(zip(envs, rows, strict=True)):
-            observation = env.reset(**row)
+            # `environment` only routes the row (TRL's control field): reset gets the dataset's columns
+            observation = env.reset(**{k: v for k, v in row.items() if not (self.multi and k == "environment")})
             prompt = row["prompt"]
             if observation is not None:
                 if not isinstance(observation, str):

@@ -87,3 +87,8 @@ class GRPOHelpers:
         return {"prompt": [s["prompt"] for s in samples], "completion": [s["completion"] for s in samples],
                 "rewards": {n: [s[n] for s in samples] for n in self.reward_names},
                 "advantages": [s["advantage"] for s in samples], "extra": extra}
+
+    @property
+    def _environment_pool(self) -> dict:
+        """TRL's name: each environment's reusable instances (a single factory's under None)."""
+        return {} if self.environments is None else self.environments.pools
