@@ -9,15 +9,17 @@ from rlft.config import GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
 from rlft.model_config import ModelConfig, get_kbit_device_map, get_peft_config, get_quantization_config
 from rlft.script_args import DatasetConfig, DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
 
-logging.getLogger("rlft").addHandler(logging.NullHandler())  # a library logs; the application configures handlers
+# a library logs; the application configures handlers
+logging.getLogger("rlft").addHandler(logging.NullHandler())
 
-__all__ = ["GRPOConfig", "RewardConfig", "SFTConfig", "RLOOConfig", "GRPOTrainer", "RewardTrainer", "RLOOTrainer",
-           "ModelConfig", "ScriptArguments",
+__all__ = ["GRPOConfig", "RewardConfig", "SFTConfig", "RLOOConfig", "GRPOTrainer", "RewardTrainer",
+           "RLOOTrainer", "ModelConfig", "ScriptArguments",
            "DatasetConfig", "DatasetMixtureConfig", "TrlParser", "get_dataset", "get_peft_config",
            "get_quantization_config", "get_kbit_device_map"]
 __version__ = "0.2.0"
 
-_LAZY = {"GRPOTrainer": "rlft.train.grpo", "RewardTrainer": "rlft.train.reward", "RLOOTrainer": "rlft.train.rloo"}
+_LAZY = {"GRPOTrainer": "rlft.train.grpo", "RewardTrainer": "rlft.train.reward",
+         "RLOOTrainer": "rlft.train.rloo"}
 
 
 def __getattr__(name: str):

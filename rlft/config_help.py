@@ -1,4 +1,5 @@
-"""One line of help per field rlft declares (its configs, ModelConfig, the script arguments), grouped by topic.
+"""One line of help per field rlft declares (its configs, ModelConfig, the script arguments),
+grouped by topic.
 
 The single source for field descriptions: the dataclasses' argparse help (`rlft grpo --help`) reads it,
 and `tests/test_cli.py` fails when a field rlft declares has no line here (or a line names no field).
@@ -15,7 +16,8 @@ SECTIONS: dict[str, dict[str, str]] = {
         "model_name_or_path": "policy (GRPO) or reward model: a local folder or a hub id",
         "train_dataset": "training data: a .jsonl/.json/.csv/.parquet file, a dataset folder, or a hub id",
         "eval_dataset": "evaluation data, same forms as train_dataset; a mapping name: data evaluates each",
-        "dataset_name": "TRL's script argument: a hub dataset id or a local dataset folder (datasets.load_dataset)",
+        "dataset_name": "TRL's script argument: a hub dataset id or a local dataset folder "
+                        "(datasets.load_dataset)",
         "dataset_config": "the dataset's configuration (subset) name, with dataset_name",
         "dataset_train_split": "the split of dataset_name to train on",
         "dataset_test_split": "the split of dataset_name to evaluate on (when eval_strategy is not no)",
@@ -23,16 +25,18 @@ SECTIONS: dict[str, dict[str, str]] = {
         "reward_model_name_or_path": "a reward model (folder or hub id) used as the first reward function",
         "model_revision": "the model's hub revision (branch, tag or commit)",
         "attn_implementation": "transformers' attention implementation (eager, sdpa, flash_attention_2, ...)",
-        "dtype": "weights dtype: auto (bf16/fp16 when set, else bfloat16 on a GPU that has it, else float32), "
-                 "float32, bfloat16, float16",
+        "dtype": "weights dtype: auto (bf16/fp16 when set, else bfloat16 on a GPU that has it, else "
+                 "float32), float32, bfloat16, float16",
         "bf16": "train in bfloat16 weights (default: where the device has bfloat16; a CPU: false)",
         "fp16": "load float16 weights (LoRA only; full fine-tuning refused)",
         "trust_remote_code": "allow model code from the hub repository (transformers' flag)",
         "model_init_kwargs": "extra keyword arguments for from_pretrained (e.g. attn_implementation)",
-        "chat_template_path": "a Jinja chat template file (or a tokenizer folder) to use instead of the model's",
+        "chat_template_path": "a Jinja chat template file (or a tokenizer folder) to use instead of the "
+                              "model's",
         "pad_token": "set the tokenizer's pad token (must differ from eos for reward models)",
         "eos_token": "set the tokenizer's eos token (generation stops there)",
-        "pad_to_multiple_of": "pad each micro-batch's completion length to a multiple of N (auto, null: no padding)",
+        "pad_to_multiple_of": "pad each micro-batch's completion length to a multiple of N (auto, null: no "
+                              "padding)",
         "max_length": "reward model: longest chosen/rejected sequence in tokens (longer ones truncated)",
         "truncation": "reward model: keep_start, keep_end, or error when a pair exceeds max_length",
         "shuffle_dataset": "shuffle prompts each epoch (seeded; resumable)",
@@ -43,7 +47,8 @@ SECTIONS: dict[str, dict[str, str]] = {
         "lora_r": "LoRA rank",
         "lora_alpha": "LoRA scaling numerator (scale = alpha / r)",
         "lora_dropout": "dropout on the LoRA path (set 0 with use_vllm: see disable_dropout)",
-        "lora_target_modules": "module names to adapt, or all-linear (default: peft's per-architecture choice)",
+        "lora_target_modules": "module names to adapt, or all-linear (default: peft's per-architecture "
+                               "choice)",
         "lora_target_parameters": "parameter names to adapt (peft's target_parameters, e.g. MoE experts)",
         "lora_modules_to_save": "modules trained in full beside the adapters",
         "lora_task_type": "peft task type; rlft sets CAUSAL_LM (GRPO) / SEQ_CLS (reward, trains the head)",
@@ -60,7 +65,8 @@ SECTIONS: dict[str, dict[str, str]] = {
         "overwrite_output_dir": "replace an earlier run's checkpoints and logs in output_dir (else refused)",
         "seed": "seeds Python, NumPy and torch (and LoRA init); in every checkpoint",
         "learning_rate": "peak learning rate",
-        "lr_scheduler_type": "transformers' schedule name: linear, cosine, constant, constant_with_warmup, ...",
+        "lr_scheduler_type": "transformers' schedule name: linear, cosine, constant, "
+                             "constant_with_warmup, ...",
         "lr_scheduler_kwargs": "extra arguments for the schedule (e.g. min_lr for cosine_with_min_lr)",
         "warmup_steps": "warmup optimiser steps; below 1, a fraction of all steps",
         "warmup_ratio": "warmup as a fraction of all steps (when warmup_steps is 0)",
@@ -72,17 +78,22 @@ SECTIONS: dict[str, dict[str, str]] = {
         "max_grad_norm": "clip the global gradient norm to this (0: no clipping)",
         "max_steps": "optimiser steps to run (> 0 overrides num_train_epochs)",
         "num_train_epochs": "passes over the training data when max_steps is not set",
-        "per_device_train_batch_size": "per process and micro-step: completions (GRPO, as TRL) or pairs (reward)",
+        "per_device_train_batch_size": "per process and micro-step: completions (GRPO, as TRL) or pairs "
+                                       "(reward)",
         "per_device_eval_batch_size": "per process: evaluation batch size",
         "gradient_accumulation_steps": "micro-steps per optimiser step",
         "gradient_checkpointing": "recompute activations in backward to save memory",
-        "gradient_checkpointing_kwargs": "passed to gradient_checkpointing_enable (e.g. use_reentrant: false)",
+        "gradient_checkpointing_kwargs": "passed to gradient_checkpointing_enable (e.g. use_reentrant: "
+                                         "false)",
         "activation_checkpointing": "transformers 5's name for gradient_checkpointing; wins when set",
         "activation_checkpointing_kwargs": "transformers 5's name for gradient_checkpointing_kwargs",
         "disable_dropout": "set every dropout probability to 0 (LoRA's included)",
-        "max_nonfinite_steps": "stop after this many non-finite steps in a row (each is skipped, never applied)",
-        "remove_unused_columns": "no effect: every extra dataset column reaches the reward functions (TRL's False)",
-        "router_aux_loss_coef": "MoE policies: weight of the router load-balancing loss (None: the model's own)",
+        "max_nonfinite_steps": "stop after this many non-finite steps in a row (each is skipped, never "
+                               "applied)",
+        "remove_unused_columns": "no effect: every extra dataset column reaches the reward functions (TRL's "
+                                 "False)",
+        "router_aux_loss_coef": "MoE policies: weight of the router load-balancing loss (None: the model's "
+                                "own)",
         "activation_offloading": "no effect in rlft (activations stay on the device)",
         "dataset_num_proc": "no effect in rlft (pairs are tokenized in the main process)",
         "ddp_timeout": "seconds a collective may wait for another process (600 on CPU when left at 1800)",
@@ -107,15 +118,18 @@ SECTIONS: dict[str, dict[str, str]] = {
         "log_unique_prompts": "no effect in rlft (completions.jsonl keeps every logged row)",
         "log_multimodal": "no effect in rlft (no multimodal inputs)",
         "log_completions_hub_repo": "not supported: completions.jsonl in output_dir holds them",
-        "zero_signal_warning_steps": "warn after this many steps in a row where every group had equal rewards",
+        "zero_signal_warning_steps": "warn after this many steps in a row where every group had equal "
+                                     "rewards",
     },
     "GRPO: generation": {
         "reward_funcs": "reward functions: built-in names, module:function, or a reward model folder",
         "reward_weights": "one weight per reward function (default 1 each)",
         "num_generations": "completions per prompt (the group size G)",
         "num_generations_eval": "sampled completions per eval prompt (default: one greedy completion)",
-        "steps_per_generation": "micro-steps fed by one generation batch (default gradient_accumulation_steps)",
-        "generation_batch_size": "completions per generation across processes (alternative to steps_per_generation)",
+        "steps_per_generation": "micro-steps fed by one generation batch (default "
+                                "gradient_accumulation_steps)",
+        "generation_batch_size": "completions per generation across processes (alternative to "
+                                 "steps_per_generation)",
         "max_prompt_length": "longest prompt in tokens; a longer one is an error naming its row",
         "max_completion_length": "longest completion in tokens",
         "temperature": "sampling temperature (log-probs use it too)",
@@ -129,20 +143,21 @@ SECTIONS: dict[str, dict[str, str]] = {
         "use_transformers_continuous_batching": "no effect in rlft (generate or vLLM)",
         "transformers_continuous_batching_config": "no effect in rlft (generate or vLLM)",
         "use_transformers_paged": "TRL's deprecated name for use_transformers_continuous_batching; no effect",
-        "ds3_gather_for_generation": "no effect: under ZeRO-3 rlft gathers each layer in turn while generating",
+        "ds3_gather_for_generation": "no effect: under ZeRO-3 rlft gathers each layer in turn while "
+                                     "generating",
         "shared_prompt_prefill": "dynamic cache: prefill each prompt once for its whole group",
-        "token_budget": "fill micro-batches by prompt + completion tokens (at most this many each; a longer row alone) "
-                        "instead of per_device_train_batch_size rows",
-        "logprob_chunk_size": "positions per tile of the fused LM head (float32 logits of one tile at a time); "
-                              "null: sized to the vocabulary (~16M logits per tile)",
+        "token_budget": "fill micro-batches by prompt + completion tokens (at most this many each; a longer "
+                        "row alone) instead of per_device_train_batch_size rows",
+        "logprob_chunk_size": "positions per tile of the fused LM head (float32 logits of one tile at a "
+                              "time); null: sized to the vocabulary (~16M logits per tile)",
     },
     "GRPO: loss and advantages": {
         "loss_type": f"{', '.join(LOSSES)} (docs/losses.md)",
         "advantage_estimator": f"{', '.join(ADVANTAGE_ESTIMATORS)} (rlft/core/advantages.py)",
-        "dynamic_sampling": "DAPO: drop groups whose rewards are all equal and sample more prompts until the batch "
-                            "is full of groups with a learning signal",
-        "max_num_gen_batches": "dynamic sampling: at most this many generation rounds per rollout (0: no limit); "
-                               "then the batch is filled with zero-spread groups",
+        "dynamic_sampling": "DAPO: drop groups whose rewards are all equal and sample more prompts until the "
+                            "batch is full of groups with a learning signal",
+        "max_num_gen_batches": "dynamic sampling: at most this many generation rounds per rollout (0: no "
+                               "limit); then the batch is filled with zero-spread groups",
         "normalize_advantages": "RLOO: whiten the advantages over the batch",
         "reward_clip_range": "RLOO: clip each total reward to [min, max] before the KL penalty",
         "beta": "KL coefficient against the reference policy (0: no reference model)",
@@ -152,7 +167,8 @@ SECTIONS: dict[str, dict[str, str]] = {
         "epsilon_high": "upper clip range (DAPO's clip-higher)",
         "importance_sampling_level": "token or sequence (GSPO) ratios",
         "scale_rewards": "group, batch, or none: divide advantages by the reward std over that set",
-        "multi_objective_aggregation": "sum_then_normalize or normalize_then_sum (GDPO) over reward functions",
+        "multi_objective_aggregation": "sum_then_normalize or normalize_then_sum (GDPO) over reward "
+                                       "functions",
         "num_iterations": "policy updates per generation batch (mu)",
         "mask_truncated_completions": "exclude completions cut at max_completion_length from the loss",
         "allow_nan_rewards": "a reward function may return None/NaN for rows it does not score",
@@ -164,21 +180,25 @@ SECTIONS: dict[str, dict[str, str]] = {
         "vespo_k_neg": "VESPO: power k of the gamma weight for negative advantages",
         "vespo_lambda_neg": "VESPO: decay lambda of the gamma weight for negative advantages",
         "delta": "INTELLECT-2 two-sided clipping: cap the ratio at delta (> 1 + epsilon_high) for A < 0",
-        "top_entropy_quantile": "train only the top-rho entropy tokens of each step (0.2 in the 80/20 paper; 1: all)",
+        "top_entropy_quantile": "train only the top-rho entropy tokens of each step (0.2 in the 80/20 paper; "
+                                "1: all)",
         "entropy_coef": "entropy bonus coefficient (loss -= coef * mean token entropy); adaptive: its start",
         "use_adaptive_entropy": "Skywork-OR1: move entropy_coef by entropy_coef_delta toward entropy_target",
         "entropy_coef_min": "adaptive entropy: lower bound of the coefficient",
         "entropy_coef_max": "adaptive entropy: upper bound of the coefficient",
         "entropy_coef_delta": "adaptive entropy: change of the coefficient per step",
         "entropy_target": "adaptive entropy: the bonus applies while mean token entropy (nats) <= this",
-        "off_policy_mask_threshold": "DeepSeek-V3.2: drop A < 0 completions whose sampler/policy KL exceeds this",
-        "sync_ref_model": "TR-DPO: move the reference toward the policy every ref_model_sync_steps (beta > 0, full)",
+        "off_policy_mask_threshold": "DeepSeek-V3.2: drop A < 0 completions whose sampler/policy KL exceeds "
+                                     "this",
+        "sync_ref_model": "TR-DPO: move the reference toward the policy every ref_model_sync_steps "
+                          "(beta > 0, full)",
         "ref_model_mixup_alpha": "TR-DPO: ref <- alpha * policy + (1 - alpha) * ref",
         "ref_model_sync_steps": "TR-DPO: optimiser steps between reference updates",
     },
     "GRPO: tools (docs/agents.md)": {
         "tools": "functions the policy may call, as module.path:function (the trainer also takes callables)",
-        "max_tool_calling_iterations": "rounds of tool results per completion (null: until no call or the budget ends)",
+        "max_tool_calling_iterations": "rounds of tool results per completion (null: until no call or the "
+                                       "budget ends)",
         "tool_call_timeout": "seconds one tool call may run; then the policy reads a timeout error",
     },
     "GRPO: vLLM rollouts (docs/vllm.md)": {

@@ -264,7 +264,7 @@ def test_a_prompt_seen_before_a_sync_is_not_served_from_a_stale_prefix_cache(tmp
         for name, param in trainer.model.named_parameters():
             if "lora_B" in name:
                 param.add_(0.05)
-    trainer.generator.on_optimizer_step(trainer.args, trainer.state, None)
+    trainer.generator.on_weights_changed()  # what the trainer tells the engine after an optimiser step
     again = parity(trainer)  # the same prompts after the weights changed
     print(f"\nvllm parity, prompts served again after a sync: {first:.2g} then {again:.2g}")
     assert first < 1e-4 and again < 1e-4

@@ -1,4 +1,5 @@
-"""Advantage estimators over a step's sequence rewards, in a registry, with NaN-aware multi-reward aggregation.
+"""Advantage estimators over a step's sequence rewards, in a registry, with NaN-aware multi-reward
+aggregation.
 
 Rewards come as [N] with N = prompts x G (num_generations) and each prompt's completions contiguous. NaN means
 "not applicable" and is left out of every statistic; a completion whose reward is NaN gets advantage 0.
@@ -11,8 +12,8 @@ ADVANTAGE_ESTIMATORS maps a name (the config's `advantage_estimator`) to `fn(rew
                            batch / none divide by the batch's std or by nothing (TRL's options)
     dr_grpo                Dr. GRPO (arXiv:2503.20783): r_i - mean_g, never divided by a std
     rloo                   RLOO (Ahmadian et al., arXiv:2402.14740): r_i - (1/(G-1)) sum_{j != i} r_j
-    reinforce_pp_baseline  REINFORCE++-baseline (arXiv:2501.03262): c_i = r_i - mean_g, then normalised over the
-                           batch, (c_i - mean(c)) / (std(c) + eps)
+    reinforce_pp_baseline  REINFORCE++-baseline (arXiv:2501.03262): c_i = r_i - mean_g, then normalised
+                           over the batch, (c_i - mean(c)) / (std(c) + eps)
     opo                    OPO (arXiv:2505.23585): r_i - b_g with the length-weighted baseline
                            b_g = sum_j |o_j| r_j / sum_j |o_j| (needs `lengths`)
 """
@@ -43,12 +44,13 @@ def _batch_std(values: torch.Tensor) -> torch.Tensor:
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of {group_size}")
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of "
+                         f"{group_size}")
     return rewards.view(-1, group_size)  # [groups, G]
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4,
-                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
+                    eps: float = 1e-4, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO: centred by the group mean, divided by the group's std ("group"), the batch's ("batch") or not
     ("none")."""
     grouped = _grouped(rewards, group_size)
@@ -66,16 +68,16 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: st
     return torch.nan_to_num(advantages, nan=0.0).view(-1)
 
 
-def dr_grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4,
-                       lengths: torch.Tensor | None = None) -> torch.Tensor:
+def dr_grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
+                       eps: float = 1e-4, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Dr. GRPO: the group mean subtracted, no division (whatever scale_rewards says)."""
     return grpo_advantages(rewards, group_size, scale_rewards="none")
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4,
-                    lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """RLOO: each reward minus the mean of the OTHER valid rewards of its group, r_i - (S - r_i) / (n - 1) with S
-    the group's sum over its n valid rewards; 0 where n < 2."""
+def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
+                    eps: float = 1e-4, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """RLOO: each reward minus the mean of the OTHER valid rewards of its group, r_i - (S - r_i) / (n - 1)
+    with S the group's sum over its n valid rewards; 0 where n < 2."""
     grouped = _grouped(rewards, group_size)
     valid = ~torch.isnan(grouped)
     count = valid.sum(-1, keepdim=True)
@@ -87,7 +89,8 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: st
 
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
                                      eps: float = 1e-4, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """REINFORCE++-baseline: the group mean subtracted, then the centred values whitened over the whole batch."""
+    """REINFORCE++-baseline: the group mean subtracted, then the centred values whitened over the whole
+    batch."""
     centred = grpo_advantages(rewards, group_size, scale_rewards="none")  # NaN rewards -> 0
     valid = ~torch.isnan(rewards)
     values = centred[valid]
@@ -104,7 +107,8 @@ def opo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str
     if lengths is None:
         raise ValueError("the opo estimator needs the completion lengths (lengths=[N])")
     grouped = _grouped(rewards, group_size)
-    weight = torch.where(torch.isnan(grouped), torch.zeros_like(grouped), lengths.to(grouped.dtype).view_as(grouped))
+    weight = torch.where(torch.isnan(grouped), torch.zeros_like(grouped),
+                         lengths.to(grouped.dtype).view_as(grouped))
     filled = torch.nan_to_num(grouped, nan=0.0)
     baseline = (weight * filled).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp(min=1e-12)
     return torch.where(torch.isnan(grouped), torch.zeros_like(grouped), filled - baseline).view(-1)
@@ -114,8 +118,9 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
 def register_estimator(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Add an estimator; `advantage_estimator: <name>` in a config then selects it (the config's allowed values
-    are this registry's keys). A new one is its function, this call, and its float64 reference test."""
+    """Add an estimator; `advantage_estimator: <name>` in a config then selects it (the config's allowed
+    values are this registry's keys). A new one is its function, this call, and its float64 reference
+    test."""
     if name in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage estimator {name!r} is already registered")
     ADVANTAGE_ESTIMATORS[name] = fn
@@ -132,8 +137,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
                      ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages for rewards [N] (groups contiguous) by the named estimator. Returns (advantages [N], stats).
 
-    stats: reward_std_within_group (mean of the groups' stds), frac_reward_zero_std (fraction of groups whose rewards
-    are all equal, i.e. no learning signal), advantage_abs_mean.
+    stats: reward_std_within_group (mean of the groups' stds), frac_reward_zero_std (fraction of groups whose
+    rewards are all equal, i.e. no learning signal), advantage_abs_mean.
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage_estimator={estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
@@ -165,7 +170,8 @@ def multi_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor | None,
     """
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [N, F], got {tuple(rewards.shape)}")
-    weights = torch.ones(rewards.shape[1], dtype=rewards.dtype, device=rewards.device) if weights is None else weights
+    weights = (torch.ones(rewards.shape[1], dtype=rewards.dtype, device=rewards.device) if weights is None
+               else weights)
     all_nan = torch.isnan(rewards).all(dim=1)  # [N]
     total = torch.nansum(rewards * weights, dim=1)  # [N]
     total = torch.where(all_nan, torch.full_like(total, float("nan")), total)

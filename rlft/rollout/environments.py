@@ -109,7 +109,8 @@ class Environments:
         prompts = []
         for index, (env, row) in enumerate(zip(envs, rows, strict=True)):
             # `environment` only routes the row (TRL's control field): reset gets the dataset's columns
-            observation = env.reset(**{k: v for k, v in row.items() if not (self.multi and k == "environment")})
+            columns = {k: v for k, v in row.items() if not (self.multi and k == "environment")}
+            observation = env.reset(**columns)
             prompt = row["prompt"]
             if observation is not None:
                 if not isinstance(observation, str):

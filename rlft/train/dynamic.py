@@ -1,12 +1,13 @@
 """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, sec. 3.2; verl's `filter_groups`, OpenRLHF's
-`dynamic_filtering`): a group whose completions all got the same reward has advantage 0 and teaches nothing, so
-it is dropped and more prompts are sampled until the step's batch is full of groups with a learning signal.
+`dynamic_filtering`): a group whose completions all got the same reward has advantage 0 and teaches nothing,
+so it is dropped and more prompts are sampled until the step's batch is full of groups with a learning signal.
 
-Rounds after the first draw their prompts from a permutation seeded by (seed, rollout, round): no cursor to save,
-so a resumed or repeated run samples the same prompts, and every process decides from the same counts (each
-round, the fewest informative groups any process holds) so all run the same rounds. When `max_num_gen_batches`
-rounds are not enough, the batch is filled with zero-spread groups from the rounds (advantage 0: no policy
-signal) so its shape and every normaliser's meaning stay the same, and the run says so.
+Rounds after the first draw their prompts from a permutation seeded by (seed, rollout, round): no cursor to
+save, so a resumed or repeated run samples the same prompts, and every process decides from the same counts
+(each round, the fewest informative groups any process holds) so all run the same rounds. When
+`max_num_gen_batches` rounds are not enough, the batch is filled with zero-spread groups from the rounds
+(advantage 0: no policy signal) so its shape and every normaliser's meaning stay the same, and the run says
+so.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ SPREAD_TOLERANCE = 1e-6
 
 
 def informative_groups(rewards: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
-    """[groups] bool: the group's weighted total rewards differ (max - min > 1e-6 over its scorable rows, at least
-    two of them). rewards [N, F] with NaN = not applicable, weights [F]."""
+    """[groups] bool: the group's weighted total rewards differ (max - min > 1e-6 over its scorable rows, at
+    least two of them). rewards [N, F] with NaN = not applicable, weights [F]."""
     unscorable = torch.isnan(rewards).all(dim=1)
     total = torch.nansum(rewards * weights, dim=1).view(-1, group)  # [groups, G]
     valid = ~unscorable.view(-1, group)
@@ -32,7 +33,8 @@ def informative_groups(rewards: torch.Tensor, weights: torch.Tensor, group: int)
 
 def round_prompt_indices(num_rows: int, seed: int, rollout_index: int, round_index: int, process_index: int,
                          per_process: int) -> list[int]:
-    """This process's prompts for a later round: a permutation of all rows seeded by (seed, rollout, round)."""
+    """This process's prompts for a later round: a permutation of all rows seeded by (seed, rollout,
+    round)."""
     order = epoch_order(num_rows, seed + 1_000_003 * round_index, rollout_index)
     start = process_index * per_process
     return [order[(start + k) % num_rows] for k in range(per_process)]
@@ -67,7 +69,8 @@ def cat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         _pad([getattr(p, name) for p in parts], value)  # noqa: E731
     return Rollout(_pad([p.prompt_ids for p in parts], pad_token_id, left=True),
                    _pad([p.prompt_mask for p in parts], 0, left=True),
-                   _pad([p.completion_ids for p in parts], pad_token_id), _pad([p.completion_mask for p in parts], 0),
+                   _pad([p.completion_ids for p in parts], pad_token_id),
+                   _pad([p.completion_mask for p in parts], 0),
                    torch.cat([p.truncated for p in parts]), optional("sampling_logps", 0.0),
                    optional("tool_mask", 0),
                    None if parts[0].completions is None else [c for p in parts for c in p.completions],
@@ -77,8 +80,9 @@ def cat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
 
 
 def sample_informative(trainer, rollout_index: int, reward_log, timing: dict):
-    """Rounds of generate + score until every process holds as many informative groups as a rollout has prompts
-    (or `max_num_gen_batches` rounds ran). Returns (prompts batch, rollout, rewards, completions, metrics)."""
+    """Rounds of generate + score until every process holds as many informative groups as a rollout has
+    prompts (or `max_num_gen_batches` rounds ran). Returns (prompts batch, rollout, rewards, completions,
+    metrics)."""
     args, acc = trainer.args, trainer.accelerator
     group, wanted = args.num_generations, trainer.prompts_per_rollout
     rounds, kept, spare, generated = 0, [], [], 0
@@ -97,9 +101,9 @@ def sample_informative(trainer, rollout_index: int, reward_log, timing: dict):
         if fewest.item() >= wanted or (limit > 0 and rounds >= limit):
             break
     if len(kept) < wanted:
-        trainer.log.warn(f"dynamic sampling: {len(kept)} of {wanted} groups had a reward spread after {rounds} "
-                         f"rounds (max_num_gen_batches={args.max_num_gen_batches}); the rest of the batch are "
-                         "groups without one (advantage 0)")
+        trainer.log.warn(f"dynamic sampling: {len(kept)} of {wanted} groups had a reward spread after "
+                         f"{rounds} rounds (max_num_gen_batches={args.max_num_gen_batches}); the rest of the "
+                         "batch are groups without one (advantage 0)")
     chosen = (kept + spare)[:wanted]
     stacked = torch.tensor([float(min(len(kept), wanted)), float(generated)], device=acc.device)
     stacked = acc.reduce(stacked, "sum") if acc.num_processes > 1 else stacked

@@ -64,7 +64,8 @@ def _repeat(values: list, times: int) -> list:
 
 def default_output_dir(model, suffix: str) -> str:
     """TRL's output_dir when no args are given: '<model name>-GRPO' / '<model name>-Reward'."""
-    name = model if isinstance(model, str | Path) else getattr(getattr(model, "config", None), "_name_or_path", "")
+    name = (model if isinstance(model, str | Path)
+            else getattr(getattr(model, "config", None), "_name_or_path", ""))
     return f"{Path(str(name or 'model')).name}-{suffix}"
 
 
@@ -78,10 +79,11 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
-                 environment_factory=None):
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None,
+                 rollout_func=None, environment_factory=None):
         self.args = args = validate(args or GRPOConfig(output_dir=default_output_dir(model, "GRPO")))
-        run_state.seed_everything(args.seed)  # before LoRA init: adapter weights must not depend on earlier RNG use
+        # before LoRA init: adapter weights must not depend on earlier RNG use
+        run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
         self.engine = make_engine(self.accelerator)
         run_state.check_writable(args.output_dir)
@@ -93,7 +95,8 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         weights = None if args.reward_weights is None else [*args.reward_weights, *[1.0] * len(own_reward)]
         self.reward_funcs, self.reward_names, self.reward_weights = resolve_rewards(
             reward_funcs, weights, reward_processing_classes, args.max_completion_length)
-        self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]  # TRL's list
+        # TRL's list
+        self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self._setup_batches(self._environment_data(train_dataset), model)
         self._check_chat_prompts(self.train_prompts)
@@ -127,8 +130,9 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
             spg = args.generation_batch_size // per_step
         rollout = args.per_device_train_batch_size * spg  # completions per process per generation
         if spg % args.gradient_accumulation_steps or rollout % args.num_generations:
-            raise ConfigError(f"a generation batch of {rollout} completions per process ({spg} steps) must hold whole "
-                              f"groups of num_generations={args.num_generations} and whole optimiser steps of "
+            raise ConfigError(f"a generation batch of {rollout} completions per process ({spg} steps) must "
+                              f"hold whole groups of num_generations={args.num_generations} and whole "
+                              "optimiser steps of "
                               f"gradient_accumulation_steps={args.gradient_accumulation_steps}")
         self.rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
         self.steps_per_rollout = spg // args.gradient_accumulation_steps * args.num_iterations
@@ -139,12 +143,12 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
             needed = rollouts * self.prompts_per_rollout * processes
         dataset, self.streaming = materialize(dataset, needed)
         context = context_length(model, args.trust_remote_code)
-        self.train_prompts = PromptSet(dataset, self.tokenizer, args.max_prompt_length, args.max_completion_length,
-                                       context, self._template_kwargs)
+        self.train_prompts = PromptSet(dataset, self.tokenizer, args.max_prompt_length,
+                                       args.max_completion_length, context, self._template_kwargs)
         self.rollouts_per_epoch = len(self.train_prompts) // (self.prompts_per_rollout * processes)
         if self.rollouts_per_epoch == 0:
-            raise ConfigError(f"train_dataset has {len(self.train_prompts)} prompts, fewer than one generation batch "
-                              f"needs ({self.prompts_per_rollout * processes})")
+            raise ConfigError(f"train_dataset has {len(self.train_prompts)} prompts, fewer than one "
+                              f"generation batch needs ({self.prompts_per_rollout * processes})")
         self.total_steps = args.max_steps if args.max_steps > 0 else \
             int(args.num_train_epochs * self.rollouts_per_epoch) * self.steps_per_rollout
         self.context = context
@@ -154,7 +158,8 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         dtype = training_dtype(args, self.accelerator.device)
         self.engine.before_loading(dtype)
         init_kwargs = {**(args.model_init_kwargs or {}),
-                       **({"quantization_config": quantization_config} if quantization_config is not None else {})}
+                       **({"quantization_config": quantization_config}
+                          if quantization_config is not None else {})}
         model = load_causal_lm(model, dtype, init_kwargs, args.trust_remote_code)
         install_scoring(model)  # log-probs from hidden states through the LM head in tiles (rlft/scoring.py)
         if args.cast_lm_head_to_fp32:
@@ -168,21 +173,24 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
                 isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
             self._setup_notes.append(
                 "dropout is on (lora_dropout or the model's own) while vLLM samples without it: the sampling "
-                "correction then also weighs dropout noise, and the sampling/ mismatch metrics show it although "
-                "the weights match. Set disable_dropout: true for vLLM runs")
+                "correction then also weighs dropout noise, and the sampling/ mismatch metrics show it "
+                "although the weights match. Set disable_dropout: true for vLLM runs")
         self.is_peft = isinstance(model, PeftModel)
         if args.sync_ref_model and self.is_peft:
-            raise ConfigError("sync_ref_model=True with a LoRA model: the reference is the base model under the "
-                              "adapters, not a copy that can move; use full fine-tuning or sync_ref_model: false")
+            raise ConfigError("sync_ref_model=True with a LoRA model: the reference is the base model under "
+                              "the adapters, not a copy that can move; use full fine-tuning or "
+                              "sync_ref_model: false")
         if next(model.parameters()).dtype == torch.float16 and not self.is_peft:
-            raise ConfigError("float16 full fine-tuning is refused: AdamW would keep float16 state and overflow "
-                              "within a step (inf/NaN weights). Use bf16 / dtype: bfloat16, float32, or LoRA")
+            raise ConfigError("float16 full fine-tuning is refused: AdamW would keep float16 state and "
+                              "overflow within a step (inf/NaN weights). Use bf16 / dtype: bfloat16, "
+                              "float32, or LoRA")
         if args.gradient_checkpointing:
             enable_checkpointing(model, args.gradient_checkpointing_kwargs)
         self.param_summary = parameter_summary(model)
         if self.param_summary["trainable"] == 0:
-            raise GradientFlowError("the model has no trainable parameters (all requires_grad=False); unfreeze "
-                                    "them or pass a peft_config whose target_modules match the model")
+            raise GradientFlowError("the model has no trainable parameters (all requires_grad=False); "
+                                    "unfreeze them or pass a peft_config whose target_modules match the "
+                                    "model")
         reference = self._reference_copy(model, source, dtype)
         optimizer, scheduler = optimizers
         optimizer = optimizer or run_state.build_optimizer(model, args)
@@ -191,18 +199,18 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         self.ref_model = None if reference is None else self.engine.prepare_reference(reference)
 
     def _reference_copy(self, model, source, dtype):
-        """Reference policy: none at beta 0; LoRA's base with adapters off; else a frozen copy. Under ZeRO-3 the
-        loaded weights are already in pieces, so the reference is loaded again (sharded the same way)."""
+        """Reference policy: none at beta 0; LoRA's base with adapters off; else a frozen copy. Under ZeRO-3
+        the loaded weights are already in pieces, so the reference is loaded again (sharded the same way)."""
         if self.args.beta == 0 or self.is_peft:
             return None
         if self.args.sync_ref_model and self.engine.sharded:
-            raise ConfigError(f"sync_ref_model under {self.engine.name}: moving a reference whose weights are in pieces is not "
-                              "built; use DDP, or sync_ref_model: false")
+            raise ConfigError(f"sync_ref_model under {self.engine.name}: moving a reference whose weights "
+                              "are in pieces is not built; use DDP, or sync_ref_model: false")
         if not self.engine.partitions_on_load:
             return copy.deepcopy(model).eval().requires_grad_(False)
         if source is None or isinstance(source, torch.nn.Module):
-            raise ConfigError("ZeRO-3 full fine-tuning with beta > 0 loads the reference model a second time: pass "
-                              "the model as a hub id or folder, not a loaded model object")
+            raise ConfigError("ZeRO-3 full fine-tuning with beta > 0 loads the reference model a second "
+                              "time: pass the model as a hub id or folder, not a loaded model object")
         reference = load_causal_lm(source, dtype, self.args.model_init_kwargs, self.args.trust_remote_code)
         install_scoring(reference)
         return reference.eval().requires_grad_(False)
@@ -217,9 +225,10 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         return self.eval_datasets
 
     def _announce(self) -> None:
-        self.log.info(f"{self._name}: {self.total_steps} steps, {self.param_summary['trainable']:,} trainable of "
-                      f"{self.param_summary['total']:,} parameters ({'LoRA' if self.is_peft else 'full'}), "
-                      f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
+        self.log.info(f"{self._name}: {self.total_steps} steps, {self.param_summary['trainable']:,} "
+                      f"trainable of {self.param_summary['total']:,} parameters "
+                      f"({'LoRA' if self.is_peft else 'full'}), engine {self.engine.name} on "
+                      f"{self.accelerator.num_processes} process(es)")
         for note in [*self._setup_notes, *filter(None, self._notes)]:
             self.log.warn(note)
         weights_changed(self.generator)  # a resume may have loaded other weights than the engine holds
@@ -229,13 +238,15 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         one policy update on this step's part of it, then the reference sync (sync_ref_model)."""
         started = time.perf_counter()
         if self._batch is None or step % self.steps_per_rollout == 0:
-            self._batch = self._make_rollout(step // self.steps_per_rollout)  # rollout -> rewards -> advantages
+            # rollout -> rewards -> advantages
+            self._batch = self._make_rollout(step // self.steps_per_rollout)
         batch, state = self._batch, self.flow.state
         part = (step % self.steps_per_rollout) % (self.steps_per_rollout // self.args.num_iterations)
         metrics = {**batch.metrics, **self._optimizer_step(batch.part(part, self.rows_per_step))}  # update
         metrics.update(self._sync_reference(step + 1))  # sync_ref_model (TR-DPO)
         seconds = time.perf_counter() - started
-        metrics.update({"step_time": seconds, "time/step_seconds": seconds, "num_tokens": state.num_input_tokens_seen,
+        metrics.update({"step_time": seconds, "time/step_seconds": seconds,
+                        "num_tokens": state.num_input_tokens_seen,
                         "tokens_per_second": batch.rollout.completion_mask.sum().item() / seconds})
         return metrics
 
@@ -252,8 +263,8 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
             mid_rollout = step % self.steps_per_rollout != 0
             tensors = {**(batch.tensors() if mid_rollout else {}), **self._reference_tensors()}
             ckpt.save_checkpoint(
-                self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler, self.args.output_dir,
-                step, self._rlft_state(window), tensors or None,
+                self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler,
+                self.args.output_dir, step, self._rlft_state(window), tensors or None,
                 {"metrics": batch.metrics, "samples": batch.samples} if mid_rollout else None, self.flow,
                 self.args.save_total_limit, self.engine)
             self.flow.fire("on_save")
@@ -266,8 +277,9 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         return logged
 
     def _final_row(self) -> dict:
-        """The summary row transformers logs at the end (train_runtime, train_loss, ...), holding the metrics of the
-        steps since the last log, as TRL's does: no step's metrics are lost and log_history[-1] has them."""
+        """The summary row transformers logs at the end (train_runtime, train_loss, ...), holding the metrics
+        of the steps since the last log, as TRL's does: no step's metrics are lost and log_history[-1] has
+        them."""
         window, batch = self._window, self._batch
         summary = self.flow.summary(self.rows_per_step * self.accelerator.num_processes)
         if not window.rows:
@@ -281,16 +293,18 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
 
     def _explain(self, logged: dict) -> None:
         """Say in the run itself what a zero loss or a zero-signal batch means."""
-        if not self._zero_loss_noted and abs(logged.get("loss", 1.0)) < 1e-6 and logged.get("grad_norm", 0) > 0:
+        if (not self._zero_loss_noted and abs(logged.get("loss", 1.0)) < 1e-6
+                and logged.get("grad_norm", 0) > 0):
             self.log.info(ZERO_LOSS_NOTE)
             self._zero_loss_noted = True
         if logged.get("frac_reward_zero_std", 0.0) >= 1.0:
             self._zero_signal_steps += 1
             if self._zero_signal_steps == self.args.zero_signal_warning_steps:
                 self.log.warn(
-                    f"every group had zero reward spread for {self._zero_signal_steps} logged steps: advantages and "
-                    "gradients are exactly 0, nothing is learned. Make the task easier or the rewards graded, raise "
-                    "num_generations or temperature, or start from a better model (docs/troubleshooting.md)")
+                    f"every group had zero reward spread for {self._zero_signal_steps} logged steps: "
+                    "advantages and gradients are exactly 0, nothing is learned. Make the task easier or the "
+                    "rewards graded, raise num_generations or temperature, or start from a better model "
+                    "(docs/troubleshooting.md)")
         else:
             self._zero_signal_steps = 0
 
@@ -305,13 +319,15 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         return order[start:start + per_process]
 
     def _generate_and_score(self, prompts: dict, reward_log: RewardLog, timing: dict):
-        """num_generations completions per prompt (the engine, the tool loop or rollout_func) and their rewards;
-        adds to the step's timings, token count and generation utilisation."""
+        """num_generations completions per prompt (the engine, the tool loop or rollout_func) and their
+        rewards; adds to the step's timings, token count and generation utilisation."""
         args, started = self.args, time.perf_counter()
         rollout = self._generate(prompts, args.num_generations)
         generated = time.perf_counter()
-        timing["tokens"] += (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()  # before masking
-        for key, value in self.throughput.generation(rollout, generated - started, args.num_generations).items():
+        # before masking
+        timing["tokens"] += (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).float()
+        for key, value in self.throughput.generation(rollout, generated - started,
+                                                     args.num_generations).items():
             timing[key] = timing.get(key, 0.0) + value * (generated - started)  # time-weighted over rounds
         rewards, completions = self._score(rollout, prompts, args.num_generations, reward_log)
         timing["time/generation_seconds"] += generated - started
@@ -322,11 +338,12 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         args, reward_log = self.args, RewardLog()
         timing = {"time/generation_seconds": 0.0, "time/reward_seconds": 0.0, "tokens": torch.zeros(())}
         if args.dynamic_sampling:  # rounds until the batch holds groups with a reward spread (DAPO)
-            prompts, rollout, rewards, completions, sampling = sample_informative(self, rollout_index, reward_log,
-                                                                                   timing)
+            prompts, rollout, rewards, completions, sampling = sample_informative(
+                self, rollout_index, reward_log, timing)
         else:
             prompts = self.train_prompts.batch(self._prompt_indices(rollout_index))
-            (rollout, rewards, completions), sampling = self._generate_and_score(prompts, reward_log, timing), {}
+            (rollout, rewards, completions), sampling = self._generate_and_score(
+                prompts, reward_log, timing), {}
         tokens, seconds = timing.pop("tokens"), max(timing["time/generation_seconds"], 1e-12)
         sampling.update({k: timing.pop(k) / seconds for k in [k for k in timing if k.startswith("perf/")]})
         sampling.update({**timing, **engine_metrics(self.generator)})  # vLLM: weight-sync seconds and bytes
@@ -342,14 +359,15 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         batch.metrics.update(reward_log.metrics(self.accelerator))
         batch.metrics.update(tool_metrics(rollout.stats, self.accelerator))
         batch.metrics.update(sampling)
-        self.flow.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens.to(self.accelerator.device),
-                                                                             "sum").item())
+        self.flow.state.num_input_tokens_seen += int(
+            self.accelerator.reduce(tokens.to(self.accelerator.device), "sum").item())
         columns = reward_log.columns(len(completions))
         batch.samples = [{"prompt": p, "completion": c, "reward": t, "advantage": a,
-                          **{n: r for n, r in zip(self.reward_names, row)}, **{k: v[i] for k, v in columns.items()}}
-                         for i, (p, c, t, a, row) in enumerate(zip(_repeat(prompts["prompts"], args.num_generations),
-                                                                   completions, total.tolist(), advantages.tolist(),
-                                                                   rewards.tolist()))]
+                          **{n: r for n, r in zip(self.reward_names, row)},
+                          **{k: v[i] for k, v in columns.items()}}
+                         for i, (p, c, t, a, row) in enumerate(zip(
+                             _repeat(prompts["prompts"], args.num_generations), completions, total.tolist(),
+                             advantages.tolist(), rewards.tolist()))]
         self._latest_samples = batch.samples
         return batch
 
@@ -361,8 +379,8 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         gathered = [acc.gather(t.to(acc.device)).cpu() if acc.num_processes > 1 else t.cpu()
                     for t in (rewards, lengths, rollout.truncated.float())]
         advantages, total, stats = multi_reward_advantages(
-            gathered[0], self.reward_weights, args.num_generations, args.scale_rewards, args.multi_objective_aggregation,
-            estimator=args.advantage_estimator, lengths=gathered[1])
+            gathered[0], self.reward_weights, args.num_generations, args.scale_rewards,
+            args.multi_objective_aggregation, estimator=args.advantage_estimator, lengths=gathered[1])
         rows = slice(acc.process_index * rewards.shape[0], (acc.process_index + 1) * rewards.shape[0])
         everyone = (gathered[0], total, gathered[1], gathered[2].bool())
         return advantages[rows], total[rows], stats, everyone
@@ -386,11 +404,12 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
 
     # ---- evaluation, resume, save ----------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(self, eval_dataset=None, ignore_keys=None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
         """Completions for every eval prompt (greedy; num_generations_eval sampled ones when set), scored by
         every reward function -> `<prefix>_reward`, `<prefix>_rewards/<name>/mean`, and the loss on them ->
-        `<prefix>_loss` (0 for greedy completions without KL: one per prompt has no advantage). A dict of datasets
-        is evaluated per name with prefix `<prefix>_<name>`."""
+        `<prefix>_loss` (0 for greedy completions without KL: one per prompt has no advantage). A dict of
+        datasets is evaluated per name with prefix `<prefix>_<name>`."""
         datasets = self.eval_datasets if eval_dataset is None else load_eval_datasets(eval_dataset)
         if not datasets:
             raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or the call)")
@@ -431,15 +450,16 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         """The first step to run; restores the rollout in flight and the logging window with it."""
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         window = MetricWindow()
-        self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model), self.reward_names)
+        self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model),
+                                       self.reward_names)
         if path is None:
             self._notes = [runs.claim_output_dir(self.accelerator, self.args)]
             run_state.seed_everything(self.args.seed)
             self._batch, self._window = None, window
             return 0
         self._notes = runs.check_resume(path, ckpt.read_state(path), self._record)
-        state, tensors, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler,
-                                                     path, self.engine)
+        state, tensors, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer,
+                                                     self.scheduler, path, self.engine)
         if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:
             runs.apply_learning_rate(self.optimizer, self.scheduler, self.args.learning_rate)
         self.flow.load(path, state.get("loss_sum", 0.0))
@@ -451,7 +471,9 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         return state["global_step"]
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
-        """A normal transformers folder (full fine-tuning) or peft adapter folder (LoRA), plus the tokenizer."""
-        self.accelerator.wait_for_everyone()  # every process: FSDP2 and ZeRO-3 gather the weights to save them
-        engine_io.save_pretrained(self.accelerator, self.engine, self.model, Path(output_dir or self.args.output_dir),
-                                  self.tokenizer)
+        """A normal transformers folder (full fine-tuning) or peft adapter folder (LoRA), plus the
+        tokenizer."""
+        # every process: FSDP2 and ZeRO-3 gather the weights to save them
+        self.accelerator.wait_for_everyone()
+        engine_io.save_pretrained(self.accelerator, self.engine, self.model,
+                                  Path(output_dir or self.args.output_dir), self.tokenizer)

@@ -37,8 +37,8 @@ from rlft.train.metrics import StepSums, correction_metrics
 
 @dataclass
 class UpdateCounters:
-    """What the policy update counts and carries from step to step; all but the run of non-finite steps go into
-    checkpoints (rlft_state.json, under the keys of `state_dict`), so a resumed run continues them."""
+    """What the policy update counts and carries from step to step; all but the run of non-finite steps go
+    into checkpoints (rlft_state.json, under the keys of `state_dict`), so a resumed run continues them."""
 
     steps_skipped: int = 0
     nonfinite_in_a_row: int = 0
@@ -54,7 +54,8 @@ class UpdateCounters:
                 "ref_syncs": self.ref_syncs}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps_skipped, self.flow_checked = state.get("steps_skipped", 0), state.get("flow_checked", False)
+        self.steps_skipped, self.flow_checked = (state.get("steps_skipped", 0),
+                                                 state.get("flow_checked", False))
         self.entropy_coef = state.get("entropy_coef", self.entropy_coef)
         self.last_entropy = math.inf if state.get("last_entropy") is None else state["last_entropy"]
         self.ref_syncs = state.get("ref_syncs", 0)
@@ -62,7 +63,8 @@ class UpdateCounters:
 
 def _counter(name: str) -> property:
     """The trainer's attribute of the same name reads and writes the counter (older code and tests use it)."""
-    return property(lambda self: getattr(self.counters, name), lambda self, value: setattr(self.counters, name, value))
+    return property(lambda self: getattr(self.counters, name),
+                    lambda self, value: setattr(self.counters, name, value))
 
 
 @dataclass
@@ -84,7 +86,8 @@ class RolloutBatch:
                                     None if r.tool_mask is None else r.tool_mask[rows]),
                             self.advantages[rows],
                             None if self.old_logps is None else self.old_logps[rows],
-                            None if self.ref_logps is None else self.ref_logps[rows], self.metrics, self.samples)
+                            None if self.ref_logps is None else self.ref_logps[rows], self.metrics,
+                            self.samples)
 
     TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
 
@@ -116,14 +119,16 @@ def option_notes(args) -> list[str]:
         notes.append("loss_type luspo is GSPO's sequence-level loss weighted by length: the paper uses "
                      "importance_sampling_level: sequence (now token)")
     if args.loss_type == "vespo" and args.importance_sampling_level != "token":
-        notes.append("loss_type vespo computes its own sequence weight from token ratios; importance_sampling_level "
-                     "only changes the clip metrics: leave it at token")
-    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        notes.append(f"importance_sampling_level: sequence with loss_type {args.loss_type!r}: the loss sums per-token "
-                     "contributions, which effectively weights each sequence by its completion length instead of the "
-                     "per-sequence objective; GSPO's setup is loss_type: grpo")
+        notes.append("loss_type vespo computes its own sequence weight from token ratios; "
+                     "importance_sampling_level only changes the clip metrics: leave it at token")
+    if (args.importance_sampling_level == "sequence"
+            and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo")):
+        notes.append(f"importance_sampling_level: sequence with loss_type {args.loss_type!r}: the loss sums "
+                     "per-token contributions, which effectively weights each sequence by its completion "
+                     "length instead of the per-sequence objective; GSPO's setup is loss_type: grpo")
     if args.delta is not None and args.delta <= 1 + (args.epsilon_high or args.epsilon):
-        notes.append(f"delta={args.delta} is not above 1 + epsilon_high: it also caps ratios the clip range allows")
+        notes.append(f"delta={args.delta} is not above 1 + epsilon_high: it also caps ratios the clip range "
+                     "allows")
     return notes
 
 
@@ -139,7 +144,8 @@ class PolicyUpdate:
         """MFU and tokens/s per phase against this device's measured matmul peak (rlft/perf.py)."""
         if getattr(self, "_throughput", None) is None:
             model = self.accelerator.unwrap_model(self.model)
-            self._throughput = Throughput(model.config, self.accelerator.device, next(model.parameters()).dtype)
+            self._throughput = Throughput(model.config, self.accelerator.device,
+                                          next(model.parameters()).dtype)
         return self._throughput
 
     @property
@@ -151,10 +157,10 @@ class PolicyUpdate:
 
     def _forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
                  router_loss: bool = False):
-        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; and a MoE policy's router
-        load-balancing loss, the model's own `aux_loss`) for `rows` (a slice or an index tensor). The batch is cut
-        to its own longest completion (c <= C) and its longest prompt: columns that are padding in every row cost
-        a forward pass and change nothing."""
+        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; and a MoE policy's
+        router load-balancing loss, the model's own `aux_loss`) for `rows` (a slice or an index tensor). The
+        batch is cut to its own longest completion (c <= C) and its longest prompt: columns that are padding
+        in every row cost a forward pass and change nothing."""
         completion_mask = rollout.completion_mask[rows]
         width = max(int(completion_mask.sum(dim=1).max()), 1)
         multiple = self.args.pad_to_multiple_of
@@ -175,7 +181,8 @@ class PolicyUpdate:
 
     def _sync_reference(self, step: int) -> dict[str, float]:
         """TR-DPO: every ref_model_sync_steps optimiser steps the reference moves toward the policy
-        (rlft/core/regularizers.py: mix_reference). Rollouts made before a sync keep their reference log-probs."""
+        (rlft/core/regularizers.py: mix_reference). Rollouts made before a sync keep their reference
+        log-probs."""
         args = self.args
         if not args.sync_ref_model or self.ref_model is None or step % args.ref_model_sync_steps:
             return {}
@@ -186,10 +193,12 @@ class PolicyUpdate:
         return {"ref_model/syncs": float(self.counters.ref_syncs)}
 
     def _reference_tensors(self) -> dict[str, torch.Tensor]:
-        """A moved reference is part of the run's state: saved in checkpoints (as tensors, like the rollout)."""
+        """A moved reference is part of the run's state: saved in checkpoints (as tensors, like the
+        rollout)."""
         if not self.args.sync_ref_model or self.ref_model is None:
             return {}
-        return {f"ref_model.{name}": value.detach().clone() for name, value in self.ref_model.state_dict().items()}
+        return {f"ref_model.{name}": value.detach().clone()
+                for name, value in self.ref_model.state_dict().items()}
 
     def _load_reference_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Restore a saved reference; returns the other (rollout) tensors."""
@@ -208,7 +217,8 @@ class PolicyUpdate:
             return list(order.split(self.args.per_device_train_batch_size))
         tokens = (rollout.prompt_mask.sum(dim=1) + lengths).cpu()
         count = torch.tensor(budget_count(tokens, self.args.token_budget), device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:  # every process runs as many forwards (sharded engines need it)
+        # every process runs as many forwards (sharded engines need it)
+        if self.accelerator.num_processes > 1:
             count = self.accelerator.reduce(count, "max")
         return [rows.to(lengths.device) for rows in balanced_bins(tokens, int(count), self.args.token_budget)]
 
@@ -224,25 +234,26 @@ class PolicyUpdate:
     def _eval_loss(self, rollout: Rollout, rewards: torch.Tensor, group: int) -> float:
         """The loss on evaluation completions (TRL's `eval_loss`): advantages within each prompt's `group`
         completions, the policy on-policy (ratio 1), plus the KL term when beta > 0. Greedy evaluation (one
-        completion per prompt) has advantage 0 everywhere: without KL its loss is exactly 0, and no forward pass
-        is spent on it."""
+        completion per prompt) has advantage 0 everywhere: without KL its loss is exactly 0, and no forward
+        pass is spent on it."""
         args = self.args
         lengths = rollout.loss_mask.sum(dim=1).float().cpu()
-        advantages, _, _ = multi_reward_advantages(rewards.cpu(), self.reward_weights, group, args.scale_rewards,
-                                                   args.multi_objective_aggregation,
+        advantages, _, _ = multi_reward_advantages(rewards.cpu(), self.reward_weights, group,
+                                                   args.scale_rewards, args.multi_objective_aggregation,
                                                    estimator=args.advantage_estimator, lengths=lengths)
         if args.beta == 0 and not bool(advantages.abs().any()):
             return 0.0
         logps = self._logps_no_grad(self.model, rollout)
         ref = self._reference_logps(rollout) if args.beta > 0 else None
-        loss, _ = policy_loss(logps, logps, advantages.to(logps.device), rollout.loss_mask, loss_type=args.loss_type,
-                              options=self.loss_options, ref_logps=ref)
+        loss, _ = policy_loss(logps, logps, advantages.to(logps.device), rollout.loss_mask,
+                              loss_type=args.loss_type, options=self.loss_options, ref_logps=ref)
         return loss.item()
 
     def _reference_logps(self, rollout: Rollout) -> torch.Tensor:
         if self.ref_model is not None:
             return self._logps_no_grad(self.ref_model, rollout)
-        with self.accelerator.unwrap_model(self.model).disable_adapter():  # LoRA: the base model is the reference
+        # LoRA: the base model is the reference
+        with self.accelerator.unwrap_model(self.model).disable_adapter():
             return self._logps_no_grad(self.model, rollout)
 
     def _optimizer_step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -256,24 +267,26 @@ class PolicyUpdate:
         num_items = acc.reduce(trained.sum().float(), "sum")
         num_sequences = rollout.completion_ids.shape[0] * acc.num_processes
         if float(num_items) == 0:  # e.g. mask_truncated_completions and every completion truncated
-            return self._skip_step("no completion token is left to train on (every completion was masked, e.g. "
-                                   "mask_truncated_completions with every completion truncated): raise "
+            return self._skip_step("no completion token is left to train on (every completion was masked, "
+                                   "e.g. mask_truncated_completions with every completion truncated): raise "
                                    "max_completion_length", started, nonfinite=False)
         sums, corrections = StepSums(), []
         # Checked at the first step with a learning signal on any process: with all advantages 0 (and LoRA's
         # B = 0 making policy == reference) a zero gradient is correct, not a wiring fault.
-        check_flow = not self.counters.flow_checked and float(acc.reduce(batch.advantages.abs().sum(), "sum")) > 0
+        check_flow = (not self.counters.flow_checked
+                      and float(acc.reduce(batch.advantages.abs().sum(), "sum")) > 0)
         if check_flow:
             self.engine.watch_grads(self.model)
         batches = self._micro_batches(rollout)
         for k, rows in enumerate(batches):
             with self.engine.micro_batch(self.model, last=k == len(batches) - 1):
-                loss, metrics, entropy, mask = self._micro_loss(batch, rows, num_items, num_sequences, corrections,
-                                                                keep)
+                loss, metrics, entropy, mask = self._micro_loss(batch, rows, num_items, num_sequences,
+                                                                corrections, keep)
                 if not loss.requires_grad:
-                    raise GradientFlowError("the loss does not require grad: no trainable parameter is connected to "
-                                            "it (all parameters frozen, or adapters disabled)")
-                # DDP, FSDP and ZeRO average gradients over processes; the normalisers are global sums: undo the mean.
+                    raise GradientFlowError("the loss does not require grad: no trainable parameter is "
+                                            "connected to it (all parameters frozen, or adapters disabled)")
+                # DDP, FSDP and ZeRO average gradients over processes; the normalisers are global sums: undo
+                # the mean.
                 self.engine.backward(self.model, loss * acc.num_processes)
             sums.add(loss, metrics, entropy, mask)
         metrics = self._finish_step(sums, started, check_flow)
@@ -286,9 +299,10 @@ class PolicyUpdate:
 
     @torch.no_grad()
     def _entropy_keep(self, rollout: Rollout) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """top_entropy_quantile < 1: a no-grad pass over the step's micro-batches gives every completion token's
-        entropy (the weights do not change within a step, so these are the entropies the loss pass sees); the
-        threshold is the quantile over all of them on every process, so the mask does not depend on the split."""
+        """top_entropy_quantile < 1: a no-grad pass over the step's micro-batches gives every completion
+        token's entropy (the weights do not change within a step, so these are the entropies the loss pass
+        sees); the threshold is the quantile over all of them on every process, so the mask does not depend on
+        the split."""
         quantile = self.args.top_entropy_quantile
         if quantile >= 1.0:
             return None, {}
@@ -304,7 +318,8 @@ class PolicyUpdate:
         threshold = entropy_threshold(values, quantile)
         keep = high_entropy_mask(entropies, mask, threshold)
         kept, total = acc.reduce(torch.stack([keep.sum(), mask.sum()]).float(), "sum").tolist()
-        return keep, {"entropy_mask/threshold": threshold.item(), "entropy_mask/kept_fraction": kept / max(total, 1)}
+        return keep, {"entropy_mask/threshold": threshold.item(),
+                      "entropy_mask/kept_fraction": kept / max(total, 1)}
 
     def _entropy_bonus_on(self) -> bool:
         return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
@@ -334,13 +349,14 @@ class PolicyUpdate:
         if sampler is not None and args.vllm_importance_sampling_correction:
             weights = sampling_correction(old, sampler, mask, args.vllm_importance_sampling_mode,
                                           args.vllm_importance_sampling_clip_min,
-                                          args.vllm_importance_sampling_cap or args.vllm_importance_sampling_clip_max)
+                                          args.vllm_importance_sampling_cap
+                                          or args.vllm_importance_sampling_clip_max)
             corrections.append(correction_stats(old, sampler, mask, weights))
         advantages = batch.advantages[rows]
         off_policy = None
         if args.off_policy_mask_threshold is not None:  # the sampler's log-probs when another engine sampled
-            off_policy = off_policy_sequence_mask(advantages, logps, old if sampler is None else sampler, mask,
-                                                  args.off_policy_mask_threshold)
+            off_policy = off_policy_sequence_mask(advantages, logps, old if sampler is None else sampler,
+                                                  mask, args.off_policy_mask_threshold)
         loss, metrics = policy_loss(
             logps, old, advantages, mask, loss_type=args.loss_type, options=self.loss_options,
             ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], num_items=num_items,
@@ -348,12 +364,13 @@ class PolicyUpdate:
         if off_policy is not None:
             metrics["off_policy/masked_fraction"] = 1.0 - off_policy.mean()
         if bonus:
-            applied = self.entropy_coef if not args.use_adaptive_entropy or self.last_entropy <= args.entropy_target \
-                else 0.0
+            applied = self.entropy_coef if not args.use_adaptive_entropy \
+                or self.last_entropy <= args.entropy_target else 0.0
             share = entropy_bonus(entropy, mask, applied, num_items)
             loss = loss + share
             metrics["entropy_loss"] = share.detach()
-        if router is not None:  # TRL's: coef * aux_loss per micro-batch, averaged over micro-batches and processes
+        # TRL's: coef * aux_loss per micro-batch, averaged over micro-batches and processes
+        if router is not None:
             share = self.router_aux_loss_coef * router / (self.args.gradient_accumulation_steps
                                                          * self.accelerator.num_processes)
             loss = loss + share
@@ -363,8 +380,10 @@ class PolicyUpdate:
     def _finish_step(self, sums: StepSums, started: float, check_flow: bool) -> dict[str, float]:
         grad_norm = self.engine.clip(self.model, self.args.max_grad_norm)  # None: DeepSpeed clips in its step
         metrics = sums.reduce(self.accelerator)
-        if not (math.isfinite(grad_norm if grad_norm is not None else 0.0) and math.isfinite(metrics["loss"])):
-            return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started, nonfinite=True)
+        if not (math.isfinite(grad_norm if grad_norm is not None else 0.0)
+                and math.isfinite(metrics["loss"])):
+            return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started,
+                                   nonfinite=True)
         if check_flow:
             check_gradient_flow(self.engine.grads(self.model))
             self.counters.flow_checked = True
@@ -373,32 +392,37 @@ class PolicyUpdate:
         applied, engine_norm = self.engine.step(self.model, self.optimizer)
         grad_norm = engine_norm if grad_norm is None else grad_norm
         if not applied:  # DeepSpeed found the gradient norm not finite and left the weights as they were
-            return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started, nonfinite=True)
+            return self._skip_step(self._nonfinite_reason(metrics["loss"], grad_norm), started,
+                                   nonfinite=True)
         weights_changed(self.generator)  # an engine with its own copy of the weights syncs before it samples
         self.flow.fire("on_optimizer_step")
         self.scheduler.step()
         self.engine.zero_grad(self.model, self.optimizer)
         self.counters.nonfinite_in_a_row = 0
-        metrics.update({"grad_norm": grad_norm, "learning_rate": learning_rate, "steps_skipped": self.steps_skipped,
+        metrics.update({"grad_norm": grad_norm, "learning_rate": learning_rate,
+                        "steps_skipped": self.steps_skipped,
                         "time/train_seconds": time.perf_counter() - started})
         return metrics
 
     def _nonfinite_reason(self, loss: float, grad_norm: float | None) -> str:
-        return (f"the loss ({loss}) or gradient norm ({grad_norm}) is not finite. Likely causes: a learning rate too "
-                f"high (now {self.args.learning_rate}), rewards so large they overflow, or float16 weights "
-                "overflowing (use bfloat16 or float32)")
+        return (f"the loss ({loss}) or gradient norm ({grad_norm}) is not finite. Likely causes: a learning "
+                f"rate too high (now {self.args.learning_rate}), rewards so large they overflow, or float16 "
+                "weights overflowing (use bfloat16 or float32)")
 
     def _skip_step(self, reason: str, started: float, nonfinite: bool) -> dict[str, float]:
-        """No optimiser step; the schedule still advances, so the learning rate stays a function of the step."""
+        """No optimiser step; the schedule still advances, so the learning rate stays a function of the
+        step."""
         self.engine.zero_grad(self.model, self.optimizer)
         learning_rate = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.counters.steps_skipped += 1
         self.counters.nonfinite_in_a_row = self.counters.nonfinite_in_a_row + 1 if nonfinite else 0
         step = self.flow.state.global_step + 1
-        self.log.warn(f"step {step} skipped, weights unchanged ({self.steps_skipped} skipped so far): {reason}")
+        self.log.warn(f"step {step} skipped, weights unchanged ({self.steps_skipped} skipped so far): "
+                      f"{reason}")
         if self.counters.nonfinite_in_a_row >= self.args.max_nonfinite_steps:
             raise NonFiniteStepError(f"{self.counters.nonfinite_in_a_row} consecutive steps were non-finite "
-                                     f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping. {reason}")
+                                     f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping. "
+                                     f"{reason}")
         return {"learning_rate": learning_rate, "steps_skipped": self.steps_skipped,
                 "time/train_seconds": time.perf_counter() - started}
