@@ -40,7 +40,8 @@ def main() -> None:
     for name in ("GRPOConfig", "RewardConfig"):
         table[name] = {f.name: _default(f) for f in dataclasses.fields(getattr(trl, name)) if f.init}
     OUT.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"{OUT}: {len(table['GRPOConfig'])} GRPOConfig and {len(table['RewardConfig'])} RewardConfig fields")
+    print(f"{OUT}: {len(table['GRPOConfig'])} GRPOConfig and {len(table['RewardConfig'])} "
+          "RewardConfig fields")
 
 
 if __name__ == "__main__":
