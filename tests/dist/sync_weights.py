@@ -40,7 +40,6 @@ def main() -> None:
     model_dir, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     trainer = grpo(model_dir, out / "run", mode == "lora")
     trainer.generator = SyncingGenerator(trainer.tokenizer, trainer.engine.full_weights)
-    trainer.add_callback(trainer.generator)
     trainer.train()
     assert trainer.generator.syncs == 4, trainer.generator.syncs
     rank = int(os.environ.get("RANK", "0"))
