@@ -328,6 +328,9 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
         )
     if not 0 <= cfg.ref_model_mixup_alpha <= 1:
         errors.append(f"ref_model_mixup_alpha={cfg.ref_model_mixup_alpha!r} must be in [0, 1]")
+    if cfg.advantage_estimator == "reinforce_pp" and cfg.multi_objective_aggregation != "sum_then_normalize":
+        errors.append("advantage_estimator reinforce_pp whitens token-level returns of the summed reward: "
+                      "use multi_objective_aggregation: sum_then_normalize")
     if cfg.sync_ref_model and cfg.beta == 0:
         errors.append(
             "sync_ref_model=True with beta=0: there is no reference model to update (the KL term is off); "

@@ -70,7 +70,10 @@ def test_every_estimator_matches_its_float64_reference(name, g):
     assert stats["advantage_abs_mean"] == pytest.approx(adv.abs().mean().item())
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+SEQUENCE_LEVEL = sorted(n for n, fn in ADVANTAGE_ESTIMATORS.items() if not getattr(fn, "token_level", False))
+
+
+@pytest.mark.parametrize("name", SEQUENCE_LEVEL)
 def test_an_all_equal_group_gets_zero_under_every_estimator_except_batch_whitening(name):
     rewards = torch.tensor(REWARDS, dtype=torch.float64)
     adv, stats = group_advantages(rewards, 4, estimator=name, lengths=torch.tensor(LENGTHS, dtype=torch.float64))
@@ -161,3 +164,58 @@ def test_options_built_once_equal_keyword_arguments():
         assert a.item() == b.item()
     with pytest.raises(TypeError, match="unknown loss options"):
         policy_loss(logps, old, adv, mask, epsilon=0.2)
+
+
+def ref_reinforce_pp(rewards, mask, kl, beta, eps=1e-4):
+    """REINFORCE++ element by element: r_t = -beta KL_t, + R at the last token; G_t = sum_{s>=t} r_s; whiten
+    over every completion token of rows with a reward."""
+    returns, valid = [], []
+    for r, m, k in zip(rewards, mask, kl):
+        length = int(sum(m))
+        token_rewards = [-beta * k[t] if t < length else 0.0 for t in range(len(m))]
+        if length and not math.isnan(r):
+            token_rewards[length - 1] += r
+        returns.append([sum(token_rewards[t:length]) if t < length else 0.0 for t in range(len(m))])
+        valid.append([t < length and not math.isnan(r) for t in range(len(m))])
+    values = [g for row, ok in zip(returns, valid) for g, v in zip(row, ok) if v]
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((g - mean) ** 2 for g in values) / (len(values) - 1))
+    return [[(g - mean) / (std + eps) if v else 0.0 for g, v in zip(row, ok)] for row, ok in zip(returns, valid)]
+
+
+def test_reinforce_pp_matches_its_token_level_float64_reference():
+    rewards = torch.tensor([1.0, 0.0, float("nan"), 2.0, 0.5, 0.5], dtype=torch.float64)
+    lengths = [3, 1, 2, 0, 4, 2]
+    mask = torch.tensor([[1.0] * n + [0.0] * (4 - n) for n in lengths], dtype=torch.float64)
+    kl = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * mask
+    adv, stats = group_advantages(rewards, 2, estimator="reinforce_pp", mask=mask, token_kl=kl, beta=0.1)
+    expected = ref_reinforce_pp(rewards.tolist(), mask.tolist(), kl.tolist(), 0.1)
+    assert adv.shape == (6, 4) and adv.tolist() == [pytest.approx(row, rel=1e-12, abs=1e-12) for row in expected]
+    assert adv[2].abs().sum() == 0 and adv[3].abs().sum() == 0  # no reward, no tokens
+    no_kl, _ = group_advantages(rewards, 2, estimator="reinforce_pp", mask=mask)
+    assert no_kl.tolist() == [pytest.approx(r, abs=1e-12) for r in ref_reinforce_pp(rewards.tolist(), mask.tolist(),
+                                                                                 kl.tolist(), 0.0)]
+    with pytest.raises(ValueError, match="needs the completions' mask"):
+        group_advantages(rewards, 2, estimator="reinforce_pp")
+
+
+def test_grpo_with_reinforce_pp_trains_on_token_advantages_with_the_kl_in_the_reward(tmp_path,
+                                                                                 shipped_policy_dir):
+    from rlft import GRPOTrainer
+    from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+
+    cfg = tiny_grpo_config(tmp_path, advantage_estimator="reinforce_pp", beta=0.05, max_steps=2,
+                           max_completion_length=12)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], cfg, addition_rows(16))
+    assert not trainer.kl_in_loss and trainer.loss_options.beta == 0.0
+    batch = trainer._make_rollout(0)
+    mask = batch.rollout.loss_mask
+    assert batch.advantages.shape == mask.shape and (batch.advantages * (1 - mask)).abs().sum() == 0
+    assert batch.ref_logps is None  # the KL went into the returns, not the loss
+    assert isinstance(batch.samples[0]["advantage"], float)
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    with pytest.raises(ConfigError, match="reinforce_pp whitens token-level returns"):
+        GRPOConfig(output_dir=str(tmp_path), advantage_estimator="reinforce_pp",
+                   multi_objective_aggregation="normalize_then_sum")

@@ -114,6 +114,37 @@ def opo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str
     return torch.where(torch.isnan(grouped), torch.zeros_like(grouped), filled - baseline).view(-1)
 
 
+def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
+                            eps: float = 1e-4, lengths: torch.Tensor | None = None,
+                            mask: torch.Tensor | None = None, token_kl: torch.Tensor | None = None,
+                            beta: float = 0.0) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262), token level: each completion token's reward is
+    -beta * KL_t (the first-order estimate log pi_old - log pi_ref), the outcome reward is added at the last
+    completion token, the return is G_t = sum_{s >= t} r_s (gamma = 1), and the advantages are the returns
+    whitened over every completion token of the batch, (G - mean) / (std + eps), with no per-group baseline.
+    rewards [N], mask and token_kl [N, C] -> advantages [N, C] (0 off the mask and on NaN-reward rows)."""
+    if mask is None:
+        raise ValueError("reinforce_pp is a token-level estimator: it needs the completions' mask [N, C]")
+    mask = mask.to(rewards.dtype)
+    scorable = ~torch.isnan(rewards)
+    no_kl = token_kl is None or beta == 0
+    token_rewards = torch.zeros_like(mask) if no_kl else -beta * token_kl.to(mask.dtype)
+    token_rewards = token_rewards * mask
+    last = (mask.sum(dim=1).long() - 1).clamp(min=0)  # masks are contiguous from the first completion token
+    rows = torch.arange(len(rewards), device=rewards.device)
+    outcome = torch.where(scorable & (mask.sum(dim=1) > 0), rewards, torch.zeros_like(rewards))
+    token_rewards = token_rewards.index_put((rows, last), token_rewards[rows, last] + outcome)
+    returns = torch.flip(torch.cumsum(torch.flip(token_rewards, [1]), dim=1), [1])  # G_t
+    valid = mask.bool() & scorable[:, None]
+    values = returns[valid]
+    if values.numel() < 2:
+        return torch.zeros_like(returns)
+    whitened = (returns - values.mean()) / (values.std() + eps)
+    return torch.where(valid, whitened, torch.zeros_like(whitened))
+
+
+reinforce_pp_advantages.token_level = True  # gets mask, token_kl and beta; returns [N, C]
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
@@ -128,36 +159,44 @@ def register_estimator(name: str, fn: Callable[..., torch.Tensor]) -> Callable[.
 
 
 for _name, _fn in [("grpo", grpo_advantages), ("dr_grpo", dr_grpo_advantages), ("rloo", rloo_advantages),
-                   ("reinforce_pp_baseline", reinforce_pp_baseline_advantages), ("opo", opo_advantages)]:
+                   ("reinforce_pp_baseline", reinforce_pp_baseline_advantages), ("opo", opo_advantages),
+                   ("reinforce_pp", reinforce_pp_advantages)]:
     register_estimator(_name, _fn)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4,
-                     estimator: str = "grpo", lengths: torch.Tensor | None = None
+                     estimator: str = "grpo", lengths: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None, token_kl: torch.Tensor | None = None, beta: float = 0.0
                      ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Advantages for rewards [N] (groups contiguous) by the named estimator. Returns (advantages [N], stats).
+    """Advantages for rewards [N] (groups contiguous) by the named estimator. Returns (advantages [N], or
+    [N, C] for a token-level estimator, which alone receives mask, token_kl and beta; stats).
 
     stats: reward_std_within_group (mean of the groups' stds), frac_reward_zero_std (fraction of groups whose
-    rewards are all equal, i.e. no learning signal), advantage_abs_mean.
+    rewards are all equal, i.e. no learning signal), advantage_abs_mean (over completion tokens when
+    token-level).
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage_estimator={estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
     _, std, count = _group_mean_std(_grouped(rewards, group_size))
-    advantages = ADVANTAGE_ESTIMATORS[estimator](rewards, group_size, scale_rewards=scale_rewards, eps=eps,
-                                                 lengths=lengths)
+    fn = ADVANTAGE_ESTIMATORS[estimator]
+    token_options = dict(mask=mask, token_kl=token_kl, beta=beta) if getattr(fn, "token_level", False) else {}
+    advantages = fn(rewards, group_size, scale_rewards=scale_rewards, eps=eps, lengths=lengths,
+                    **token_options)
     zero_spread = (std.squeeze(-1) == 0) | (count.squeeze(-1) < 2)
+    magnitude = advantages.abs().mean() if advantages.ndim == 1 else \
+        (advantages.abs() * mask).sum() / mask.sum().clamp(min=1)
     stats = {
         "reward_std_within_group": std.mean().item(),
         "frac_reward_zero_std": zero_spread.float().mean().item(),
-        "advantage_abs_mean": advantages.abs().mean().item(),
+        "advantage_abs_mean": magnitude.item(),
     }
     return advantages, stats
 
 
 def multi_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor | None, group_size: int,
                             scale_rewards: str = "group", aggregation: str = "sum_then_normalize",
-                            eps: float = 1e-4, estimator: str = "grpo", lengths: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                            eps: float = 1e-4, estimator: str = "grpo", lengths: torch.Tensor | None = None,
+                            **token_options) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Advantages from per-function rewards [N, F] (NaN = not applicable) and weights [F].
 
     sum_then_normalize (GRPO/TRL): r_i = sum_f w_f r_if over the non-NaN entries (NaN if all are
@@ -176,7 +215,8 @@ def multi_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor | None,
     total = torch.nansum(rewards * weights, dim=1)  # [N]
     total = torch.where(all_nan, torch.full_like(total, float("nan")), total)
     if aggregation == "sum_then_normalize":
-        advantages, stats = group_advantages(total, group_size, scale_rewards, eps, estimator, lengths)
+        advantages, stats = group_advantages(total, group_size, scale_rewards, eps, estimator, lengths,
+                                             **token_options)
     elif aggregation == "normalize_then_sum":
         per_function = [group_advantages(rewards[:, f], group_size, scale_rewards, eps, estimator, lengths)[0]
                         for f in range(rewards.shape[1])]

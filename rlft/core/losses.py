@@ -131,11 +131,18 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch
         log_rho = torch.clamp(torch.log(rollout_is_weights.detach()), low, 20.0)  # [B, L] or [B, 1]
         log_w = log_w + (log_rho * mask).sum(-1, keepdim=True) if log_rho.shape[-1] > 1 else log_w + log_rho
     log_w = torch.clamp(log_w, low, 20.0)
-    positive = advantages.reshape(-1, 1) >= 0  # [B, 1]
+    positive = _sequence_sign(advantages, mask) >= 0  # [B, 1]
     k = torch.where(positive, k_pos, k_neg).to(log_w.dtype)
     lam = torch.where(positive, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _sequence_sign(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A completion's advantage as [B, 1]: itself, or per-token advantages' mean over the completion."""
+    if advantages.ndim == 2 and advantages.shape[1] > 1:
+        return (advantages * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return advantages.reshape(-1, 1)
 
 
 @torch.no_grad()
@@ -150,7 +157,7 @@ def off_policy_sequence_mask(advantages: torch.Tensor, logps: torch.Tensor, samp
     """
     gap = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)  # [B, L]
     mean_gap = (gap * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
-    return ((advantages.reshape(-1, 1) >= 0) | (mean_gap <= threshold)).to(logps.dtype)
+    return ((_sequence_sign(advantages, mask) >= 0) | (mean_gap <= threshold)).to(logps.dtype)
 
 
 def _sequence_mean(per_token, mask, n_seq, n_tok, max_len) -> torch.Tensor:
@@ -314,7 +321,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     spec = LOSSES[loss_type]
     mask = completion_mask.to(logps.dtype)  # [B, L]
     ratio = _ratio(logps, old_logps, mask, opts.importance_sampling_level)  # [B, L] or [B, 1]
-    adv = advantages.to(logps.dtype)[:, None]  # [B, 1]
+    adv = advantages.to(logps.dtype)  # [B, 1], or [B, L] per token (REINFORCE++)
+    adv = adv[:, None] if adv.ndim == 1 else adv
     prepared, extra_metrics = ({}, {}) if spec.prepare is None else \
         spec.prepare(logps, old_logps, mask, adv, rollout_is_weights, opts)
     per_token = spec.term(ratio, logps, adv, opts, prepared).expand_as(logps)  # [B, L]

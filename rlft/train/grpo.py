@@ -50,6 +50,7 @@ from rlft.train.grpo_update import PolicyUpdate, RolloutBatch, UpdateCounters, o
 from rlft.train.loop import TrainLoop
 from rlft.train.metrics import MetricWindow, rollout_metrics, tool_metrics
 from rlft.train.surface import TrainerSurface
+from rlft.train.token_advantages import gathered_token_inputs, row_view
 
 ZERO_LOSS_NOTE = (
     "loss is ~0 while grad_norm > 0: expected. With one update per rollout the ratio is exactly 1, so the "
@@ -75,7 +76,6 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
 
     _tag_names = ["trl", "grpo", "rlft"]
     _name = "GRPO"
-    kl_in_loss = True  # beta weighs a per-token KL term of the loss (RLOOTrainer puts it in the reward)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
@@ -367,7 +367,7 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
                           **{k: v[i] for k, v in columns.items()}}
                          for i, (p, c, t, a, row) in enumerate(zip(
                              _repeat(prompts["prompts"], args.num_generations), completions, total.tolist(),
-                             advantages.tolist(), rewards.tolist()))]
+                             row_view(advantages, rollout.loss_mask).tolist(), rewards.tolist()))]
         self._latest_samples = batch.samples
         return batch
 
@@ -378,12 +378,16 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         lengths = rollout.loss_mask.sum(dim=1).float()  # TRL's: tokens the policy generated (not tool output)
         gathered = [acc.gather(t.to(acc.device)).cpu() if acc.num_processes > 1 else t.cpu()
                     for t in (rewards, lengths, rollout.truncated.float())]
+        token = gathered_token_inputs(self, rollout) if self.token_level_advantages else {}  # REINFORCE++
         advantages, total, stats = multi_reward_advantages(
             gathered[0], self.reward_weights, args.num_generations, args.scale_rewards,
-            args.multi_objective_aggregation, estimator=args.advantage_estimator, lengths=gathered[1])
+            args.multi_objective_aggregation, estimator=args.advantage_estimator, lengths=gathered[1],
+            **token)
         rows = slice(acc.process_index * rewards.shape[0], (acc.process_index + 1) * rewards.shape[0])
         everyone = (gathered[0], total, gathered[1], gathered[2].bool())
-        return advantages[rows], total[rows], stats, everyone
+        width = rollout.completion_ids.shape[1]  # token-level advantages: this process's columns
+        local = advantages[rows] if advantages.ndim == 1 else advantages[rows, :width]
+        return local, total[rows], stats, everyone
 
     def _score(self, rollout, prompts: dict, group: int, reward_log: RewardLog | None = None):
         mask = rollout.completion_mask.bool()

@@ -92,3 +92,15 @@ class GRPOHelpers:
     def _environment_pool(self) -> dict:
         """TRL's name: each environment's reusable instances (a single factory's under None)."""
         return {} if self.environments is None else self.environments.pools
+
+    @property
+    def token_level_advantages(self) -> bool:
+        """The advantage estimator gives each token its own advantage (REINFORCE++)."""
+        from rlft.core.advantages import ADVANTAGE_ESTIMATORS
+
+        return getattr(ADVANTAGE_ESTIMATORS[self.args.advantage_estimator], "token_level", False)
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """beta weighs a per-token KL term of the loss, unless the estimator puts the KL in the reward."""
+        return not self.token_level_advantages

@@ -9,6 +9,7 @@ never see a non-finite value.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -152,7 +153,9 @@ class PolicyUpdate:
     def loss_options(self) -> LossOptions:
         """The loss's settings, read from the config once per run (a frozen LossOptions)."""
         if getattr(self, "_loss_options", None) is None:
-            self._loss_options = LossOptions.from_config(self.args)
+            # beta in the reward instead (REINFORCE++): no KL term in the loss
+            options = LossOptions.from_config(self.args)
+            self._loss_options = options if self.kl_in_loss else dataclasses.replace(options, beta=0.0)
         return self._loss_options
 
     def _forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
@@ -238,13 +241,15 @@ class PolicyUpdate:
         pass is spent on it."""
         args = self.args
         lengths = rollout.loss_mask.sum(dim=1).float().cpu()
+        token = {"mask": rollout.loss_mask.float().cpu()} if self.token_level_advantages else {}
         advantages, _, _ = multi_reward_advantages(rewards.cpu(), self.reward_weights, group,
                                                    args.scale_rewards, args.multi_objective_aggregation,
-                                                   estimator=args.advantage_estimator, lengths=lengths)
-        if args.beta == 0 and not bool(advantages.abs().any()):
+                                                   estimator=args.advantage_estimator, lengths=lengths,
+                                                   **token)
+        if (args.beta == 0 or not self.kl_in_loss) and not bool(advantages.abs().any()):
             return 0.0
         logps = self._logps_no_grad(self.model, rollout)
-        ref = self._reference_logps(rollout) if args.beta > 0 else None
+        ref = self._reference_logps(rollout) if args.beta > 0 and self.kl_in_loss else None
         loss, _ = policy_loss(logps, logps, advantages.to(logps.device), rollout.loss_mask,
                               loss_type=args.loss_type, options=self.loss_options, ref_logps=ref)
         return loss.item()
@@ -352,7 +357,8 @@ class PolicyUpdate:
                                           args.vllm_importance_sampling_cap
                                           or args.vllm_importance_sampling_clip_max)
             corrections.append(correction_stats(old, sampler, mask, weights))
-        advantages = batch.advantages[rows]
+        advantages = batch.advantages[rows]  # [b], or [b, C] per token (REINFORCE++)
+        advantages = advantages if advantages.ndim == 1 else advantages[:, :width]
         off_policy = None
         if args.off_policy_mask_threshold is not None:  # the sampler's log-probs when another engine sampled
             off_policy = off_policy_sequence_mask(advantages, logps, old if sampler is None else sampler,

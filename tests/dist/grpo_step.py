@@ -67,6 +67,8 @@ OPTIONS = {
     "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=100.0),
     "off_policy_mask": dict(off_policy_mask_threshold=0.02),
     "luspo_sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "reinforce_pp": dict(advantage_estimator="reinforce_pp"),  # token-level, whitened over both processes
+    "rloo_estimator": dict(advantage_estimator="rloo"),
     "all_together": dict(loss_type="dapo", delta=1.1, top_entropy_quantile=0.5, entropy_coef=0.05,
                          off_policy_mask_threshold=0.02),
 }
