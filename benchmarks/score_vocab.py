@@ -79,8 +79,13 @@ def child(lib: str, rows: int, length: int, repeats: int) -> dict:
         times.append(time.perf_counter() - started)
         total = float(logps.detach().sum())
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+    from rlft.core.flops import mfu, scoring_flops
+    from rlft.perf import matmul_peak
+
+    # model FLOPs: the same for every library (the LM head only at completion positions), 3x for backward
+    flops = 3 * scoring_flops(model.config, [PROMPT] * rows, [length] * rows)
     return {"lib": lib, "rows": rows, "length": length, "seconds": min(times), "peak_rss_gb": round(rss_gb, 3),
-            "logp_sum": total}
+            "logp_sum": total, "mfu_percent": round(mfu(flops, min(times), matmul_peak("cpu", torch.float32)), 2)}
 
 
 def run(lib: str, rows: int, length: int, repeats: int, python: str) -> dict:
@@ -132,15 +137,16 @@ def main() -> None:
             python = args.trl_python if lib == "trl" else sys.executable
             results.append(run(lib, args.rows, length, args.repeats, python))
             print(json.dumps(results[-1]), flush=True)
-    print("\n| library | completion tokens | peak RSS (GB) | forward + backward (s) | vs trl (RSS, s) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("\n| library | completion tokens | peak RSS (GB) | forward + backward (s) | MFU (%) | vs trl (RSS, s) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         trl = next((t for t in results if t["lib"] == "trl" and t["length"] == r["length"] and "error" not in t), None)
         if "error" in r:
-            print(f"| {r['lib']} | {r['length']} | - | - | {r['error']} |")
+            print(f"| {r['lib']} | {r['length']} | - | - | - | {r['error']} |")
             continue
         ratio = f"{r['peak_rss_gb'] / trl['peak_rss_gb']:.2f}x, {r['seconds'] / trl['seconds']:.2f}x" if trl else "-"
-        print(f"| {r['lib']} | {r['length']} | {r['peak_rss_gb']:.2f} | {r['seconds']:.1f} | {ratio} |")
+        print(f"| {r['lib']} | {r['length']} | {r['peak_rss_gb']:.2f} | {r['seconds']:.1f} | "
+              f"{r.get('mfu_percent', float('nan')):.1f} | {ratio} |")
     if args.plot:
         plot(results, args.plot)
 
