@@ -79,13 +79,26 @@ def child(lib: str, rows: int, length: int, repeats: int) -> dict:
         times.append(time.perf_counter() - started)
         total = float(logps.detach().sum())
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+    return {"lib": lib, "rows": rows, "length": length, "seconds": min(times), "peak_rss_gb": round(rss_gb, 3),
+            "logp_sum": total}
+
+
+def with_mfu(result: dict) -> dict:
+    """Model FLOPs utilisation of a child's forward + backward, against this machine's measured float32 matmul
+    peak (rlft/perf.py): the same model FLOPs for every library (the LM head only at completion positions)."""
+    if "error" in result:
+        return result
+    import torch
+    from transformers import Qwen2Config
+
     from rlft.core.flops import mfu, scoring_flops
     from rlft.perf import matmul_peak
 
-    # model FLOPs: the same for every library (the LM head only at completion positions), 3x for backward
-    flops = 3 * scoring_flops(model.config, [PROMPT] * rows, [length] * rows)
-    return {"lib": lib, "rows": rows, "length": length, "seconds": min(times), "peak_rss_gb": round(rss_gb, 3),
-            "logp_sum": total, "mfu_percent": round(mfu(flops, min(times), matmul_peak("cpu", torch.float32)), 2)}
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2)
+    rows, length = result["rows"], result["length"]
+    flops = 3 * scoring_flops(config, [PROMPT] * rows, [length] * rows)  # backward costs 2x forward
+    return {**result, "mfu_percent": round(mfu(flops, result["seconds"], matmul_peak("cpu", torch.float32)), 2)}
 
 
 def run(lib: str, rows: int, length: int, repeats: int, python: str) -> dict:
@@ -135,7 +148,7 @@ def main() -> None:
     for length in args.lengths:
         for lib in args.libs:
             python = args.trl_python if lib == "trl" else sys.executable
-            results.append(run(lib, args.rows, length, args.repeats, python))
+            results.append(with_mfu(run(lib, args.rows, length, args.repeats, python)))
             print(json.dumps(results[-1]), flush=True)
     print("\n| library | completion tokens | peak RSS (GB) | forward + backward (s) | MFU (%) | vs trl (RSS, s) |")
     print("| --- | --- | --- | --- | --- | --- |")
