@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default loopback; 0.0.0.0 exposes the weight-reload route")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--dtype", default=None, help="the engine's weights, e.g. bfloat16 (default: the "
-                       "dtype the model folder was saved in, as the trainer loads it; vLLM's auto would run "
-                       "float32 as bfloat16 on a CPU)")
+                       "trainer's rule for dtype auto here: bfloat16 on a GPU that has it, else float32; "
+                       "vLLM's auto would run float32 as bfloat16 on a CPU)")
     serve.add_argument("--max_model_len", "--max-model-len", type=int, default=None)
     serve.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1)
     serve.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization", type=float, default=0.9)

@@ -219,6 +219,8 @@ class _RLOOFields(_GRPOFields):
     reward_clip_range: list[float] | None = None  # (min, max); a list so `--reward_clip_range -1 1` parses
     advantage_estimator: str = "rloo"
     loss_type: str = "rloo"
+    # TRL's RLOOTrainer asks vLLM for no log-probs and corrects nothing; rlft can (set it to true)
+    vllm_importance_sampling_correction: bool = False
 
 
 def _with_help(cls: type, name: str) -> type:

@@ -219,3 +219,16 @@ def test_grpo_with_reinforce_pp_trains_on_token_advantages_with_the_kl_in_the_re
     with pytest.raises(ConfigError, match="reinforce_pp whitens token-level returns"):
         GRPOConfig(output_dir=str(tmp_path), advantage_estimator="reinforce_pp",
                    multi_objective_aggregation="normalize_then_sum")
+
+
+def test_reinforce_pp_puts_the_outcome_on_the_last_trained_token_when_tool_output_leaves_holes():
+    """A tool loop's loss mask has holes (tool output is not trained): the outcome goes on the last token the
+    policy generated, not on position (count - 1)."""
+    rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]], dtype=torch.float64)
+    adv, _ = group_advantages(rewards, 2, estimator="reinforce_pp", mask=mask)
+    # returns: row 0 gets 1 on every trained token up to its last (positions 0, 1, 4, 5), row 1 gets 0
+    returns = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.float64)
+    valid = mask.bool()
+    expected = torch.where(valid, (returns - returns[valid].mean()) / (returns[valid].std() + 1e-4), 0.0)
+    assert torch.allclose(adv, expected, atol=1e-12)

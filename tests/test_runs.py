@@ -97,3 +97,15 @@ def test_the_reward_trainer_refuses_a_changed_config_on_resume(tmp_path, tiny_rm
 def test_compare_splits_refused_from_applied_fields():
     refused, applied = compare({"seed": 1, "save_steps": 5, "lora_r": 8}, {"seed": 1, "save_steps": 9, "lora_r": 16})
     assert refused == ["lora_r: 8 -> 16"] and applied == ["save_steps: 5 -> 9"]
+
+
+def test_a_checkpoint_from_before_a_field_existed_resumes_when_the_field_keeps_its_default():
+    from rlft import GRPOConfig
+    from rlft.train import runs
+
+    defaults = runs.field_defaults(GRPOConfig(output_dir="unused"))
+    saved = {"seed": 1, "learning_rate": 1e-3}  # written by an rlft without the newer fields
+    new = {**saved, "advantage_estimator": "grpo", "dynamic_sampling": False, "max_num_gen_batches": 10}
+    assert runs.compare(saved, new, defaults) == ([], [])
+    refused, _ = runs.compare(saved, {**new, "dynamic_sampling": True}, defaults)
+    assert refused == ["dynamic_sampling: False -> True"]

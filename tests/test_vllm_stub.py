@@ -5,7 +5,6 @@ before them), each sync is timed and its bytes counted and logged, and the serve
 
 from __future__ import annotations
 
-import json
 import logging
 from types import SimpleNamespace
 
@@ -14,7 +13,7 @@ import torch
 from rlft import GRPOTrainer
 from rlft.rollout.hf import eos_token_ids
 from rlft.rollout.vllm import VLLMColocate, engine_weights, state_dtypes
-from rlft.rollout.vllm_server import saved_dtype, serve_command
+from rlft.rollout.vllm_server import default_dtype, serve_command
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 
 
@@ -89,14 +88,13 @@ def test_each_sync_is_timed_its_bytes_counted_and_logged(tmp_path, shipped_polic
     assert trainer.generator.metrics() == {}  # handed over once
 
 
-def test_vllm_serve_defaults_to_the_folders_dtype_and_mismatches_are_said(tmp_path, shipped_policy_dir, caplog):
-    assert saved_dtype(str(shipped_policy_dir)) == json.loads((shipped_policy_dir / "config.json").read_text()).get(
-        "dtype", "float32")
-    folder = tmp_path / "bf16"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
-    assert saved_dtype(str(folder)) == "bfloat16" and saved_dtype("Qwen/Qwen2.5-0.5B") == "auto"
-    argv, _ = serve_command(str(folder), "127.0.0.1", 8000, None, None, 1, 0.9, None, 0, [])
+def test_vllm_serve_defaults_to_the_trainers_dtype_and_mismatches_are_said(shipped_policy_dir, caplog):
+    from rlft.models import resolve_dtype
+
+    assert default_dtype() == str(resolve_dtype("auto")).removeprefix("torch.") == "float32"  # a CPU here
+    argv, _ = serve_command(str(shipped_policy_dir), "127.0.0.1", 8000, None, None, 1, 0.9, None, 0, [])
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    argv, _ = serve_command(str(shipped_policy_dir), "127.0.0.1", 8000, "bfloat16", None, 1, 0.9, None, 0, [])
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
     with caplog.at_level(logging.INFO, logger="rlft"):
         state_dtypes("bfloat16", torch.float32, "the vLLM server at http://x")

@@ -3,7 +3,8 @@ aggregation.
 
 Rewards come as [N] with N = prompts x G (num_generations) and each prompt's completions contiguous. NaN means
 "not applicable" and is left out of every statistic; a completion whose reward is NaN gets advantage 0.
-Groups with zero spread (all rewards equal) carry no signal and give exactly 0 under every estimator.
+Groups with zero spread (all rewards equal) give exactly 0 under every sequence-level estimator (not under
+reinforce_pp, whose batch-wide whitening and per-token KL move them too).
 `std` is the unbiased (Bessel-corrected) sample standard deviation, as in TRL.
 
 ADVANTAGE_ESTIMATORS maps a name (the config's `advantage_estimator`) to `fn(rewards [N], num_generations,
@@ -130,7 +131,8 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, *, scale_rew
     no_kl = token_kl is None or beta == 0
     token_rewards = torch.zeros_like(mask) if no_kl else -beta * token_kl.to(mask.dtype)
     token_rewards = token_rewards * mask
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)  # masks are contiguous from the first completion token
+    # the last trained token: tool output leaves holes in the mask, so not its count minus one
+    last = mask.shape[1] - 1 - torch.flip(mask, [1]).argmax(dim=1)
     rows = torch.arange(len(rewards), device=rewards.device)
     outcome = torch.where(scorable & (mask.sum(dim=1) > 0), rewards, torch.zeros_like(rewards))
     token_rewards = token_rewards.index_put((rows, last), token_rewards[rows, last] + outcome)

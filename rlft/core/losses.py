@@ -104,7 +104,8 @@ def _rloo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tupl
 def _rloo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
     """-min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i), one value per sequence ([B, 1])."""
     rho = prepared["ratio"]
-    return -torch.min(rho * adv, torch.clamp(rho, 1 - opts.epsilon_low, 1 + opts.eps_high) * adv)
+    term = -torch.min(rho * adv, torch.clamp(rho, 1 - opts.epsilon_low, 1 + opts.eps_high) * adv)
+    return torch.where(adv == 0, torch.zeros_like(term), term)  # inf * 0 where the summed log-ratio overflows
 
 
 def _vespo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tuple[dict, dict]:

@@ -89,17 +89,13 @@ class ServerClient:
                 time.sleep(1)
 
 
-def saved_dtype(model: str) -> str:
-    """`rlft vllm-serve`'s default --dtype: the dtype the model folder was saved in (config.json), as the
-    trainer loads it (`dtype: auto`) and as a colocated engine follows it -- not vLLM's `auto`, which on a CPU
-    runs a float32 model in bfloat16. A hub id (no local config) keeps vLLM's `auto`."""
-    config = Path(model) / "config.json"
-    try:
-        values = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return "auto"
-    found = values.get("dtype") or values.get("torch_dtype") or (values.get("text_config") or {}).get("dtype")
-    return str(found) if found else "float32"  # transformers' default when a config names none
+def default_dtype() -> str:
+    """`rlft vllm-serve`'s default --dtype: the trainer's own rule for `dtype: auto` on this machine
+    (rlft.models.resolve_dtype: bfloat16 on a GPU that has it, float32 otherwise), as a colocated engine
+    follows the trainer -- not vLLM's `auto`, which on a CPU runs a float32 model in bfloat16."""
+    from rlft.models import resolve_dtype
+
+    return str(resolve_dtype("auto")).removeprefix("torch.")
 
 
 def serve_command(model: str, host: str, port: int, dtype: str | None, max_model_len: int | None,
@@ -112,7 +108,7 @@ def serve_command(model: str, host: str, port: int, dtype: str | None, max_model
 
     on_cpu = not torch.cuda.is_available()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-            "--port", str(port), "--dtype", dtype or saved_dtype(model), "--seed", str(seed),
+            "--port", str(port), "--dtype", dtype or default_dtype(), "--seed", str(seed),
             "--logprobs-mode", "processed_logprobs",
             "--tensor-parallel-size", str(tensor_parallel_size), "--enable-prefix-caching"]
     if max_model_len:

@@ -42,14 +42,14 @@ def round_prompt_indices(num_rows: int, seed: int, rollout_index: int, round_ind
 
 def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
     """The rollout's rows `rows`, in that order (per-row lists and stats too)."""
-    index = torch.tensor(rows, dtype=torch.long, device=rollout.completion_ids.device)
-    pick = lambda t: None if t is None else t[index]  # noqa: E731
-    return Rollout(rollout.prompt_ids[index], rollout.prompt_mask[index], rollout.completion_ids[index],
-                   rollout.completion_mask[index], rollout.truncated[index], pick(rollout.sampling_logps),
+    index = torch.tensor(rows, dtype=torch.long)  # moved to each tensor's device: stats may live on the CPU
+    pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
+    return Rollout(pick(rollout.prompt_ids), pick(rollout.prompt_mask), pick(rollout.completion_ids),
+                   pick(rollout.completion_mask), pick(rollout.truncated), pick(rollout.sampling_logps),
                    pick(rollout.tool_mask), None if rollout.completions is None else
                    [rollout.completions[i] for i in rows],
                    {k: [v[i] for i in rows] for k, v in rollout.extra.items()},
-                   {k: v[index] for k, v in rollout.stats.items()})
+                   {k: pick(v) for k, v in rollout.stats.items()})
 
 
 def _pad(tensors: list[torch.Tensor], value, left: bool = False) -> torch.Tensor:
@@ -100,10 +100,10 @@ def sample_informative(trainer, rollout_index: int, reward_log, timing: dict):
         limit = args.max_num_gen_batches
         if fewest.item() >= wanted or (limit > 0 and rounds >= limit):
             break
-    if len(kept) < wanted:
-        trainer.log.warn(f"dynamic sampling: {len(kept)} of {wanted} groups had a reward spread after "
-                         f"{rounds} rounds (max_num_gen_batches={args.max_num_gen_batches}); the rest of the "
-                         "batch are groups without one (advantage 0)")
+    if fewest.item() < wanted:  # on any process (only the main process prints)
+        trainer.log.warn(f"dynamic sampling: {int(fewest.item())} of {wanted} groups had a reward spread "
+                         f"after {rounds} rounds (max_num_gen_batches={args.max_num_gen_batches}); the rest "
+                         "of the batch are groups without one (advantage 0)")
     chosen = (kept + spare)[:wanted]
     stacked = torch.tensor([float(min(len(kept), wanted)), float(generated)], device=acc.device)
     stacked = acc.reduce(stacked, "sum") if acc.num_processes > 1 else stacked

@@ -461,7 +461,8 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
             run_state.seed_everything(self.args.seed)
             self._batch, self._window = None, window
             return 0
-        self._notes = runs.check_resume(path, ckpt.read_state(path), self._record)
+        self._notes = runs.check_resume(path, ckpt.read_state(path), self._record,
+                                        runs.field_defaults(self.args))
         state, tensors, extra = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer,
                                                      self.scheduler, path, self.engine)
         if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:

@@ -246,7 +246,10 @@ class PolicyUpdate:
                                                    args.scale_rewards, args.multi_objective_aggregation,
                                                    estimator=args.advantage_estimator, lengths=lengths,
                                                    **token)
-        if (args.beta == 0 or not self.kl_in_loss) and not bool(advantages.abs().any()):
+        signal = torch.tensor(float(advantages.abs().sum()), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:  # every process skips the forward together (sharded engines)
+            signal = self.accelerator.reduce(signal, "max")
+        if (args.beta == 0 or not self.kl_in_loss) and float(signal) == 0:
             return 0.0
         logps = self._logps_no_grad(self.model, rollout)
         ref = self._reference_logps(rollout) if args.beta > 0 and self.kl_in_loss else None

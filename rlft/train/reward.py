@@ -328,7 +328,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             self._notes = [runs.claim_output_dir(self.accelerator, self.args)]
             run_state.seed_everything(self.args.seed)
             return 0
-        self._notes = runs.check_resume(path, ckpt.read_state(path), self._record)
+        self._notes = runs.check_resume(path, ckpt.read_state(path), self._record,
+                                        runs.field_defaults(self.args))
         state, _, _ = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path,
                                            self.engine)
         if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:

@@ -94,24 +94,38 @@ def claim_output_dir(accelerator, args) -> str | None:
 
 
 # ---- a resumed run ----------------------------------------------------------------------------------
-def compare(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(refused, applied): one 'field: old -> new' line per difference."""
-    refused, applied = [], []
+def field_defaults(args) -> dict[str, Any]:
+    """The config class's defaults as JSON values: what a field added since a checkpoint was written meant
+    there (a checkpoint of an older rlft records no value for it)."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(type(args))
+                if f.default is not dataclasses.MISSING}
+    return json.loads(json.dumps(defaults, default=str))
+
+
+def compare(saved: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None
+            ) -> tuple[list[str], list[str]]:
+    """(refused, applied): one 'field: old -> new' line per difference; a field the saved config lacks
+    counts as its default."""
+    refused, applied, defaults = [], [], defaults or {}
     for name in sorted(set(saved) | set(new)):
-        old, now = saved.get(name, "<unset>"), new.get(name, "<unset>")
+        old, now = saved.get(name, defaults.get(name, "<unset>")), new.get(name, "<unset>")
         if old == now:
             continue
         (applied if name in MAY_CHANGE else refused).append(f"{name}: {old!r} -> {now!r}")
     return refused, applied
 
 
-def check_resume(path: Path, state: dict[str, Any], record: dict[str, Any]) -> list[str]:
-    """Refuse a resume whose config differs in a field that breaks exactness; return the applied changes."""
+def check_resume(path: Path, state: dict[str, Any], record: dict[str, Any],
+                 defaults: dict[str, Any] | None = None) -> list[str]:
+    """Refuse a resume whose config differs in a field that breaks exactness; return the applied changes.
+    `defaults` (field_defaults): what fields the checkpoint's rlft did not have yet meant."""
     saved = state.get("config")
     if saved is None:
         return [f"{path} records no config (written by an older rlft): "
                 "the new config is not compared with it"]
-    refused, applied = compare(saved, record)
+    refused, applied = compare(saved, record, defaults)
     if refused:
         raise ConfigError(
             f"{path} was written by a run with a different config; resuming would not continue that run. "
