@@ -93,3 +93,19 @@ def test_a_negative_round_limit_is_refused(tmp_path, value):
 
     with pytest.raises(ConfigError, match="max_num_gen_batches=-1 must be >= 0"):
         GRPOConfig(output_dir=str(tmp_path), max_num_gen_batches=value)
+
+
+def test_log_extra_columns_follow_the_rows_kept_from_every_round(tmp_path, shipped_policy_dir):
+    def tagged(completions, answer, log_extra=None, log_metric=None, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        log_extra("text", texts)  # each row's own completion: must stay lined up with it
+        log_metric("rows_scored", float(len(texts)))
+        return even_answers_only(completions, answer)
+
+    cfg = tiny_grpo_config(tmp_path, max_steps=1, dynamic_sampling=True, max_completion_length=16)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [tagged], cfg, addition_rows(64))
+    batch = trainer._make_rollout(0)
+    assert batch.metrics["dynamic_sampling/generation_rounds"] >= 2  # odd-answer groups forced another round
+    assert all(sample["text"] == (sample["completion"][-1]["content"] if isinstance(sample["completion"], list)
+                                  else sample["completion"]) for sample in batch.samples)
+    assert batch.metrics["rows_scored"] == 8.0

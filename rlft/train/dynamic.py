@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from rlft.data.prompts import epoch_order
+from rlft.rewards.calling import RewardLog
 from rlft.rollout.hf import Rollout
 
 SPREAD_TOLERANCE = 1e-6
@@ -89,11 +90,14 @@ def sample_informative(trainer, rollout_index: int, reward_log, timing: dict):
     while True:
         indices = trainer._prompt_indices(rollout_index) if rounds == 0 else round_prompt_indices(
             len(trainer.train_prompts), args.seed, rollout_index, rounds, acc.process_index, wanted)
-        prompts = trainer.train_prompts.batch(indices)
-        rollout, rewards, completions = trainer._generate_and_score(prompts, reward_log, timing)
+        prompts, round_log = trainer.train_prompts.batch(indices), RewardLog()
+        rollout, rewards, completions = trainer._generate_and_score(prompts, round_log, timing)
+        for name, values in round_log.scalars.items():  # log_metric values: every round's
+            reward_log.scalars.setdefault(name, []).extend(values)
+        columns = round_log.columns(len(completions))  # log_extra columns: the chosen rows' (below)
         signal = informative_groups(rewards, trainer.reward_weights, group).tolist()
         for g, useful in enumerate(signal):
-            (kept if useful else spare).append((indices[g], rollout, rewards, completions, g))
+            (kept if useful else spare).append((indices[g], rollout, rewards, completions, g, columns))
         rounds, generated = rounds + 1, generated + len(signal)
         fewest = torch.tensor(float(len(kept)), device=acc.device)
         fewest = -acc.reduce(-fewest, "max") if acc.num_processes > 1 else fewest  # accelerate has no "min"
@@ -109,13 +113,15 @@ def sample_informative(trainer, rollout_index: int, reward_log, timing: dict):
     stacked = acc.reduce(stacked, "sum") if acc.num_processes > 1 else stacked
     metrics = {"dynamic_sampling/kept_fraction": (stacked[0] / stacked[1]).item(),
                "dynamic_sampling/generation_rounds": float(rounds)}
+    reward_log.extra = {name: [v for *_, g, cols in chosen for v in cols[name][g * group:(g + 1) * group]]
+                        for name in set.intersection(*(set(cols) for *_, cols in chosen))}
     return _assemble(trainer, chosen, group) + (metrics,)
 
 
 def _assemble(trainer, chosen: list, group: int):
     rows = lambda g: list(range(g * group, (g + 1) * group))  # noqa: E731
-    parts = [select_rows(rollout, rows(g)) for _, rollout, _, _, g in chosen]
-    rewards = torch.cat([r[g * group:(g + 1) * group] for _, _, r, _, g in chosen])
-    completions = [c for _, _, _, comps, g in chosen for c in comps[g * group:(g + 1) * group]]
+    parts = [select_rows(rollout, rows(g)) for _, rollout, _, _, g, _ in chosen]
+    rewards = torch.cat([r[g * group:(g + 1) * group] for _, _, r, _, g, _ in chosen])
+    completions = [c for _, _, _, comps, g, _ in chosen for c in comps[g * group:(g + 1) * group]]
     prompts = trainer.train_prompts.batch([index for index, *_ in chosen])
     return prompts, cat_rollouts(parts, trainer.tokenizer.pad_token_id), rewards, completions
