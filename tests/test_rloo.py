@@ -122,3 +122,18 @@ def test_rlft_rloo_runs_from_the_command_line(tmp_path, shipped_policy_dir, monk
                  "--max_steps", "1", "--per_device_train_batch_size", "4", "--max_completion_length", "6",
                  "--report_to", "none", "--reward_clip_range", "-1", "1", "--disable_tqdm", "true"])
     assert code == 0 and (tmp_path / "out" / "final").is_dir()
+
+
+def test_the_policy_scores_a_rollout_once_for_the_kl_and_the_old_log_probs(tmp_path, shipped_policy_dir):
+    """RLOO with beta > 0 and two optimiser steps per rollout: the no-grad policy pass behind the reward's KL is
+    the one the old log-probs reuse (one pass of the policy, one of the reference)."""
+    cfg = tiny_grpo_config(tmp_path, num_generations=2, max_completion_length=6, num_iterations=2)
+    args = RLOOConfig(**{**cfg.to_dict(), "beta": 0.05, "loss_type": "rloo", "advantage_estimator": "rloo",
+                         "report_to": "none"})
+    trainer = RLOOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16))
+    passes = []
+    forward = trainer._logps_no_grad
+    trainer._logps_no_grad = lambda model, rollout: passes.append(model is trainer.model) or forward(model, rollout)
+    batch = trainer._make_rollout(0)
+    assert passes == [True, False]  # the policy once, the reference once
+    assert batch.old_logps is not None and torch.equal(batch.old_logps, forward(trainer.model, batch.rollout))

@@ -352,7 +352,8 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
             rollout.completion_mask[rollout.truncated] = 0
         batch = RolloutBatch(rollout, advantages.to(self.accelerator.device))
         if self.steps_per_rollout > 1:
-            batch.old_logps = self._logps_no_grad(self.model, rollout)
+            batch.old_logps = self._sampling_policy_logps(rollout)
+        self._policy_logps_of = None  # the rollout's log-probs are in the batch now, or not needed
         if args.beta > 0 and self.kl_in_loss:
             batch.ref_logps = self._reference_logps(rollout)
         batch.metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)

@@ -233,6 +233,16 @@ class PolicyUpdate:
             out[rows, :logps.shape[1]] = logps.float()
         return out
 
+    def _sampling_policy_logps(self, rollout: Rollout) -> torch.Tensor:
+        """The policy's log-probs of a rollout's tokens as it sampled them, computed once per rollout: the KL
+        in RLOO's and REINFORCE++'s reward and the old log-probs of several steps per rollout share them."""
+        cached = getattr(self, "_policy_logps_of", None)
+        if cached is not None and cached[0] is rollout:
+            return cached[1]
+        logps = self._logps_no_grad(self.model, rollout)
+        self._policy_logps_of = (rollout, logps)
+        return logps
+
     @torch.no_grad()
     def _eval_loss(self, rollout: Rollout, rewards: torch.Tensor, group: int) -> float:
         """The loss on evaluation completions (TRL's `eval_loss`): advantages within each prompt's `group`

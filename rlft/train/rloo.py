@@ -50,7 +50,7 @@ class RLOOTrainer(GRPOTrainer):
         mask = rollout.loss_mask.float()
         if self.args.mask_truncated_completions:  # TRL masks truncated completions before the KL
             mask = mask * (~rollout.truncated).float()[:, None]
-        per_token = (self._logps_no_grad(self.model, rollout) - self._reference_logps(rollout)) * mask
+        per_token = (self._sampling_policy_logps(rollout) - self._reference_logps(rollout)) * mask
         return per_token.sum(dim=1), torch.stack([per_token.sum(), mask.sum()])
 
     def _advantages(self, rewards: torch.Tensor, rollout):

@@ -21,7 +21,7 @@ def gathered_token_inputs(trainer, rollout) -> dict:
         mask = mask * (~rollout.truncated).float()[:, None]
     kl = None
     if args.beta != 0:
-        kl = (trainer._logps_no_grad(trainer.model, rollout) - trainer._reference_logps(rollout)) * mask
+        kl = (trainer._sampling_policy_logps(rollout) - trainer._reference_logps(rollout)) * mask
     if acc.num_processes > 1:
         mask = acc.gather(acc.pad_across_processes(mask.to(acc.device), dim=1, pad_index=0.0))
         if kl is not None:
