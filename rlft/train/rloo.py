@@ -15,14 +15,12 @@ The KL term is in the reward, not in the loss (the loss's beta is 0).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from rlft.config import RLOOConfig
 from rlft.core.advantages import group_advantages, kl_shaped_rewards, whiten
-from rlft.core.losses import LossOptions
 from rlft.train.grpo import GRPOTrainer, default_output_dir
+from rlft.train.token_advantages import sampling_kl
 
 
 class RLOOTrainer(GRPOTrainer):
@@ -38,19 +36,10 @@ class RLOOTrainer(GRPOTrainer):
                          args or RLOOConfig(output_dir=default_output_dir(model, "RLOO")), train_dataset,
                          **kwargs)
 
-    @property
-    def loss_options(self) -> LossOptions:
-        if getattr(self, "_loss_options", None) is None:
-            self._loss_options = dataclasses.replace(LossOptions.from_config(self.args), beta=0.0)
-        return self._loss_options
-
     def _sequence_kl(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Per completion sum_t (log pi_old - log pi_ref) over its trained tokens, and the per-token sum and
         count for the `kl` metric; the policy as it sampled is pi_old."""
-        mask = rollout.loss_mask.float()
-        if self.args.mask_truncated_completions:  # TRL masks truncated completions before the KL
-            mask = mask * (~rollout.truncated).float()[:, None]
-        per_token = (self._sampling_policy_logps(rollout) - self._reference_logps(rollout)) * mask
+        per_token, mask = sampling_kl(self, rollout)
         return per_token.sum(dim=1), torch.stack([per_token.sum(), mask.sum()])
 
     def _advantages(self, rewards: torch.Tensor, rollout):

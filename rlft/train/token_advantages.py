@@ -12,16 +12,26 @@ from __future__ import annotations
 import torch
 
 
+def sampling_kl(trainer, rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token log pi_old - log pi_ref, the trained-token mask), both [N, C]: pi_old is the policy as it
+    sampled; truncated completions are masked out with mask_truncated_completions (as TRL does before the KL).
+    The KL penalty in RLOO's reward and in REINFORCE++'s per-token rewards."""
+    mask = rollout.loss_mask.float()
+    if trainer.args.mask_truncated_completions:
+        mask = mask * (~rollout.truncated).float()[:, None]
+    return (trainer._sampling_policy_logps(rollout) - trainer._reference_logps(rollout)) * mask, mask
+
+
 def gathered_token_inputs(trainer, rollout) -> dict:
     """{"mask": [N_all, C], "token_kl": [N_all, C] or None, "beta": float}, C the widest completion of any
     process; this process's rows come first-to-last in process order, its width is its own completions'."""
     acc, args = trainer.accelerator, trainer.args
-    mask = rollout.loss_mask.float()
-    if args.mask_truncated_completions:  # truncated completions carry no return
-        mask = mask * (~rollout.truncated).float()[:, None]
-    kl = None
     if args.beta != 0:
-        kl = (trainer._sampling_policy_logps(rollout) - trainer._reference_logps(rollout)) * mask
+        kl, mask = sampling_kl(trainer, rollout)
+    else:  # no KL, no reference pass; truncated completions still carry no return when masked
+        kl, mask = None, rollout.loss_mask.float()
+        if args.mask_truncated_completions:
+            mask = mask * (~rollout.truncated).float()[:, None]
     if acc.num_processes > 1:
         mask = acc.gather(acc.pad_across_processes(mask.to(acc.device), dim=1, pad_index=0.0))
         if kl is not None:
