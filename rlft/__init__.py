@@ -5,7 +5,7 @@ The names a TRL script imports from `trl` are importable from `rlft` (docs/migra
 
 import logging
 
-from rlft.config import GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
+from rlft.config import AsyncGRPOConfig, GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
 from rlft.model_config import ModelConfig, get_kbit_device_map, get_peft_config, get_quantization_config
 from rlft.script_args import DatasetConfig, DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
 
@@ -13,13 +13,13 @@ from rlft.script_args import DatasetConfig, DatasetMixtureConfig, ScriptArgument
 logging.getLogger("rlft").addHandler(logging.NullHandler())
 
 __all__ = ["GRPOConfig", "RewardConfig", "SFTConfig", "RLOOConfig", "GRPOTrainer", "RewardTrainer",
-           "RLOOTrainer", "ModelConfig", "ScriptArguments",
+           "RLOOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer", "ModelConfig", "ScriptArguments",
            "DatasetConfig", "DatasetMixtureConfig", "TrlParser", "get_dataset", "get_peft_config",
            "get_quantization_config", "get_kbit_device_map"]
 __version__ = "0.2.0"
 
 _LAZY = {"GRPOTrainer": "rlft.train.grpo", "RewardTrainer": "rlft.train.reward",
-         "RLOOTrainer": "rlft.train.rloo"}
+         "RLOOTrainer": "rlft.train.rloo", "AsyncGRPOTrainer": "rlft.train.async_grpo"}
 
 
 def __getattr__(name: str):

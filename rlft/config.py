@@ -223,6 +223,32 @@ class _RLOOFields(_GRPOFields):
     vllm_importance_sampling_correction: bool = False
 
 
+@dataclass
+class _AsyncGRPOFields(_GRPOFields):
+    """Async GRPO (TRL 1.16's experimental AsyncGRPOConfig names and defaults, on top of everything GRPOConfig
+    has): a producer process generates the rollouts of later steps while the trainer trains; the rollouts of
+    step t are sampled from the weights of step t - rollout_lag (reproducible, exactly resumable:
+    docs/async.md)."""
+
+    logging_steps: float = 1
+    lr_scheduler_type: str = "constant"
+    max_completion_length: int | None = 2048
+    max_staleness: int = 4
+    weight_sync_steps: int = 1
+    max_inflight_tasks: int = -1
+    queue_maxsize: int = 1024
+    heartbeat_stale_after_s: float = 300.0
+    request_timeout: int = 600
+    weight_sync_timeout: int = 1800
+    fork_threshold_tokens: int = 1024
+    # a stale rollout's tokens are weighed by pi_trainer / pi_sampler per token, truncated (decoupled PPO)
+    vllm_importance_sampling_mode: str = "token_truncate"
+    # rlft's own (RLFT_FIELDS)
+    rollout_lag: int = 1
+    producer_cpus: list[int] | None = None
+    producer_threads: int | None = None
+
+
 def _with_help(cls: type, name: str) -> type:
     """The class under its public name, with rlft's one-line help on every field it declares (argparse
     shows it; transformers' fields keep transformers' help)."""
@@ -237,6 +263,7 @@ GRPOConfig = _with_help(_GRPOFields, "GRPOConfig")
 RewardConfig = _with_help(_RewardFields, "RewardConfig")
 SFTConfig = _with_help(_SFTFields, "SFTConfig")
 RLOOConfig = _with_help(_RLOOFields, "RLOOConfig")
+AsyncGRPOConfig = _with_help(_AsyncGRPOFields, "AsyncGRPOConfig")
 TrainConfig = _BaseConfig
 
 # rlft's additions to TRL's fields (docs/migration.md says why each exists).
@@ -264,5 +291,8 @@ RLFT_FIELDS = frozenset(
         "advantage_estimator",
         "dynamic_sampling",
         "max_num_gen_batches",
+        "rollout_lag",
+        "producer_cpus",
+        "producer_threads",
     }
 )

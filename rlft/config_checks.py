@@ -427,6 +427,28 @@ def _validate_types(cfg, errors: list[str]) -> None:
             errors.append(f"{name}={value!r} is a {type(value).__name__}; the field takes {shown}")
 
 
+def _validate_async(cfg, errors: list[str]) -> None:
+    """AsyncGRPOConfig: the schedule's bound, the producer's limits."""
+    _positive(errors, cfg, "rollout_lag", "max_staleness", allow_zero=True)
+    _positive(errors, cfg, "weight_sync_steps", "heartbeat_stale_after_s", "request_timeout",
+              "producer_threads")
+    if errors:
+        return
+    worst = cfg.rollout_lag + cfg.weight_sync_steps - 1
+    if worst > cfg.max_staleness:
+        errors.append(f"rollout_lag={cfg.rollout_lag} with weight_sync_steps={cfg.weight_sync_steps} samples "
+                      f"rollouts up to {worst} steps behind, above max_staleness={cfg.max_staleness}: raise "
+                      "max_staleness or lower rollout_lag / weight_sync_steps")
+    if cfg.dynamic_sampling:
+        errors.append("dynamic_sampling with AsyncGRPOConfig is not built (the producer's rounds would have "
+                      "to "
+                      "be scheduled ahead); use GRPOConfig for dynamic sampling")
+    if cfg.producer_cpus is not None and (not cfg.producer_cpus
+                                          or any(not isinstance(c, int) or c < 0 for c in cfg.producer_cpus)):
+        errors.append(f"producer_cpus={cfg.producer_cpus!r} must be a non-empty list of CPU numbers, "
+                      "e.g. [1]")
+
+
 def validate(cfg):
     """Check every field; raise one ConfigError listing all problems."""
     errors: list[str] = []
@@ -438,6 +460,8 @@ def validate(cfg):
         _validate_grpo(cfg, errors)
     if hasattr(cfg, "truncation"):
         _validate_reward(cfg, errors)
+    if hasattr(cfg, "rollout_lag"):
+        _validate_async(cfg, errors)
     if errors:
         raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))
     return cfg

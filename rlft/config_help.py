@@ -158,6 +158,20 @@ SECTIONS: dict[str, dict[str, str]] = {
                             "batch is full of groups with a learning signal",
         "max_num_gen_batches": "dynamic sampling: at most this many generation rounds per rollout (0: no "
                                "limit); then the batch is filled with zero-spread groups",
+        "rollout_lag": "async: the rollouts of step t are sampled from the weights of step t - rollout_lag "
+                       "(0: synchronous, on the producer; 1: one-step-off-policy)",
+        "max_staleness": "async: the most optimiser steps a rollout's weights may lag behind the trainer's "
+                         "(rollout_lag + weight_sync_steps - 1 must not exceed it)",
+        "weight_sync_steps": "async: optimiser steps between weight pushes to the producer",
+        "max_inflight_tasks": "async: no effect in rlft (the producer runs one rollout at a time, in order)",
+        "queue_maxsize": "async: no effect in rlft (at most rollout_lag + 1 rollouts are ever queued)",
+        "heartbeat_stale_after_s": "async: stop with an error when the producer has not signalled for this "
+                                   "long (dead, stopped, or hung)",
+        "request_timeout": "async: stop with an error when one rollout takes the producer longer than this",
+        "weight_sync_timeout": "async: no effect in rlft (weights are a file the producer reads)",
+        "fork_threshold_tokens": "async: no effect in rlft (multi-turn rollouts are not built for async)",
+        "producer_cpus": "async: CPU cores the producer process runs on (Linux affinity), e.g. [1]",
+        "producer_threads": "async: torch threads in the producer process (default: its cores)",
         "normalize_advantages": "RLOO: whiten the advantages over the batch",
         "reward_clip_range": "RLOO: clip each total reward to [min, max] before the KL penalty",
         "beta": "KL coefficient against the reference policy (0: no reference model)",

@@ -168,3 +168,23 @@ def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
     config = model.config.get_text_config()
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     return balance(outputs.router_logits, experts, config.num_experts_per_tok, attention_mask)
+
+
+def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = False,
+               router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None) -> Scored:
+    """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index tensor),
+    from a model with `install_scoring`. The batch is cut to its own longest completion (c <= C, rounded up
+    to `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every row
+    cost a forward pass and change nothing."""
+    completion_mask = rollout.completion_mask[rows]
+    width = max(int(completion_mask.sum(dim=1).max()), 1)
+    if isinstance(pad_to_multiple_of, int):
+        width = min(-(-width // pad_to_multiple_of) * pad_to_multiple_of, completion_mask.shape[1])
+    prompt_mask = rollout.prompt_mask[rows]
+    first = int((prompt_mask.sum(dim=0) > 0).int().argmax())  # prompts are left-padded
+    completion_ids = rollout.completion_ids[rows, :width]
+    ids = torch.cat([rollout.prompt_ids[rows, first:], completion_ids], dim=1)
+    mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
+    score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile)
+    return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)

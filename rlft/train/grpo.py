@@ -260,14 +260,23 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
             self.evaluate()
         self.log.advance(step, f"reward {window.last.get('reward', float('nan')):.3f}")
         if control.should_save:
-            mid_rollout = step % self.steps_per_rollout != 0
-            tensors = {**(batch.tensors() if mid_rollout else {}), **self._reference_tensors()}
+            tensors, extra = self._carried(step, batch)
             ckpt.save_checkpoint(
                 self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler,
-                self.args.output_dir, step, self._rlft_state(window), tensors or None,
-                {"metrics": batch.metrics, "samples": batch.samples} if mid_rollout else None, self.flow,
+                self.args.output_dir, step, self._rlft_state(window), tensors or None, extra, self.flow,
                 self.args.save_total_limit, self.engine)
             self.flow.fire("on_save")
+
+    def _carried(self, step: int, batch: RolloutBatch) -> tuple[dict, dict | None]:
+        """What a checkpoint carries besides weights and optimiser: the rest of a rollout in progress, a moved
+        reference (tensors), and the rollout's metrics and samples (JSON)."""
+        mid_rollout = step % self.steps_per_rollout != 0
+        tensors = {**(batch.tensors() if mid_rollout else {}), **self._reference_tensors()}
+        return tensors, {"metrics": batch.metrics, "samples": batch.samples} if mid_rollout else None
+
+    def _restore_carried(self, tensors: dict, extra: dict | None) -> dict:
+        """The tensors of the rollout in progress, from what `_carried` saved."""
+        return self._load_reference_tensors(tensors)
 
     def _flush(self, window: MetricWindow, batch: RolloutBatch | None, step: int) -> dict:
         logged = window.flush()
@@ -471,7 +480,7 @@ class GRPOTrainer(TrainLoop, PolicyUpdate, RolloutSource, GRPOHelpers, TrainerSu
         self.flow.load(path, state.get("loss_sum", 0.0))
         window.rows = state.get("metric_window", [])
         self.counters.load_state_dict(state)
-        tensors = self._load_reference_tensors(tensors)
+        tensors = self._restore_carried(tensors, extra)
         batch = RolloutBatch.from_saved(tensors, extra, self.accelerator.device) if tensors else None
         self._batch, self._window = batch, window
         return state["global_step"]

@@ -32,7 +32,7 @@ from rlft.models import GradientFlowError, check_gradient_flow
 from rlft.perf import Throughput
 from rlft.rollout.base import weights_changed
 from rlft.rollout.hf import Rollout
-from rlft.scoring import Score
+from rlft.scoring import score_rows
 from rlft.train.metrics import StepSums, correction_metrics
 
 
@@ -161,24 +161,11 @@ class PolicyUpdate:
     def _forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
                  router_loss: bool = False):
         """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; and a MoE policy's
-        router load-balancing loss, the model's own `aux_loss`) for `rows` (a slice or an index tensor). The
-        batch is cut to its own longest completion (c <= C) and its longest prompt: columns that are padding
-        in every row cost a forward pass and change nothing."""
-        completion_mask = rollout.completion_mask[rows]
-        width = max(int(completion_mask.sum(dim=1).max()), 1)
-        multiple = self.args.pad_to_multiple_of
-        if isinstance(multiple, int):
-            width = min(-(-width // multiple) * multiple, completion_mask.shape[1])
-        prompt_mask = rollout.prompt_mask[rows]
-        first = int((prompt_mask.sum(dim=0) > 0).int().argmax())  # prompts are left-padded
-        completion_ids = rollout.completion_ids[rows, :width]
-        ids = torch.cat([rollout.prompt_ids[rows, first:], completion_ids], dim=1)
-        mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
+        router load-balancing loss, the model's own `aux_loss`) for `rows` (a slice or an index tensor), cut
+        to the rows' longest completion and prompt (rlft/scoring.py: score_rows)."""
         # the backbone, then the LM head tile by tile on the completion positions only (rlft/scoring.py)
-        score = Score(completion_ids, completion_mask[:, :width], self.args.temperature, entropy, router_loss,
-                      self.args.logprob_chunk_size)
-        scored = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
+        scored = score_rows(model, rollout, rows, self.args.temperature, entropy, router_loss,
+                            self.args.logprob_chunk_size, self.args.pad_to_multiple_of)
         ent = None if scored.entropy is None else scored.entropy if entropy_grad else scored.entropy.detach()
         return scored.logps, ent, scored.aux_loss
 

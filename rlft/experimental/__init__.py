@@ -1,0 +1,1 @@
+"""`trl.experimental`'s module paths, from rlft: `rlft.experimental.async_grpo`."""

@@ -1,0 +1,270 @@
+"""A rollout producer in its own process: generation overlapped with training (AsyncGRPOTrainer,
+docs/async.md).
+
+`ProcessProducer` starts `python -m rlft.rollout.producer_worker` with a copy of the policy and the engine the
+config asks for (transformers' generate, vLLM in that process, or a vLLM server it talks to), then sends it,
+in order, weight pushes (the trainable tensors as a safetensors file) and rollout requests; it answers each
+request with the completions' token ids and the sampler's per-token log-probs, tagged with the version of the weights
+that sampled them. Because the producer serves its requests strictly in order, which weights sample which
+rollout is decided by the trainer alone: the schedule is reproducible.
+
+Faults are errors, never hangs: a producer that exits, stops signalling for `heartbeat_stale_after_s`, spends
+longer than `request_timeout` on one rollout, or raises, stops the trainer with a message naming it. The
+producer exits when the trainer closes it or dies (rlft/rollout/producer_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlft.errors import RlftError
+from rlft.rollout.hf import Rollout, eos_token_ids
+from rlft.rollout.producer_worker import SPEC_FILE
+
+
+class ProducerError(RlftError, RuntimeError):
+    """The rollout producer died, stopped answering, timed out or failed; the message names it."""
+
+
+@dataclass
+class Produced:
+    """One answered request: completions (token ids up to and including EOS), the sampler's log-probs, the
+    version of the weights that sampled them, and the producer's timings."""
+
+    key: str
+    version: int
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None
+    seconds: float = 0.0  # generating
+    arrived: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _spec_args(args) -> dict:
+    """The config's fields the producer's engine reads, as JSON values."""
+    out = {}
+    for name, value in vars(args).items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        out[name] = value
+    return out
+
+
+def _peft_spec(model) -> dict | None:
+    config = getattr(model, "peft_config", {}).get("default")
+    if config is None:
+        return None
+    spec = config.to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in spec.items()}
+
+
+def trainable_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """What a weight push sends: the parameters that train (LoRA: the adapters; full fine-tuning: all)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+class ProcessProducer:
+    """The rollout producer process and the trainer's end of its pipe."""
+
+    holds_own_weights = True
+
+    def __init__(self, args, tokenizer, model):
+        self.args, self.tokenizer = args, tokenizer
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.folder = Path(tempfile.mkdtemp(prefix="rlft-producer-"))
+        weakref.finalize(self, shutil.rmtree, str(self.folder), True)
+        self.proc: subprocess.Popen | None = None
+        self.results: dict[str, Produced] = {}
+        self.cond = threading.Condition()
+        self.error: str | None = None
+        self.beat = time.monotonic()
+        self.begun: dict[str, float] = {}
+        self.dirty, self.label, self.pushes = True, None, 0
+        self.pending_metrics: dict[str, float] = {}
+        self.ready = False
+
+    @property
+    def name(self) -> str:
+        pid = self.proc.pid if self.proc is not None else "not started"
+        return f"the rollout producer (process {pid})"
+
+    # ---- start, stop -----------------------------------------------------------------------------
+    def start(self, model, version: int) -> None:
+        """Save the policy as it is now (weights of `version`) for the producer to load, start it and wait
+        until its engine is ready."""
+        from rlft.rollout.vllm import engine_weights
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.save_pretrained(self.folder / "model", state_dict=dict(engine_weights(model)))
+        self.tokenizer.save_pretrained(self.folder / "model")
+        spec = {"args": _spec_args(self.args), "dtype": str(next(model.parameters()).dtype).split(".")[-1],
+                "peft": _peft_spec(model), "parent": os.getpid(), "cpus": self.args.producer_cpus,
+                "threads": self.args.producer_threads, "version": version}
+        (self.folder / SPEC_FILE).write_text(json.dumps(spec))
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlft.rollout.producer_worker", str(self.folder)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        weakref.finalize(self, _stop, self.proc)
+        threading.Thread(target=self._read, daemon=True).start()
+        self._wait_for("ready", self.args.vllm_server_timeout)
+        self.dirty, self.label = spec["peft"] is not None, version  # LoRA: the adapters are not in the folder
+        if self.dirty:
+            self.push(model, version)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+            self.proc = None
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def on_weights_changed(self) -> None:
+        self.dirty = True
+
+    @torch.no_grad()
+    def push(self, model, version: int) -> None:
+        """The producer's next requests are sampled from the weights `model` has now (labelled `version`):
+        the trainable tensors as a file, queued behind the requests already sent."""
+        from safetensors.torch import save_file
+
+        if not self.dirty:
+            self.label = version
+            return
+        started = time.perf_counter()
+        tensors = {name: t.detach().contiguous().clone() for name, t in trainable_tensors(model)}
+        path = self.folder / f"weights-{self.pushes}.safetensors"
+        save_file(tensors, str(path))
+        self._send({"type": "weights", "version": version, "path": str(path)})
+        self.dirty, self.label, self.pushes = False, version, self.pushes + 1
+        metrics = self.pending_metrics
+        metrics["perf/weight_sync_s"] = metrics.get("perf/weight_sync_s", 0.0) + time.perf_counter() - started
+        metrics["perf/weight_sync_bytes"] = metrics.get("perf/weight_sync_bytes", 0.0) + float(
+            sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def submit(self, key: str, prompt_ids: list[list[int]], num_generations: int, seed: int,
+               greedy: bool = False) -> int:
+        """Queue a request; returns the version of the weights that will sample it."""
+        self._send({"type": "generate", "key": key, "prompt_ids": prompt_ids,
+                    "num_generations": num_generations, "greedy": greedy, "seed": seed})
+        return self.label
+
+    def take(self, key: str) -> Produced:
+        """The answer to request `key`, waiting for it; a producer that fails, dies or stops answering is an
+        error within heartbeat_stale_after_s (or request_timeout for one slow rollout)."""
+        with self.cond:
+            while key not in self.results:
+                self._check(key)
+                self.cond.wait(0.2)
+            return self.results.pop(key)
+
+    def metrics(self) -> dict[str, float]:
+        pending, self.pending_metrics = self.pending_metrics, {}
+        return pending
+
+    def to_rollout(self, produced: Produced, prompt_ids: list[list[int]], num_generations: int, device,
+                   greedy: bool = False) -> Rollout:
+        from rlft.rollout.vllm import engine_rollout
+
+        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+        return engine_rollout(repeated, produced.tokens, produced.logprobs or [None] * len(repeated),
+                              self.tokenizer.pad_token_id, self.eos_ids, device, greedy)
+
+    def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
+                 seed: int = 0, version: int = -1) -> Rollout:
+        """The RolloutEngine protocol (evaluation): the current weights, pushed if they changed, then one
+        request, waited for."""
+        self.push(model, version)
+        key = f"call-{time.monotonic_ns()}"
+        self.submit(key, prompt_ids, num_generations, seed, greedy)
+        return self.to_rollout(self.take(key), prompt_ids, num_generations,
+                               next(model.parameters()).device, greedy)
+
+    # ---- the pipe ------------------------------------------------------------------------------------
+    def _send(self, message: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError) as err:
+            with self.cond:
+                self._check(None)
+            raise ProducerError(f"{self.name} does not take requests: {err}") from err
+
+    def _read(self) -> None:
+        stream = self.proc.stdout
+        for line in stream:
+            message = json.loads(line)
+            with self.cond:
+                self.beat = time.monotonic()
+                kind = message.pop("type")
+                if kind == "result":
+                    timings = {k: message.pop(k) for k in list(message)
+                               if k not in ("key", "version", "tokens", "logprobs", "seconds")}
+                    self.results[message["key"]] = Produced(message["key"], message["version"],
+                                                            message["tokens"], message["logprobs"],
+                                                            message["seconds"], timings=timings)
+                    self.begun.pop(message["key"], None)
+                elif kind == "begin":
+                    self.begun[message["key"]] = time.monotonic()
+                elif kind == "error":
+                    self.error = message["message"]
+                self.ready = self.ready or kind == "ready"
+                self.cond.notify_all()
+
+    def _wait_for(self, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not getattr(self, what, False):
+                self._check(None, startup=True)
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise ProducerError(f"{self.name} did not start within vllm_server_timeout={timeout} s")
+                self.cond.wait(0.2)
+
+    def _check(self, key: str | None, startup: bool = False) -> None:
+        """Raise if the producer failed, exited, stopped signalling, or spends too long on `key`."""
+        if self.error is not None:
+            raise ProducerError(f"{self.name} failed:\n{self.error}")
+        code = self.proc.poll()
+        if code is not None:
+            raise ProducerError(f"{self.name} exited with code {code}")
+        now = time.monotonic()
+        if not startup and now - self.beat > self.args.heartbeat_stale_after_s:
+            self.proc.kill()  # a stopped process cannot read a request to stop
+            raise ProducerError(f"{self.name} has not signalled for {now - self.beat:.0f} s "
+                                f"(heartbeat_stale_after_s={self.args.heartbeat_stale_after_s}): stopped or "
+                                "hung; it was stopped")
+        begun = self.begun.get(key) if key is not None else None
+        if begun is not None and now - begun > self.args.request_timeout:
+            self.proc.kill()
+            raise ProducerError(f"{self.name} spent over request_timeout={self.args.request_timeout} s on "
+                                "one rollout; it was stopped")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ask the producer to stop, then make sure it has."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.stdin.write(json.dumps({"type": "stop"}) + "\n")
+        proc.stdin.flush()
+        proc.stdin.close()
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)

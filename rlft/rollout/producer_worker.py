@@ -1,0 +1,210 @@
+"""The rollout producer's own process (`python -m rlft.rollout.producer_worker FOLDER`), started by
+`ProcessProducer` (rlft/rollout/producer.py).
+
+It builds the policy from FOLDER (the model as the trainer held it at start, LoRA adapters included), an
+engine from the trainer's config (transformers' generate, vLLM in this process, or a vLLM server) and then serves its
+standard input in order, one JSON object per line:
+
+  {"type": "weights", "version": v, "path": file}   load the trainable tensors of version v, delete the file
+  {"type": "generate", "key": k, "prompt_ids": [...], "num_generations": G, "greedy": b, "seed": s}
+  {"type": "stop"}
+
+and answers on its standard output (anything else this process prints goes to standard error):
+
+  {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin", "key": k},
+  {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]], "seconds": ...},
+  {"type": "error", "message": traceback}
+
+No pickle crosses the pipe. Each rollout is sampled after `torch.manual_seed(seed)`: the same weights, prompts
+and seed give the same completions. The process ends when its standard input closes or its parent dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+import types
+from pathlib import Path
+
+SPEC_FILE = "producer.json"
+
+
+class Channel:
+    """JSON lines on the original standard output, one writer at a time."""
+
+    def __init__(self, stream):
+        self.stream, self.lock = stream, threading.Lock()
+
+    def send(self, message: dict) -> None:
+        line = json.dumps(message)
+        with self.lock:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when the trainer dies (PR_SET_PDEATHSIG); elsewhere, and as a
+    second guard, a thread exits when the parent process changes."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _inbox() -> queue.Queue:
+    """Standard input read by a thread; its end (the trainer closed it or died) ends this process."""
+    inbox: queue.Queue = queue.Queue()
+
+    def read():
+        for line in sys.stdin:
+            if line.strip():
+                inbox.put(json.loads(line))
+        os._exit(0)
+
+    threading.Thread(target=read, daemon=True).start()
+    return inbox
+
+
+def _build(folder: Path, spec: dict):
+    """The policy (as the trainer built it, from the saved folder) and the engine the config asks for."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlft.models import apply_lora, cast_lm_head_to_fp32, load_causal_lm
+    from rlft.rollout import make_generator
+    from rlft.scoring import install_scoring
+
+    args = types.SimpleNamespace(**spec["args"])
+    dtype = getattr(torch, spec["dtype"])
+    model = load_causal_lm(str(folder / "model"), dtype, None, args.trust_remote_code)
+    install_scoring(model)
+    if args.cast_lm_head_to_fp32:
+        cast_lm_head_to_fp32(model)
+    if spec.get("peft"):
+        from peft import get_peft_config
+
+        model = apply_lora(model, get_peft_config(spec["peft"]), "CAUSAL_LM")
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder / "model"))
+    engine = make_generator(args, tokenizer, model, str(folder / "model"))
+    return model, engine, args
+
+
+def _load_weights(model, path: str) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    os.remove(path)
+    params = dict(model.named_parameters())
+    missing = sorted(set(tensors) - set(params))
+    if missing:
+        raise KeyError(f"pushed tensors {missing[:5]} are not parameters of the producer's model")
+    for name, tensor in tensors.items():
+        params[name].data.copy_(tensor)
+
+
+def _logprobs(model, rollout, args) -> list:
+    """The sampler's log-prob of each token: the engine's own (vLLM), else the policy's scoring forward on the
+    weights that sampled (teacher forcing, at the sampling temperature)."""
+    import torch
+
+    from rlft.scoring import score_rows
+
+    if rollout.sampling_logps is not None:
+        return rollout.sampling_logps.tolist()
+    out = torch.zeros(rollout.completion_ids.shape)
+    rows, size = rollout.completion_ids.shape[0], max(int(args.per_device_train_batch_size), 1)
+    with torch.no_grad():
+        for start in range(0, rows, size):
+            part = slice(start, min(start + size, rows))
+            logps = score_rows(model, rollout, part, args.temperature, tile=args.logprob_chunk_size).logps
+            out[part, :logps.shape[1]] = logps.float()
+    return out.tolist()
+
+
+def _generate(model, engine, args, message: dict, version: int) -> dict:
+    import torch
+
+    started = time.perf_counter()
+    torch.manual_seed(message["seed"])
+    rollout = engine(model, message["prompt_ids"], message["num_generations"], message["greedy"])
+    generated = time.perf_counter()
+    lengths = rollout.completion_mask.sum(dim=1).tolist()
+    tokens = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
+    logprobs = None if message["greedy"] else [
+        row[:n] for row, n in zip(_logprobs(model, rollout, args), lengths)]
+    return {"type": "result", "key": message["key"], "version": version, "tokens": tokens,
+            "logprobs": logprobs, "seconds": generated - started,
+            "score_seconds": time.perf_counter() - generated}
+
+
+def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: int) -> None:
+    from rlft.rollout.base import weights_changed
+
+    idle, loaded = 0.0, 0.0
+    while True:
+        waiting = time.perf_counter()
+        message = inbox.get()
+        idle += time.perf_counter() - waiting
+        if message["type"] == "stop":
+            engine.close()
+            return
+        if message["type"] == "weights":
+            started = time.perf_counter()
+            _load_weights(model, message["path"])
+            weights_changed(engine)  # vLLM engines push them on before their next generation
+            version, loaded = message["version"], loaded + time.perf_counter() - started
+            continue
+        channel.send({"type": "begin", "key": message["key"]})
+        result = _generate(model, engine, args, message, version)
+        channel.send({**result, "idle_seconds": idle, "load_seconds": loaded,
+                      **{k: v for k, v in getattr(engine, "metrics", dict)().items()}})
+        idle = loaded = 0.0
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0])
+    messages = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever a library prints goes to standard error, not into the message stream
+    channel = Channel(messages)
+    spec = json.loads((folder / SPEC_FILE).read_text())
+    _die_with_parent(spec["parent"])
+    inbox = _inbox()
+    if spec.get("cpus") and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, spec["cpus"])
+    import torch
+
+    torch.set_num_threads(spec.get("threads") or len(os.sched_getaffinity(0)))
+
+    def beat():
+        while True:
+            channel.send({"type": "heartbeat"})
+            time.sleep(1.0)
+
+    try:
+        model, engine, args = _build(folder, spec)
+        threading.Thread(target=beat, daemon=True).start()
+        channel.send({"type": "ready"})
+        serve(model, engine, args, channel, inbox, spec["version"])
+    except BaseException:  # the trainer reports it, naming this process
+        channel.send({"type": "error", "message": traceback.format_exc()})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

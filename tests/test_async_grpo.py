@@ -1,0 +1,252 @@
+"""AsyncGRPOTrainer: the k-step schedule, reproducibility, exact resume after kill -9, the loss on stale rollouts,
+producer faults, no orphan process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlft import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
+from rlft.errors import ConfigError
+from rlft.rollout.producer import ProducerError
+from rlft.tracking import read_metrics
+from rlft.train.async_grpo import sampling_version
+from tests.helpers import addition_rows, correct_answer, has_answer_tags
+
+WALL_CLOCK = ("time/", "perf/", "rollout/", "step_time", "tokens_per_second", "sample/time_in_queue_s",
+              "sample/rollout_queue_size")
+
+
+def async_config(tmp_path, name="run", **overrides) -> AsyncGRPOConfig:
+    values = dict(output_dir=str(tmp_path / name), learning_rate=1e-3, max_steps=4, num_generations=4,
+                  per_device_train_batch_size=8, max_completion_length=8, save_steps=1000, report_to="none",
+                  disable_tqdm=True, seed=0, gradient_checkpointing=False)
+    values.update(overrides)
+    return AsyncGRPOConfig(**values)
+
+
+def trained(tmp_path, name="run", model=None, steps=None, resume=None, **overrides):
+    from rlft.models import shipped_policy_path
+
+    trainer = AsyncGRPOTrainer(str(model or shipped_policy_path()), [correct_answer, has_answer_tags],
+                               async_config(tmp_path, name, **overrides), addition_rows(32))
+    if steps is not None:
+        trainer.total_steps = steps
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def rows_of(folder):
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in read_metrics(folder)]
+
+
+@pytest.mark.parametrize("lag, sync, per_rollout", [(0, 1, 1), (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)])
+def test_the_schedule_samples_rollout_r_from_the_weights_lag_rollouts_back(lag, sync, per_rollout):
+    for r in range(12):
+        step = max(0, (r - lag) * per_rollout)
+        version = sampling_version(r, lag, per_rollout, sync)
+        assert version == step - step % sync
+        assert r * per_rollout - version <= lag * per_rollout + sync - 1  # the staleness bound
+
+
+def test_each_step_trains_on_rollouts_sampled_exactly_k_steps_earlier_and_two_runs_are_identical(tmp_path):
+    a = trained(tmp_path, "a", rollout_lag=2, max_staleness=2)
+    rows = read_metrics(tmp_path / "a")
+    assert [r["sample/version"] for r in rows] == [0, 0, 0, 1]  # step t (0-based) from weights of t - 2
+    assert [r["sample/staleness_max"] for r in rows] == [0, 1, 2, 2]
+    assert all(r["sample/dropped_stale_total"] == 0 for r in rows)
+    assert rows[-1]["sampling/sampling_logp_difference/mean"] > 0  # the policy moved since it sampled
+    b = trained(tmp_path, "b", rollout_lag=2, max_staleness=2)
+    assert rows_of(tmp_path / "a") == rows_of(tmp_path / "b")
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_at_lag_0_the_sampler_is_the_trainer(tmp_path):
+    trained(tmp_path, rollout_lag=0, max_steps=2)
+    for row in read_metrics(tmp_path / "run"):
+        assert row["sample/staleness_max"] == 0
+        assert row["sampling/sampling_logp_difference/max"] < 1e-5  # producer and trainer score alike
+
+
+def test_the_loss_on_stale_rollouts_equals_the_synchronous_loss_on_the_same_rollouts(tmp_path):
+    """The async step is GRPO's step on the producer's completions and log-probs: a synchronous GRPOTrainer
+    with the same weights, given the same batch, computes the same loss and gradient norm."""
+    from rlft.models import shipped_policy_path
+
+    seen = []
+
+    class Recording(AsyncGRPOTrainer):
+        def _optimizer_step(self, batch):
+            weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+            metrics = super()._optimizer_step(batch)
+            seen.append((weights, batch, metrics))
+            return metrics
+
+    Recording(str(shipped_policy_path()), [correct_answer], async_config(tmp_path, max_steps=3),
+              addition_rows(32)).train()
+    weights, batch, metrics = seen[-1]  # sampled from the weights of step 1, trained at step 2
+    assert batch.rollout.sampling_logps is not None
+    same = dict(output_dir=str(tmp_path / "sync"), learning_rate=1e-3, max_steps=3, num_generations=4,
+                per_device_train_batch_size=8, max_completion_length=8, report_to="none", seed=0,
+                gradient_checkpointing=False, lr_scheduler_type="constant",
+                vllm_importance_sampling_mode="token_truncate")
+    sync = GRPOTrainer(str(shipped_policy_path()), [correct_answer], GRPOConfig(**same), addition_rows(32))
+    sync.model.load_state_dict(weights)
+    sync.log = type("Log", (), {"warn": lambda *a: None})()
+    again = sync._optimizer_step(batch)
+    assert again["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+    assert again["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-6)
+
+
+KILLED_AFTER_SAVE = """
+import os, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from transformers import TrainerCallback
+from tests.test_async_grpo import trained
+
+class Kill(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        Path({pidfile!r}).write_text(str(TRAINER.generator.proc.pid))
+        os.kill(os.getpid(), 9)
+
+import rlft.train.async_grpo as m
+original = m.AsyncGRPOTrainer.__init__
+def init(self, *a, **k):
+    global TRAINER
+    original(self, *a, **k)
+    TRAINER = self
+    self.flow.handler.add_callback(Kill())
+m.AsyncGRPOTrainer.__init__ = init
+trained(Path({tmp!r}), "split", save_steps=2)
+"""
+
+
+def test_kill_9_then_resume_equals_the_uninterrupted_run_and_leaves_no_producer(tmp_path):
+    straight = trained(tmp_path, "straight", save_steps=2)
+    pidfile = tmp_path / "producer.pid"
+    script = KILLED_AFTER_SAVE.format(root=str(Path(__file__).resolve().parents[1]), pidfile=str(pidfile),
+                                      tmp=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == -9, result.stderr[-3000:]
+    producer = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(producer) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(producer), "the producer outlived the trainer that started it"
+    resumed = trained(tmp_path, "split", save_steps=2, resume=True)
+    assert rows_of(tmp_path / "straight") == rows_of(tmp_path / "split")
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class _Hurt:
+    """A callback that harms the producer once, after the first step."""
+
+    def __init__(self, sig):
+        self.sig, self.trainer = sig, None
+
+    def __call__(self, *args, **kwargs):
+        from transformers import TrainerCallback
+
+        hurt = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 1:
+                    os.kill(hurt.trainer.generator.proc.pid, hurt.sig)
+        return Callback()
+
+
+@pytest.mark.parametrize("sig, message", [(signal.SIGKILL, "exited with code -9"),
+                                          (signal.SIGSTOP, "has not signalled for")])
+def test_a_dead_or_stopped_producer_stops_training_with_its_name_and_the_last_checkpoint(tmp_path, sig,
+                                                                                          message):
+    from rlft.models import shipped_policy_path
+
+    hurt = _Hurt(sig)
+    trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer],
+                               async_config(tmp_path, max_steps=6, save_steps=1, heartbeat_stale_after_s=3,
+                                            rollout_lag=0, max_staleness=0),
+                               addition_rows(32), callbacks=[hurt()])
+    hurt.trainer = trainer
+    started = time.monotonic()
+    with pytest.raises(ProducerError) as caught:
+        trainer.train()
+    assert time.monotonic() - started < 60
+    text = str(caught.value)
+    assert message in text and "the rollout producer (process" in text
+    assert "checkpoint-1" in text and "resume_from_checkpoint=True" in text
+    assert trainer.generator.proc is None  # closed: nothing left running
+
+
+def test_lora_pushes_only_the_adapters(tmp_path):
+    from rlft.models import shipped_policy_path
+    from tests.test_grpo_trainer import lora
+
+    trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], async_config(tmp_path, max_steps=3),
+                               addition_rows(32), peft_config=lora())
+    trainer.train()
+    adapters = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+    pushed = [r["perf/weight_sync_bytes"] for r in read_metrics(tmp_path / "run") if "perf/weight_sync_bytes" in r]
+    assert pushed and all(b == adapters for b in pushed)
+    first = read_metrics(tmp_path / "run")[0]
+    assert first["sampling/sampling_logp_difference/max"] < 1e-5  # the producer's LoRA model is the trainer's
+
+
+def test_evaluation_runs_on_the_producer_with_the_current_weights(tmp_path):
+    from rlft.models import shipped_policy_path
+
+    trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer],
+                               async_config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1),
+                               addition_rows(32), eval_dataset=addition_rows(8, heldout=True))
+    trainer.train()
+    evals = [r for r in trainer.state.log_history if "eval_reward" in r]
+    assert len(evals) == 2
+    again = trainer.evaluate()  # after train: the producer starts again
+    assert again["eval_reward"] == pytest.approx(evals[-1]["eval_reward"])
+
+
+def test_bad_async_settings_are_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="above max_staleness=1"):
+        async_config(tmp_path, rollout_lag=1, weight_sync_steps=2, max_staleness=1)
+    with pytest.raises(ConfigError, match="dynamic_sampling with AsyncGRPOConfig is not built"):
+        async_config(tmp_path, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="producer_cpus"):
+        async_config(tmp_path, producer_cpus=[])
+    from rlft.models import shipped_policy_path
+
+    with pytest.raises(ConfigError, match="takes an AsyncGRPOConfig"):
+        AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], GRPOConfig(output_dir=str(tmp_path / "g")),
+                         addition_rows(32))
+    with pytest.raises(ConfigError, match="tool calling with AsyncGRPOTrainer is not built yet"):
+        AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], async_config(tmp_path),
+                         addition_rows(32), tools=[len])
+
+
+def test_trl_module_path():
+    from rlft.experimental.async_grpo import AsyncGRPOConfig as Config
+    from rlft.experimental.async_grpo import AsyncGRPOTrainer as Trainer
+
+    assert Config is AsyncGRPOConfig and Trainer is AsyncGRPOTrainer
+    assert textwrap.dedent(Config.__doc__ or "")
+    defaults = Config(output_dir="/tmp/unused")
+    assert (defaults.max_staleness, defaults.weight_sync_steps, defaults.heartbeat_stale_after_s,
+            defaults.logging_steps, defaults.lr_scheduler_type) == (4, 1, 300.0, 1, "constant")
