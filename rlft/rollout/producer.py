@@ -4,8 +4,8 @@ docs/async.md).
 `ProcessProducer` starts `python -m rlft.rollout.producer_worker` with a copy of the policy and the engine the
 config asks for (transformers' generate, vLLM in that process, or a vLLM server it talks to), then sends it,
 in order, weight pushes (the trainable tensors as a safetensors file) and rollout requests; it answers each
-request with the completions' token ids and the sampler's per-token log-probs, tagged with the version of the weights
-that sampled them. Because the producer serves its requests strictly in order, which weights sample which
+request with the completions' token ids and the sampler's per-token log-probs, tagged with the version of the
+weights that sampled them. Because the producer serves its requests strictly in order, which weights sample which
 rollout is decided by the trainer alone: the schedule is reproducible.
 
 Faults are errors, never hangs: a producer that exits, stops signalling for `heartbeat_stale_after_s`, spends

@@ -2,8 +2,8 @@
 `ProcessProducer` (rlft/rollout/producer.py).
 
 It builds the policy from FOLDER (the model as the trainer held it at start, LoRA adapters included), an
-engine from the trainer's config (transformers' generate, vLLM in this process, or a vLLM server) and then serves its
-standard input in order, one JSON object per line:
+engine from the trainer's config (transformers' generate, vLLM in this process, or a vLLM server) and then
+serves its standard input in order, one JSON object per line:
 
   {"type": "weights", "version": v, "path": file}   load the trainable tensors of version v, delete the file
   {"type": "generate", "key": k, "prompt_ids": [...], "num_generations": G, "greedy": b, "seed": s}
