@@ -108,6 +108,12 @@ GRPO_REFUSED: dict[str, str] = {
     "shrinking it on out-of-memory breaks that (TRL refuses it too); lower "
     "per_device_train_batch_size instead",
 }
+ASYNC_NO_EFFECT = {
+    "max_inflight_tasks": "rlft's producer runs one rollout request at a time, in the trainer's order",
+    "queue_maxsize": "at most rollout_lag + 1 rollouts are ever requested ahead (docs/async.md)",
+    "weight_sync_timeout": "weights reach the producer as a file it reads, not over NCCL",
+    "fork_threshold_tokens": "multi-turn (tool) rollouts are not built for AsyncGRPOTrainer",
+}
 REWARD_NO_EFFECT = {"auto_find_batch_size": "rlft does not shrink the batch on out-of-memory"}
 
 
@@ -146,7 +152,8 @@ def _changed(cfg: Any, table: dict[str, str]) -> list[tuple[str, Any, str]]:
 def _tables(cfg: Any) -> tuple[dict[str, str], dict[str, str]]:
     grpo = hasattr(cfg, "num_generations")
     refused = {**REFUSED, **(GRPO_REFUSED if grpo else {})}
-    no_effect = {**NO_EFFECT, **({} if grpo else REWARD_NO_EFFECT)}
+    no_effect = {**NO_EFFECT, **({} if grpo else REWARD_NO_EFFECT),
+                 **(ASYNC_NO_EFFECT if hasattr(cfg, "rollout_lag") else {})}
     return refused, no_effect
 
 

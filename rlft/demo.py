@@ -25,16 +25,18 @@ CALCULATOR_STEPS, CALCULATOR_EVAL_EVERY = 300, 50
 CALCULATOR_KEY = "eval_rewards/answer_reward/mean"
 
 
-def demo_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False) -> GRPOConfig:
-    """The demo's hyperparameters, in one place (docs/quickstart.md quotes them)."""
-    return GRPOConfig(
+def demo_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False,
+                config_class=GRPOConfig, **extra) -> GRPOConfig:
+    """The demo's hyperparameters, in one place (docs/quickstart.md quotes them); `config_class` and `extra`:
+    the same run as an AsyncGRPOConfig (benchmarks/async_grpo.py)."""
+    return config_class(
         output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps,
         learning_rate=5e-4 if lora else 3e-5,
         lr_scheduler_type="constant", num_generations=8, per_device_train_batch_size=64,
         max_completion_length=8, temperature=0.7, loss_type="dapo", beta=0.0,
         logging_steps=20, logging_first_step=True, eval_strategy="steps", eval_steps=EVAL_EVERY,
         eval_on_start=True, save_steps=steps,
-        report_to="none", gradient_checkpointing=False, log_completions=True, use_vllm=use_vllm,
+        report_to="none", gradient_checkpointing=False, log_completions=True, use_vllm=use_vllm, **extra,
     )
 
 

@@ -250,3 +250,24 @@ def test_trl_module_path():
     defaults = Config(output_dir="/tmp/unused")
     assert (defaults.max_staleness, defaults.weight_sync_steps, defaults.heartbeat_stale_after_s,
             defaults.logging_steps, defaults.lr_scheduler_type) == (4, 1, 300.0, 1, "constant")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("use_peft", [True, False], ids=["lora", "full"])
+def test_vllm_in_the_producer_process_samples_on_schedule_and_matches_the_trainer(tmp_path, use_peft):
+    """vLLM in the producer's own process: at rollout_lag 0 its float32 log-probs equal the trainer's after every
+    push (LoRA merged into the producer's copy, full weights pushed); at lag 1 the schedule holds."""
+    pytest.importorskip("vllm")
+    from rlft.models import shipped_policy_path
+    from tests.test_grpo_trainer import lora
+
+    for lag in (0, 1):
+        name = f"lag{lag}"
+        AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer],
+                         async_config(tmp_path, name, max_steps=3, use_vllm=True, rollout_lag=lag,
+                                      vllm_dtype="float32", learning_rate=1e-2 if use_peft else 1e-3),
+                         addition_rows(32), peft_config=lora() if use_peft else None).train()
+        rows = read_metrics(tmp_path / name)
+        assert [r["sample/version"] for r in rows] == ([0, 1, 2] if lag == 0 else [0, 0, 1])
+        if lag == 0:
+            assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows

@@ -122,18 +122,19 @@ def test_every_field_rlft_declares_has_one_help_line_and_no_line_names_a_missing
 
     from transformers import TrainingArguments
 
-    from rlft.config import GRPOConfig, RewardConfig, RLOOConfig
+    from rlft.config import AsyncGRPOConfig, GRPOConfig, RewardConfig, RLOOConfig
     from rlft.config_help import FIELD_HELP
     from rlft.model_config import ModelConfig
     from rlft.recipes import GRPOScriptArguments, RewardScriptArguments
 
     transformers_own = {f.name for f in dataclasses.fields(TrainingArguments)}
-    declared = {f.name for cls in (GRPOConfig, RewardConfig, RLOOConfig)
+    declared = {f.name for cls in (GRPOConfig, RewardConfig, RLOOConfig, AsyncGRPOConfig)
                 for f in dataclasses.fields(cls)} - transformers_own
     declared |= {f.name for cls in (ModelConfig, GRPOScriptArguments, RewardScriptArguments)
                  for f in dataclasses.fields(cls)} - {"dataset_name", "dataset_config", "dataset_train_split",
                                                       "dataset_test_split", "dataset_streaming", "ignore_bias_buffers"}
-    every = {f.name for cls in (GRPOConfig, RewardConfig, RLOOConfig, ModelConfig, GRPOScriptArguments)
+    every = {f.name for cls in (GRPOConfig, RewardConfig, RLOOConfig, AsyncGRPOConfig, ModelConfig,
+                                GRPOScriptArguments)
              for f in dataclasses.fields(cls)}
     assert declared - set(FIELD_HELP) == set()
     assert set(FIELD_HELP) - every == set()

@@ -103,6 +103,34 @@ def check_generation_kwargs(kwargs: dict | None) -> dict:
     return kwargs
 
 
+class LogpRecorder:
+    """A logits processor that keeps each sampled token's log-prob at the sampling temperature: at every step
+    it reads the token the previous step sampled (the last of `input_ids`) and looks it up in that step's
+    log-softmax; `finish` reads the last one. transformers runs it after its own processors (repetition
+    penalty) and before the temperature / top-k / top-p warpers, so the log-probs are those of
+    softmax(logits / temperature): what the trainer scores (rlft/scoring.py)."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.previous, self.logps = temperature or 1.0, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._read(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _read(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.logps.append(self.previous.gather(1, tokens[:, None]).squeeze(1))
+
+    def finish(self, completion_ids: torch.Tensor) -> torch.Tensor:
+        """[N, C] log-probs of the generated tokens."""
+        if completion_ids.shape[1]:
+            self._read(completion_ids[:, -1])
+        if not self.logps:
+            return torch.zeros(completion_ids.shape)
+        return torch.stack(self.logps, dim=1)[:, :completion_ids.shape[1]]
+
+
 class HFGenerator:
     """Sampling with `model.generate`; one call per rollout for all prompts x num_generations.
 
@@ -129,6 +157,7 @@ class HFGenerator:
         # part), nor with beam search (generate expands each row into beams itself)
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and \
             not synced and self.sampling.get("num_beams", 1) == 1
+        self.return_logps = False  # a rollout producer asks for the sampled tokens' log-probs
 
     holds_own_weights = False  # generate reads the live model: nothing to sync
 
@@ -156,10 +185,14 @@ class HFGenerator:
             if self.shared_prompt_prefill and num_generations > 1 else None
         if cache is not None:
             sampling["past_key_values"] = cache
+        recorder = LogpRecorder(self.sampling["temperature"]) if self.return_logps and not greedy else None
+        if recorder is not None:
+            sampling["logits_processor"] = [*sampling.get("logits_processor", []), recorder]
         out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
                              eos_token_id=eos_ids, use_cache=True, **sampling)
         model.train(was_training)
         completion_ids = out[:, ids.shape[1]:]
         completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
+        logps = None if recorder is None else recorder.finish(completion_ids).to(completion_ids.device)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
-        return Rollout(ids, mask, completion_ids, completion_mask, truncated)
+        return Rollout(ids, mask, completion_ids, completion_mask, truncated, logps)

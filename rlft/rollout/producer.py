@@ -5,8 +5,8 @@ docs/async.md).
 config asks for (transformers' generate, vLLM in that process, or a vLLM server it talks to), then sends it,
 in order, weight pushes (the trainable tensors as a safetensors file) and rollout requests; it answers each
 request with the completions' token ids and the sampler's per-token log-probs, tagged with the version of the
-weights that sampled them. Because the producer serves its requests strictly in order, which weights sample which
-rollout is decided by the trainer alone: the schedule is reproducible.
+weights that sampled them. Because the producer serves its requests strictly in order, which weights sample
+which rollout is decided by the trainer alone: the schedule is reproducible.
 
 Faults are errors, never hangs: a producer that exits, stops signalling for `heartbeat_stale_after_s`, spends
 longer than `request_timeout` on one rollout, or raises, stops the trainer with a message naming it. The

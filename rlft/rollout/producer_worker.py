@@ -101,6 +101,8 @@ def _build(folder: Path, spec: dict):
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "model"))
     engine = make_generator(args, tokenizer, model, str(folder / "model"))
+    if hasattr(engine, "return_logps"):  # generate: each sampled token's log-prob, read while sampling
+        engine.return_logps = True
     return model, engine, args
 
 

@@ -1,0 +1,219 @@
+"""Async vs synchronous GRPO on separate cores: the layout of separate inference and training devices.
+
+The trainer runs on core 0 (one thread), the rollout producer on core 1 (one thread). "sync" is the same
+producer with rollout_lag 0 (the trainer waits for each rollout, the producer waits for each update);
+"async" is rollout_lag 1 (one-step-off-policy). Runs alternate, each in its own process; s/step is the
+median over the steps after the first two (start-up excluded).
+
+    python benchmarks/async_grpo.py --workloads bc --steps 12 --repeats 2 --out benchmarks/results-async.json
+    python benchmarks/async_grpo.py --demo --plot docs/figures/async_demo.png \
+        --out benchmarks/results-async-demo.json                                      # accuracy vs steps
+
+TRL 1.16's AsyncGRPOTrainer is tried in its own venv (--trl-python); its error goes into the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_PROBE = """
+import json, os, tempfile
+os.sched_setaffinity(0, {0})
+try:
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from datasets import Dataset
+    args = AsyncGRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=4, per_device_train_batch_size=8,
+                           num_generations=8, max_completion_length=128, report_to="none", use_cpu=True,
+                           token_budget=4096)
+    AsyncGRPOTrainer(model=%r, reward_funcs=[lambda completions, **k: [0.0] * len(completions)], args=args,
+                     train_dataset=Dataset.from_list([{"prompt": "1+1="}] * 16)).train()
+    print(json.dumps({"ok": True}))
+except Exception as err:
+    print(json.dumps({"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}))
+"""
+
+
+def run_one(workload: str, lag: int, steps: int) -> dict:
+    """In this process: pin to core 0, train `steps` steps, return the step times and final reward."""
+    os.sched_setaffinity(0, {0})
+    import torch
+
+    torch.set_num_threads(1)
+    from peft import LoraConfig
+
+    from benchmarks.workloads import WORKLOADS, build
+    from rlft import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    spec = WORKLOADS[workload]
+    work = build(spec)
+    args = AsyncGRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlft-async-bench-"), max_steps=steps,
+                           report_to="none", disable_tqdm=True, save_strategy="no", seed=0, rollout_lag=lag,
+                           max_staleness=max(lag, 1), producer_cpus=[1], producer_threads=1,
+                           lr_scheduler_type="linear", **spec.common())
+    trainer = AsyncGRPOTrainer(work.model, work.reward_funcs, args, work.rows, processing_class=work.tokenizer,
+                               peft_config=LoraConfig(**spec.lora) if spec.hidden else None)
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "step_time" in r]
+    return {"step_seconds": [r["step_time"] for r in rows],
+            "wait_seconds": [r.get("perf/rollout_wait_s", 0.0) for r in rows],
+            "generation_seconds": [r.get("rollout/duration_s", 0.0) for r in rows],
+            "train_seconds": [r.get("time/train_seconds", 0.0) for r in rows]}
+
+
+def demo_curve(lag: int | None, steps: int) -> dict:
+    """The demo (LoRA, addition task, seed 0): held-out greedy accuracy every 100 steps; lag None = GRPOTrainer."""
+    from rlft.config import AsyncGRPOConfig
+    from rlft.data.addition import rows, split_problems
+    from rlft.demo import HELDOUT_KEY, demo_config, demo_lora
+    from rlft.models import shipped_policy_path
+    from rlft.rewards.builtins import exact_match_reward, format_reward
+    from rlft.train.async_grpo import AsyncGRPOTrainer
+    from rlft.train.grpo import GRPOTrainer
+
+    train, heldout = split_problems()
+    folder = tempfile.mkdtemp(prefix="rlft-async-demo-")
+    if lag is None:
+        cfg, trainer_class = demo_config(folder, steps, True, 0), GRPOTrainer
+    else:
+        cfg = demo_config(folder, steps, True, 0, config_class=AsyncGRPOConfig, rollout_lag=lag,
+                          max_staleness=max(lag, 1))
+        trainer_class = AsyncGRPOTrainer
+    trainer = trainer_class(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
+                            train_dataset=rows(train), eval_dataset=rows(heldout), peft_config=demo_lora(True))
+    started = time.perf_counter()
+    trainer.train()
+    curve = [(r["step"], r[HELDOUT_KEY]) for r in trainer.state.log_history if HELDOUT_KEY in r]
+    return {"curve": curve, "seconds": time.perf_counter() - started}
+
+
+def demo(args) -> dict:
+    out = {}
+    for name, lag in (("sync", None), ("async k=1", 1)):
+        run = subprocess.run([sys.executable, __file__, "--demo-one", "none" if lag is None else str(lag),
+                              str(args.demo_steps)], cwd=ROOT, capture_output=True, text=True, timeout=3600)
+        if run.returncode:
+            raise RuntimeError(run.stderr[-3000:])
+        out[name] = json.loads(run.stdout.strip().splitlines()[-1])
+        print(name, out[name], flush=True)
+    final = out["sync"]["curve"][-1][1]
+    for name, run in out.items():
+        reached = [step for step, acc in run["curve"] if acc >= 0.9 * final]
+        run["first_step_at_90pct_of_sync_final"] = reached[0] if reached else None
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for name, run in out.items():
+            ax.plot(*zip(*run["curve"]), marker="o", label=name)
+        ax.set_xlabel("optimiser step")
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.set_title("rlft demo (LoRA): synchronous vs one-step-off async")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    return out
+
+
+def spawn(workload: str, lag: int, steps: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", workload, str(lag), str(steps)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def probe_trl(python: str, model: str) -> str:
+    out = subprocess.run([python, "-c", TRL_PROBE % model], capture_output=True, text=True, timeout=900)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1][:300] if out.stderr else ''}"
+    result = json.loads(lines[-1])
+    return "ran" if result["ok"] else result["error"]
+
+
+def speed(args) -> dict:
+    results = {"date": time.strftime("%Y-%m-%d"), "steps": args.steps, "workloads": {}}
+    for workload in args.workloads:
+        runs = {"sync": [], "async": []}
+        for _ in range(args.repeats):
+            for mode, lag in (("sync", 0), ("async", 1)):  # alternating
+                runs[mode].append(spawn(workload, lag, args.steps))
+        summary = {}
+        for mode, reps in runs.items():
+            steps = [s for rep in reps for s in rep["step_seconds"][2:]]
+            summary[mode] = {"median_step_seconds": statistics.median(steps),
+                             "median_wait_seconds": statistics.median(
+                                 [s for rep in reps for s in rep["wait_seconds"][2:]]),
+                             "median_generation_seconds": statistics.median(
+                                 [s for rep in reps for s in rep["generation_seconds"][2:]]),
+                             "median_train_seconds": statistics.median(
+                                 [s for rep in reps for s in rep["train_seconds"][2:]])}
+        summary["ratio"] = summary["async"]["median_step_seconds"] / summary["sync"]["median_step_seconds"]
+        results["workloads"][workload] = summary
+        print(json.dumps({workload: summary}), flush=True)
+    if args.trl_python:
+        from rlft.models import shipped_policy_path
+
+        results["trl"] = probe_trl(args.trl_python, str(shipped_policy_path()))
+    return results
+
+
+def table(results: dict) -> str:
+    lines = ["| workload | sync s/step | async s/step | async / sync | producer s/rollout | trainer s/update "
+             "| trainer waits (async) |", "|---|---|---|---|---|---|---|"]
+    for workload, s in results["workloads"].items():
+        lines.append(f"| {workload} | {s['sync']['median_step_seconds']:.2f} | "
+                     f"{s['async']['median_step_seconds']:.2f} | {s['ratio']:.2f} | "
+                     f"{s['async']['median_generation_seconds']:.2f} | {s['async']['median_train_seconds']:.2f} | "
+                     f"{s['async']['median_wait_seconds']:.2f} |")
+    if "trl" in results:
+        lines.append(f"| any | TRL 1.16 AsyncGRPOTrainer: {results['trl']} | | | | | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workloads", default="bc")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--trl-python", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--demo", action="store_true", help="accuracy vs steps on the demo task")
+    parser.add_argument("--demo-steps", type=int, default=1500)
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--demo-one", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.demo_one:
+        lag = None if args.demo_one[0] == "none" else int(args.demo_one[0])
+        print(json.dumps(demo_curve(lag, int(args.demo_one[1]))))
+        return
+    if args.demo:
+        results = demo(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        return
+    if args.one:
+        print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]))))
+        return
+    results = speed(args)
+    print(table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
