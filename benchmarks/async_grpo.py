@@ -105,7 +105,7 @@ def demo(args) -> dict:
         out[name] = json.loads(run.stdout.strip().splitlines()[-1])
         print(name, out[name], flush=True)
     final = out["sync"]["curve"][-1][1]
-    for name, run in out.items():
+    for run in out.values():
         reached = [step for step, acc in run["curve"] if acc >= 0.9 * final]
         run["first_step_at_90pct_of_sync_final"] = reached[0] if reached else None
     if args.plot:
