@@ -220,8 +220,9 @@ def test_evaluation_runs_on_the_producer_with_the_current_weights(tmp_path):
     trainer.train()
     evals = [r for r in trainer.state.log_history if "eval_reward" in r]
     assert len(evals) == 2
-    again = trainer.evaluate()  # after train: the producer starts again
+    again = trainer.evaluate()  # after train: a producer starts for it, and stops after
     assert again["eval_reward"] == pytest.approx(evals[-1]["eval_reward"])
+    assert trainer.generator.proc is None
 
 
 def test_bad_async_settings_are_refused_with_the_fix(tmp_path):

@@ -33,6 +33,11 @@ from rlft.errors import RlftError
 from rlft.rollout.hf import Rollout, eos_token_ids
 from rlft.rollout.producer_worker import SPEC_FILE
 
+# torchrun / accelerate's variables: the producer must not take itself for one of the trainer's processes
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP",
+                      "ACCELERATE_USE_DEEPSPEED")
+
 
 class ProducerError(RlftError, RuntimeError):
     """The rollout producer died, stopped answering, timed out or failed; the message names it."""
@@ -115,8 +120,11 @@ class ProcessProducer:
                 "peft": _peft_spec(model), "parent": os.getpid(), "cpus": self.args.producer_cpus,
                 "threads": self.args.producer_threads, "version": version}
         (self.folder / SPEC_FILE).write_text(json.dumps(spec))
+        self.ready, self.error, self.beat, self.results, self.begun = False, None, time.monotonic(), {}, {}
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
         self.proc = subprocess.Popen([sys.executable, "-m", "rlft.rollout.producer_worker", str(self.folder)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     env=env)
         weakref.finalize(self, _stop, self.proc)
         threading.Thread(target=self._read, daemon=True).start()
         self._wait_for("ready", self.args.vllm_server_timeout)
@@ -205,7 +213,11 @@ class ProcessProducer:
     def _read(self) -> None:
         stream = self.proc.stdout
         for line in stream:
-            message = json.loads(line)
+            try:
+                message = json.loads(line)
+            except ValueError:  # something a library printed before the producer took over its output
+                sys.stderr.write(line)
+                continue
             with self.cond:
                 self.beat = time.monotonic()
                 kind = message.pop("type")

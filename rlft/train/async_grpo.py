@@ -98,6 +98,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._start_producer()
         self.log.info(f"{self.generator.name}: rollouts sampled {self.args.rollout_lag} rollout(s) behind, "
                       f"weights pushed every {self.args.weight_sync_steps} step(s)")
+        if self.accelerator.device.type == "cpu" and self.args.producer_cpus is None:
+            self.log.warn(f"the trainer ({torch.get_num_threads()} threads) and the producer share this "
+                          "machine's CPU cores: each slows the other several-fold. Give the producer its own "
+                          "cores (producer_cpus, producer_threads) and the trainer the rest (taskset, "
+                          "torch.set_num_threads); docs/async.md")
 
     def _start_producer(self) -> None:
         if self.generator.proc is None:
@@ -194,6 +199,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return metrics
 
     # ---- evaluation: the current weights, on the producer -------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """GRPOTrainer's evaluation; called outside train(), it starts a producer for itself and stops it
+        after (no process is left running)."""
+        own = self.generator.proc is None
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            if own:
+                self.generator.close()
+
     def _generate(self, prompts: dict, count: int, greedy: bool = False):
         self._start_producer()
         self._submit_older()
