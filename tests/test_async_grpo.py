@@ -272,3 +272,21 @@ def test_vllm_in_the_producer_process_samples_on_schedule_and_matches_the_traine
         assert [r["sample/version"] for r in rows] == ([0, 1, 2] if lag == 0 else [0, 0, 1])
         if lag == 0:
             assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
+
+
+@pytest.mark.vllm
+def test_a_vllm_server_as_the_producers_engine_trains_on_schedule(tmp_path):
+    """`rlft vllm-serve` on loopback; the producer process talks to it (weights pushed by the producer)."""
+    pytest.importorskip("vllm")
+    from rlft.models import shipped_policy_path
+    from tests.test_grpo_trainer import lora
+    from tests.test_vllm import free_port, serving
+
+    port = free_port()
+    with serving(tmp_path, shipped_policy_path(), port):
+        AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer],
+                         async_config(tmp_path, max_steps=3, use_vllm=True, vllm_mode="server", vllm_server_port=port,
+                                      rollout_lag=0, learning_rate=1e-2), addition_rows(32), peft_config=lora()).train()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["sample/version"] for r in rows] == [0, 1, 2]
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows

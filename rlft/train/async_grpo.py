@@ -65,6 +65,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                   "would have to run it); use GRPOTrainer")
         kwargs = {k: v for k, v in kwargs.items() if k not in ("rollout_worker", "weight_transfer")}
         super().__init__(model, reward_funcs, args, train_dataset, **kwargs)
+        if self.accelerator.num_processes > 1:
+            raise ConfigError("AsyncGRPOTrainer on several processes is not built yet (each process's "
+                              "requested rollouts would have to go into checkpoints); launch one process")
         if self.engine.sharded:
             raise ConfigError(f"AsyncGRPOTrainer under {self.engine.name} is not built yet (a weight push "
                               "would gather the sharded weights); use DDP or one process")
