@@ -70,8 +70,11 @@ def test_each_step_trains_on_rollouts_sampled_exactly_k_steps_earlier_and_two_ru
         assert torch.equal(p, q), name
 
 
-def test_at_lag_0_the_sampler_is_the_trainer(tmp_path):
-    trained(tmp_path, rollout_lag=0, max_steps=2)
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_at_lag_0_the_sampler_is_the_trainer(tmp_path, penalty):
+    """Log-probs recorded while sampling, or (a repetition penalty changes generate's logits) scored by the
+    producer after sampling: either way the trainer's own at the same weights."""
+    trained(tmp_path, rollout_lag=0, max_steps=2, repetition_penalty=penalty)
     for row in read_metrics(tmp_path / "run"):
         assert row["sample/staleness_max"] == 0
         assert row["sampling/sampling_logp_difference/max"] < 1e-5  # producer and trainer score alike
@@ -195,6 +198,30 @@ def test_a_dead_or_stopped_producer_stops_training_with_its_name_and_the_last_ch
     assert message in text and "the rollout producer (process" in text
     assert "checkpoint-1" in text and "resume_from_checkpoint=True" in text
     assert trainer.generator.proc is None  # closed: nothing left running
+
+
+def test_a_skipped_step_keeps_the_schedule(tmp_path):
+    """Every completion masked (truncated at 1 token): each step is skipped, the weights never change, and the
+    producer still tags each rollout with its scheduled version."""
+    trained(tmp_path, max_steps=3, max_completion_length=1, mask_truncated_completions=True)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["sample/version"] for r in rows] == [0, 0, 1] and rows[-1]["steps_skipped"] == 3
+
+
+def test_a_mid_rollout_resume_equals_the_uninterrupted_run_and_the_staleness_bound_counts_its_steps(tmp_path):
+    from tests.helpers import stop_after
+
+    with pytest.raises(ConfigError, match="up to 3 steps old, above max_staleness=2"):
+        trained(tmp_path, "refused", num_iterations=2, weight_sync_steps=2, max_staleness=2)
+    settings = dict(max_steps=6, num_iterations=2, weight_sync_steps=2, max_staleness=3, save_steps=3)
+    trained(tmp_path, "straight", **settings)
+    from rlft.models import shipped_policy_path
+
+    AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer, has_answer_tags],
+                     async_config(tmp_path, "split", **settings), addition_rows(32),
+                     callbacks=[stop_after(3)]).train()
+    trained(tmp_path, "split", resume=True, **settings)
+    assert rows_of(tmp_path / "straight") == rows_of(tmp_path / "split")
 
 
 def test_lora_pushes_only_the_adapters(tmp_path):

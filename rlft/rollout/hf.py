@@ -107,8 +107,9 @@ class LogpRecorder:
     """A logits processor that keeps each sampled token's log-prob at the sampling temperature: at every step
     it reads the token the previous step sampled (the last of `input_ids`) and looks it up in that step's
     log-softmax; `finish` reads the last one. transformers runs it after its own processors (repetition
-    penalty) and before the temperature / top-k / top-p warpers, so the log-probs are those of
-    softmax(logits / temperature): what the trainer scores (rlft/scoring.py)."""
+    penalty, bad words, ...) and before the temperature / top-k / top-p warpers, so with no such processor the
+    log-probs are those of softmax(logits / temperature): what the trainer scores (rlft/scoring.py). Its
+    user (rlft/rollout/producer_worker.py) asks for it only then."""
 
     def __init__(self, temperature: float):
         self.temperature, self.previous, self.logps = temperature or 1.0, None, []

@@ -100,7 +100,7 @@ class ProcessProducer:
         self.begun: dict[str, float] = {}
         self.dirty, self.label, self.pushes = True, None, 0
         self.pending_metrics: dict[str, float] = {}
-        self.ready = False
+        self.ready, self.submitted = False, set()
 
     @property
     def name(self) -> str:
@@ -121,6 +121,7 @@ class ProcessProducer:
                 "threads": self.args.producer_threads, "version": version}
         (self.folder / SPEC_FILE).write_text(json.dumps(spec))
         self.ready, self.error, self.beat, self.results, self.begun = False, None, time.monotonic(), {}, {}
+        self.submitted = set()
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
         self.proc = subprocess.Popen([sys.executable, "-m", "rlft.rollout.producer_worker", str(self.folder)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
@@ -148,8 +149,10 @@ class ProcessProducer:
         the trainable tensors as a file, queued behind the requests already sent."""
         from safetensors.torch import save_file
 
-        if not self.dirty:
-            self.label = version
+        if not self.dirty:  # e.g. a skipped step: the same weights, under the new version
+            if version != self.label:
+                self._send({"type": "weights", "version": version, "path": None})
+                self.label = version
             return
         started = time.perf_counter()
         tensors = {name: t.detach().contiguous().clone() for name, t in trainable_tensors(model)}
@@ -165,6 +168,7 @@ class ProcessProducer:
     def submit(self, key: str, prompt_ids: list[list[int]], num_generations: int, seed: int,
                greedy: bool = False) -> int:
         """Queue a request; returns the version of the weights that will sample it."""
+        self.submitted.add(key)
         self._send({"type": "generate", "key": key, "prompt_ids": prompt_ids,
                     "num_generations": num_generations, "greedy": greedy, "seed": seed})
         return self.label
@@ -172,11 +176,19 @@ class ProcessProducer:
     def take(self, key: str) -> Produced:
         """The answer to request `key`, waiting for it; a producer that fails, dies or stops answering is an
         error within heartbeat_stale_after_s (or request_timeout for one slow rollout)."""
+        if key not in self.submitted:
+            raise KeyError(f"no request {key!r} was sent to {self.name}")
         with self.cond:
             while key not in self.results:
-                self._check(key)
+                self._check()
                 self.cond.wait(0.2)
+            self.submitted.discard(key)
             return self.results.pop(key)
+
+    def waiting_rows(self) -> int:
+        """Completions answered and not yet taken."""
+        with self.cond:
+            return sum(len(p.tokens) for p in self.results.values())
 
     def metrics(self) -> dict[str, float]:
         pending, self.pending_metrics = self.pending_metrics, {}
@@ -207,7 +219,7 @@ class ProcessProducer:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as err:
             with self.cond:
-                self._check(None)
+                self._check()
             raise ProducerError(f"{self.name} does not take requests: {err}") from err
 
     def _read(self) -> None:
@@ -230,6 +242,8 @@ class ProcessProducer:
                     self.begun.pop(message["key"], None)
                 elif kind == "begin":
                     self.begun[message["key"]] = time.monotonic()
+                elif kind == "done":
+                    self.begun.pop(message["key"], None)
                 elif kind == "error":
                     self.error = message["message"]
                 self.ready = self.ready or kind == "ready"
@@ -239,17 +253,20 @@ class ProcessProducer:
         deadline = time.monotonic() + timeout
         with self.cond:
             while not getattr(self, what, False):
-                self._check(None, startup=True)
+                self._check(startup=True)
                 if time.monotonic() > deadline:
                     self.close()
                     raise ProducerError(f"{self.name} did not start within vllm_server_timeout={timeout} s")
                 self.cond.wait(0.2)
 
-    def _check(self, key: str | None, startup: bool = False) -> None:
-        """Raise if the producer failed, exited, stopped signalling, or spends too long on `key`."""
+    def _check(self, startup: bool = False) -> None:
+        """Raise if the producer failed, exited, stopped signalling, or spends too long on one request (a
+        rollout or a weight load). Called with `cond` held."""
+        code = self.proc.poll()
+        if code is not None and self.error is None:
+            self.cond.wait(1.0)  # let the reader take in a last message (the traceback) first
         if self.error is not None:
             raise ProducerError(f"{self.name} failed:\n{self.error}")
-        code = self.proc.poll()
         if code is not None:
             raise ProducerError(f"{self.name} exited with code {code}")
         now = time.monotonic()
@@ -258,11 +275,11 @@ class ProcessProducer:
             raise ProducerError(f"{self.name} has not signalled for {now - self.beat:.0f} s "
                                 f"(heartbeat_stale_after_s={self.args.heartbeat_stale_after_s}): stopped or "
                                 "hung; it was stopped")
-        begun = self.begun.get(key) if key is not None else None
+        begun = min(self.begun.values(), default=None)
         if begun is not None and now - begun > self.args.request_timeout:
             self.proc.kill()
             raise ProducerError(f"{self.name} spent over request_timeout={self.args.request_timeout} s on "
-                                "one rollout; it was stopped")
+                                "one request; it was stopped")
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -6,12 +6,13 @@ engine from the trainer's config (transformers' generate, vLLM in this process, 
 serves its standard input in order, one JSON object per line:
 
   {"type": "weights", "version": v, "path": file}   load the trainable tensors of version v, delete the file
+                                                    (path null: the weights did not change, only the version)
   {"type": "generate", "key": k, "prompt_ids": [...], "num_generations": G, "greedy": b, "seed": s}
   {"type": "stop"}
 
 and answers on its standard output (anything else this process prints goes to standard error):
 
-  {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin", "key": k},
+  {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin"/"done", "key": k} around a request,
   {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]], "seconds": ...},
   {"type": "error", "message": traceback}
 
@@ -101,9 +102,17 @@ def _build(folder: Path, spec: dict):
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "model"))
     engine = make_generator(args, tokenizer, model, str(folder / "model"))
-    if hasattr(engine, "return_logps"):  # generate: each sampled token's log-prob, read while sampling
-        engine.return_logps = True
+    if hasattr(engine, "return_logps") and recorded_logps_match(args):
+        engine.return_logps = True  # generate: each sampled token's log-prob, read while sampling
     return model, engine, args
+
+
+def recorded_logps_match(args) -> bool:
+    """Whether log-probs recorded inside generate are the trainer's softmax(logits / T): not when a processor
+    that runs before the recorder changes the logits (repetition penalty, generation_kwargs such as
+    no_repeat_ngram_size or bad_words_ids) or beams reorder the rows; then the producer scores its completions
+    with a forward pass instead."""
+    return args.repetition_penalty == 1.0 and not args.generation_kwargs
 
 
 def _load_weights(model, path: str) -> None:
@@ -166,10 +175,14 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
             engine.close()
             return
         if message["type"] == "weights":
-            started = time.perf_counter()
-            _load_weights(model, message["path"])
-            weights_changed(engine)  # vLLM engines push them on before their next generation
-            version, loaded = message["version"], loaded + time.perf_counter() - started
+            if message["path"] is not None:  # None: the same weights under a new version (a skipped step)
+                key, started = f"weights-{message['version']}", time.perf_counter()
+                channel.send({"type": "begin", "key": key})
+                _load_weights(model, message["path"])
+                weights_changed(engine)  # vLLM engines push them on before their next generation
+                loaded += time.perf_counter() - started
+                channel.send({"type": "done", "key": key})
+            version = message["version"]
             continue
         channel.send({"type": "begin", "key": message["key"]})
         result = _generate(model, engine, args, message, version)

@@ -71,6 +71,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.engine.sharded:
             raise ConfigError(f"AsyncGRPOTrainer under {self.engine.name} is not built yet (a weight push "
                               "would gather the sharded weights); use DDP or one process")
+        worst = args.rollout_lag * self.steps_per_rollout + args.weight_sync_steps - 1
+        if worst > args.max_staleness:
+            raise ConfigError(f"with {self.steps_per_rollout} optimiser steps per rollout, rollout_lag="
+                              f"{args.rollout_lag} and weight_sync_steps={args.weight_sync_steps} train on "
+                              f"weights up to {worst} steps old, above max_staleness={args.max_staleness}: "
+                              "raise max_staleness or lower rollout_lag / weight_sync_steps")
         if args.weight_sync_steps % self.steps_per_rollout:
             raise ConfigError(f"weight_sync_steps={args.weight_sync_steps} must be a multiple of the "
                               f"optimiser steps per rollout ({self.steps_per_rollout}): weights are pushed "
@@ -112,7 +118,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.generator.start(self.accelerator.unwrap_model(self.model), self.flow.state.global_step)
 
     def _resume(self, resume_from_checkpoint) -> int:
-        self._ready, self._next_submit = {}, 0
+        self._ready, self._next_submit, self._async_metrics = {}, 0, {}
         start = super()._resume(resume_from_checkpoint)
         self._next_submit = max(self._next_submit, -(-start // self.steps_per_rollout))
         self._taking = -(-start // self.steps_per_rollout) - 1  # the last rollout taken from the producer
@@ -132,8 +138,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
             version = self._version(self._next_submit)
             if version != self.generator.label:
                 if version != step:
-                    raise RuntimeError(f"async schedule: rollout {self._next_submit} needs the weights of "
-                                       f"step {version}, the trainer is at step {step} (an rlft bug)")
+                    raise ConfigError(
+                        f"async schedule: rollout {self._next_submit} is to be sampled from the weights of "
+                        f"step {version}, which this run no longer has (it is at step {step}): an async run "
+                        "resumed with a larger max_steps than the checkpoint's run had cannot keep its "
+                        "schedule; resume with that max_steps")
                 self.generator.push(unwrapped, version)
             self._submit(self._next_submit)
 
@@ -181,8 +190,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         rewards, completions = self._score(rollout, prompts, args.num_generations, reward_log)
         timing["time/generation_seconds"] += waited - started
         timing["time/reward_seconds"] += time.perf_counter() - waited
-        queued = sum(len(p.tokens) for p in self.generator.results.values()) + sum(
-            len(p.tokens) for p in self._ready.values())
+        queued = self.generator.waiting_rows() + sum(len(p.tokens) for p in self._ready.values())
         self._async_metrics = {
             "sample/version": float(produced.version), "perf/rollout_wait_s": waited - started,
             # how long the rollout waited for the trainer (0 when the trainer waited for it)
@@ -235,11 +243,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
             tensors[f"async.{rollout}.logprobs"] = torch.tensor(
                 [v for row in produced.logprobs for v in row], dtype=torch.float32)
             pending.append({"rollout": rollout, "version": produced.version, "seconds": produced.seconds})
-        return tensors, {**(extra or {}), "async": {"next_submit": self._next_submit, "pending": pending}}
+        return tensors, {**(extra or {}), "async": {"next_submit": self._next_submit, "pending": pending,
+                                                    "metrics": self._async_metrics}}
 
     def _restore_carried(self, tensors: dict, extra: dict | None) -> dict:
         saved = (extra or {}).get("async", {})
         self._next_submit = saved.get("next_submit", 0)
+        self._async_metrics = saved.get("metrics", {})  # the rollout in progress's (a mid-rollout resume)
         for entry in saved.get("pending", []):
             r = entry["rollout"]
             lengths = tensors.pop(f"async.{r}.lengths").tolist()
