@@ -164,7 +164,7 @@ def _generate(model, engine, args, message: dict, version: int) -> dict:
 
 
 def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: int) -> None:
-    from rlft.rollout.base import weights_changed
+    from rlft.rollout.base import engine_metrics, weights_changed
 
     idle, loaded = 0.0, 0.0
     while True:
@@ -186,8 +186,7 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
             continue
         channel.send({"type": "begin", "key": message["key"]})
         result = _generate(model, engine, args, message, version)
-        channel.send({**result, "idle_seconds": idle, "load_seconds": loaded,
-                      **{k: v for k, v in getattr(engine, "metrics", dict)().items()}})
+        channel.send({**result, "idle_seconds": idle, "load_seconds": loaded, **engine_metrics(engine)})
         idle = loaded = 0.0
 
 

@@ -109,7 +109,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                       f"weights pushed every {self.args.weight_sync_steps} step(s)")
         if self.accelerator.device.type == "cpu" and self.args.producer_cpus is None:
             self.log.warn(f"the trainer ({torch.get_num_threads()} threads) and the producer share this "
-                          "machine's CPU cores: each slows the other several-fold. Give the producer its own "
+                          "machine's CPU cores: each slows the other down. Give the producer its own "
                           "cores (producer_cpus, producer_threads) and the trainer the rest (taskset, "
                           "torch.set_num_threads); docs/async.md")
 
