@@ -93,7 +93,8 @@ def _cmd_vllm_serve(args, extra: list[str]) -> int:
     import_vllm()  # a clear message when vLLM is missing
     argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len,
                               args.tensor_parallel_size, args.gpu_memory_utilization, args.enforce_eager,
-                              args.seed, extra)
+                              args.seed, extra, enable_lora=args.enable_lora,
+                              max_lora_rank=args.max_lora_rank)
     print("rlft vllm-serve:", " ".join(argv[1:]), file=sys.stderr, flush=True)
     os.execve(argv[0], argv, env)
     return 0
@@ -155,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce_eager", "--enforce-eager", action=argparse.BooleanOptionalAction,
                        default=None, help="default: eager on CPU, compiled on GPU")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--enable_lora", "--enable-lora", action="store_true",
+                       help="LoRA on: a LoRA trainer then pushes only its adapter each sync, not the merged "
+                       "model")
+    serve.add_argument("--max_lora_rank", "--max-lora-rank", type=int, default=16,
+                       help="the largest adapter rank it can hold (vLLM accepts 1, 8, 16, 32, 64, ...)")
     serve.set_defaults(func=_cmd_vllm_serve)
     return parser
 

@@ -166,6 +166,8 @@ class _GRPOFields(_BaseConfig):
     zero_signal_warning_steps: int = 5
     vllm_dtype: str = "auto"
     vllm_enforce_eager: bool | None = None
+    vllm_lora_sync: str = "auto"
+    vllm_sync_bucket_mb: float = 256.0
     tools: list[str] = field(default_factory=list)
     tool_call_timeout: float = 30.0
 
@@ -284,6 +286,8 @@ RLFT_FIELDS = frozenset(
         "zero_signal_warning_steps",
         "vllm_dtype",
         "vllm_enforce_eager",
+        "vllm_lora_sync",
+        "vllm_sync_bucket_mb",
         "tools",
         "tool_call_timeout",
         "truncation",

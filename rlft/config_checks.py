@@ -35,6 +35,7 @@ CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_stat
 IS_LEVELS = ("token", "sequence")
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers", "auto")
+LORA_SYNC_MODES = ("auto", "adapter", "merged")  # rlft/rollout/weight_sync.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 TRUNCATION = ("keep_start", "keep_end", "error")
@@ -253,6 +254,7 @@ def _validate_grpo(cfg, errors: list[str]) -> None:
         ("vllm_importance_sampling_mode", IS_MODES),
         ("vllm_dtype", DTYPES),
         ("vllm_model_impl", VLLM_MODEL_IMPLS),
+        ("vllm_lora_sync", LORA_SYNC_MODES),
     ]:
         _enum(errors, cfg, name, allowed)
     if cfg.num_generations is None or cfg.num_generations < 2:
@@ -358,6 +360,7 @@ def _validate_vllm(cfg, errors: list[str]) -> None:
         "vllm_importance_sampling_clip_max",
         "vllm_importance_sampling_cap",
         "vllm_max_model_length",
+        "vllm_sync_bucket_mb",
     )
     low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
     if low is not None and high is not None and low > high:

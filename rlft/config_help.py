@@ -223,6 +223,10 @@ SECTIONS: dict[str, dict[str, str]] = {
         "vllm_group_port": "no effect: rlft's server mode sends weights over HTTP",
         "vllm_dtype": "the engine's weights: auto (the trainer's), bfloat16 (~2x faster), float32",
         "vllm_enforce_eager": "no compilation (default: eager on CPU, compiled on GPU)",
+        "vllm_lora_sync": "LoRA: auto (push the adapter when vLLM can serve it, else merged), "
+                          "adapter, merged",
+        "vllm_sync_bucket_mb": "full weights are pushed (and gathered under FSDP2/ZeRO-3) in buckets "
+                               "of this size (MiB)",
         "vllm_server_base_url": "server mode: the server's URL (wins over host/port)",
         "vllm_server_host": "server mode: host (0.0.0.0 means this machine)",
         "vllm_server_port": "server mode: port",

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rlft import GRPOTrainer
+from rlft.rollout.vllm import engine_weights
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 
 pytestmark = pytest.mark.vllm
@@ -121,12 +122,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(tmp_path, model_dir, port: int):
-    """`rlft vllm-serve` on loopback for the duration of the block, then stopped."""
+def serving(tmp_path, model_dir, port: int, *extra: str):
+    """`rlft vllm-serve` on loopback for the duration of the block, then stopped. Its staging folder (where
+    weights sent over HTTP land) is under its own temporary directory, not the trainer's."""
     log = (tmp_path / "server.log").open("w")
+    server_tmp = tmp_path / "server-tmp"
+    server_tmp.mkdir(exist_ok=True)
     server = subprocess.Popen([sys.executable, "-m", "rlft.cli", "vllm-serve", "--model", str(model_dir),
-                               "--port", str(port), "--dtype", "float32", "--max-model-len", "512"],
-                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *extra],
+                              stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RLFT_RECEIVE_DIR": str(server_tmp)})
     try:
         yield server
     finally:
@@ -138,21 +143,49 @@ def serving(tmp_path, model_dir, port: int):
     assert server.returncode is not None
 
 
-def test_server_mode_with_rlft_vllm_serve_on_loopback_trains_three_steps(tmp_path, shipped_policy_dir):
+def run_matches_the_server(trainer, tag: str) -> list[dict]:
+    trainer.train()
+    assert trainer.generator.syncs == 3
+    rows = [r for r in trainer.state.log_history if "sampling/sampling_logp_difference/max" in r]
+    assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
+    after = parity(trainer)
+    print(f"\nvllm parity server {tag}: per step {[r['sampling/sampling_logp_difference/max'] for r in rows]}, "
+          f"fresh samples {after:.2g}; bytes per sync {[r['vllm/sync_bytes'] for r in rows]}")
+    assert after < 1e-4
+    return [r for r in trainer.state.log_history if "vllm/sync_bytes" in r]
+
+
+def test_server_mode_receives_adapters_merged_and_bucketed_weights_over_http(tmp_path, shipped_policy_dir):
+    """`rlft vllm-serve --enable_lora` on loopback, its staging folder in its own temporary directory: weights
+    travel over HTTP only. Three runs of 3 steps on the one server, each matching it after every step: LoRA
+    pushed as an adapter (the base weights once, then the adapter alone), LoRA merged, full weights in buckets
+    of 0.25 MiB."""
     port = free_port()
-    with serving(tmp_path, shipped_policy_dir, port):
-        trainer = vllm_trainer(tmp_path, shipped_policy_dir, vllm_mode="server", vllm_server_port=port,
+    with serving(tmp_path, shipped_policy_dir, port, "--enable_lora", "--max_lora_rank", "8"):
+        trainer = vllm_trainer(tmp_path / "adapter", shipped_policy_dir, vllm_mode="server", vllm_server_port=port,
                                vllm_server_timeout=240, use_peft=True, learning_rate=1e-2)
-        trainer.train()
-        assert trainer.generator.syncs == 3
-        rows = [r for r in trainer.state.log_history if "sampling/sampling_logp_difference/max" in r]
-        assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
-        after = parity(trainer)
-        print(f"\nvllm parity server lora: fresh samples {after:.2g}")
-        assert after < 1e-4  # the server's samples after LoRA steps pushed through shared memory
-        folder = trainer.generator.folder
+        assert trainer.generator.lora_mode == "adapter"
+        adapter = sum(t.numel() * 4 for n, t in trainer.model.named_parameters() if "lora_" in n)
+        rows = run_matches_the_server(trainer, "lora adapter")
+        base = sum(t.numel() * 4 for _, t in engine_weights(trainer.model))
+        assert [r["vllm/sync_bytes"] for r in rows] == [base + adapter, adapter, adapter]
+        assert trainer.generator.served.startswith("rlft-")  # completions asked of the adapter
+        staged = [p.name for p in (tmp_path / "server-tmp").iterdir()]
+        assert len(staged) == 1 and staged[0].endswith("-v4"), staged  # the adapter in use; no buckets left
         release(trainer)
-    assert not os.path.exists(folder)  # the shared-memory weights folder goes with the generator
+        assert not list((tmp_path / "server-tmp").iterdir())  # close() unloads it and deletes its files
+
+        trainer = vllm_trainer(tmp_path / "merged", shipped_policy_dir, vllm_mode="server", vllm_server_port=port,
+                               vllm_server_timeout=240, use_peft=True, learning_rate=1e-2, vllm_lora_sync="merged")
+        assert trainer.generator.lora_mode == "merged"
+        run_matches_the_server(trainer, "lora merged")
+        release(trainer)
+
+        trainer = vllm_trainer(tmp_path / "full", shipped_policy_dir, vllm_mode="server", vllm_server_port=port,
+                               vllm_server_timeout=240, vllm_sync_bucket_mb=0.25)
+        rows = run_matches_the_server(trainer, "full, 0.25 MiB buckets")
+        assert rows[0]["vllm/sync_bytes"] == sum(t.numel() * 4 for _, t in engine_weights(trainer.model))
+        release(trainer)
 
 def test_a_model_object_without_a_folder_starts_the_engine_and_leaves_no_temporary_copy(tmp_path, shipped_policy_dir,
                                                                                         capsys):

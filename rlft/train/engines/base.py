@@ -80,10 +80,11 @@ class TrainingEngine:
         yield
 
     @contextlib.contextmanager
-    def full_weights(self, model):
+    def full_weights(self, model, params=None):
         """Every process holds every weight whole inside (what a weight sync to vLLM reads; every process must
         enter it together), as plain tensors; whatever is done to them inside is dropped on exit by the
-        sharded engines. Unsharded: the weights already are whole."""
+        sharded engines. `params`: only these parameters (a bucketed sync gathers one bucket at a time).
+        Unsharded: the weights already are whole."""
         yield
 
     # ---- one optimiser step ---------------------------------------------------------------------

@@ -120,16 +120,17 @@ class DeepSpeedEngine(TrainingEngine):
                 set_hf_deepspeed_config(registered)
 
     @contextlib.contextmanager
-    def full_weights(self, model):
-        """ZeRO-3: all parameters gathered on every process for the duration (ZeRO-3 gathers per forward
-        during generation, kept in step by synced_gpus, so for_generation needs nothing). ZeRO-2: whole
-        already."""
+    def full_weights(self, model, params=None):
+        """ZeRO-3: all parameters (or only `params`) gathered on every process for the duration (ZeRO-3
+        gathers per forward during generation, kept in step by synced_gpus, so for_generation needs nothing).
+        ZeRO-2: whole already."""
         if self.zero_stage != 3:
             yield
             return
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        chosen = list(model.parameters()) if params is None else list(params)
+        with deepspeed.zero.GatheredParameters(chosen, modifier_rank=None):
             yield
 
     # ---- one optimiser step ---------------------------------------------------------------------

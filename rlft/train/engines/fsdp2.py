@@ -63,15 +63,17 @@ class FSDP2Engine(TrainingEngine):
                 module.set_reshard_after_forward(bool(reshard))
 
     @contextlib.contextmanager
-    def full_weights(self, model):
+    def full_weights(self, model, params=None):
         """Each DTensor parameter is replaced by a full copy for the duration (read them with
         named_parameters: FSDP2's state_dict hook swaps its own shards back in; and peft's merge on DTensors
         is wrong by up to 0.17 and leaves the shards changed, measured); the shards are put back on exit,
-        unchanged."""
+        unchanged. `params`: only these (by identity), in the same order on every process."""
         from torch.distributed.tensor import DTensor
 
+        wanted = None if params is None else {id(p) for p in params}
         swapped = [(module, name, param) for module in model.modules()
-                   for name, param in module._parameters.items() if isinstance(param, DTensor)]
+                   for name, param in module._parameters.items()
+                   if isinstance(param, DTensor) and (wanted is None or id(param) in wanted)]
         for module, name, param in swapped:
             module._parameters[name] = torch.nn.Parameter(param.full_tensor(), requires_grad=False)
         try:
