@@ -100,6 +100,31 @@ def _cmd_vllm_serve(args, extra: list[str]) -> int:
     return 0
 
 
+def _add_vllm_serve(sub) -> None:
+    serve = sub.add_parser("vllm-serve",
+                           help="a vLLM server for use_vllm=True, vllm_mode='server' (TRL's trl vllm-serve)")
+    serve.add_argument("--model", required=True,
+                       help="the policy's folder or hub id (the trainer pushes its weights)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="default loopback; 0.0.0.0 exposes the weight-reload route")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", default=None, help="the engine's weights, e.g. bfloat16 (default: the "
+                       "trainer's rule for dtype auto here: bfloat16 on a GPU that has it, else float32; "
+                       "vLLM's auto would run float32 as bfloat16 on a CPU)")
+    serve.add_argument("--max_model_len", "--max-model-len", type=int, default=None)
+    serve.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--enforce_eager", "--enforce-eager", action=argparse.BooleanOptionalAction,
+                       default=None, help="default: eager on CPU, compiled on GPU")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--enable_lora", "--enable-lora", action="store_true",
+                       help="LoRA on: a LoRA trainer then pushes only its adapter each sync, not the merged "
+                       "model")
+    serve.add_argument("--max_lora_rank", "--max-lora-rank", type=int, default=16,
+                       help="the largest adapter rank it can hold (vLLM accepts 1, 8, 16, 32, 64, ...)")
+    serve.set_defaults(func=_cmd_vllm_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO and "
                                      "reward models.")
@@ -140,28 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    serve = sub.add_parser("vllm-serve",
-                           help="a vLLM server for use_vllm=True, vllm_mode='server' (TRL's trl vllm-serve)")
-    serve.add_argument("--model", required=True,
-                       help="the policy's folder or hub id (the trainer pushes its weights)")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="default loopback; 0.0.0.0 exposes the weight-reload route")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", default=None, help="the engine's weights, e.g. bfloat16 (default: the "
-                       "trainer's rule for dtype auto here: bfloat16 on a GPU that has it, else float32; "
-                       "vLLM's auto would run float32 as bfloat16 on a CPU)")
-    serve.add_argument("--max_model_len", "--max-model-len", type=int, default=None)
-    serve.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1)
-    serve.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization", type=float, default=0.9)
-    serve.add_argument("--enforce_eager", "--enforce-eager", action=argparse.BooleanOptionalAction,
-                       default=None, help="default: eager on CPU, compiled on GPU")
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--enable_lora", "--enable-lora", action="store_true",
-                       help="LoRA on: a LoRA trainer then pushes only its adapter each sync, not the merged "
-                       "model")
-    serve.add_argument("--max_lora_rank", "--max-lora-rank", type=int, default=16,
-                       help="the largest adapter rank it can hold (vLLM accepts 1, 8, 16, 32, 64, ...)")
-    serve.set_defaults(func=_cmd_vllm_serve)
+    _add_vllm_serve(sub)
     return parser
 
 

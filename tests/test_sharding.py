@@ -209,20 +209,28 @@ def one_process_sync(tmp_path_factory, tiny_causal_dir):
     return run
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("mode", ["lora", "full", "buckets", "adapter"])
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
 def test_a_vllm_weight_sync_reads_whole_merged_weights_on_every_process(engine, mode, tmp_path, tiny_causal_dir,
                                                                          one_process_sync):
     """What a vLLM engine is pushed after 3 sharded steps (each process: its own colocated engine; rank 0: the
     server's) is the whole model, LoRA merged, in vLLM's names, and equals 1 process's. With syncs before every
     step in between: a sync leaves the shards as they were (FSDP2: peft merging DTensors in place was 0.17 off
-    and changed the shards)."""
+    and changed the shards). Buckets (full) and adapter (LoRA, the base weights unmerged then the adapter):
+    gathered one bucket at a time -- never more parameters whole at once than one bucket holds."""
     needs(engine)
     engine_launch(engine, ["tests/dist/sync_weights.py", str(tiny_causal_dir), str(tmp_path), mode])
     one = one_process_sync(mode)
     ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1)]
-    assert sorted(ranks[0]) == sorted(one) and "lm_head.weight" in one and not any("lora" in k for k in one)
+    assert sorted(ranks[0]) == sorted(one) and "lm_head.weight" in one
+    assert any("lora" in k for k in one) == (mode == "adapter")
+    if mode in ("buckets", "adapter"):
+        for rank in (0, 1):
+            whole = json.loads((tmp_path / f"rank{rank}.json").read_text())
+            assert whole["before"] == 0 and whole["buckets"] > 5, whole
+            assert 0 < whole["inside"] <= whole["largest_bucket"] < whole["params"], whole
     for name, value in one.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
         assert ranks[0][name].shape == value.shape, name
-        assert torch.allclose(ranks[0][name], value, atol=TOLERANCE[mode], rtol=0), name
+        tolerance = TOLERANCE[{"buckets": "full", "adapter": "lora"}.get(mode, mode)]
+        assert torch.allclose(ranks[0][name], value, atol=tolerance, rtol=0), name

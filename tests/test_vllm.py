@@ -51,11 +51,15 @@ def release(trainer) -> None:
     gc.collect()
 
 
-@pytest.mark.parametrize("use_peft", [True, False], ids=["lora", "full"])
-def test_colocate_trains_and_the_engine_matches_the_trainer_after_every_sync(tmp_path, shipped_policy_dir,
-                                                                             use_peft):
-    trainer = vllm_trainer(tmp_path, shipped_policy_dir, use_peft=use_peft,
-                           learning_rate=1e-2 if use_peft else 1e-3)
+SYNC_MODES = {"lora": dict(use_peft=True, learning_rate=1e-2),  # as an adapter (vllm_lora_sync auto)
+              "lora-merged": dict(use_peft=True, learning_rate=1e-2, vllm_lora_sync="merged"),
+              "full": dict(use_peft=False, learning_rate=1e-3, vllm_sync_bucket_mb=0.25)}  # ~10 buckets
+
+
+@pytest.mark.parametrize("mode", list(SYNC_MODES))
+def test_colocate_trains_and_the_engine_matches_the_trainer_after_every_sync(tmp_path, shipped_policy_dir, mode):
+    trainer = vllm_trainer(tmp_path, shipped_policy_dir, **SYNC_MODES[mode])
+    assert trainer.generator.lora_mode == {"lora": "adapter", "lora-merged": "merged", "full": None}[mode]
     start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     assert trainer.generator.syncs == 3  # one per rollout; each follows an optimiser step (the first: the start)
@@ -66,9 +70,33 @@ def test_colocate_trains_and_the_engine_matches_the_trainer_after_every_sync(tmp
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
     assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4 for r in rows)
     after = parity(trainer)
-    print(f"\nvllm parity {'lora' if use_peft else 'full'}: per step "
-          f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}, fresh samples {after:.2g}")
+    sent = [r["vllm/sync_bytes"] for r in trainer.state.log_history if "vllm/sync_bytes" in r]
+    print(f"\nvllm parity {mode}: per step "
+          f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}, fresh samples {after:.2g}; bytes per sync "
+          f"{sent}")
     assert after < 1e-4  # after real optimiser steps, with tied embeddings
+    if mode == "lora":  # the base weights once, then the adapter alone
+        adapter = sum(t.numel() * 4 for n, t in trainer.model.named_parameters() if "lora_" in n)
+        assert sent[1:] == [adapter, adapter] and sent[0] > 20 * adapter
+    release(trainer)
+
+
+def test_ten_adapter_syncs_leave_the_frozen_base_weights_bitwise_unchanged(tmp_path, shipped_policy_dir):
+    """LoRA as an adapter never merges: after 10 syncs of changed adapters the trainer's base weights are the
+    same bits, and the engine matches the trainer after each (a merge/unmerge per sync drifts by ulps)."""
+    trainer = vllm_trainer(tmp_path, shipped_policy_dir, use_peft=True)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    worst = 0.0
+    for _ in range(10):
+        with torch.no_grad():
+            for name, param in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.01 * torch.randn_like(param))
+        trainer.generator.on_weights_changed()
+        worst = max(worst, parity(trainer))
+    assert trainer.generator.syncs == 10 and worst < 1e-4
+    assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if "lora_" not in n)
+    print(f"\nvllm parity over 10 adapter syncs: max {worst:.2g}")
     release(trainer)
 
 
@@ -244,7 +272,7 @@ def test_two_processes_share_one_server_that_rank_zero_updates(tmp_path, shipped
     from tests.test_distributed import launch
 
     port = free_port()
-    with serving(tmp_path, shipped_policy_dir, port):
+    with serving(tmp_path, shipped_policy_dir, port, "--enable_lora", "--max_lora_rank", "8"):  # adapters
         result = launch(["-m", "rlft.cli", "grpo", "--config", two_process_config(
             tmp_path, shipped_policy_dir, f"vllm_mode: server\nvllm_server_port: {port}\nvllm_server_timeout: 240\n"),
             "--max_steps", "3"], 2, timeout=600)
@@ -259,27 +287,39 @@ def sharded_launch(engine: str, config: str) -> subprocess.CompletedProcess:
                              ["-m", "rlft.cli", "grpo", "--config", config, "--max_steps", "3"], timeout=600)
 
 
+# full fine-tuning pushed in ~10 buckets (later YAML keys win)
+FULL_IN_BUCKETS = "use_peft: false\nlearning_rate: 1e-3\nvllm_sync_bucket_mb: 0.25\n"
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
-def test_sharded_training_syncs_whole_weights_into_each_colocated_engine(tmp_path, shipped_policy_dir, engine):
-    """FSDP2 / ZeRO-3 (persistence threshold 0: really sharded), LoRA, 2 processes each with its own engine: every
-    sync gathers the whole merged model on both processes; the engines' log-probs match the trainer's."""
+def test_sharded_training_syncs_whole_weights_into_each_colocated_engine(tmp_path, shipped_policy_dir, engine, mode):
+    """FSDP2 / ZeRO-3 (persistence threshold 0: really sharded), 2 processes each with its own engine: LoRA
+    (the adapter, its base weights once) or full weights in buckets gathered one at a time on both processes;
+    the engines' log-probs match the trainer's."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed")
-    result = sharded_launch(engine, two_process_config(tmp_path, shipped_policy_dir))
+    result = sharded_launch(engine, two_process_config(tmp_path, shipped_policy_dir,
+                                                       FULL_IN_BUCKETS if mode == "full" else ""))
     assert f"engine {engine} on 2 process(es)" in result.stdout + result.stderr, result.stderr[-3000:]
     rows = assert_two_process_run_matched_its_engines(tmp_path, result)
-    print(f"\nvllm parity 2 processes colocate {engine}: {[r['sampling/sampling_logp_difference/max'] for r in rows]}")
+    print(f"\nvllm parity 2 processes colocate {engine} {mode}: "
+          f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}")
 
 
-def test_sharded_training_pushes_whole_weights_to_a_shared_server(tmp_path, shipped_policy_dir):
-    """ZeRO-3: both processes gather for each sync, rank 0 pushes the merged model to the server."""
+def test_sharded_training_pushes_adapters_and_bucketed_weights_to_a_shared_server(tmp_path, shipped_policy_dir):
+    """ZeRO-3: both processes gather for each sync (one bucket at a time), rank 0 sends over HTTP: a LoRA run (the
+    adapter) and a full run (buckets) on one server."""
     pytest.importorskip("deepspeed")
     port = free_port()
-    with serving(tmp_path, shipped_policy_dir, port):
-        result = sharded_launch("zero3", two_process_config(
-            tmp_path, shipped_policy_dir, f"vllm_mode: server\nvllm_server_port: {port}\nvllm_server_timeout: 240\n"))
-    rows = assert_two_process_run_matched_its_engines(tmp_path, result)
-    print(f"\nvllm parity 2 processes server zero3: {[r['sampling/sampling_logp_difference/max'] for r in rows]}")
+    server = f"vllm_mode: server\nvllm_server_port: {port}\nvllm_server_timeout: 240\n"
+    with serving(tmp_path, shipped_policy_dir, port, "--enable_lora", "--max_lora_rank", "8"):
+        for mode, extra in (("lora", ""), ("full", FULL_IN_BUCKETS)):
+            (tmp_path / mode).mkdir()
+            result = sharded_launch("zero3", two_process_config(tmp_path / mode, shipped_policy_dir, server + extra))
+            rows = assert_two_process_run_matched_its_engines(tmp_path / mode, result)
+            print(f"\nvllm parity 2 processes server zero3 {mode}: "
+                  f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}")
 
 
 def test_a_prompt_seen_before_a_sync_is_not_served_from_a_stale_prefix_cache(tmp_path, shipped_policy_dir):

@@ -41,6 +41,7 @@ from rlft.rollout.weight_sync import (
     bucket_bytes_of,
     lora_rank_limit,
     lora_sync_mode,
+    module_tensors,
     tensor_bytes,
     weight_buckets,
 )
@@ -93,16 +94,6 @@ def _rng_kept():
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
-
-
-def module_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """The model's state dict entries (tied parameters under each of their names, persistent buffers), read
-    without `state_dict()`, whose FSDP2 hook would swap the shards back in while a sync reads full weights."""
-    out = list(model.named_parameters(remove_duplicate=False))
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        out += [(f"{prefix}.{name}" if prefix else name, buffer) for name, buffer in module._buffers.items()
-                if buffer is not None and name not in module._non_persistent_buffers_set]
-    return out
 
 
 def engine_weights(model):
@@ -262,12 +253,18 @@ class VLLMColocate(StaleAfterStep):
             context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
             max_len = min(args.max_prompt_length + args.max_completion_length, context or 1 << 30)
         with _rng_kept():
-            self.llm = vllm.LLM(
-                model=folder, dtype=self.dtype, seed=args.seed, max_model_len=max_len,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_prefix_caching=True,
-                enforce_eager=on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager,
-                enable_sleep_mode=args.vllm_enable_sleep_mode, skip_tokenizer_init=True,
-                logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code, **lora)
+            try:
+                self.llm = vllm.LLM(
+                    model=folder, dtype=self.dtype, seed=args.seed, max_model_len=max_len,
+                    gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_prefix_caching=True,
+                    enforce_eager=on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager,
+                    enable_sleep_mode=args.vllm_enable_sleep_mode, skip_tokenizer_init=True,
+                    logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code, **lora)
+            except (ValueError, NotImplementedError) as err:
+                if lora and "lora" in str(err).lower():  # vLLM has no LoRA for this model / this build
+                    raise ConfigError(f"vLLM could not start with LoRA on to serve the adapter ({err}); set "
+                                      "vllm_lora_sync: merged to push the merged model instead") from err
+                raise
         if tmp:  # the engine has read it; later weights arrive through sync()
             shutil.rmtree(tmp, ignore_errors=True)
         if trainer_group:

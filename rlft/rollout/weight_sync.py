@@ -27,6 +27,16 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 SERVABLE_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
 
+def module_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's state dict entries (tied parameters under each of their names, persistent buffers), read
+    without `state_dict()`, whose FSDP2 hook would swap the shards back in while a sync reads full weights."""
+    out = list(model.named_parameters(remove_duplicate=False))
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        out += [(f"{prefix}.{name}" if prefix else name, buffer) for name, buffer in module._buffers.items()
+                if buffer is not None and name not in module._non_persistent_buffers_set]
+    return out
+
+
 def full_numel(param: torch.Tensor) -> int:
     """Elements of the whole tensor: a DTensor's shape is already global; a ZeRO-3 partitioned parameter keeps
     its whole size in ds_numel."""
@@ -78,8 +88,6 @@ def adapter_name(model) -> str:
 def adapter_entries(model) -> list[tuple[str, torch.Tensor]]:
     """The active adapter's tensors under the names PEFT saves them with (`...q_proj.lora_A.weight`): what
     vLLM reads from an adapter folder."""
-    from rlft.rollout.vllm import module_tensors
-
     tag = f".{adapter_name(model)}."
     out = []
     for name, tensor in module_tensors(model):
