@@ -259,25 +259,32 @@ def assert_two_process_run_matched_its_engines(tmp_path, result) -> list[dict]:
     return rows
 
 
-def test_two_processes_each_generate_with_their_own_colocated_engine(tmp_path, shipped_policy_dir):
+@pytest.mark.parametrize("lora_sync", ["adapter", "merged"])
+def test_two_processes_each_generate_with_their_own_colocated_engine(tmp_path, shipped_policy_dir, lora_sync):
     from tests.test_distributed import launch
 
-    result = launch(["-m", "rlft.cli", "grpo", "--config", two_process_config(tmp_path, shipped_policy_dir),
-                     "--max_steps", "3"], 2, timeout=600)
+    result = launch(["-m", "rlft.cli", "grpo", "--config", two_process_config(
+        tmp_path, shipped_policy_dir, f"vllm_lora_sync: {lora_sync}\n"), "--max_steps", "3"], 2, timeout=600)
     rows = assert_two_process_run_matched_its_engines(tmp_path, result)
-    print(f"\nvllm parity 2 processes colocate: {[r['sampling/sampling_logp_difference/max'] for r in rows]}")
+    print(f"\nvllm parity 2 processes colocate {lora_sync}: "
+          f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}")
 
 
 def test_two_processes_share_one_server_that_rank_zero_updates(tmp_path, shipped_policy_dir):
+    """A LoRA run pushing its adapter, then one pushing merged weights, to one server."""
     from tests.test_distributed import launch
 
     port = free_port()
-    with serving(tmp_path, shipped_policy_dir, port, "--enable_lora", "--max_lora_rank", "8"):  # adapters
-        result = launch(["-m", "rlft.cli", "grpo", "--config", two_process_config(
-            tmp_path, shipped_policy_dir, f"vllm_mode: server\nvllm_server_port: {port}\nvllm_server_timeout: 240\n"),
-            "--max_steps", "3"], 2, timeout=600)
-    rows = assert_two_process_run_matched_its_engines(tmp_path, result)
-    print(f"\nvllm parity 2 processes server: {[r['sampling/sampling_logp_difference/max'] for r in rows]}")
+    server = f"vllm_mode: server\nvllm_server_port: {port}\nvllm_server_timeout: 240\n"
+    with serving(tmp_path, shipped_policy_dir, port, "--enable_lora", "--max_lora_rank", "8"):
+        for lora_sync in ("adapter", "merged"):
+            (tmp_path / lora_sync).mkdir()
+            result = launch(["-m", "rlft.cli", "grpo", "--config", two_process_config(
+                tmp_path / lora_sync, shipped_policy_dir, server + f"vllm_lora_sync: {lora_sync}\n"),
+                "--max_steps", "3"], 2, timeout=600)
+            rows = assert_two_process_run_matched_its_engines(tmp_path / lora_sync, result)
+            print(f"\nvllm parity 2 processes server {lora_sync}: "
+                  f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}")
 
 
 def sharded_launch(engine: str, config: str) -> subprocess.CompletedProcess:
