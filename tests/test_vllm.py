@@ -315,18 +315,20 @@ def test_sharded_training_syncs_whole_weights_into_each_colocated_engine(tmp_pat
 
 
 def test_sharded_training_pushes_adapters_and_bucketed_weights_to_a_shared_server(tmp_path, shipped_policy_dir):
-    """ZeRO-3: both processes gather for each sync (one bucket at a time), rank 0 sends over HTTP: a LoRA run (the
-    adapter) and a full run (buckets) on one server."""
+    """FSDP2 and ZeRO-3: both processes gather for each sync (one bucket at a time), rank 0 sends over HTTP: a
+    LoRA run (the adapter) and a full run (buckets) per engine, on one server."""
     pytest.importorskip("deepspeed")
     port = free_port()
     server = f"vllm_mode: server\nvllm_server_port: {port}\nvllm_server_timeout: 240\n"
     with serving(tmp_path, shipped_policy_dir, port, "--enable_lora", "--max_lora_rank", "8"):
-        for mode, extra in (("lora", ""), ("full", FULL_IN_BUCKETS)):
-            (tmp_path / mode).mkdir()
-            result = sharded_launch("zero3", two_process_config(tmp_path / mode, shipped_policy_dir, server + extra))
-            rows = assert_two_process_run_matched_its_engines(tmp_path / mode, result)
-            print(f"\nvllm parity 2 processes server zero3 {mode}: "
-                  f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}")
+        for engine in ("fsdp2", "zero3"):
+            for mode, extra in (("lora", ""), ("full", FULL_IN_BUCKETS)):
+                out = tmp_path / f"{engine}-{mode}"
+                out.mkdir()
+                result = sharded_launch(engine, two_process_config(out, shipped_policy_dir, server + extra))
+                rows = assert_two_process_run_matched_its_engines(out, result)
+                print(f"\nvllm parity 2 processes server {engine} {mode}: "
+                      f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}")
 
 
 def test_a_prompt_seen_before_a_sync_is_not_served_from_a_stale_prefix_cache(tmp_path, shipped_policy_dir):
