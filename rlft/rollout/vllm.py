@@ -36,8 +36,8 @@ import torch
 from rlft.data.prompts import left_pad
 from rlft.rollout.hf import Rollout, completion_mask_from, eos_token_ids
 from rlft.rollout.weight_sync import (
-    adapter_entries,
     adapter_files,
+    adapter_tensors,
     bucket_bytes_of,
     lora_rank_limit,
     lora_sync_mode,
@@ -311,8 +311,7 @@ class VLLMColocate(StaleAfterStep):
         if not self.base_pushed:
             sent += self._push_buckets(model, engine_weights)
             self.base_pushed = True
-        tensors = [(name, t.clone()) for bucket in weight_buckets(model, adapter_entries, self.full_weights,
-                                                                  self.dtype, 1 << 62) for name, t in bucket]
+        tensors = adapter_tensors(model, self.full_weights, self.dtype)
         version = self.syncs + 1
         folder = Path(self.adapters) / f"v{version}"
         folder.mkdir()

@@ -44,8 +44,8 @@ from rlft.rollout.vllm import (
     synced_weights,
 )
 from rlft.rollout.weight_sync import (
-    adapter_entries,
     adapter_files,
+    adapter_tensors,
     bucket_bytes_of,
     lora_rank_limit,
     lora_sync_mode,
@@ -219,8 +219,8 @@ class VLLMServer(StaleAfterStep):
         elif self.lora_mode == "merged":
             # every process: a collective when training is sharded
             with synced_weights(model, self.full_weights, self.dtype) as weights:
-                element = torch.empty((), dtype=self.dtype).element_size()
-                sent = self._send_buckets(plan_buckets(weights, element, bucket_bytes_of(self.args)))
+                buckets = plan_buckets(weights, self.dtype.itemsize, bucket_bytes_of(self.args))
+                sent = self._send_buckets(buckets)
         else:
             sent = self._send_buckets(weight_buckets(model, module_tensors, self.full_weights, self.dtype,
                                                      bucket_bytes_of(self.args)))
@@ -264,8 +264,7 @@ class VLLMServer(StaleAfterStep):
             sent += self._send_buckets(weight_buckets(model, engine_weights, self.full_weights, self.dtype,
                                                       bucket_bytes_of(self.args)))
             self.base_pushed = True
-        tensors = [(name, t.clone()) for bucket in weight_buckets(model, adapter_entries, self.full_weights,
-                                                                  self.dtype, 1 << 62) for name, t in bucket]
+        tensors = adapter_tensors(model, self.full_weights, self.dtype)
         name = f"rlft-{self.session}-v{self.syncs + 1}"
         if self.pusher:
             folder = ""

@@ -67,8 +67,7 @@ def weight_buckets(model, entries_of, full_weights, dtype: torch.dtype,
     training engine's context (every process must iterate this generator to the end together), None when the
     weights are not sharded. The tensors are valid until the next bucket is asked for."""
     first = entries_of(model)
-    element_size = torch.empty((), dtype=dtype).element_size()
-    for bucket in plan_buckets(first, element_size, bucket_bytes):
+    for bucket in plan_buckets(first, dtype.itemsize, bucket_bytes):
         names = {name for name, _ in bucket}
         params = list({id(p): p for _, p in bucket}.values())
         with (full_weights(model, params) if full_weights else contextlib.nullcontext()):
@@ -94,6 +93,13 @@ def adapter_entries(model) -> list[tuple[str, torch.Tensor]]:
         if (".lora_A." in name or ".lora_B." in name) and tag in name:
             out.append((name.replace(tag, ".", 1), tensor))
     return out
+
+
+def adapter_tensors(model, full_weights, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The adapter's tensors (gathered under FSDP2 / ZeRO-3: one bucket, adapters are small), copied out so
+    they outlive the gather."""
+    buckets = weight_buckets(model, adapter_entries, full_weights, dtype, 1 << 62)
+    return [(name, t.clone()) for bucket in buckets for name, t in bucket]
 
 
 def adapter_config_text(model) -> str:
@@ -143,7 +149,7 @@ def lora_sync_mode(args, model) -> str | None:
 
     if not isinstance(model, PeftModel):
         return None
-    choice = getattr(args, "vllm_lora_sync", "auto")
+    choice = args.vllm_lora_sync
     if choice == "merged":
         return "merged"
     reasons = unservable_reasons(model)
@@ -163,9 +169,9 @@ def adapter_files(model, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, b
     """The adapter folder's two files as bytes (safetensors and JSON)."""
     from safetensors.torch import save
 
-    return {"adapter_model.safetensors": save({n: t.contiguous().clone() for n, t in tensors}),
+    return {"adapter_model.safetensors": save({n: t.contiguous() for n, t in tensors}),
             "adapter_config.json": adapter_config_text(model).encode()}
 
 
 def bucket_bytes_of(args) -> int:
-    return int(float(getattr(args, "vllm_sync_bucket_mb", 256)) * 2**20)
+    return int(float(args.vllm_sync_bucket_mb) * 2**20)
