@@ -89,6 +89,26 @@ def test_dynamic_sampling_on_two_processes_agrees_on_its_rounds(tmp_path, shippe
         assert row["frac_reward_zero_std"] == 0.0 or row["dynamic_sampling/generation_rounds"] == 4
 
 
+def test_dynamic_sampling_on_two_processes_trains_on_the_groups_one_process_would(tmp_path, tiny_causal_dir):
+    """The kept groups are chosen globally: groups one process sampled are sent to the other when the batch
+    order puts them there, and two steps on 2 processes equal them on 1 (SGD, lr 1: gradients compared)."""
+    for processes in (1, 2):
+        result = launch(["tests/dist/dynamic_step.py", str(tiny_causal_dir), str(tmp_path / f"{processes}.pt")],
+                        processes)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    assert one["received"] == [0] and min(two["received"]) > 0  # groups did move between the processes
+    assert [m["dynamic_sampling/generation_rounds"] for m in one["metrics"]] == [3.0, 4.0]
+    assert one["rows"] == two["rows"]  # the same prompts, completions and rewards in the same batch order
+    for step_one, step_two in zip(one["metrics"], two["metrics"], strict=True):
+        assert step_one["frac_reward_zero_std"] == 0.0 and step_one["dynamic_sampling/kept_fraction"] < 1
+        assert step_one.keys() == step_two.keys()
+        for key, value in step_one.items():
+            assert value == pytest.approx(step_two[key], abs=1e-6), key
+    for name, param in one["params"].items():
+        assert torch.allclose(param, two["params"][name], atol=1e-6, rtol=0), name
+
+
 def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(128))
     out = tmp_path / "rm"

@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlft import GRPOTrainer
 from rlft.rollout.hf import Rollout
-from rlft.train.dynamic import cat_rollouts, informative_groups, round_prompt_indices, select_rows
+from rlft.tracking import read_metrics
+from rlft.train.dynamic import (
+    cat_rollouts,
+    choose_groups,
+    informative_groups,
+    round_prompt_indices,
+    select_rows,
+)
 from tests.helpers import addition_rows, tiny_grpo_config
 
 NAN = float("nan")
@@ -25,6 +35,14 @@ def test_a_group_is_informative_when_its_weighted_totals_differ():
                             [NAN, NAN], [5.0, 0.0],            # one scorable row: no spread
                             [1.0, 0.0], [1.0 + 5e-7, 0.0]])    # within the tolerance
     assert informative_groups(rewards, torch.tensor([1.0, 0.5]), 2).tolist() == [False, False, True, False, False]
+
+
+def test_the_batch_is_the_first_informative_groups_in_round_then_position_order():
+    flags = [[False, True, False, True], [True, False, False, False], [False, False, True, True]]
+    assert choose_groups(flags, 4) == [(0, 1), (0, 3), (1, 0), (2, 2)]
+    # on 2 processes of 2 groups each, process 0 trains on (0, 1) and (0, 3): (0, 3) was sampled by process 1
+    assert choose_groups(flags[:2], 4) == [(0, 1), (0, 3), (1, 0), (0, 0)]  # too few: zero-spread ones fill
+    assert choose_groups([[False, False]], 2) == [(0, 0), (0, 1)]
 
 
 def test_later_rounds_draw_seeded_prompts_and_rollouts_concatenate_row_for_row():
@@ -49,11 +67,43 @@ def even_answers_only(completions, answer, **kwargs):
 
 
 def run(tmp_path, shipped_policy_dir, name, steps, resume=None, **overrides):
-    cfg = tiny_grpo_config(tmp_path / name, max_steps=steps, dynamic_sampling=True, save_steps=2,
-                           max_completion_length=16, lr_scheduler_type="constant", **overrides)
-    trainer = GRPOTrainer(str(shipped_policy_dir), [even_answers_only], cfg, addition_rows(64))
+    trainer = GRPOTrainer(str(shipped_policy_dir), [even_answers_only], run_config(tmp_path / name, steps),
+                          addition_rows(64))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
+
+
+def run_config(folder, steps):
+    return tiny_grpo_config(folder, max_steps=steps, dynamic_sampling=True, save_steps=2, max_completion_length=16,
+                            lr_scheduler_type="constant")
+
+
+KILLED_MID_ROUNDS = """
+import os, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from transformers import TrainerCallback
+import tests.test_dynamic_sampling as t
+from rlft import GRPOTrainer
+from tests.helpers import addition_rows
+
+scored_after_save = []
+
+class Saved(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        scored_after_save.append(state.global_step)
+
+def even_answers_only(completions, answer, **kwargs):
+    if scored_after_save:
+        scored_after_save.append("round")
+        if len(scored_after_save) == 3:  # the second generation round after checkpoint-2: mid-rollout
+            os.kill(os.getpid(), 9)
+    return t.even_answers_only(completions, answer)
+
+trainer = GRPOTrainer({model!r}, [even_answers_only], t.run_config(Path({folder!r}), 4), addition_rows(64),
+                      callbacks=[Saved()])
+trainer.train()
+"""
 
 
 def test_every_group_in_the_batch_has_a_spread_and_runs_repeat_and_resume_exactly(tmp_path, shipped_policy_dir):
@@ -64,10 +114,17 @@ def test_every_group_in_the_batch_has_a_spread_and_runs_repeat_and_resume_exactl
     assert any(r["dynamic_sampling/kept_fraction"] < 1.0 for r in rows)  # some groups were dropped
     again = run(tmp_path, shipped_policy_dir, "b", 4)
     assert [r["loss"] for r in rows] == [r["loss"] for r in again.state.log_history if "loss" in r]
-    run(tmp_path, shipped_policy_dir, "c", 2)
+    script = KILLED_MID_ROUNDS.format(root=str(Path(__file__).resolve().parents[1]), model=str(shipped_policy_dir),
+                                      folder=str(tmp_path / "c"))
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert rows[2]["dynamic_sampling/generation_rounds"] >= 2  # so the kill came between step 3's rounds
+    assert sorted(p.name for p in (tmp_path / "c" / "run").glob("checkpoint-*")) == ["checkpoint-2"]
     resumed = run(tmp_path, shipped_policy_dir, "c", 4, resume=True)
-    last = [r for r in resumed.state.log_history if "loss" in r][-1]
-    assert last["loss"] == rows[-1]["loss"] and last["reward"] == rows[-1]["reward"]
+    kept = ("step", "loss", "reward", "grad_norm", "dynamic_sampling/kept_fraction",
+            "dynamic_sampling/generation_rounds", "completions/mean_length")
+    logged = lambda name: [{k: r[k] for k in kept} for r in read_metrics(tmp_path / name / "run")]  # noqa: E731
+    assert logged("c") == logged("a") and len(logged("a")) == 4
     for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
         assert torch.equal(p, q)
 
