@@ -76,6 +76,24 @@ def test_two_process_grpo_lora_run_logs_once_checkpoints_once_and_resumes(tmp_pa
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
+def test_two_processes_resume_inside_a_rollout_each_from_its_own_rows(tmp_path, shipped_policy_dir):
+    """Two optimiser steps per rollout, a checkpoint after the first: each process's rest of the rollout is in
+    the checkpoint (extra_<rank>.safetensors), so the resumed run equals the straight one."""
+    from safetensors.torch import load_file
+
+    config, out = lora_run_yaml(tmp_path, shipped_policy_dir, "steps_per_generation: 2\nsave_steps: 1\n")
+    cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "3")
+    split = tmp_path / "split"
+    cli_on_two_processes("grpo", "--config", str(config), "--max_steps", "3", "--output_dir", str(split),
+                         "--resume_from_checkpoint", str(out / "checkpoint-1"))
+    assert sorted(p.name for p in (out / "checkpoint-1").glob("extra*")) == [
+        "extra_0.json", "extra_0.safetensors", "extra_1.json", "extra_1.safetensors"]
+    rows = lambda folder: [(r["step"], r["loss"], r["reward"]) for r in read_metrics(folder)]  # noqa: E731
+    assert rows(split) == rows(out)[1:]
+    straight, resumed = (load_file(folder / "final" / "adapter_model.safetensors") for folder in (out, split))
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
 def test_dynamic_sampling_on_two_processes_agrees_on_its_rounds(tmp_path, shipped_policy_dir):
     """Each process samples its own prompts; all run the same rounds (a disagreement would hang a collective)
     and every group in the batch has a reward spread unless the round limit was hit."""

@@ -6,7 +6,8 @@ transformers or peft folder: `from_pretrained("checkpoint-<step>")` loads it), a
 weights_only=True
   scheduler.json         the LR scheduler's state dict
   rng_state_<rank>.json  every process's python / numpy / torch RNG states
-  extra.safetensors      tensors the trainer needs to continue (a GRPO rollout in flight), + extra.json
+  extra.safetensors      tensors the trainer needs to continue (a GRPO rollout in flight), + extra.json;
+                         with several processes each one's own: extra_<rank>.safetensors / .json
   trainer_state.json     transformers' TrainerState (global_step, log_history, ...)
   rlft_state.json        written last: rlft's own state and the sha256 of every file above
 
@@ -151,7 +152,6 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
     """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files). Under FSDP2
     and DeepSpeed the weights and optimizer state are gathered whole (the engine's save_state,
     rlft/train/engines/)."""
-    from safetensors.torch import save_file
 
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
@@ -164,6 +164,7 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     (tmp / f"rng_state_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
+    _write_carried(accelerator, tmp, extra_tensors, extra_json)
     if gathered:
         state_dict = engine_io.save_pretrained(accelerator, engine, model, tmp, tokenizer)
         engine_io.save_engine_state(accelerator, engine, model, optimizer, tmp / "engine", state_dict)
@@ -173,11 +174,6 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
             tokenizer.save_pretrained(tmp)
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
-        if extra_tensors:
-            save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
-                      str(tmp / "extra.safetensors"))
-        if extra_json is not None:
-            (tmp / "extra.json").write_text(json.dumps(extra_json, default=str))
         if flow is not None:
             flow.save(tmp)
     accelerator.wait_for_everyone()
@@ -189,6 +185,29 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
         _rotate(output_dir, save_total_limit)
     accelerator.wait_for_everyone()
     return final
+
+
+def _write_carried(accelerator, tmp: Path, tensors: dict | None, extra: dict | None) -> None:
+    """What the trainer carries besides weights (a rollout in progress, requested rollouts): each process's
+    own, as extra_<rank>.safetensors / extra_<rank>.json (one process: extra.safetensors / extra.json)."""
+    from safetensors.torch import save_file
+
+    several = accelerator.num_processes > 1
+    if not (several or accelerator.is_main_process):
+        return
+    suffix = f"_{accelerator.process_index}" if several else ""
+    if tensors:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                  str(tmp / f"extra{suffix}.safetensors"))
+    if extra is not None:
+        (tmp / f"extra{suffix}.json").write_text(json.dumps(extra, default=str))
+
+
+def _carried_file(accelerator, path: Path, name: str) -> Path:
+    """This process's extra_<rank> file where the checkpoint has them, else the shared one (one process, or a
+    checkpoint from before rlft wrote one per process)."""
+    own = path / name.replace("extra.", f"extra_{accelerator.process_index}.")
+    return own if any(path.glob("extra_*")) else path / name
 
 
 def _rotate(output_dir: Path, limit: int | None) -> None:
@@ -239,8 +258,10 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path,
     if not rng_file.is_file():
         raise CheckpointError(f"{rng_file} is missing: the checkpoint was written by fewer processes")
     set_rng_state(load_json(rng_file))
-    tensors = load_safetensors(path / "extra.safetensors") if (path / "extra.safetensors").exists() else {}
-    extra = load_json(path / "extra.json") if (path / "extra.json").exists() else {}
+    tensors_file, json_file = (_carried_file(accelerator, path, name)
+                               for name in ("extra.safetensors", "extra.json"))
+    tensors = load_safetensors(tensors_file) if tensors_file.exists() else {}
+    extra = load_json(json_file) if json_file.exists() else {}
     return state, tensors, extra
 
 
