@@ -161,7 +161,8 @@ def _alive(pid: int) -> bool:
 
 
 class _Hurt:
-    """A callback that harms the producer once, after the first step."""
+    """A callback that harms the producer once, right after checkpoint-1 is complete (before it, the
+    checkpoint could not be written: it holds rollouts only the producer has)."""
 
     def __init__(self, sig):
         self.sig, self.trainer = sig, None
@@ -172,7 +173,7 @@ class _Hurt:
         hurt = self
 
         class Callback(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
+            def on_save(self, args, state, control, **kwargs):
                 if state.global_step == 1:
                     os.kill(hurt.trainer.generator.proc.pid, hurt.sig)
         return Callback()

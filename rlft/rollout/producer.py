@@ -15,6 +15,7 @@ producer exits when the trainer closes it or dies (rlft/rollout/producer_worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -112,13 +113,14 @@ class ProcessProducer:
         """Save the policy as it is now (weights of `version`) for the producer to load, start it and wait
         until its engine is ready."""
         from rlft.rollout.vllm import engine_weights
+        from rlft.rollout.weight_sync import save_engine_folder
 
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.save_pretrained(self.folder / "model", state_dict=dict(engine_weights(model)))
+        save_engine_folder(model, self.folder / "model", dict(engine_weights(model)))
         self.tokenizer.save_pretrained(self.folder / "model")
         spec = {"args": _spec_args(self.args), "dtype": str(next(model.parameters()).dtype).split(".")[-1],
                 "peft": _peft_spec(model), "parent": os.getpid(), "cpus": self.args.producer_cpus,
-                "threads": self.args.producer_threads, "version": version}
+                "threads": self.args.producer_threads, "version": version,
+                "device": str(next(model.parameters()).device)}  # transformers' engine: the trainer's device
         (self.folder / SPEC_FILE).write_text(json.dumps(spec))
         self.ready, self.error, self.beat, self.results, self.begun = False, None, time.monotonic(), {}, {}
         self.submitted = set()
@@ -218,6 +220,8 @@ class ProcessProducer:
             self.proc.stdin.write(json.dumps(message) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as err:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)  # the pipe breaks as the process dies: say how it ended
             with self.cond:
                 self._check()
             raise ProducerError(f"{self.name} does not take requests: {err}") from err

@@ -100,6 +100,8 @@ def _build(folder: Path, spec: dict):
 
         model = apply_lora(model, get_peft_config(spec["peft"]), "CAUSAL_LM")
     model.eval().requires_grad_(False)
+    if not args.use_vllm:  # generate where the trainer trains (its GPU); vLLM places its own engine
+        model.to(spec.get("device", "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "model"))
     engine = make_generator(args, tokenizer, model, str(folder / "model"))
     if hasattr(engine, "return_logps") and recorded_logps_match(args):

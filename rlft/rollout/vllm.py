@@ -42,6 +42,7 @@ from rlft.rollout.weight_sync import (
     lora_rank_limit,
     lora_sync_mode,
     module_tensors,
+    save_engine_folder,
     tensor_bytes,
     weight_buckets,
 )
@@ -157,8 +158,7 @@ def engine_source(model, source) -> tuple[str, str | None]:
         if not path.exists() and str(candidate).count("/") == 1:
             return str(candidate), None  # a hub id
     folder = tempfile.mkdtemp(prefix="rlft-vllm-")
-    # checkpoint names, even with LoRA in it
-    base.save_pretrained(folder, state_dict=dict(engine_weights(model)))
+    save_engine_folder(model, folder, dict(engine_weights(model)))  # checkpoint names, even with LoRA in it
     return folder, folder
 
 

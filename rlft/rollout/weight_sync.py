@@ -102,6 +102,20 @@ def adapter_tensors(model, full_weights, dtype: torch.dtype) -> list[tuple[str, 
     return [(name, t.clone()) for bucket in buckets for name, t in bucket]
 
 
+def save_engine_folder(model, folder, state_dict: dict) -> None:
+    """The base model's folder for an engine this process starts (a producer, a colocated vLLM), written on
+    every process: transformers' save_pretrained writes only on rank 0 once a process group is up."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.should_save_on_this_rank = lambda is_main_process: True  # this process's own engine folder
+    try:
+        base.save_pretrained(folder, state_dict=state_dict)
+    finally:
+        del base.should_save_on_this_rank
+    if not (Path(folder) / "config.json").is_file():
+        raise RuntimeError(f"save_pretrained wrote no config.json into {folder} on this process (a "
+                           "transformers change in who saves under torch.distributed; an rlft bug to report)")
+
+
 def adapter_config_text(model) -> str:
     """adapter_config.json as PEFT writes it."""
     config = model.peft_config[adapter_name(model)]

@@ -10,7 +10,9 @@ so step t trains on completions sampled rollout_lag rollouts earlier (one-step-o
 rollout_lag = 0 is the synchronous loop run on the producer). Rollout r is requested as soon as the weights of
 v(r) exist, with a seed that is a function of (seed, r) only; the producer serves requests in order. Two runs
 with the same seed therefore see the same rollouts, and a checkpoint holds the rollouts already requested
-(waited for, saved as tensors), so a resumed run equals the uninterrupted one.
+(waited for, saved as tensors), so a resumed run equals the uninterrupted one. With several training
+processes (DDP) each has its own producer, which samples that process's slice of the prompts with its own
+seed (a function of (seed, r, process)); each process's checkpoint files hold its own requested rollouts.
 
 Each completion carries the sampler's per-token log-probs. The loss is GRPO's with the trainer's current
 policy as pi_old (ratio 1 at the first update, as in synchronous GRPO) and each token weighted by
@@ -65,9 +67,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                   "would have to run it); use GRPOTrainer")
         kwargs = {k: v for k, v in kwargs.items() if k not in ("rollout_worker", "weight_transfer")}
         super().__init__(model, reward_funcs, args, train_dataset, **kwargs)
-        if self.accelerator.num_processes > 1:
-            raise ConfigError("AsyncGRPOTrainer on several processes is not built yet (each process's "
-                              "requested rollouts would have to go into checkpoints); launch one process")
         if self.engine.sharded:
             raise ConfigError(f"AsyncGRPOTrainer under {self.engine.name} is not built yet (a weight push "
                               "would gather the sharded weights); use DDP or one process")
@@ -91,6 +90,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _rollouts_total(self) -> int:
         return -(-self.total_steps // self.steps_per_rollout)
 
+    def _seed_key(self, key: int) -> int:
+        """Each process's producer samples its own slice of the prompts with its own seed."""
+        return key * self.accelerator.num_processes + self.accelerator.process_index
+
     def _version(self, rollout: int) -> int:
         return sampling_version(rollout, self.args.rollout_lag, self.steps_per_rollout,
                                 self.args.weight_sync_steps)
@@ -99,6 +102,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None):
         try:
             return super().train(resume_from_checkpoint)
+        except ProducerError as err:  # however it surfaced (a take, a push, a request): where to resume
+            last = ckpt.latest_checkpoint(self.args.output_dir)
+            raise ProducerError(
+                f"{err}\nTraining stopped at step {self.flow.state.global_step}; the last good checkpoint is "
+                f"{last if last else 'none (none was saved yet)'}. Resume from it "
+                "(resume_from_checkpoint=True): a new producer starts from its weights.") from err
         finally:
             self.generator.close()
 
@@ -149,7 +158,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _submit(self, rollout: int) -> None:
         prompts = self.train_prompts.batch(self._prompt_indices(rollout))
         self.generator.submit(f"rollout-{rollout}", prompts["prompt_ids"], self.args.num_generations,
-                              rollout_seed(self.args.seed, rollout))
+                              rollout_seed(self.args.seed, self._seed_key(rollout)))
         self._next_submit = rollout + 1
 
     def _submit_older(self) -> None:
@@ -163,14 +172,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _take(self, rollout: int) -> Produced:
         if rollout in self._ready:
             return self._ready.pop(rollout)
-        try:
-            produced = self.generator.take(f"rollout-{rollout}")
-        except ProducerError as err:
-            last = ckpt.latest_checkpoint(self.args.output_dir)
-            raise ProducerError(
-                f"{err}\nTraining stopped at step {self.flow.state.global_step}; the last good checkpoint is "
-                f"{last if last else 'none (none was saved yet)'}. Resume from it "
-                "(resume_from_checkpoint=True): a new producer starts from its weights.") from err
+        produced = self.generator.take(f"rollout-{rollout}")
         if produced.version != self._version(rollout):
             raise RuntimeError(f"async schedule: rollout {rollout} was sampled from the weights of step "
                                f"{produced.version}, not {self._version(rollout)} (an rlft bug)")
@@ -225,7 +227,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._submit_older()
         step = self.flow.state.global_step
         return self.generator(self.accelerator.unwrap_model(self.model), prompts["prompt_ids"], count, greedy,
-                              seed=rollout_seed(self.args.seed + 1, step), version=step)
+                              seed=rollout_seed(self.args.seed + 1, self._seed_key(step)), version=step)
 
     # ---- checkpoints carry the requested rollouts ---------------------------------------------------------
     def _carried(self, step: int, batch) -> tuple[dict, dict | None]:
