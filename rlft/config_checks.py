@@ -442,10 +442,6 @@ def _validate_async(cfg, errors: list[str]) -> None:
         errors.append(f"rollout_lag={cfg.rollout_lag} with weight_sync_steps={cfg.weight_sync_steps} samples "
                       f"rollouts up to {worst} steps behind, above max_staleness={cfg.max_staleness}: raise "
                       "max_staleness or lower rollout_lag / weight_sync_steps")
-    if cfg.dynamic_sampling:
-        errors.append("dynamic_sampling with AsyncGRPOConfig is not built (the producer's rounds would have "
-                      "to "
-                      "be scheduled ahead); use GRPOConfig for dynamic sampling")
     if cfg.producer_cpus is not None and (not cfg.producer_cpus
                                           or any(not isinstance(c, int) or c < 0 for c in cfg.producer_cpus)):
         errors.append(f"producer_cpus={cfg.producer_cpus!r} must be a non-empty list of CPU numbers, "

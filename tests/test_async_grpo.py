@@ -253,11 +253,39 @@ def test_evaluation_runs_on_the_producer_with_the_current_weights(tmp_path):
     assert trainer.generator.proc is None
 
 
+def even_answers_only(completions, answer, **kwargs):
+    """A reward spread only for prompts with an even answer: other groups need replacing."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(len(t)) if int(a) % 2 == 0 else 0.0 for t, a in zip(texts, answer)]
+
+
+def dynamic(tmp_path, name, resume=None):
+    from rlft.models import shipped_policy_path
+
+    trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [even_answers_only],
+                               async_config(tmp_path, name, dynamic_sampling=True, save_steps=2,
+                                            max_completion_length=16), addition_rows(64))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_dynamic_sampling_requests_later_rounds_from_the_producer_and_repeats_and_resumes_exactly(tmp_path):
+    straight = dynamic(tmp_path, "a")
+    rows = rows_of(tmp_path / "a")
+    assert all(r["frac_reward_zero_std"] == 0.0 for r in rows)  # every group trained on has a spread
+    assert any(r["dynamic_sampling/generation_rounds"] >= 2 for r in rows)  # rounds were requested
+    assert [r["sample/version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]  # the schedule kept
+    dynamic(tmp_path, "b")
+    assert rows_of(tmp_path / "b") == rows
+    resumed = dynamic(tmp_path, "a", resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert rows_of(tmp_path / "a") == rows
+    for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_bad_async_settings_are_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="above max_staleness=1"):
         async_config(tmp_path, rollout_lag=1, weight_sync_steps=2, max_staleness=1)
-    with pytest.raises(ConfigError, match="dynamic_sampling with AsyncGRPOConfig is not built"):
-        async_config(tmp_path, dynamic_sampling=True)
     with pytest.raises(ConfigError, match="producer_cpus"):
         async_config(tmp_path, producer_cpus=[])
     from rlft.models import shipped_policy_path

@@ -81,7 +81,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                               f"optimiser steps per rollout ({self.steps_per_rollout}): weights are pushed "
                               "between rollouts")
         self._ready: dict[int, Produced] = {}
-        self._next_submit, self._taking, self._async_metrics = 0, 0, {}
+        self._next_submit, self._taking, self._async_metrics, self._round = 0, 0, {}, 0
 
     def _wrap_generator(self, source):
         return ProcessProducer(self.args, self.tokenizer, self.accelerator.unwrap_model(self.model))
@@ -136,8 +136,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
     # ---- rollout: requested ahead, taken when its step comes --------------------------------------------
     def _make_rollout(self, rollout_index: int):
         self._submit_ahead(rollout_index + self.args.rollout_lag)
-        self._taking = rollout_index
-        return super()._make_rollout(rollout_index)
+        self._taking, self._round = rollout_index, 0
+        try:
+            return super()._make_rollout(rollout_index)
+        finally:
+            self._round = 0  # what _generate serves next is an evaluation's
 
     def _submit_ahead(self, last: int) -> None:
         """Request every rollout up to `last` whose weights exist (pushing the current ones when a rollout
@@ -179,7 +182,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return produced
 
     def _generate_and_score(self, prompts: dict, reward_log, timing: dict):
-        """The scheduled rollout from the producer (waited for if it is not ready), then its rewards."""
+        """The scheduled rollout from the producer (waited for if it is not ready), then its rewards. Dynamic
+        sampling's later rounds are requested when they are needed, from the current weights (their own
+        seed; each completion's sampler log-probs correct them like any other)."""
+        self._round += 1
+        if self._round > 1:
+            return super()._generate_and_score(prompts, reward_log, timing)
         args, rollout_index, started = self.args, self._taking, time.perf_counter()
         produced = self._take(rollout_index)
         waited = time.perf_counter()
@@ -226,8 +234,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._start_producer()
         self._submit_older()
         step = self.flow.state.global_step
+        seed = rollout_seed(self.args.seed + 1, self._seed_key(step)) if self._round == 0 else \
+            rollout_seed(self.args.seed + 2, self._seed_key(self._taking * 1_000_003 + self._round))
         return self.generator(self.accelerator.unwrap_model(self.model), prompts["prompt_ids"], count, greedy,
-                              seed=rollout_seed(self.args.seed + 1, self._seed_key(step)), version=step)
+                              seed=seed, version=step)
 
     # ---- checkpoints carry the requested rollouts ---------------------------------------------------------
     def _carried(self, step: int, batch) -> tuple[dict, dict | None]:
