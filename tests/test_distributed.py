@@ -136,7 +136,7 @@ def test_async_grpo_on_two_processes_each_with_its_producer_resumes_exactly(tmp_
 
     model = str(shipped_policy_path())
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    for args in ([model, str(straight)], [model, str(resumed), str(straight / "checkpoint-2")]):
+    for args in ([model, str(straight)], [model, str(resumed), "--resume", str(straight / "checkpoint-2")]):
         result = launch(["tests/dist/async_run.py", *args], 2)
         assert result.returncode == 0, result.stderr[-3000:]
     carried = [load_file(straight / "checkpoint-2" / f"extra_{rank}.safetensors") for rank in (0, 1)]

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlft.config import ConfigError
+from rlft.tracking import read_metrics
 from tests.test_distributed import ROOT, launch
 
 ENGINES = ["fsdp2", "zero2", "zero3"]
@@ -234,3 +235,40 @@ def test_a_vllm_weight_sync_reads_whole_merged_weights_on_every_process(engine, 
         assert ranks[0][name].shape == value.shape, name
         tolerance = TOLERANCE[{"buckets": "full", "adapter": "lora"}.get(mode, mode)]
         assert torch.allclose(ranks[0][name], value, atol=tolerance, rtol=0), name
+
+
+@pytest.fixture(scope="module")
+def async_on_ddp(tmp_path_factory, shipped_policy_dir):
+    """DDP's async runs, per mode, made when first asked for."""
+    runs = {}
+
+    def run(mode: str) -> Path:
+        if mode not in runs:
+            runs[mode] = tmp_path_factory.mktemp("async") / mode
+            engine_launch("ddp", ["tests/dist/async_run.py", str(shipped_policy_dir), str(runs[mode]),
+                                  *(["--full"] if mode == "full" else [])])
+        return runs[mode]
+    return run
+
+
+@pytest.mark.parametrize("engine, mode", [("fsdp2", "lora"), ("zero3", "lora"), ("zero3", "full")])
+def test_async_grpo_under_a_sharded_engine_equals_ddp(engine, mode, tmp_path, shipped_policy_dir, async_on_ddp):
+    """Each process's producer starts from the gathered base weights and takes gathered pushes (the adapters, or
+    every weight): the run samples and trains as under DDP (to 1e-5 after 4 steps) and resumes from its step-2
+    checkpoint."""
+    needs(engine)
+    out, resumed, ddp_out = tmp_path / engine, tmp_path / "resumed", async_on_ddp(mode)
+    full = ["--full"] if mode == "full" else []
+    engine_launch(engine, ["tests/dist/async_run.py", str(shipped_policy_dir), str(out), *full])
+    engine_launch(engine, ["tests/dist/async_run.py", str(shipped_policy_dir), str(resumed), *full,
+                           "--resume", str(out / "checkpoint-2")])
+    rows = lambda folder: [(r["step"], r["reward"], r["completions/mean_length"])  # noqa: E731
+                           for r in read_metrics(folder)]
+    assert rows(out) == rows(ddp_out) and rows(resumed) == rows(out)[2:]
+    weights = "model.safetensors" if mode == "full" else "adapter_model.safetensors"
+    ddp = load_file(ddp_out / "final" / weights)
+    for folder in (out, resumed):
+        sharded = load_file(folder / "final" / weights)
+        assert sorted(sharded) == sorted(ddp)
+        worst = max((sharded[name] - value).abs().max().item() for name, value in ddp.items())
+        assert worst <= 1e-5, (engine, mode, worst)

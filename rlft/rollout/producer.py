@@ -83,13 +83,28 @@ def trainable_tensors(model) -> list[tuple[str, torch.Tensor]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
+def whole_tensors(model, entries_of, full_weights, bucket_bytes: int) -> dict[str, torch.Tensor]:
+    """{name: tensor} of `entries_of(model)`, whole: as they are when the weights are not sharded
+    (`full_weights` None), else gathered one bucket at a time by the training engine (every process
+    together) and copied to the CPU, in the widest of their dtypes (the producer casts on load)."""
+    from rlft.rollout.weight_sync import weight_buckets
+
+    entries = entries_of(model)
+    if full_weights is None:
+        return dict(entries)
+    dtype = max((t.dtype for _, t in entries), key=lambda d: d.itemsize)
+    return {name: t.to("cpu", copy=True) for bucket in weight_buckets(model, entries_of, full_weights, dtype,
+                                                                        bucket_bytes) for name, t in bucket}
+
+
 class ProcessProducer:
-    """The rollout producer process and the trainer's end of its pipe."""
+    """The rollout producer process and the trainer's end of its pipe. `full_weights`: the training engine's
+    gather when it shards the weights (FSDP2, ZeRO-3), else None."""
 
     holds_own_weights = True
 
-    def __init__(self, args, tokenizer, model):
-        self.args, self.tokenizer = args, tokenizer
+    def __init__(self, args, tokenizer, model, full_weights=None):
+        self.args, self.tokenizer, self.full_weights = args, tokenizer, full_weights
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.folder = Path(tempfile.mkdtemp(prefix="rlft-producer-"))
         weakref.finalize(self, shutil.rmtree, str(self.folder), True)
@@ -113,9 +128,10 @@ class ProcessProducer:
         """Save the policy as it is now (weights of `version`) for the producer to load, start it and wait
         until its engine is ready."""
         from rlft.rollout.vllm import engine_weights
-        from rlft.rollout.weight_sync import save_engine_folder
+        from rlft.rollout.weight_sync import bucket_bytes_of, save_engine_folder
 
-        save_engine_folder(model, self.folder / "model", dict(engine_weights(model)))
+        weights = whole_tensors(model, engine_weights, self.full_weights, bucket_bytes_of(self.args))
+        save_engine_folder(model, self.folder / "model", weights)
         self.tokenizer.save_pretrained(self.folder / "model")
         spec = {"args": _spec_args(self.args), "dtype": str(next(model.parameters()).dtype).split(".")[-1],
                 "peft": _peft_spec(model), "parent": os.getpid(), "cpus": self.args.producer_cpus,
@@ -157,7 +173,13 @@ class ProcessProducer:
                 self.label = version
             return
         started = time.perf_counter()
-        tensors = {name: t.detach().contiguous().clone() for name, t in trainable_tensors(model)}
+        from rlft.rollout.weight_sync import bucket_bytes_of
+
+        # the names are read outside the gather: FSDP2's whole copies inside it do not train
+        names = {name for name, _ in trainable_tensors(model)}
+        chosen = lambda m: [(n, p) for n, p in m.named_parameters() if n in names]  # noqa: E731
+        tensors = {name: t.detach().contiguous().clone() for name, t in whole_tensors(
+            model, chosen, self.full_weights, bucket_bytes_of(self.args)).items()}
         path = self.folder / f"weights-{self.pushes}.safetensors"
         save_file(tensors, str(path))
         self._send({"type": "weights", "version": version, "path": str(path)})

@@ -67,9 +67,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                   "would have to run it); use GRPOTrainer")
         kwargs = {k: v for k, v in kwargs.items() if k not in ("rollout_worker", "weight_transfer")}
         super().__init__(model, reward_funcs, args, train_dataset, **kwargs)
-        if self.engine.sharded:
-            raise ConfigError(f"AsyncGRPOTrainer under {self.engine.name} is not built yet (a weight push "
-                              "would gather the sharded weights); use DDP or one process")
         worst = args.rollout_lag * self.steps_per_rollout + args.weight_sync_steps - 1
         if worst > args.max_staleness:
             raise ConfigError(f"with {self.steps_per_rollout} optimiser steps per rollout, rollout_lag="
@@ -84,7 +81,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._next_submit, self._taking, self._async_metrics, self._round = 0, 0, {}, 0
 
     def _wrap_generator(self, source):
-        return ProcessProducer(self.args, self.tokenizer, self.accelerator.unwrap_model(self.model))
+        return ProcessProducer(self.args, self.tokenizer, self.accelerator.unwrap_model(self.model),
+                               self.engine.full_weights if self.engine.sharded else None)
 
     @property
     def _rollouts_total(self) -> int:

@@ -1,12 +1,13 @@
-"""An AsyncGRPOTrainer run (LoRA, one-step-off-policy) on 1 or N processes (torchrun), each process with its
-own producer; optionally resumed from a checkpoint. Writes the trained adapter to OUT/final.
+"""An AsyncGRPOTrainer run (LoRA, or --full fine-tuning; one-step-off-policy) on 1 or N processes, each
+process with its own producer; optionally resumed from a checkpoint. Writes the trained model to OUT/final.
 
-    torchrun --nproc_per_node 2 --standalone tests/dist/async_run.py MODEL_DIR OUT [CHECKPOINT]
+    torchrun --nproc_per_node 2 --standalone tests/dist/async_run.py MODEL_DIR OUT [--resume CHECKPOINT] [--full]
+    accelerate launch --config_file ENGINE.yaml tests/dist/async_run.py ...   (FSDP2, ZeRO-3)
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from peft import LoraConfig
 
@@ -16,14 +17,19 @@ from tests.helpers import addition_rows, correct_answer, has_answer_tags
 
 
 def main() -> None:
-    model_dir, out = sys.argv[1], sys.argv[2]
-    resume = sys.argv[3] if len(sys.argv) > 3 else None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--resume")
+    parser.add_argument("--full", action="store_true")
+    run = parser.parse_args()
+    model_dir, out, resume = run.model_dir, run.out, run.resume
     cfg = AsyncGRPOConfig(output_dir=out, learning_rate=1e-3, max_steps=4, num_generations=4,
                           per_device_train_batch_size=8, max_completion_length=8, save_steps=2, report_to="none",
                           disable_tqdm=True, seed=0, gradient_checkpointing=False,
                           logging_steps=1, producer_threads=1)
     trainer = AsyncGRPOTrainer(model_dir, [correct_answer, has_answer_tags], cfg, addition_rows(32),
-                               peft_config=LoraConfig(r=4, target_modules="all-linear"))
+                               peft_config=None if run.full else LoraConfig(r=4, target_modules="all-linear"))
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(f"{out}/final")
     accelerator = trainer.accelerator
