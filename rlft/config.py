@@ -249,6 +249,7 @@ class _AsyncGRPOFields(_GRPOFields):
     rollout_lag: int = 1
     producer_cpus: list[int] | None = None
     producer_threads: int | None = None
+    producer_restarts: int = 0
 
 
 def _with_help(cls: type, name: str) -> type:
@@ -298,5 +299,6 @@ RLFT_FIELDS = frozenset(
         "rollout_lag",
         "producer_cpus",
         "producer_threads",
+        "producer_restarts",
     }
 )

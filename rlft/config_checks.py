@@ -432,7 +432,7 @@ def _validate_types(cfg, errors: list[str]) -> None:
 
 def _validate_async(cfg, errors: list[str]) -> None:
     """AsyncGRPOConfig: the schedule's bound, the producer's limits."""
-    _positive(errors, cfg, "rollout_lag", "max_staleness", allow_zero=True)
+    _positive(errors, cfg, "rollout_lag", "max_staleness", "producer_restarts", allow_zero=True)
     _positive(errors, cfg, "weight_sync_steps", "heartbeat_stale_after_s", "request_timeout",
               "producer_threads")
     if errors:

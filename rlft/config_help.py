@@ -172,6 +172,9 @@ SECTIONS: dict[str, dict[str, str]] = {
         "fork_threshold_tokens": "async: no effect in rlft (multi-turn rollouts are not built for async)",
         "producer_cpus": "async: CPU cores the producer process runs on (Linux affinity), e.g. [1]",
         "producer_threads": "async: torch threads in the producer process (default: its cores)",
+        "producer_restarts": "async: restart a failed producer from the current weights, at most this "
+                             "many times a run (0: stop with the error); the run then differs from an "
+                             "uninterrupted one",
         "normalize_advantages": "RLOO: whiten the advantages over the batch",
         "reward_clip_range": "RLOO: clip each total reward to [min, max] before the KL penalty",
         "beta": "KL coefficient against the reference policy (0: no reference model)",

@@ -3,7 +3,9 @@ producer faults, no orphan process."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -346,3 +348,48 @@ def test_a_vllm_server_as_the_producers_engine_trains_on_schedule(tmp_path):
     rows = read_metrics(tmp_path / "run")
     assert [r["sample/version"] for r in rows] == [0, 1, 2]
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows), rows
+
+
+def test_a_failed_producer_is_restarted_from_the_current_weights_when_asked(tmp_path, caplog):
+    """producer_restarts: the run goes on; the rollouts the dead producer owed are sampled again from the weights
+    of the step it died at (their version and staleness say so), and a resume after the restart is exact."""
+    from rlft.models import shipped_policy_path
+
+    hurt = _Hurt(signal.SIGKILL)
+    config = async_config(tmp_path, max_steps=5, save_steps=1, producer_restarts=1)
+    trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], config, addition_rows(32),
+                               callbacks=[hurt()])
+    hurt.trainer = trainer
+    with caplog.at_level(logging.WARNING, logger="rlft"):
+        trainer.train()
+    assert "exited with code -9" in caplog.text
+    # the death shows at the next push (step 1) or, when that write still reached the pipe, the next take (step 2)
+    restarted_at = int(re.search(r"Restarted the producer from the weights of step (\d+)", caplog.text).group(1))
+    assert trainer.generator.proc is None  # the new producer was stopped at the end too
+    rows = rows_of(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    restarts = [r["rollout/producer_restarts"] for r in read_metrics(tmp_path / "run")]
+    assert restarts == [0.0] * restarted_at + [1.0] * (5 - restarted_at)
+    # rollout 2 (step 3's) was owed from the weights of step 1: sampled again from those of the restart
+    assert [r["sample/version"] for r in rows] == [0.0, 0.0, float(restarted_at), 2.0, 3.0]
+    assert all(r["sample/staleness_max"] <= 1.0 for r in rows)
+    resumed = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer],
+                               async_config(tmp_path, "resumed", max_steps=5, save_steps=1, producer_restarts=1),
+                               addition_rows(32))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert rows_of(tmp_path / "resumed") == rows[3:]
+    for p, q in zip(trainer.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_producer_timeout_on_several_processes_is_not_taken_for_a_collective_timeout():
+    """named_timeouts turns timeouts into 'another process did not answer a collective'; a producer's own
+    request_timeout error keeps its words (and the trainer's last-checkpoint advice)."""
+    from types import SimpleNamespace
+
+    from rlft.train.state import named_timeouts
+
+    accelerator = SimpleNamespace(num_processes=2, process_index=0)
+    with pytest.raises(ProducerError, match="spent over request_timeout=600 s"):
+        with named_timeouts(accelerator, None):
+            raise ProducerError("the rollout producer (process 1) spent over request_timeout=600 s on one request")

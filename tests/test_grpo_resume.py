@@ -102,3 +102,28 @@ def test_trainer_state_and_a_logging_window_spanning_the_checkpoint_resume_exact
         assert row_a == pytest.approx(row_b, abs=1e-6)
     assert resumed.state.log_history[-1]["train_loss"] == pytest.approx(straight.state.log_history[-1]["train_loss"])
     assert resumed.state.num_input_tokens_seen == straight.state.num_input_tokens_seen
+
+
+def test_carried_tensors_are_each_process_own_and_a_moved_reference_is_written_once(tmp_path, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from rlft.train.checkpoint import _read_carried, _write_carried
+
+    ranks = [SimpleNamespace(num_processes=2, process_index=r, is_main_process=r == 0) for r in (0, 1)]
+    for acc in ranks:
+        _write_carried(acc, tmp_path, {"ref_model.w": torch.ones(2), "completion_ids": torch.full((2,), acc.process_index)},
+                       {"samples": [acc.process_index]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra.safetensors", "extra_0.json", "extra_0.safetensors",
+                                                          "extra_1.json", "extra_1.safetensors"]
+    for acc in ranks:
+        tensors, extra = _read_carried(acc, tmp_path)
+        assert sorted(tensors) == ["completion_ids", "ref_model.w"] and extra == {"samples": [acc.process_index]}
+        assert tensors["completion_ids"].tolist() == [acc.process_index] * 2
+    old = tmp_path / "old"  # written inside a rollout by an rlft that kept only rank 0's rows
+    old.mkdir()
+    _write_carried(SimpleNamespace(num_processes=1, process_index=0, is_main_process=True), old,
+                   {"completion_ids": torch.zeros(2)}, {"samples": [0]})
+    with caplog.at_level(logging.WARNING, logger="rlft"):
+        _read_carried(ranks[1], old)
+    assert "kept only process 0's rows; process 1 continues that rollout from them" in caplog.text

@@ -51,6 +51,10 @@ def test_buckets_are_bounded_in_order_cover_the_state_dict_and_count_a_tied_weig
     assert len(buckets) > 10
     whole = list(weight_buckets(model, module_tensors, None, torch.bfloat16, 1 << 40))
     assert len(whole) == 1 and all(t.dtype == torch.bfloat16 for _, t in whole[0])  # cast to the engine's dtype
+    model.to(torch.bfloat16).model.norm.to(torch.float32)  # mixed dtypes: None keeps each tensor's own
+    kept = [e for b in weight_buckets(model, module_tensors, None, None, limit) for e in b]
+    assert {n: t.dtype for n, t in kept} == {n: t.dtype for n, t in module_tensors(model)}
+    assert {t.dtype for _, t in kept} == {torch.bfloat16, torch.float32}
 
 
 def test_an_adapter_is_pushed_as_the_tensors_and_config_peft_saves(shipped_policy_dir, tmp_path):

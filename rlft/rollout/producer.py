@@ -86,25 +86,25 @@ def trainable_tensors(model) -> list[tuple[str, torch.Tensor]]:
 def whole_tensors(model, entries_of, full_weights, bucket_bytes: int) -> dict[str, torch.Tensor]:
     """{name: tensor} of `entries_of(model)`, whole: as they are when the weights are not sharded
     (`full_weights` None), else gathered one bucket at a time by the training engine (every process
-    together) and copied to the CPU, in the widest of their dtypes (the producer casts on load)."""
+    together) and copied to the CPU, each in its own dtype."""
     from rlft.rollout.weight_sync import weight_buckets
 
-    entries = entries_of(model)
     if full_weights is None:
-        return dict(entries)
-    dtype = max((t.dtype for _, t in entries), key=lambda d: d.itemsize)
-    return {name: t.to("cpu", copy=True) for bucket in weight_buckets(model, entries_of, full_weights, dtype,
+        return dict(entries_of(model))
+    return {name: t.to("cpu", copy=True) for bucket in weight_buckets(model, entries_of, full_weights, None,
                                                                         bucket_bytes) for name, t in bucket}
 
 
 class ProcessProducer:
     """The rollout producer process and the trainer's end of its pipe. `full_weights`: the training engine's
-    gather when it shards the weights (FSDP2, ZeRO-3), else None."""
+    gather when it shards the weights (FSDP2, ZeRO-3), else None; `device`: the trainer's (where
+    transformers' engine generates and rollouts are built; default: the model's)."""
 
     holds_own_weights = True
 
-    def __init__(self, args, tokenizer, model, full_weights=None):
+    def __init__(self, args, tokenizer, model, full_weights=None, device=None):
         self.args, self.tokenizer, self.full_weights = args, tokenizer, full_weights
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.folder = Path(tempfile.mkdtemp(prefix="rlft-producer-"))
         weakref.finalize(self, shutil.rmtree, str(self.folder), True)
@@ -130,13 +130,14 @@ class ProcessProducer:
         from rlft.rollout.vllm import engine_weights
         from rlft.rollout.weight_sync import bucket_bytes_of, save_engine_folder
 
+        self.folder.mkdir(parents=True, exist_ok=True)  # close() removes it; a restart starts here again
         weights = whole_tensors(model, engine_weights, self.full_weights, bucket_bytes_of(self.args))
         save_engine_folder(model, self.folder / "model", weights)
         self.tokenizer.save_pretrained(self.folder / "model")
         spec = {"args": _spec_args(self.args), "dtype": str(next(model.parameters()).dtype).split(".")[-1],
                 "peft": _peft_spec(model), "parent": os.getpid(), "cpus": self.args.producer_cpus,
                 "threads": self.args.producer_threads, "version": version,
-                "device": str(next(model.parameters()).device)}  # transformers' engine: the trainer's device
+                "device": str(self.device)}  # transformers' engine generates on the trainer's device
         (self.folder / SPEC_FILE).write_text(json.dumps(spec))
         self.ready, self.error, self.beat, self.results, self.begun = False, None, time.monotonic(), {}, {}
         self.submitted = set()
@@ -178,7 +179,7 @@ class ProcessProducer:
         # the names are read outside the gather: FSDP2's whole copies inside it do not train
         names = {name for name, _ in trainable_tensors(model)}
         chosen = lambda m: [(n, p) for n, p in m.named_parameters() if n in names]  # noqa: E731
-        tensors = {name: t.detach().contiguous().clone() for name, t in whole_tensors(
+        tensors = {name: t.detach().contiguous() for name, t in whole_tensors(  # save_file copies to the CPU
             model, chosen, self.full_weights, bucket_bytes_of(self.args)).items()}
         path = self.folder / f"weights-{self.pushes}.safetensors"
         save_file(tensors, str(path))
@@ -233,8 +234,7 @@ class ProcessProducer:
         self.push(model, version)
         key = f"call-{time.monotonic_ns()}"
         self.submit(key, prompt_ids, num_generations, seed, greedy)
-        return self.to_rollout(self.take(key), prompt_ids, num_generations,
-                               next(model.parameters()).device, greedy)
+        return self.to_rollout(self.take(key), prompt_ids, num_generations, self.device, greedy)
 
     # ---- the pipe ------------------------------------------------------------------------------------
     def _send(self, message: dict) -> None:

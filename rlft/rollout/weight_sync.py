@@ -43,35 +43,39 @@ def full_numel(param: torch.Tensor) -> int:
     return int(getattr(param, "ds_numel", None) or param.numel())
 
 
-def plan_buckets(entries: list[tuple[str, torch.Tensor]], element_size: int,
+def plan_buckets(entries: list[tuple[str, torch.Tensor]], element_size: int | None,
                  bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive entries grouped so that each group's whole size is at most `bucket_bytes` (a tensor larger
-    than that is a bucket of its own). A parameter listed under two names (tied embeddings) counts once."""
+    than that is a bucket of its own). A parameter listed under two names (tied embeddings) counts once.
+    `element_size` None: each tensor's own."""
     buckets, current, size, seen = [], [], 0, set()
     for name, param in entries:
-        extra = 0 if id(param) in seen else full_numel(param) * element_size
+        whole = full_numel(param) * (element_size or param.element_size())
+        extra = 0 if id(param) in seen else whole
         if current and size + extra > bucket_bytes:
             buckets.append(current)
             current, size, seen = [], 0, set()
-            extra = full_numel(param) * element_size
+            extra = whole
         current.append((name, param))
         size += extra
         seen.add(id(param))
     return buckets + ([current] if current else [])
 
 
-def weight_buckets(model, entries_of, full_weights, dtype: torch.dtype,
+def weight_buckets(model, entries_of, full_weights, dtype: torch.dtype | None,
                    bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yields [(name, tensor in `dtype`)] one bucket at a time. `entries_of(model)`: the (name, parameter)
-    pairs to send, read again inside each bucket's gather (FSDP2 swaps whole copies in); `full_weights`: the
-    training engine's context (every process must iterate this generator to the end together), None when the
-    weights are not sharded. The tensors are valid until the next bucket is asked for."""
+    """Yields [(name, tensor in `dtype`, or its own when None)] one bucket at a time. `entries_of(model)`:
+    the (name, parameter) pairs to send, read again inside each bucket's gather (FSDP2 swaps whole copies
+    in); `full_weights`: the training engine's context (every process must iterate this generator to the end
+    together), None when the weights are not sharded. The tensors are valid until the next bucket is asked
+    for."""
     first = entries_of(model)
-    for bucket in plan_buckets(first, dtype.itemsize, bucket_bytes):
+    for bucket in plan_buckets(first, dtype.itemsize if dtype else None, bucket_bytes):
         names = {name for name, _ in bucket}
         params = list({id(p): p for _, p in bucket}.values())
         with (full_weights(model, params) if full_weights else contextlib.nullcontext()):
-            yield [(name, tensor.detach().to(dtype)) for name, tensor in entries_of(model) if name in names]
+            yield [(name, tensor.detach().to(dtype or tensor.dtype)) for name, tensor in entries_of(model)
+                   if name in names]
 
 
 def tensor_bytes(tensors) -> int:

@@ -22,6 +22,7 @@ Hilton et al. 2021, as AReaL uses it): the staleness is corrected, not ignored.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -79,10 +80,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
                               "between rollouts")
         self._ready: dict[int, Produced] = {}
         self._next_submit, self._taking, self._async_metrics, self._round = 0, 0, {}, 0
+        # requested from the current producer and not yet received; rollouts sampled again after a restart
+        self._outstanding, self._resampled, self._restarts = set(), {}, 0
 
     def _wrap_generator(self, source):
-        return ProcessProducer(self.args, self.tokenizer, self.accelerator.unwrap_model(self.model),
-                               self.engine.full_weights if self.engine.sharded else None)
+        gather = self.engine.full_weights if self.engine.sharded else None
+        return ProcessProducer(self.args, self.tokenizer, self.accelerator.unwrap_model(self.model), gather,
+                               self.accelerator.device)
 
     @property
     def _rollouts_total(self) -> int:
@@ -124,8 +128,45 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.generator.proc is None:
             self.generator.start(self.accelerator.unwrap_model(self.model), self.flow.state.global_step)
 
+    # ---- a producer that fails: stop with the last checkpoint, or restart it (producer_restarts) ---------
+    def _producer(self, action):
+        """`action()`, which talks to the producer; when the producer fails, it is restarted from the
+        trainer's current weights (at most producer_restarts times in a run) and `action` runs again."""
+        while True:
+            try:
+                return action()
+            except ProducerError as err:
+                self._restart(err)
+
+    def _restart(self, err: ProducerError) -> None:
+        """A new producer from the current weights; what the failed one finished is kept, what it had not
+        is requested again (same seeds, the current weights: the run differs from an uninterrupted one from
+        here). Under FSDP2 / ZeRO-3 a restart would need every process to gather: not done, the error
+        stands."""
+        if self._restarts >= self.args.producer_restarts or self.engine.sharded:
+            raise err
+        self._restarts, step = self._restarts + 1, self.flow.state.global_step
+        for key, produced in list(self.generator.results.items()):
+            if key.startswith("rollout-") and int(key[len("rollout-"):]) in self._outstanding:
+                self._ready[int(key[len("rollout-"):])] = produced
+                self._outstanding.discard(int(key[len("rollout-"):]))
+        self.generator.close()
+        self._start_producer()
+        lost, self._outstanding = sorted(self._outstanding), set()
+        for rollout in lost:
+            self._resampled[rollout] = step
+            self._request(rollout)
+        message = (f"{err}\nRestarted the producer from the weights of step {step} (restart "
+                   f"{self._restarts} of producer_restarts={self.args.producer_restarts}); rollouts {lost} "
+                   "are sampled again from them, so this run differs from an uninterrupted one from here")
+        if self.accelerator.is_main_process:
+            self.log.warn(message)
+        else:
+            logging.getLogger("rlft").warning(f"process {self.accelerator.process_index}: {message}")
+
     def _resume(self, resume_from_checkpoint) -> int:
         self._ready, self._next_submit, self._async_metrics = {}, 0, {}
+        self._outstanding, self._resampled = set(), {}
         start = super()._resume(resume_from_checkpoint)
         self._next_submit = max(self._next_submit, -(-start // self.steps_per_rollout))
         self._taking = -(-start // self.steps_per_rollout) - 1  # the last rollout taken from the producer
@@ -133,7 +174,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # ---- rollout: requested ahead, taken when its step comes --------------------------------------------
     def _make_rollout(self, rollout_index: int):
-        self._submit_ahead(rollout_index + self.args.rollout_lag)
+        self._producer(lambda: self._submit_ahead(rollout_index + self.args.rollout_lag))
         self._taking, self._round = rollout_index, 0
         try:
             return super()._make_rollout(rollout_index)
@@ -157,10 +198,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._submit(self._next_submit)
 
     def _submit(self, rollout: int) -> None:
+        self._next_submit = rollout + 1
+        self._request(rollout)
+
+    def _request(self, rollout: int) -> None:
         prompts = self.train_prompts.batch(self._prompt_indices(rollout))
+        self._outstanding.add(rollout)
         self.generator.submit(f"rollout-{rollout}", prompts["prompt_ids"], self.args.num_generations,
                               rollout_seed(self.args.seed, self._seed_key(rollout)))
-        self._next_submit = rollout + 1
 
     def _submit_older(self) -> None:
         """Before the producer is given weights out of schedule (evaluation) or replaced (a checkpoint):
@@ -174,9 +219,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if rollout in self._ready:
             return self._ready.pop(rollout)
         produced = self.generator.take(f"rollout-{rollout}")
-        if produced.version != self._version(rollout):
+        self._outstanding.discard(rollout)
+        expected = self._resampled.pop(rollout, self._version(rollout))
+        if produced.version != expected:
             raise RuntimeError(f"async schedule: rollout {rollout} was sampled from the weights of step "
-                               f"{produced.version}, not {self._version(rollout)} (an rlft bug)")
+                               f"{produced.version}, not {expected} (an rlft bug)")
         return produced
 
     def _generate_and_score(self, prompts: dict, reward_log, timing: dict):
@@ -187,7 +234,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self._round > 1:
             return super()._generate_and_score(prompts, reward_log, timing)
         args, rollout_index, started = self.args, self._taking, time.perf_counter()
-        produced = self._take(rollout_index)
+        produced = self._producer(lambda: self._take(rollout_index))
         waited = time.perf_counter()
         rollout = self.generator.to_rollout(produced, prompts["prompt_ids"], args.num_generations,
                                             self.accelerator.device)
@@ -207,12 +254,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "rollout/score_s": produced.timings.get("score_seconds", 0.0),
             "rollout/weight_wait_s": produced.timings.get("idle_seconds", 0.0),
             "rollout/weight_load_s": produced.timings.get("load_seconds", 0.0),
+            "rollout/producer_restarts": float(self._restarts),
             **{k: v for k, v in produced.timings.items() if k.startswith("vllm/")}}
         return rollout, rewards, completions
 
     def _step(self, step: int) -> dict[str, float]:
         metrics = super()._step(step)
-        staleness = float(step - self._version(step // self.steps_per_rollout))
+        sampled = self._async_metrics.get("sample/version", self._version(step // self.steps_per_rollout))
+        staleness = float(step - sampled)  # the schedule's, or a restarted producer's resampled rollout's
         metrics.update({**self._async_metrics, "sample/staleness_mean": staleness,
                         "sample/staleness_max": staleness, "sample/dropped_stale_total": 0.0})
         return metrics
@@ -230,6 +279,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts: dict, count: int, greedy: bool = False):
         self._start_producer()
+        return self._producer(lambda: self._generate_now(prompts, count, greedy))
+
+    def _generate_now(self, prompts: dict, count: int, greedy: bool):
         self._submit_older()
         step = self.flow.state.global_step
         seed = rollout_seed(self.args.seed + 1, self._seed_key(step)) if self._round == 0 else \
@@ -240,10 +292,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     # ---- checkpoints carry the requested rollouts ---------------------------------------------------------
     def _carried(self, step: int, batch) -> tuple[dict, dict | None]:
         tensors, extra = super()._carried(step, batch)
-        self._submit_older()
-        for rollout in range(self._taking + 1, self._next_submit):
-            if rollout not in self._ready:
-                self._ready[rollout] = self._take(rollout)
+        self._producer(self._receive_requested)
         pending = []
         for rollout, produced in sorted(self._ready.items()):
             lengths = torch.tensor([len(t) for t in produced.tokens], dtype=torch.long)
@@ -253,13 +302,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
             tensors[f"async.{rollout}.logprobs"] = torch.tensor(
                 [v for row in produced.logprobs for v in row], dtype=torch.float32)
             pending.append({"rollout": rollout, "version": produced.version, "seconds": produced.seconds})
-        return tensors, {**(extra or {}), "async": {"next_submit": self._next_submit, "pending": pending,
-                                                    "metrics": self._async_metrics}}
+        carried = {"next_submit": self._next_submit, "pending": pending, "metrics": self._async_metrics,
+                   "restarts": self._restarts}
+        return tensors, {**(extra or {}), "async": carried}
+
+    def _receive_requested(self) -> None:
+        """Every rollout requested ahead, received (a checkpoint holds them)."""
+        self._submit_older()
+        for rollout in range(self._taking + 1, self._next_submit):
+            if rollout not in self._ready:
+                self._ready[rollout] = self._take(rollout)
 
     def _restore_carried(self, tensors: dict, extra: dict | None) -> dict:
         saved = (extra or {}).get("async", {})
         self._next_submit = saved.get("next_submit", 0)
         self._async_metrics = saved.get("metrics", {})  # the rollout in progress's (a mid-rollout resume)
+        self._restarts = saved.get("restarts", 0)
         for entry in saved.get("pending", []):
             r = entry["rollout"]
             lengths = tensors.pop(f"async.{r}.lengths").tolist()

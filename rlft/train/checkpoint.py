@@ -187,27 +187,42 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
     return final
 
 
+SHARED_PREFIXES = ("ref_model.",)  # carried tensors every process holds alike: written once
+
+
 def _write_carried(accelerator, tmp: Path, tensors: dict | None, extra: dict | None) -> None:
-    """What the trainer carries besides weights (a rollout in progress, requested rollouts): each process's
-    own, as extra_<rank>.safetensors / extra_<rank>.json (one process: extra.safetensors / extra.json)."""
+    """What the trainer carries besides weights: with several processes each one's own (a rollout in
+    progress, requested rollouts) as extra_<rank>.safetensors / extra_<rank>.json, and what all hold alike
+    (a moved reference) once, in extra.safetensors; one process: extra.safetensors / extra.json."""
     from safetensors.torch import save_file
 
-    several = accelerator.num_processes > 1
-    if not (several or accelerator.is_main_process):
-        return
+    several, tensors = accelerator.num_processes > 1, tensors or {}
+    shared = {k: v for k, v in tensors.items() if not several or k.startswith(SHARED_PREFIXES)}
+    own = {k: v for k, v in tensors.items() if k not in shared}
     suffix = f"_{accelerator.process_index}" if several else ""
-    if tensors:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-                  str(tmp / f"extra{suffix}.safetensors"))
-    if extra is not None:
+    for part, name, writes in ((shared, "extra.safetensors", accelerator.is_main_process),
+                               (own, f"extra{suffix}.safetensors", True)):
+        if part and writes:
+            save_file({k: v.detach().cpu().contiguous() for k, v in part.items()}, str(tmp / name))
+    if extra is not None and (several or accelerator.is_main_process):
         (tmp / f"extra{suffix}.json").write_text(json.dumps(extra, default=str))
 
 
-def _carried_file(accelerator, path: Path, name: str) -> Path:
-    """This process's extra_<rank> file where the checkpoint has them, else the shared one (one process, or a
-    checkpoint from before rlft wrote one per process)."""
-    own = path / name.replace("extra.", f"extra_{accelerator.process_index}.")
-    return own if any(path.glob("extra_*")) else path / name
+def _read_carried(accelerator, path: Path) -> tuple[dict, dict]:
+    """This process's carried tensors (the shared file, then its own) and JSON."""
+    rank, several = accelerator.process_index, accelerator.num_processes > 1
+    shared, own = path / "extra.safetensors", path / f"extra_{rank}.safetensors"
+    tensors = load_safetensors(shared) if shared.exists() else {}
+    if own.exists():
+        tensors.update(load_safetensors(own))
+    elif several and not any(path.glob("extra_*")) and \
+            any(not k.startswith(SHARED_PREFIXES) for k in tensors):
+        logger.warning(f"{path} was written inside a rollout by an rlft that kept only process 0's rows; "
+                       f"process {rank} continues that rollout from them, so the resumed run is not exact "
+                       "(resume from a checkpoint at a rollout boundary for that)")
+    json_file = path / f"extra_{rank}.json"
+    json_file = json_file if json_file.exists() else path / "extra.json"
+    return tensors, load_json(json_file) if json_file.exists() else {}
 
 
 def _rotate(output_dir: Path, limit: int | None) -> None:
@@ -258,10 +273,7 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path,
     if not rng_file.is_file():
         raise CheckpointError(f"{rng_file} is missing: the checkpoint was written by fewer processes")
     set_rng_state(load_json(rng_file))
-    tensors_file, json_file = (_carried_file(accelerator, path, name)
-                               for name in ("extra.safetensors", "extra.json"))
-    tensors = load_safetensors(tensors_file) if tensors_file.exists() else {}
-    extra = load_json(json_file) if json_file.exists() else {}
+    tensors, extra = _read_carried(accelerator, path)
     return state, tensors, extra
 
 

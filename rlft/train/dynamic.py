@@ -142,7 +142,8 @@ def _exchange(held: dict, chosen: list, per: int, group: int, acc, like: Rollout
 
     outgoing = {key: _portable(held[key], group) for k, key in enumerate(chosen)
                 if key in held and k // per != acc.process_index}
-    arrived = {key: value for part in gather_object([outgoing]) for key, value in part.items()}
+    mine = set(chosen[acc.process_index * per:(acc.process_index + 1) * per])
+    arrived = {key: value for part in gather_object([outgoing]) for key, value in part.items() if key in mine}
     return {key: _placed(value, like, like_rewards) for key, value in arrived.items()}
 
 

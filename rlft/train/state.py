@@ -72,6 +72,8 @@ def named_timeouts(accelerator, cfg):
     try:
         yield
     except RuntimeError as err:
+        if isinstance(err, RlftError):  # rlft's own errors name their cause (a producer's request_timeout)
+            raise
         if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
             raise
         silent = _silent_ranks(accelerator.process_index, accelerator.num_processes)
