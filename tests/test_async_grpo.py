@@ -352,7 +352,7 @@ def test_a_vllm_server_as_the_producers_engine_trains_on_schedule(tmp_path):
 
 def test_a_failed_producer_is_restarted_from_the_current_weights_when_asked(tmp_path, caplog):
     """producer_restarts: the run goes on; the rollouts the dead producer owed are sampled again from the weights
-    of the step it died at (their version and staleness say so), and a resume after the restart is exact."""
+    of the step the restart came at (their version and staleness say so), and a resume after it is exact."""
     from rlft.models import shipped_policy_path
 
     hurt = _Hurt(signal.SIGKILL)

@@ -152,7 +152,6 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_
     """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files). Under FSDP2
     and DeepSpeed the weights and optimizer state are gathered whole (the engine's save_state,
     rlft/train/engines/)."""
-
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
     unwrapped = accelerator.unwrap_model(model)
