@@ -137,3 +137,21 @@ def test_the_policy_scores_a_rollout_once_for_the_kl_and_the_old_log_probs(tmp_p
     batch = trainer._make_rollout(0)
     assert passes == [True, False]  # the policy once, the reference once
     assert batch.old_logps is not None and torch.equal(batch.old_logps, forward(trainer.model, batch.rollout))
+
+
+def test_rloo_clip_fractions_combine_micro_batches_by_their_sequences():
+    """RLOO's clip ratios are fractions of sequences: a step of two micro-batches (2 sequences of 10 tokens all
+    clipped, 2 of 1 token none clipped) reports 0.5, not the token-weighted 10/11; token-level losses keep the
+    token weighting."""
+    from rlft.core.losses import LOSSES
+    from rlft.train.metrics import CLIP_MEAN_KEYS, StepSums
+
+    assert LOSSES["rloo"].clip_per_sequence and not LOSSES["grpo"].clip_per_sequence
+    one = type("Acc", (), {"num_processes": 1, "device": torch.device("cpu")})()
+    parts = [(1.0, torch.ones(2, 10)), (0.0, torch.ones(2, 1))]
+    for keys, expected in ((CLIP_MEAN_KEYS, 0.5), ((), 20 / 22)):
+        sums = StepSums(keys)
+        for value, mask in parts:
+            sums.add(torch.tensor(0.0), {k: torch.tensor(value) for k in CLIP_MEAN_KEYS}, None, mask)
+        out = sums.reduce(one)
+        assert all(out[k] == pytest.approx(expected) for k in CLIP_MEAN_KEYS)

@@ -242,13 +242,16 @@ class LossSpec:
     """One loss_type: its per-token term `term(ratio, logps, adv, options, prepared) -> [B, L] or [B, 1]`, its
     aggregation (a key of AGGREGATIONS), and an optional `prepare(logps, old_logps, mask, adv,
     rollout_is_weights, options) -> (prepared, metrics)` run before the term. `folds_sampling_weights`: the
-    loss takes the sampling-correction weights in `prepare` instead of having them multiply its term."""
+    loss takes the sampling-correction weights in `prepare` instead of having them multiply its term.
+    `clip_per_sequence`: its clip_ratio means are fractions of sequences (a step combines micro-batches by
+    their sequence counts, not their token counts)."""
 
     name: str
     term: Callable
     aggregation: str
     prepare: Callable | None = None
     folds_sampling_weights: bool = False
+    clip_per_sequence: bool = False
 
     @property
     def aggregate(self) -> Callable:
@@ -259,14 +262,15 @@ LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, term: Callable, aggregation: str, prepare: Callable | None = None,
-                  folds_sampling_weights: bool = False) -> LossSpec:
+                  folds_sampling_weights: bool = False, clip_per_sequence: bool = False) -> LossSpec:
     """Add a loss_type: `loss_type: <name>` in a config then selects it (the config's allowed values are this
     registry's keys). A new variant is its term, this one call, and its float64 reference test."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r}: choose one of {sorted(AGGREGATIONS)}")
     if name in LOSSES:
         raise ValueError(f"loss_type {name!r} is already registered")
-    LOSSES[name] = spec = LossSpec(name, term, aggregation, prepare, folds_sampling_weights)
+    LOSSES[name] = spec = LossSpec(name, term, aggregation, prepare, folds_sampling_weights,
+                                   clip_per_sequence)
     return spec
 
 
@@ -278,7 +282,7 @@ register_loss("cispo", _cispo_term, "token_mean")
 register_loss("sapo", _sapo_term, "sequence_mean")
 register_loss("luspo", _clip_term, "sequence_sum")
 register_loss("vespo", _vespo_term, "token_mean", prepare=_vespo_prepare, folds_sampling_weights=True)
-register_loss("rloo", _rloo_term, "sequence_mean", prepare=_rloo_prepare)
+register_loss("rloo", _rloo_term, "sequence_mean", prepare=_rloo_prepare, clip_per_sequence=True)
 LOSS_TYPES = LOSSES  # the name tests and older code import
 
 

@@ -19,7 +19,7 @@ import torch
 from rlft.core.advantages import multi_reward_advantages
 from rlft.core.batching import balanced_bins, budget_count
 from rlft.core.importance import correction_stats, sampling_correction
-from rlft.core.losses import LossOptions, off_policy_sequence_mask, policy_loss
+from rlft.core.losses import LOSSES, LossOptions, off_policy_sequence_mask, policy_loss
 from rlft.core.regularizers import (
     adaptive_entropy_coef,
     entropy_bonus,
@@ -33,7 +33,7 @@ from rlft.perf import Throughput
 from rlft.rollout.base import weights_changed
 from rlft.rollout.hf import Rollout
 from rlft.scoring import score_rows
-from rlft.train.metrics import StepSums, correction_metrics
+from rlft.train.metrics import CLIP_MEAN_KEYS, StepSums, correction_metrics
 
 
 @dataclass
@@ -275,7 +275,8 @@ class PolicyUpdate:
             return self._skip_step("no completion token is left to train on (every completion was masked, "
                                    "e.g. mask_truncated_completions with every completion truncated): raise "
                                    "max_completion_length", started, nonfinite=False)
-        sums, corrections = StepSums(), []
+        per_sequence = CLIP_MEAN_KEYS if LOSSES[self.args.loss_type].clip_per_sequence else ()
+        sums, corrections = StepSums(per_sequence), []
         # Checked at the first step with a learning signal on any process: with all advantages 0 (and LoRA's
         # B = 0 making policy == reference) a zero gradient is correct, not a wiring fault.
         check_flow = (not self.counters.flow_checked

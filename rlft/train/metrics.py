@@ -12,6 +12,7 @@ LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate"
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                    "clip_ratio/delta_mean", "ratio_mean", "kl")
 SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean", "aux_loss")
+CLIP_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # parts of the loss, summed over micro-batches like it
 SHARE_KEYS = ("kl_loss", "entropy_loss", "router_loss")
 
@@ -63,7 +64,8 @@ class StepSums:
     """Loss shares summed over micro-batches; token-mean metrics weighted by token counts, sequence-mean
     metrics by completion counts."""
 
-    def __init__(self):
+    def __init__(self, sequence_keys: tuple[str, ...] = ()):
+        self.sequence_keys = sequence_keys  # token-mean keys this loss reports per sequence (RLOO's clips)
         self.loss = 0.0
         self.shares = dict.fromkeys(SHARE_KEYS, 0.0)
         self.tokens = 0.0
@@ -79,7 +81,8 @@ class StepSums:
             self.shares[key] += metrics[key].item() if key in metrics else 0.0
         self.tokens += tokens
         self.sequences += sequences
-        values = {k: metrics[k].item() for k in TOKEN_MEAN_KEYS if k in metrics}
+        values = {k: metrics[k].item() for k in TOKEN_MEAN_KEYS
+                  if k in metrics and k not in self.sequence_keys}
         if "clip_ratio/low_min" in metrics:  # over completions, so independent of how the step is split
             self.low_min = min(self.low_min, metrics["clip_ratio/low_min"].item())
             self.high_max = max(self.high_max, metrics["clip_ratio/high_max"].item())
@@ -87,7 +90,7 @@ class StepSums:
             values["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
         for key, value in values.items():
             self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
-        for key in SEQUENCE_MEAN_KEYS:
+        for key in (*SEQUENCE_MEAN_KEYS, *self.sequence_keys):
             if key in metrics:
                 self.weighted["seq:" + key] = (self.weighted.get("seq:" + key, 0.0)
                                                + float(metrics[key]) * sequences)
