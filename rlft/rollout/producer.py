@@ -33,6 +33,7 @@ import torch
 from rlft.errors import RlftError
 from rlft.rollout.hf import Rollout, eos_token_ids
 from rlft.rollout.producer_worker import SPEC_FILE
+from rlft.rollout.weight_sync import bucket_bytes_of, save_engine_folder, whole_tensors
 
 # torchrun / accelerate's variables: the producer must not take itself for one of the trainer's processes
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -83,18 +84,6 @@ def trainable_tensors(model) -> list[tuple[str, torch.Tensor]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
-def whole_tensors(model, entries_of, full_weights, bucket_bytes: int) -> dict[str, torch.Tensor]:
-    """{name: tensor} of `entries_of(model)`, whole: as they are when the weights are not sharded
-    (`full_weights` None), else gathered one bucket at a time by the training engine (every process
-    together) and copied to the CPU, each in its own dtype."""
-    from rlft.rollout.weight_sync import weight_buckets
-
-    if full_weights is None:
-        return dict(entries_of(model))
-    return {name: t.to("cpu", copy=True) for bucket in weight_buckets(model, entries_of, full_weights, None,
-                                                                        bucket_bytes) for name, t in bucket}
-
-
 class ProcessProducer:
     """The rollout producer process and the trainer's end of its pipe. `full_weights`: the training engine's
     gather when it shards the weights (FSDP2, ZeRO-3), else None; `device`: the trainer's (where
@@ -128,7 +117,6 @@ class ProcessProducer:
         """Save the policy as it is now (weights of `version`) for the producer to load, start it and wait
         until its engine is ready."""
         from rlft.rollout.vllm import engine_weights
-        from rlft.rollout.weight_sync import bucket_bytes_of, save_engine_folder
 
         self.folder.mkdir(parents=True, exist_ok=True)  # close() removes it; a restart starts here again
         weights = whole_tensors(model, engine_weights, self.full_weights, bucket_bytes_of(self.args))
@@ -174,8 +162,6 @@ class ProcessProducer:
                 self.label = version
             return
         started = time.perf_counter()
-        from rlft.rollout.weight_sync import bucket_bytes_of
-
         # the names are read outside the gather: FSDP2's whole copies inside it do not train
         names = {name for name, _ in trainable_tensors(model)}
         chosen = lambda m: [(n, p) for n, p in m.named_parameters() if n in names]  # noqa: E731

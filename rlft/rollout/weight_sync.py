@@ -106,6 +106,16 @@ def adapter_tensors(model, full_weights, dtype: torch.dtype) -> list[tuple[str, 
     return [(name, t.clone()) for bucket in buckets for name, t in bucket]
 
 
+def whole_tensors(model, entries_of, full_weights, bucket_bytes: int) -> dict[str, torch.Tensor]:
+    """{name: tensor} of `entries_of(model)`, whole: as they are when the weights are not sharded
+    (`full_weights` None), else gathered one bucket at a time by the training engine (every process
+    together) and copied to the CPU, each in its own dtype."""
+    if full_weights is None:
+        return dict(entries_of(model))
+    return {name: t.to("cpu", copy=True) for bucket in weight_buckets(model, entries_of, full_weights, None,
+                                                                        bucket_bytes) for name, t in bucket}
+
+
 def save_engine_folder(model, folder, state_dict: dict) -> None:
     """The base model's folder for an engine this process starts (a producer, a colocated vLLM), written on
     every process: transformers' save_pretrained writes only on rank 0 once a process group is up."""

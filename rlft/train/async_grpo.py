@@ -146,10 +146,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self._restarts >= self.args.producer_restarts or self.engine.sharded:
             raise err
         self._restarts, step = self._restarts + 1, self.flow.state.global_step
-        for key, produced in list(self.generator.results.items()):
-            if key.startswith("rollout-") and int(key[len("rollout-"):]) in self._outstanding:
-                self._ready[int(key[len("rollout-"):])] = produced
-                self._outstanding.discard(int(key[len("rollout-"):]))
+        for rollout in sorted(self._outstanding):
+            if f"rollout-{rollout}" in self.generator.results:
+                self._ready[rollout] = self.generator.results.pop(f"rollout-{rollout}")
+                self._outstanding.discard(rollout)
         self.generator.close()
         self._start_producer()
         lost, self._outstanding = sorted(self._outstanding), set()
