@@ -7,6 +7,7 @@ mask (every token up to and including the first EOS) and a truncation flag out. 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,13 @@ def completion_mask_from(completion_ids: torch.Tensor,
     return (positions <= first_eos[:, None]).long(), ~has_eos
 
 
+def cache_keyword(model) -> str:
+    """The name of the KV-cache argument of the model's forward and generate: `cache` from transformers 5.24
+    (which warns about the old name), `past_key_values` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
 def shared_prompt_cache(model, prompt_ids: list[list[int]], copies: int, pad_token_id: int, device):
     """The KV cache of every prompt but its last token, computed once per prompt and repeated `copies`
     times in place (row i*copies + j holds prompt i, as in the repeated batch). `generate` then runs only
@@ -71,7 +79,7 @@ def shared_prompt_cache(model, prompt_ids: list[list[int]], copies: int, pad_tok
     ids, mask = (t.to(device) for t in left_pad(prompt_ids, pad_token_id))  # [P, L]
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
     model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
-          past_key_values=cache, use_cache=True, logits_to_keep=1)
+          use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
     cache.batch_repeat_interleave(copies)
     return cache
 
@@ -185,7 +193,7 @@ class HFGenerator:
         cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \
             if self.shared_prompt_prefill and num_generations > 1 else None
         if cache is not None:
-            sampling["past_key_values"] = cache
+            sampling[cache_keyword(model)] = cache
         recorder = LogpRecorder(self.sampling["temperature"]) if self.return_logps and not greedy else None
         if recorder is not None:
             sampling["logits_processor"] = [*sampling.get("logits_processor", []), recorder]
