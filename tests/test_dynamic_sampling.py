@@ -16,13 +16,7 @@ import torch
 from rlft import GRPOTrainer
 from rlft.rollout.hf import Rollout
 from rlft.tracking import read_metrics
-from rlft.train.dynamic import (
-    cat_rollouts,
-    choose_groups,
-    informative_groups,
-    round_prompt_indices,
-    select_rows,
-)
+from rlft.train.dynamic import choose_groups, informative_groups, round_prompt_indices
 from tests.helpers import addition_rows, tiny_grpo_config
 
 NAN = float("nan")
@@ -53,7 +47,7 @@ def test_later_rounds_draw_seeded_prompts_and_rollouts_concatenate_row_for_row()
                 torch.tensor([False]), completions=["a"], extra={"k": [1]})
     b = Rollout(torch.tensor([[4, 5, 6], [1, 2, 3]]), torch.ones(2, 3), torch.tensor([[7], [8]]), torch.ones(2, 1),
                 torch.tensor([True, False]), completions=["b", "c"], extra={"k": [2, 3]})
-    both = cat_rollouts([a, select_rows(b, [1])], pad_token_id=0)
+    both = Rollout.cat([a, b.select([1])], pad_token_id=0)
     assert both.prompt_ids.tolist() == [[0, 5, 6], [1, 2, 3]] and both.prompt_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
     assert both.completion_ids.tolist() == [[7, 8, 9], [8, 0, 0]] and both.truncated.tolist() == [False, False]
     assert both.completions == ["a", "c"] and both.extra == {"k": [1, 3]}

@@ -7,8 +7,11 @@ Groups with zero spread (all rewards equal) give exactly 0 under every sequence-
 reinforce_pp, whose batch-wide whitening and per-token KL move them too).
 `std` is the unbiased (Bessel-corrected) sample standard deviation, as in TRL.
 
-ADVANTAGE_ESTIMATORS maps a name (the config's `advantage_estimator`) to `fn(rewards [N], num_generations,
-*, scale_rewards, eps, lengths) -> advantages [N]`; `register_estimator` adds one:
+ADVANTAGE_ESTIMATORS maps a name (the config's `advantage_estimator`) to an `EstimatorSpec`: the function
+`fn(rewards [N], num_generations, *, scale_rewards, eps, lengths) -> advantages [N]` (a spec is called like
+its function) and what it declares -- its level (sequence, or token: [N, C]), the inputs it needs beyond the
+rewards (lengths, mask, token KL) and whether the KL penalty is in its reward. `estimate(spec, inputs)` takes
+one `EstimatorInputs` built once per rollout; `register_estimator` adds one:
     grpo                   DeepSeekMath (arXiv:2402.03300): (r_i - mean_g) / (std_g + eps); `scale_rewards`
                            batch / none divide by the batch's std or by nothing (TRL's options)
     dr_grpo                Dr. GRPO (arXiv:2503.20783): r_i - mean_g, never divided by a std
@@ -17,11 +20,18 @@ ADVANTAGE_ESTIMATORS maps a name (the config's `advantage_estimator`) to `fn(rew
                            over the batch, (c_i - mean(c)) / (std(c) + eps)
     opo                    OPO (arXiv:2505.23585): r_i - b_g with the length-weighted baseline
                            b_g = sum_j |o_j| r_j / sum_j |o_j| (needs `lengths`)
+    reinforce_pp           REINFORCE++ (arXiv:2501.03262), token level, the KL in its per-token rewards
+`kl_in_reward(spec)` is a sequence-level estimator with the KL penalty moved from the loss into the reward
+(RLOO, Ahmadian et al. 2024, arXiv:2402.14740, as TRL's RLOOTrainer computes it): each total reward clipped to
+`clip_range`, minus beta * sum_t (log pi_old - log pi_ref), then the estimator, then (with `normalize`)
+whitened over the rows that have a baseline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -145,29 +155,86 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, *, scale_rew
     return torch.where(valid, whitened, torch.zeros_like(whitened))
 
 
-reinforce_pp_advantages.token_level = True  # gets mask, token_kl and beta; returns [N, C]
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """An advantage estimator and what it declares; called like its function."""
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
+    fn: Callable[..., torch.Tensor]  # (rewards [N], group_size, *, scale_rewards, eps, lengths, ...) -> [N]
+    level: str = "sequence"  # "token": advantages [N, C], one per completion token
+    needs: frozenset[str] = frozenset()  # inputs beyond the rewards: "lengths", "mask", "token_kl"
+    kl_in_reward: bool = False  # beta weighs a KL penalty in the reward, so the loss has no KL term
+    # (total reward [N], sequence KL [N] or None, inputs) -> the reward the estimator sees, [N]
+    shaping: Callable[..., torch.Tensor] | None = None
+    # (advantages [N], shaped reward [N], inputs) -> advantages [N], after the estimator
+    finish: Callable[..., torch.Tensor] | None = None
+
+    def __post_init__(self):
+        if self.level not in ("sequence", "token"):
+            raise ValueError(f"estimator level {self.level!r}: choose 'sequence' or 'token'")
+        unknown = set(self.needs) - {"lengths", "mask", "token_kl"}
+        if unknown:
+            raise ValueError(f"estimator needs {sorted(unknown)}: it may need lengths, mask, token_kl")
+
+    @property
+    def token_level(self) -> bool:
+        return self.level == "token"
+
+    def __call__(self, rewards: torch.Tensor, group_size: int, **options) -> torch.Tensor:
+        return self.fn(rewards, group_size, **options)
 
 
-def register_estimator(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Add an estimator; `advantage_estimator: <name>` in a config then selects it (the config's allowed
-    values are this registry's keys). A new one is its function, this call, and its float64 reference
-    test."""
+@dataclass
+class EstimatorInputs:
+    """One rollout's inputs to an estimator, built once: every process's rows, in process order."""
+
+    rewards: torch.Tensor  # [N, F] per reward function, NaN = not applicable
+    group_size: int
+    weights: torch.Tensor | None = None  # [F]
+    scale_rewards: str = "group"
+    aggregation: str = "sum_then_normalize"
+    eps: float = 1e-4
+    lengths: torch.Tensor | None = None  # [N] trained tokens per completion
+    mask: torch.Tensor | None = None  # [N, C] the tokens that carry a return / a KL estimate
+    token_kl: torch.Tensor | None = None  # [N, C] log pi_old - log pi_ref, 0 off the mask (None: beta 0)
+    beta: float = 0.0
+    clip_range: tuple[float, float] | list[float] | None = None  # KL-in-reward: clip each total reward first
+    normalize: bool = False  # KL-in-reward: whiten the advantages over the rows with a baseline
+
+
+ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(name: str, fn: Callable[..., torch.Tensor] | EstimatorSpec, *, level: str = "sequence",
+                       needs: tuple[str, ...] = ()) -> EstimatorSpec:
+    """Add an estimator (a function, declared by `level` and `needs`, or a whole EstimatorSpec);
+    `advantage_estimator: <name>` in a config then selects it (the config's allowed values are this registry's
+    keys). A new one is its function, this call, and its float64 reference test."""
     if name in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage estimator {name!r} is already registered")
-    ADVANTAGE_ESTIMATORS[name] = fn
-    return fn
+    spec = fn if isinstance(fn, EstimatorSpec) else EstimatorSpec(fn, level, frozenset(needs))
+    ADVANTAGE_ESTIMATORS[name] = spec
+    return spec
 
 
-for _name, _fn in [("grpo", grpo_advantages), ("dr_grpo", dr_grpo_advantages), ("rloo", rloo_advantages),
-                   ("reinforce_pp_baseline", reinforce_pp_baseline_advantages), ("opo", opo_advantages),
-                   ("reinforce_pp", reinforce_pp_advantages)]:
-    register_estimator(_name, _fn)
+for _name, _fn, _needs in [("grpo", grpo_advantages, ()), ("dr_grpo", dr_grpo_advantages, ()),
+                           ("rloo", rloo_advantages, ()),
+                           ("reinforce_pp_baseline", reinforce_pp_baseline_advantages, ()),
+                           ("opo", opo_advantages, ("lengths",))]:
+    register_estimator(_name, _fn, needs=_needs)
+register_estimator("reinforce_pp", EstimatorSpec(reinforce_pp_advantages, "token",
+                                                 frozenset({"mask", "token_kl"}), kl_in_reward=True))
+
+
+def _spec(estimator: str | EstimatorSpec) -> EstimatorSpec:
+    if isinstance(estimator, EstimatorSpec):
+        return estimator
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator={estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[estimator]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4,
-                     estimator: str = "grpo", lengths: torch.Tensor | None = None,
+                     estimator: str | EstimatorSpec = "grpo", lengths: torch.Tensor | None = None,
                      mask: torch.Tensor | None = None, token_kl: torch.Tensor | None = None, beta: float = 0.0
                      ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages for rewards [N] (groups contiguous) by the named estimator. Returns (advantages [N], or
@@ -177,13 +244,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     rewards are all equal, i.e. no learning signal), advantage_abs_mean (over completion tokens when
     token-level).
     """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage_estimator={estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    spec = _spec(estimator)
     _, std, count = _group_mean_std(_grouped(rewards, group_size))
-    fn = ADVANTAGE_ESTIMATORS[estimator]
-    token_options = dict(mask=mask, token_kl=token_kl, beta=beta) if getattr(fn, "token_level", False) else {}
-    advantages = fn(rewards, group_size, scale_rewards=scale_rewards, eps=eps, lengths=lengths,
-                    **token_options)
+    token_options = dict(mask=mask, token_kl=token_kl, beta=beta) if spec.token_level else {}
+    advantages = spec(rewards, group_size, scale_rewards=scale_rewards, eps=eps, lengths=lengths,
+                      **token_options)
     zero_spread = (std.squeeze(-1) == 0) | (count.squeeze(-1) < 2)
     magnitude = advantages.abs().mean() if advantages.ndim == 1 else \
         (advantages.abs() * mask).sum() / mask.sum().clamp(min=1)
@@ -197,7 +262,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
 
 def multi_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor | None, group_size: int,
                             scale_rewards: str = "group", aggregation: str = "sum_then_normalize",
-                            eps: float = 1e-4, estimator: str = "grpo", lengths: torch.Tensor | None = None,
+                            eps: float = 1e-4, estimator: str | EstimatorSpec = "grpo",
+                            lengths: torch.Tensor | None = None,
                             **token_options) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Advantages from per-function rewards [N, F] (NaN = not applicable) and weights [F].
 
@@ -250,3 +316,53 @@ def whiten(values: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     if valid.numel() < 2:
         return torch.nan_to_num(values - (valid.mean() if valid.numel() else 0.0), nan=0.0)
     return torch.nan_to_num((values - valid.mean()) / (valid.std() + eps), nan=0.0)
+
+
+def _kl_penalised(total: torch.Tensor, sequence_kl: torch.Tensor | None,
+                  inputs: EstimatorInputs) -> torch.Tensor:
+    return kl_shaped_rewards(total, sequence_kl, inputs.beta, inputs.clip_range)
+
+
+def _whiten_with_baseline(advantages: torch.Tensor, shaped: torch.Tensor,
+                          inputs: EstimatorInputs) -> torch.Tensor:
+    """Whitened over the rows that have a baseline (a scorable reward with another scorable one in its group:
+    TRL's nanmean / nanstd), when `normalize` asks."""
+    if not inputs.normalize:
+        return advantages
+    scorable = ~torch.isnan(shaped).view(-1, inputs.group_size)
+    baseline = (scorable & (scorable.sum(dim=1, keepdim=True) > 1)).view(-1)
+    return whiten(torch.where(baseline, advantages, float("nan")))
+
+
+def kl_in_reward(spec: EstimatorSpec) -> EstimatorSpec:
+    """The sequence-level estimator `spec` with beta's KL penalty in the reward instead of the loss (module
+    docstring; RLOO as TRL computes it when `spec` is rloo)."""
+    if spec.token_level or spec.kl_in_reward:
+        raise ValueError("this estimator puts the KL in its per-token rewards itself; it cannot take a "
+                         "sequence KL penalty in the reward too")
+    return dataclasses.replace(spec, needs=spec.needs | {"mask", "token_kl"}, kl_in_reward=True,
+                               shaping=_kl_penalised, finish=_whiten_with_baseline)
+
+
+def estimate(spec: EstimatorSpec,
+             inputs: EstimatorInputs) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Advantages of one rollout: (advantages [N] or [N, C], total reward [N] for logging, stats). Without
+    shaping: `multi_reward_advantages`. With it (kl_in_reward): the weighted total (NaN where every reward is
+    NaN), shaped, the estimator, finished; `kl` in stats is the mean per-token KL estimate over the mask."""
+    token = dict(mask=inputs.mask, token_kl=inputs.token_kl, beta=inputs.beta) if spec.token_level else {}
+    if spec.shaping is None:
+        return multi_reward_advantages(inputs.rewards, inputs.weights, inputs.group_size,
+                                       inputs.scale_rewards, inputs.aggregation, inputs.eps, spec,
+                                       inputs.lengths, **token)
+    weights = torch.ones(inputs.rewards.shape[1]) if inputs.weights is None else inputs.weights
+    total = torch.nansum(inputs.rewards * weights, dim=1)
+    total[torch.isnan(inputs.rewards).all(dim=1)] = float("nan")
+    sequence_kl = None if inputs.token_kl is None else inputs.token_kl.sum(dim=1)
+    shaped = spec.shaping(total, sequence_kl, inputs)
+    advantages, stats = group_advantages(shaped, inputs.group_size, inputs.scale_rewards, inputs.eps,
+                                         dataclasses.replace(spec, shaping=None, finish=None), inputs.lengths)
+    if spec.finish is not None:
+        advantages = spec.finish(advantages, shaped, inputs)
+    if inputs.token_kl is not None and inputs.beta != 0:
+        stats["kl"] = (inputs.token_kl.sum() / inputs.mask.sum().clamp(min=1)).item()
+    return advantages, total, stats

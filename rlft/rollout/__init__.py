@@ -7,8 +7,8 @@ knows which one runs: transformers' `generate` (`hf.py`, the default) or vLLM (`
 
 from __future__ import annotations
 
-from rlft.rollout.base import RolloutEngine
-from rlft.rollout.hf import HFGenerator, Rollout
+from rlft.rollout.base import Rollout, RolloutEngine
+from rlft.rollout.hf import HFGenerator
 
 __all__ = ["HFGenerator", "Rollout", "RolloutEngine", "make_generator"]
 

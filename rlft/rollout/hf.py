@@ -8,36 +8,16 @@ mask (every token up to and including the first EOS) and a truncation flag out. 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
+from rlft.rollout.base import Rollout
 
-
-@dataclass
-class Rollout:
-    prompt_ids: torch.Tensor  # [N, P] left-padded, each prompt repeated G times in a row
-    prompt_mask: torch.Tensor  # [N, P]
-    completion_ids: torch.Tensor  # [N, C] right-padded
-    completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
-    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
-    sampling_logps: torch.Tensor | None = None  # [N, C] the engine's log-prob of each sampled token (vLLM)
-    # Multi-turn rollouts: 1 where the policy sampled the token, 0 for tool output and chat-template glue,
-    # which the policy reads (attention: completion_mask) but is not trained on (loss: loss_mask).
-    tool_mask: torch.Tensor | None = None  # [N, C]
-    # per row, the completion as chat messages (what reward functions receive)
-    completions: list | None = None
-    extra: dict[str, list] = field(default_factory=dict)  # per-row values passed to reward functions by name
-    # per-row counts: tool calls, failures, turns
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        """The tokens the loss is over: the completion, less what the policy did not generate."""
-        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+__all__ = ["HFGenerator", "LogpRecorder", "Rollout", "cache_keyword", "check_generation_kwargs",
+           "completion_mask_from", "eos_token_ids", "shared_prompt_cache"]
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlft.data.prompts import right_pad
-from rlft.rollout.base import engine_metrics, holds_own_weights, weights_changed
-from rlft.rollout.hf import Rollout
+from rlft.rollout.base import Rollout, engine_metrics, holds_own_weights, weights_changed
 from rlft.rollout.tools import ToolCall, ToolRunner, parse_turn, tool_suffix_ids
 
 

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from rlft.errors import RlftError
-from rlft.rollout.hf import Rollout, eos_token_ids
+from rlft.rollout.base import Rollout
+from rlft.rollout.hf import eos_token_ids
 from rlft.rollout.producer_worker import SPEC_FILE
 from rlft.rollout.weight_sync import bucket_bytes_of, save_engine_folder, whole_tensors
 

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from rlft.data.prompts import left_pad
-from rlft.rollout.hf import Rollout, completion_mask_from, eos_token_ids
+from rlft.rollout.base import Rollout
+from rlft.rollout.hf import completion_mask_from, eos_token_ids
 from rlft.rollout.weight_sync import (
     adapter_files,
     adapter_tensors,

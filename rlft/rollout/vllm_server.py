@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from rlft.errors import RlftError
-from rlft.rollout.hf import Rollout, eos_token_ids
+from rlft.rollout.base import Rollout
+from rlft.rollout.hf import eos_token_ids
 from rlft.rollout.vllm import (
     StaleAfterStep,
     engine_dtype,
