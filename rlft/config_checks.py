@@ -1,7 +1,11 @@
 """Normalising and checking a config: every problem found at once, each naming its field, value and fix.
 
 Run by the configs' `__post_init__` (before transformers' own checks, which name fields less clearly)
-and again by the trainers, so a config changed after construction is checked too.
+and again by the trainers, so a config changed after construction is checked too. Each config class picks
+its checks: its `_check(errors)` calls its parent's (`super()._check(errors)`) and then the functions here
+for the fields it adds (`check_common`, `check_grpo`, `check_rloo`, `check_async`, `check_reward`);
+`_normalize()` chains the same way. The rules a trainer applies again with the process count are in
+rlft/config_rules.py.
 """
 
 from __future__ import annotations
@@ -17,18 +21,19 @@ from typing import Any
 import yaml
 
 from rlft.compat import unimplemented_errors
+from rlft.config_rules import generation_batch_problems, staleness
 from rlft.errors import ConfigError
 
-# Fields given as dicts that the command line and YAML may spell as a JSON or YAML string.
-DICT_FIELDS = (
+# Fields given as dicts that the command line and YAML may spell as a JSON or YAML string: every config's,
+# then the GRPO family's.
+COMMON_DICT_FIELDS = (
     "model_init_kwargs",
-    "generation_kwargs",
-    "chat_template_kwargs",
     "lr_scheduler_kwargs",
     "gradient_checkpointing_kwargs",
     "activation_checkpointing_kwargs",
-    "transformers_continuous_batching_config",
 )
+GRPO_DICT_FIELDS = ("generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config")
+DICT_FIELDS = COMMON_DICT_FIELDS + GRPO_DICT_FIELDS
 
 SCALE_REWARDS = ("group", "batch", "none")
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")  # transformers' names
@@ -98,10 +103,18 @@ def _bf16_device() -> bool:
 
 
 def normalize_before(cfg) -> None:
-    """TRL/transformers spellings to one form, before any check runs."""
-    for name in DICT_FIELDS:
-        if hasattr(cfg, name):
-            setattr(cfg, name, read_dict_value(name, getattr(cfg, name)))
+    """TRL/transformers spellings to one form, before any check runs (each config class its own fields)."""
+    cfg._normalize()
+
+
+def _read_dict_fields(cfg, names: tuple[str, ...]) -> None:
+    for name in names:
+        setattr(cfg, name, read_dict_value(name, getattr(cfg, name)))
+
+
+def normalize_common(cfg) -> None:
+    """The fields every config has."""
+    _read_dict_fields(cfg, COMMON_DICT_FIELDS)
     cfg.report_to = normalize_report_to(cfg.report_to)
     cfg.disable_tqdm = bool(cfg.disable_tqdm)
     if cfg.activation_checkpointing is None and cfg.gradient_checkpointing is not None:
@@ -113,13 +126,6 @@ def normalize_before(cfg) -> None:
     if isinstance(cfg.pad_to_multiple_of, str) and cfg.pad_to_multiple_of != "auto":
         text = cfg.pad_to_multiple_of.lower()
         cfg.pad_to_multiple_of = None if text in ("none", "null") else int(text) if text.isdigit() else text
-    if hasattr(cfg, "scale_rewards"):
-        value = cfg.scale_rewards
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            value = value.lower() == "true"
-        cfg.scale_rewards = {True: "group", False: "none"}.get(value, value)  # TRL's spellings
-        if cfg.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
-            cfg.vllm_importance_sampling_clip_max = cfg.vllm_importance_sampling_cap
     if cfg.eval_strategy == "steps" and not cfg.eval_steps:
         cfg.eval_steps = cfg.logging_steps  # transformers' rule
     elif cfg.eval_steps is not None and cfg.eval_strategy == "no":
@@ -127,6 +133,17 @@ def normalize_before(cfg) -> None:
             "eval_steps=%s is set but eval_strategy='no': no evaluation will run (set eval_strategy='steps')",
             cfg.eval_steps,
         )
+
+
+def normalize_grpo(cfg) -> None:
+    """The GRPO family's fields."""
+    _read_dict_fields(cfg, GRPO_DICT_FIELDS)
+    value = cfg.scale_rewards
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    cfg.scale_rewards = {True: "group", False: "none"}.get(value, value)  # TRL's spellings
+    if cfg.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
+        cfg.vllm_importance_sampling_clip_max = cfg.vllm_importance_sampling_cap
 
 
 # ---- checks ---------------------------------------------------------------------------------------------
@@ -160,7 +177,8 @@ def _check_learning_rate(cfg, errors: list[str]) -> None:
         )
 
 
-def _validate_common(cfg, errors: list[str]) -> None:
+def check_common(cfg, errors: list[str]) -> None:
+    """The fields every config has (TrainingArguments' and rlft's common ones)."""
     from transformers.trainer_utils import SchedulerType
     from transformers.training_args import OptimizerNames
 
@@ -216,28 +234,8 @@ def _validate_common(cfg, errors: list[str]) -> None:
     errors.extend(unimplemented_errors(cfg))
 
 
-def _validate_generation_batch(cfg, errors: list[str]) -> None:
-    _positive(errors, cfg, "steps_per_generation", "generation_batch_size", "num_generations_eval")
-    if cfg.steps_per_generation is not None and cfg.generation_batch_size is not None:
-        errors.append("steps_per_generation and generation_batch_size are both set: give one (TRL's rule)")
-        return
-    spg = cfg.steps_per_generation or cfg.gradient_accumulation_steps
-    if spg % cfg.gradient_accumulation_steps:
-        errors.append(
-            f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps="
-            f"{cfg.gradient_accumulation_steps}: one generation must feed whole optimiser steps"
-        )
-    rollout = cfg.per_device_train_batch_size * spg
-    if cfg.num_generations >= 2 and cfg.generation_batch_size is None and rollout % cfg.num_generations:
-        valid = [cfg.num_generations * k for k in range(1, 5)]
-        errors.append(
-            f"per_device_train_batch_size * steps_per_generation = {rollout} completions is not divisible by "
-            f"num_generations={cfg.num_generations}; use a multiple such as {valid} (steps_per_generation "
-            "defaults to gradient_accumulation_steps)"
-        )
-
-
-def _validate_grpo(cfg, errors: list[str]) -> None:
+def check_grpo(cfg, errors: list[str]) -> None:
+    """The GRPO family's fields (GRPOConfig, RLOOConfig, AsyncGRPOConfig)."""
     from rlft.core.advantages import ADVANTAGE_ESTIMATORS
     from rlft.core.importance import MODES as IS_MODES
     from rlft.core.losses import KL_ESTIMATORS, LOSSES
@@ -290,12 +288,32 @@ def _validate_grpo(cfg, errors: list[str]) -> None:
     )
     if not 0 < cfg.top_p <= 1:
         errors.append(f"top_p={cfg.top_p!r} must be in (0, 1]")
-    _validate_generation_batch(cfg, errors)
+    _positive(errors, cfg, "steps_per_generation", "generation_batch_size", "num_generations_eval")
+    errors.extend(generation_batch_problems(cfg))  # what holds for any process count
     _validate_vllm(cfg, errors)
-    clip = getattr(cfg, "reward_clip_range", None)
+    _validate_algorithm_options(cfg, errors)
+
+
+def check_rloo(cfg, errors: list[str]) -> None:
+    """RLOOConfig's own fields."""
+    clip = cfg.reward_clip_range
     if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
         errors.append(f"reward_clip_range={list(clip)!r} must be two numbers (min, max) with min < max")
-    _validate_algorithm_options(cfg, errors)
+
+
+def _check_kl_in_reward(cfg, errors: list[str]) -> None:
+    """kl_in_reward shapes the one summed sequence reward of a sequence-level estimator."""
+    from rlft.core.advantages import ADVANTAGE_ESTIMATORS
+
+    if not cfg.kl_in_reward:
+        return
+    spec = ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator)
+    if spec is not None and (spec.token_level or spec.kl_in_reward):
+        errors.append(f"kl_in_reward=True with advantage_estimator {cfg.advantage_estimator}: it puts the KL "
+                      "in its per-token rewards itself; set kl_in_reward: false")
+    if cfg.multi_objective_aggregation != "sum_then_normalize":
+        errors.append("kl_in_reward=True penalises the summed reward: use multi_objective_aggregation: "
+                      "sum_then_normalize")
 
 
 def _validate_algorithm_options(cfg, errors: list[str]) -> None:
@@ -333,6 +351,7 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
     if cfg.advantage_estimator == "reinforce_pp" and cfg.multi_objective_aggregation != "sum_then_normalize":
         errors.append("advantage_estimator reinforce_pp whitens token-level returns of the summed reward: "
                       "use multi_objective_aggregation: sum_then_normalize")
+    _check_kl_in_reward(cfg, errors)
     if cfg.sync_ref_model and cfg.beta == 0:
         errors.append(
             "sync_ref_model=True with beta=0: there is no reference model to update (the KL term is off); "
@@ -371,7 +390,8 @@ def _validate_vllm(cfg, errors: list[str]) -> None:
         errors.append(f"vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization!r} must be in (0, 1]")
 
 
-def _validate_reward(cfg, errors: list[str]) -> None:
+def check_reward(cfg, errors: list[str]) -> None:
+    """RewardConfig's own fields."""
     _enum(errors, cfg, "truncation", TRUNCATION)
     _positive(errors, cfg, "max_length")
 
@@ -430,18 +450,18 @@ def _validate_types(cfg, errors: list[str]) -> None:
             errors.append(f"{name}={value!r} is a {type(value).__name__}; the field takes {shown}")
 
 
-def _validate_async(cfg, errors: list[str]) -> None:
-    """AsyncGRPOConfig: the schedule's bound, the producer's limits."""
+def check_async(cfg, errors: list[str]) -> None:
+    """AsyncGRPOConfig's own fields: the schedule's bound (at one optimiser step per rollout; the trainer
+    checks it again with its own), the producer's limits."""
     _positive(errors, cfg, "rollout_lag", "max_staleness", "producer_restarts", allow_zero=True)
     _positive(errors, cfg, "weight_sync_steps", "heartbeat_stale_after_s", "request_timeout",
               "producer_threads")
     if errors:
         return
-    worst = cfg.rollout_lag + cfg.weight_sync_steps - 1
-    if worst > cfg.max_staleness:
-        errors.append(f"rollout_lag={cfg.rollout_lag} with weight_sync_steps={cfg.weight_sync_steps} samples "
-                      f"rollouts up to {worst} steps behind, above max_staleness={cfg.max_staleness}: raise "
-                      "max_staleness or lower rollout_lag / weight_sync_steps")
+    try:
+        staleness(cfg, 1)
+    except ConfigError as err:
+        errors.append(str(err))
     if cfg.producer_cpus is not None and (not cfg.producer_cpus
                                           or any(not isinstance(c, int) or c < 0 for c in cfg.producer_cpus)):
         errors.append(f"producer_cpus={cfg.producer_cpus!r} must be a non-empty list of CPU numbers, "
@@ -449,18 +469,13 @@ def _validate_async(cfg, errors: list[str]) -> None:
 
 
 def validate(cfg):
-    """Check every field; raise one ConfigError listing all problems."""
+    """Check every field; raise one ConfigError listing all problems. The types first; then the config's
+    own `_check`, which runs the checks of its class and of each parent."""
     errors: list[str] = []
     _validate_types(cfg, errors)
     if errors:  # the checks below assume the types are right
         raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))
-    _validate_common(cfg, errors)
-    if hasattr(cfg, "num_generations"):
-        _validate_grpo(cfg, errors)
-    if hasattr(cfg, "truncation"):
-        _validate_reward(cfg, errors)
-    if hasattr(cfg, "rollout_lag"):
-        _validate_async(cfg, errors)
+    cfg._check(errors)
     if errors:
         raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))
     return cfg

@@ -11,41 +11,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlft.config_help import FIELD_HELP
 from rlft.errors import ConfigError
 
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-def _help(name: str) -> dict:
-    return {"help": FIELD_HELP.get(name, "")}
 
 
 @dataclass
 class ModelConfig:
     """The model and how to adapt it (TRL's names): `model_name_or_path`, `dtype`, LoRA and k-bit fields."""
 
-    model_name_or_path: str | None = field(default=None, metadata=_help("model_name_or_path"))
-    model_revision: str = field(default="main", metadata=_help("model_revision"))
-    dtype: str | None = field(default="auto", metadata=_help("dtype"))
-    attn_implementation: str | None = field(default=None, metadata=_help("attn_implementation"))
-    use_peft: bool = field(default=False, metadata=_help("use_peft"))
-    lora_r: int = field(default=16, metadata=_help("lora_r"))
-    lora_alpha: int = field(default=32, metadata=_help("lora_alpha"))
-    lora_dropout: float = field(default=0.05, metadata=_help("lora_dropout"))
-    lora_target_modules: list[str] | None = field(default=None, metadata=_help("lora_target_modules"))
-    lora_target_parameters: list[str] | None = field(default=None, metadata=_help("lora_target_parameters"))
-    lora_modules_to_save: list[str] | None = field(default=None, metadata=_help("lora_modules_to_save"))
-    lora_task_type: str = field(default="CAUSAL_LM", metadata=_help("lora_task_type"))
-    use_rslora: bool = field(default=False, metadata=_help("use_rslora"))
-    use_dora: bool = field(default=False, metadata=_help("use_dora"))
-    load_in_8bit: bool = field(default=False, metadata=_help("load_in_8bit"))
-    load_in_4bit: bool = field(default=False, metadata=_help("load_in_4bit"))
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "policy (GRPO) or reward model: a local folder or a hub id"})
+    model_revision: str = field(
+        default="main", metadata={"help": "the model's hub revision (branch, tag or commit)"})
+    dtype: str | None = field(
+        default="auto", metadata={"help": "weights dtype: auto (bf16/fp16 when set, else bfloat16 on a GPU "
+                                          "that has it, else float32), float32, bfloat16, float16"})
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "transformers' attention implementation (eager, sdpa, "
+                                        "flash_attention_2, ...)"})
+    use_peft: bool = field(default=False, metadata={"help": "train LoRA adapters instead of all weights"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
+    lora_dropout: float = field(
+        default=0.05, metadata={"help": "dropout on the LoRA path (set 0 with use_vllm: see "
+                                        "disable_dropout)"})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "module names to adapt, or all-linear (default: peft's "
+                                        "per-architecture choice)"})
+    lora_target_parameters: list[str] | None = field(
+        default=None, metadata={"help": "parameter names to adapt (peft's target_parameters, e.g. MoE "
+                                        "experts)"})
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "modules trained in full beside the adapters"})
+    lora_task_type: str = field(
+        default="CAUSAL_LM", metadata={"help": "peft task type; rlft sets CAUSAL_LM (GRPO) / SEQ_CLS "
+                                               "(reward, trains the head)"})
+    use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA: scale alpha / sqrt(r)"})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA"})
+    load_in_8bit: bool = field(
+        default=False, metadata={"help": "bitsandbytes 8-bit base weights (LoRA only; needs a CUDA GPU)"})
+    load_in_4bit: bool = field(
+        default=False, metadata={"help": "bitsandbytes 4-bit base weights, QLoRA (LoRA only; needs a CUDA "
+                                         "GPU)"})
     bnb_4bit_quant_type: str = field(
-        default="nf4", metadata={**_help("bnb_4bit_quant_type"), "choices": ["fp4", "nf4"]}
+        default="nf4", metadata={"help": "4-bit quantisation type: nf4 or fp4", "choices": ["fp4", "nf4"]}
     )
-    use_bnb_nested_quant: bool = field(default=False, metadata=_help("use_bnb_nested_quant"))
-    bnb_4bit_quant_storage: str | None = field(default=None, metadata=_help("bnb_4bit_quant_storage"))
+    use_bnb_nested_quant: bool = field(
+        default=False, metadata={"help": "nested (double) quantisation of the 4-bit constants"})
+    bnb_4bit_quant_storage: str | None = field(
+        default=None, metadata={"help": "storage dtype of the 4-bit weights"})
 
     def __post_init__(self):
         errors = []

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from rlft.config import GRPOConfig, RewardConfig, RLOOConfig
-from rlft.config_help import FIELD_HELP
 from rlft.errors import ConfigError
 from rlft.model_config import ModelConfig, get_peft_config, get_quantization_config
 from rlft.script_args import DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset, read_recipe
@@ -30,26 +29,34 @@ PATH_FIELDS = (
 )
 
 
-def _help(name: str) -> dict:
-    return {"help": FIELD_HELP.get(name, "")}
-
-
 @dataclass
 class GRPOScriptArguments(ScriptArguments):
     """`trl grpo`'s script arguments, plus rlft's train_dataset / eval_dataset."""
 
-    reward_model_name_or_path: str | None = field(default=None, metadata=_help("reward_model_name_or_path"))
-    reward_funcs: list[str] | None = field(default=None, metadata=_help("reward_funcs"))
-    train_dataset: str | None = field(default=None, metadata=_help("train_dataset"))
-    eval_dataset: str | None = field(default=None, metadata=_help("eval_dataset"))
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "a reward model (folder or hub id) used as the first reward "
+                                        "function"})
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "reward functions: built-in names, module:function, or a reward "
+                                        "model folder"})
+    train_dataset: str | None = field(
+        default=None, metadata={"help": "training data: a .jsonl/.json/.csv/.parquet file, a dataset "
+                                        "folder, or a hub id"})
+    eval_dataset: str | None = field(
+        default=None, metadata={"help": "evaluation data, same forms as train_dataset; a mapping name: "
+                                        "data evaluates each"})
 
 
 @dataclass
 class RewardScriptArguments(ScriptArguments):
     """`trl reward`'s script arguments, plus rlft's train_dataset / eval_dataset."""
 
-    train_dataset: str | None = field(default=None, metadata=_help("train_dataset"))
-    eval_dataset: str | None = field(default=None, metadata=_help("eval_dataset"))
+    train_dataset: str | None = field(
+        default=None, metadata={"help": "training data: a .jsonl/.json/.csv/.parquet file, a dataset "
+                                        "folder, or a hub id"})
+    eval_dataset: str | None = field(
+        default=None, metadata={"help": "evaluation data, same forms as train_dataset; a mapping name: "
+                                        "data evaluates each"})
 
 
 KINDS = {"grpo": (GRPOScriptArguments, GRPOConfig), "reward": (RewardScriptArguments, RewardConfig),

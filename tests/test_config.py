@@ -106,3 +106,112 @@ def test_absurd_learning_rates_are_refused_by_name(rate):
         GRPOConfig(learning_rate=rate)
     with pytest.raises(ConfigError, match=r"learning_rate="):
         RewardConfig(learning_rate=rate)
+
+
+def test_a_subclass_field_that_only_changes_the_default_keeps_the_parents_help_with_percent_escaped():
+    from dataclasses import field, fields
+
+    from rlft.config_base import config_class
+
+    @config_class
+    class Parent:
+        share: float = field(default=0.5, metadata={"help": "50% of the batch"})
+
+    @config_class
+    class Child(Parent):
+        share: float = 0.25
+
+    assert [f.metadata["help"] for f in fields(Child)] == ["50%% of the batch"]  # argparse reads %% as %
+    assert Child().share == 0.25 and fields(Parent)[0].metadata["help"] == "50%% of the batch"
+
+
+def test_generation_batch_defaults_to_gradient_accumulation_steps_micro_steps_per_process():
+    from rlft.config_rules import generation_batch
+
+    cfg = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
+                     num_iterations=2)
+    batch = generation_batch(cfg, processes=3)
+    assert (batch.steps_per_generation, batch.completions_per_process, batch.prompts_per_process) == (2, 16, 4)
+    assert (batch.completions_total, batch.prompts_total, batch.rows_per_step) == (48, 12, 16)
+    assert batch.steps_per_rollout == 2  # one optimiser step per generation, num_iterations=2 passes over it
+
+
+def test_generation_batch_size_is_shared_out_over_the_processes():
+    from rlft.config_rules import generation_batch
+
+    cfg = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                     generation_batch_size=32)
+    batch = generation_batch(cfg, processes=2)
+    assert (batch.steps_per_generation, batch.completions_per_process, batch.prompts_per_process) == (4, 16, 4)
+    assert (batch.completions_total, batch.steps_per_rollout) == (32, 2)
+
+
+def test_generation_batch_size_that_is_not_a_multiple_of_every_process_batch_is_refused():
+    from rlft.config_rules import generation_batch
+
+    cfg = GRPOConfig(per_device_train_batch_size=4, num_generations=4, generation_batch_size=24)  # builds
+    with pytest.raises(ConfigError, match=r"generation_batch_size=24 is not a multiple of "
+                                          r"per_device_train_batch_size x processes = 16"):
+        generation_batch(cfg, processes=4)
+
+
+def test_generation_batch_that_splits_a_group_across_processes_is_refused():
+    from rlft.config_rules import generation_batch
+
+    cfg = GRPOConfig(per_device_train_batch_size=2, num_generations=8, generation_batch_size=8)  # builds
+    with pytest.raises(ConfigError, match=r"a generation batch of 4 completions per process \(2 steps\) must "
+                                          r"hold whole groups of num_generations=8 and whole optimiser steps"):
+        generation_batch(cfg, processes=2)
+
+
+def test_generation_batch_refuses_steps_per_generation_that_is_not_whole_optimiser_steps():
+    from rlft.config_rules import generation_batch
+
+    cfg = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4)
+    cfg.steps_per_generation = 3  # changed after construction: the trainer's call still catches it
+    with pytest.raises(ConfigError, match="steps_per_generation=3 is not a multiple of "
+                                          "gradient_accumulation_steps=2"):
+        generation_batch(cfg, processes=1)
+
+
+def test_the_generation_batch_rule_already_applies_when_the_config_is_built():
+    with pytest.raises(ConfigError, match="invalid GRPOConfig:\n  - steps_per_generation=3 is not a multiple"):
+        GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3,
+                   num_generations=4)
+
+
+def test_staleness_is_rollout_lag_times_steps_per_rollout_plus_weight_sync_steps_minus_one():
+    from rlft.config import AsyncGRPOConfig
+    from rlft.config_rules import staleness
+
+    cfg = AsyncGRPOConfig(rollout_lag=2, weight_sync_steps=2, max_staleness=10)
+    assert (staleness(cfg), staleness(cfg, 2)) == (3, 5)
+
+
+def test_staleness_above_max_staleness_is_refused_naming_the_steps_per_rollout():
+    from rlft.config import AsyncGRPOConfig
+    from rlft.config_rules import staleness
+
+    cfg = AsyncGRPOConfig(rollout_lag=2, weight_sync_steps=2, max_staleness=4)  # 3 steps at one per rollout
+    with pytest.raises(ConfigError, match=r"with 2 optimiser steps per rollout, rollout_lag=2 and "
+                                          r"weight_sync_steps=2 train on weights up to 5 steps old, above "
+                                          r"max_staleness=4"):
+        staleness(cfg, 2)
+
+
+def test_staleness_above_max_staleness_is_refused_when_the_config_is_built():
+    from rlft.config import AsyncGRPOConfig
+
+    with pytest.raises(ConfigError, match=r"rollout_lag=3 with weight_sync_steps=3 samples rollouts up to 5 "
+                                          r"steps behind, above max_staleness=4"):
+        AsyncGRPOConfig(rollout_lag=3, weight_sync_steps=3)
+
+
+def test_staleness_refuses_weight_sync_steps_that_are_not_whole_rollouts():
+    from rlft.config import AsyncGRPOConfig
+    from rlft.config_rules import staleness
+
+    cfg = AsyncGRPOConfig(rollout_lag=1, weight_sync_steps=3, max_staleness=10)
+    with pytest.raises(ConfigError, match=r"weight_sync_steps=3 must be a multiple of the optimiser steps per "
+                                          r"rollout \(2\)"):
+        staleness(cfg, 2)

@@ -1,0 +1,126 @@
+"""What every rlft config shares: the `config_class` decorator (a dataclass whose fields carry their argparse
+help, inherited where a subclass only changes a default) and `_BaseConfig`, the TrainingArguments subclass
+with TRL's defaults that GRPOConfig, RLOOConfig, AsyncGRPOConfig, RewardConfig and SFTConfig extend
+(rlft/config.py).
+
+Each field rlft declares says what it does in `metadata={"help": ...}` beside its default; HfArgumentParser
+shows it in `rlft grpo --help`. Fields of TrainingArguments that rlft does not declare keep transformers'
+help.
+"""
+
+import types
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from transformers import TrainingArguments
+
+from rlft.config_checks import check_common, normalize_before, normalize_common, validate
+
+
+def _inherited_help(cls: type, name: str) -> str | None:
+    for base in cls.__mro__[1:]:
+        inherited = getattr(base, "__dataclass_fields__", {}).get(name)
+        if inherited is not None and inherited.metadata.get("help"):
+            return inherited.metadata["help"]
+    return None
+
+
+def config_class(cls: type) -> type:
+    """`dataclass(cls)`, then for each field `cls` declares itself: its help with "%" escaped for argparse,
+    or, where it gives none (a subclass that only changes a default), the help of the same field in the
+    nearest base class that has one. Only the "help" key goes in a field's metadata: HfArgumentParser passes
+    the others to `add_argument`."""
+    cls = dataclass(cls)
+    for f in cls.__dataclass_fields__.values():
+        if any(getattr(base, "__dataclass_fields__", {}).get(f.name) is f for base in cls.__mro__[1:]):
+            continue  # declared by a base class, already done there
+        text = f.metadata.get("help")
+        text = text.replace("%", "%%") if text else _inherited_help(cls, f.name)
+        if text:
+            f.metadata = types.MappingProxyType({**f.metadata, "help": text})
+    return cls
+
+
+@config_class
+class _BaseConfig(TrainingArguments):
+    """What both rlft configs change in TrainingArguments (TRL's defaults) and add to it."""
+
+    logging_steps: float = field(
+        default=10, metadata={"help": "log every N optimiser steps (below 1: a fraction of all steps)"})
+    gradient_checkpointing: bool | None = field(
+        default=True, metadata={"help": "recompute activations in backward to save memory"})
+    activation_checkpointing: bool | None = field(
+        default=None, metadata={"help": "transformers 5's name for gradient_checkpointing; wins when set"})
+    activation_checkpointing_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "transformers 5's name for gradient_checkpointing_kwargs"})
+    bf16: bool | None = field(
+        default=None, metadata={"help": "train in bfloat16 weights (default: where the device has "
+                                        "bfloat16; a CPU: false)"})
+    lr_scheduler_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "extra arguments for the schedule (e.g. min_lr for "
+                                        "cosine_with_min_lr)"})
+    model_init_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "extra keyword arguments for from_pretrained (e.g. "
+                                        "attn_implementation)"})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "allow model code from the hub repository (transformers' flag)"})
+    disable_dropout: bool = field(
+        default=False, metadata={"help": "set every dropout probability to 0 (LoRA's included)"})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto", metadata={"help": "pad each micro-batch's completion length to a multiple of N "
+                                          "(auto, null: no padding)"})
+    # rlft's own (RLFT_FIELDS)
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "replace an earlier run's checkpoints and logs in output_dir "
+                                         "(else refused)"})
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "warmup as a fraction of all steps (when warmup_steps is 0)"})
+    max_nonfinite_steps: int = field(
+        default=3, metadata={"help": "stop after this many non-finite steps in a row (each is skipped, "
+                                     "never applied)"})
+    chat_template_path: str | None = field(
+        default=None, metadata={"help": "a Jinja chat template file (or a tokenizer folder) to use instead "
+                                        "of the model's"})
+    pad_token: str | None = field(
+        default=None, metadata={"help": "set the tokenizer's pad token (must differ from eos for reward "
+                                        "models)"})
+    eos_token: str | None = field(
+        default=None, metadata={"help": "set the tokenizer's eos token (generation stops there)"})
+
+    def __post_init__(self):
+        normalize_before(self)
+        validate(self)  # rlft's checks first: they name the field where transformers' would not
+        # transformers refuses bf16 and tf32 without a GPU; rlft trains bf16 weights on a CPU, notes tf32
+        cuda = torch.cuda.is_available()
+        bf16, tf32, self.tf32 = self.bf16, self.tf32, self.tf32 if cuda else None
+        self.bf16 = bf16 and (cuda or self.use_cpu)
+        super().__post_init__()
+        self.bf16, self.tf32 = bf16, tf32
+        if self.activation_checkpointing is not None:  # transformers < 5.2x has no activation_* mirror
+            self.gradient_checkpointing = self.activation_checkpointing
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
+
+    def _normalize(self) -> None:
+        """TRL/transformers spellings of this class's fields to one form; a subclass that declares fields
+        needing it calls `super()._normalize()` first."""
+        normalize_common(self)
+
+    def _check(self, errors: list[str]) -> None:
+        """One line in `errors` per problem with this class's fields (rlft/config_checks.py); a subclass that
+        declares fields calls `super()._check(errors)`, then checks its own. `validate` runs it."""
+        check_common(self, errors)
+
+    @cached_property
+    def _setup_devices(self):
+        """The process state, built as rlft's Accelerator will use it (a gloo group for several processes on
+        a machine without CUDA; the ddp_timeout on CPUs of rlft/launch.py), never resetting a state that a
+        trainer in this process already runs on."""
+        from accelerate.state import PartialState
+
+        from rlft.launch import partial_state_kwargs
+
+        self.distributed_state = PartialState(**partial_state_kwargs(self))
+        device = self.distributed_state.device
+        self._n_gpu = 1 if device.type == "cuda" else 0
+        return device
