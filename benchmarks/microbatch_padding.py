@@ -60,15 +60,15 @@ def update_seconds(sort: bool) -> tuple[list[float], float]:
                               peft_config=LoraConfig(**spec.lora))
         trainer.generator = SpreadLengths(trainer.tokenizer)
         if not sort:
-            trainer._micro_batches = lambda rollout: list(torch.arange(rollout.completion_ids.shape[0]).split(4))
+            trainer.scorer.micro_batches = lambda rollout: list(torch.arange(rollout.completion_ids.shape[0]).split(4))
         seconds = []
         for step in range(STEPS + 1):  # the first step is a warm-up
             batch = trainer._make_rollout(step)
             started = time.perf_counter()
-            trainer._optimizer_step(batch)
+            trainer.updater.step(batch)
             seconds.append(time.perf_counter() - started)
         mask = batch.rollout.completion_mask
-        padded = sum(mask[rows].sum(1).max().item() * len(rows) for rows in trainer._micro_batches(batch.rollout))
+        padded = sum(mask[rows].sum(1).max().item() * len(rows) for rows in trainer.scorer.micro_batches(batch.rollout))
         return seconds[1:], mask.sum().item() / padded
 
 

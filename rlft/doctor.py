@@ -175,7 +175,7 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
     signs = torch.tensor([1.0, -1.0]).repeat(batch.advantages.numel() // 2 + 1)[: batch.advantages.numel()]
 
     def backward():  # synthetic +-1 advantages: tests the wiring whatever the rewards were
-        logps = trainer._forward(trainer.model, batch.rollout, slice(0, None))[0]
+        logps = trainer.scorer.forward(trainer.model, batch.rollout, slice(0, None))[0]
         mask = batch.rollout.completion_mask[:, :logps.shape[1]]
         loss, _ = policy_loss(logps, logps.detach(), signs, mask, loss_type=cfg.loss_type)
         loss.backward()
@@ -192,7 +192,7 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
 def _engine_mismatch(trainer, rollout) -> float:
     """Max |trainer log-prob - engine log-prob| over the engine's own sampled tokens."""
     trainer.model.eval()
-    logps = trainer._logps_no_grad(trainer.model, rollout)
+    logps = trainer.scorer.logps(trainer.model, rollout)
     trainer.model.train()
     return (logps - rollout.sampling_logps)[rollout.completion_mask.bool()].abs().max().item()
 

@@ -46,8 +46,13 @@ class Throughput:
 
     def __init__(self, config, device: torch.device, dtype: torch.dtype):
         self.config = config
-        kind = "cpu" if device.type == "cpu" else str(device)
-        self.peak = matmul_peak(kind, dtype if dtype.is_floating_point else torch.float32)
+        self.kind = "cpu" if device.type == "cpu" else str(device)
+        self.dtype = dtype if dtype.is_floating_point else torch.float32
+
+    @functools.cached_property
+    def peak(self) -> float:
+        """The device's matmul peak, probed at the first use (not when a trainer is built)."""
+        return matmul_peak(self.kind, self.dtype)
 
     def generation(self, rollout, seconds: float, group: int) -> dict[str, float]:
         prompts, completions = _lengths(rollout)

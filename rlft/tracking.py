@@ -133,6 +133,26 @@ class RunLog:
             self.accelerator.end_training()
 
 
+class Messages:
+    """Where a trainer's parts say what they have to say: the open run's log (console and run log, on the main
+    process) while `train()` runs, Python's `rlft` logger otherwise (construction, evaluate() on its own)."""
+
+    def __init__(self):
+        self.run: RunLog | None = None
+
+    def info(self, message: str) -> None:
+        if self.run is not None:
+            self.run.info(message)
+        else:
+            logger.info(message)
+
+    def warn(self, message: str) -> None:
+        if self.run is not None:
+            self.run.warn(message)
+        else:
+            logger.warning(message)
+
+
 PLAIN_KEYS = ("reward", "loss", "grad_norm", "accuracy", "step_time")
 
 

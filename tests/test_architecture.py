@@ -139,3 +139,74 @@ def test_no_file_over_500_lines_and_no_function_over_60():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
                 long_functions.append(f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert long_files == [] and long_functions == []
+
+
+def test_the_configs_are_literal_classes_and_validation_dispatches_by_class_not_hasattr():
+    """`grep "class GRPOConfig"` finds the class; each config checks its own fields (`_check`, chained with
+    super()), so validate asks no config which fields it happens to have."""
+    source = "\n".join(path.read_text() for path in modules().values())
+    for name in ("GRPOConfig", "RLOOConfig", "AsyncGRPOConfig", "RewardConfig", "SFTConfig"):
+        assert f"\nclass {name}(" in source, name
+    from rlft.config import validate
+
+    checks = Path(inspect.getsourcefile(validate)).read_text()
+    assert "def validate(" in checks and "hasattr(" not in checks
+
+
+def test_the_grpo_trainers_are_compositions_not_overrides():
+    """GRPOTrainer has at most two bases (the loop and TRL's surface); AsyncGRPOTrainer and RLOOTrainer only
+    choose parts in their constructors: no method of their own but __init__."""
+    from rlft import AsyncGRPOTrainer, GRPOTrainer, RLOOTrainer
+
+    assert len(GRPOTrainer.__bases__) <= 2
+    for trainer in (AsyncGRPOTrainer, RLOOTrainer):
+        own = {name for name, value in vars(trainer).items() if inspect.isfunction(value)
+               or isinstance(value, property | staticmethod | classmethod)}
+        assert own == {"__init__"}, (trainer.__name__, own)
+
+
+def test_no_function_under_train_takes_the_trainer():
+    """The parts get what they use, not the whole trainer: no parameter named trainer (or owner) under
+    rlft/train/."""
+    found = []
+    for name, path in modules().items():
+        if not name.startswith("rlft.train"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                names = [a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]]
+                found += [f"{name}:{getattr(node, 'name', 'lambda')}" for a in names if a in ("trainer", "owner")]
+    assert found == []
+
+
+def test_the_rollout_carrier_loses_no_field_on_select_split_and_cat():
+    """Every field of a Rollout survives select, split and cat; tensors() / from_tensors() round-trip the saved
+    ones (the checkpoint format: prompt_ids, ..., truncated as uint8)."""
+    import dataclasses
+
+    import torch
+
+    from rlft.rollout.base import Rollout
+
+    rollout = Rollout(torch.tensor([[0, 5], [6, 7], [8, 9]]), torch.tensor([[0, 1], [1, 1], [1, 1]]),
+                      torch.tensor([[1, 2], [3, 0], [4, 5]]), torch.tensor([[1, 1], [1, 0], [1, 1]]),
+                      torch.tensor([True, False, True]), torch.rand(3, 2), torch.ones(3, 2, dtype=torch.long),
+                      ["a", "b", "c"], {"answer": [1, 2, 3]}, {"tool_calls": torch.tensor([0.0, 1.0, 2.0])})
+    parts = rollout.split(2)
+    assert [p.row_count() for p in parts] == [2, 1]
+    joined = Rollout.cat([parts[1], parts[0]], pad_token_id=0)
+    picked = rollout.select([2, 0, 1])
+    for field in dataclasses.fields(Rollout):
+        a, b = getattr(joined, field.name), getattr(picked, field.name)
+        if torch.is_tensor(a):
+            assert torch.equal(a, b), field.name
+        elif isinstance(a, dict):
+            assert {k: v.tolist() if torch.is_tensor(v) else v for k, v in a.items()} == \
+                {k: v.tolist() if torch.is_tensor(v) else v for k, v in b.items()}, field.name
+        else:
+            assert a == b, field.name
+    saved = rollout.tensors()
+    assert set(saved) == {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
+                          "sampling_logps", "tool_mask"} and saved["truncated"].dtype == torch.uint8
+    back = Rollout.from_tensors(saved)
+    assert all(torch.equal(getattr(back, k), getattr(rollout, k)) for k in saved)

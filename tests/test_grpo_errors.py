@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import rlft.train.grpo as grpo_module
+import rlft.train.policy as policy_module
 from rlft import GRPOTrainer
 from rlft.config import ConfigError, GRPOConfig
 from rlft.data.prompts import DatasetError
@@ -19,7 +19,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(grpo_module, "load_causal_lm", refuse)
+    monkeypatch.setattr(policy_module, "load_causal_lm", refuse)
 
 
 def make(tmp_path, shipped, rows=None, funcs=(correct_answer,), **overrides):

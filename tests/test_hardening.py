@@ -13,6 +13,7 @@ import transformers
 
 from rlft import GRPOTrainer
 from rlft.config import ConfigError, GRPOConfig
+from rlft.errors import NonFiniteStepError
 from rlft.models import load_tokenizer
 from rlft.recipes import parse_run
 from rlft.rewards import RewardFunctionError
@@ -20,7 +21,6 @@ from rlft.rollout.hf import shared_prompt_cache
 from rlft.scoring import Scored
 from rlft.tracking import read_metrics
 from rlft.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, resolve_resume
-from rlft.train.grpo_update import NonFiniteStepError
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config, write_jsonl
 
 

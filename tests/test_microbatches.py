@@ -24,7 +24,7 @@ def one_step(model_dir, tmp_path, per_device: int, accumulation: int, **override
     shapes = []
     hook = trainer.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
                                                    with_kwargs=True)
-    metrics = trainer._optimizer_step(batch)
+    metrics = trainer.updater.step(batch)
     hook.remove()
     params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
     return params, metrics, shapes, batch
@@ -62,7 +62,7 @@ def test_no_grad_log_probs_fill_every_row_in_its_place(tmp_path, tiny_causal_dir
     batch = trainer._make_rollout(0)  # old log-probs from 8 sorted, trimmed micro-batches
     mask = batch.rollout.completion_mask.bool()
     with torch.no_grad():
-        whole = trainer._forward(trainer.model, batch.rollout, slice(0, None))[0]  # one batch, no sorting
+        whole = trainer.scorer.forward(trainer.model, batch.rollout, slice(0, None))[0]  # one batch, no sorting
     assert batch.old_logps.shape == mask.shape
     width = whole.shape[1]  # the longest completion; the rollout is padded wider
     assert width < mask.shape[1] and not mask[:, width:].any()

@@ -68,13 +68,13 @@ def test_rloo_advantages_and_loss_equal_trls_formula_in_float64(tmp_path, shippe
         generator = torch.Generator().manual_seed(1)
         for param in trainer.ref_model.parameters():
             param.add_(0.02 * torch.randn(param.shape, generator=generator))
-    rollout = trainer._generate(trainer.train_prompts.batch(list(range(4))), 2)
+    rollout = trainer.source.generate(trainer.train_prompts.batch(list(range(4))), 2)
     rewards = torch.tensor([[1.0, 0.5], [0.0, 0.5], [float("nan"), float("nan")], [1.0, 0.0],
                             [0.0, 0.0], [1.0, float("nan")], [0.0, 0.5], [1.0, 0.5]])
-    advantages = trainer._advantages(rewards, rollout)[0]
+    advantages = trainer.advantages(rewards, rollout)[0]
     mask = rollout.loss_mask.double()
-    old = trainer._logps_no_grad(trainer.model, rollout).double()
-    ref = trainer._reference_logps(rollout).double()
+    old = trainer.scorer.logps(trainer.model, rollout).double()
+    ref = trainer.scorer.reference_logps(rollout).double()
     assert (old - ref).abs().max() > 1e-3
     expected = trl_rloo_reference(rewards.tolist(), [1.0, 1.0], old.tolist(), ref.tolist(), mask.tolist(), 0.05,
                                   (-0.5, 0.8), normalize)
@@ -132,8 +132,8 @@ def test_the_policy_scores_a_rollout_once_for_the_kl_and_the_old_log_probs(tmp_p
                          "report_to": "none"})
     trainer = RLOOTrainer(str(shipped_policy_dir), [correct_answer], args, addition_rows(16))
     passes = []
-    forward = trainer._logps_no_grad
-    trainer._logps_no_grad = lambda model, rollout: passes.append(model is trainer.model) or forward(model, rollout)
+    forward = trainer.scorer.logps
+    trainer.scorer.logps = lambda model, rollout: passes.append(model is trainer.model) or forward(model, rollout)
     batch = trainer._make_rollout(0)
     assert passes == [True, False]  # the policy once, the reference once
     assert batch.old_logps is not None and torch.equal(batch.old_logps, forward(trainer.model, batch.rollout))

@@ -57,6 +57,6 @@ def test_a_skipped_step_leaves_the_engine_alone(tmp_path, shipped_policy_dir):
     cfg = tiny_grpo_config(tmp_path, max_steps=1)
     trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], cfg, addition_rows(16))
     trainer.generator = engine = Recording(trainer.generator)
-    trainer._optimizer_step = lambda batch: trainer._skip_step("test", 0.0, nonfinite=False)
+    trainer.updater.step = lambda batch: trainer.optim.skip("test", nonfinite=False) or {}
     trainer.train()
     assert engine.events == ["weights", "generate"]

@@ -106,7 +106,7 @@ def test_a_grpo_step_and_an_evaluation_never_build_positions_times_vocabulary(tm
     batch_ = trainer._make_rollout(0)
     positions = int(batch_.rollout.completion_mask.sum())
     with LargestTensor(vocab) as watch:
-        trainer._optimizer_step(batch_)
+        trainer.updater.step(batch_)
     assert watch.largest <= max(4 * vocab, weight) < positions * vocab  # one tile of logits, never the step's
     with LargestTensor(vocab) as watch:
         trainer.evaluate()

@@ -82,7 +82,7 @@ def test_tools_run_and_tool_output_is_not_trained(tmp_path, tiny_tool_dir):
         loss.backward()
         expected[right_mask] = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    trainer._optimizer_step(batch)
+    trainer.updater.step(batch)
     for name, param in model.named_parameters():
         torch.testing.assert_close(before[name] - param.detach(), expected[True][name], atol=2e-6, rtol=1e-4)
     gap = max((expected[True][n] - expected[False][n]).abs().max().item() for n in expected[True])
@@ -297,7 +297,7 @@ def test_a_dict_of_environments_routes_each_row_by_its_environment_column(tmp_pa
     assert sorted(set(kinds)) == ["Door", "Lamp"]
     assert all((r == 1.0) if k == "Lamp" else math.isnan(r) for r, k in zip(lamp_rewards, kinds))
     with pytest.raises(ConfigError, match=r"row \d+ has environment='attic', which is not among"):
-        trainer._generate({**trainer.train_prompts.batch([0]), "environment": ["attic"]}, 2)
+        trainer.source.generate({**trainer.train_prompts.batch([0]), "environment": ["attic"]}, 2)
 
 
 def test_a_single_environment_without_a_dataset_supplies_the_prompts(tmp_path, tiny_tool_dir):

@@ -347,7 +347,7 @@ def test_one_generation_batch_feeds_several_optimiser_steps(tmp_path, shipped_po
 def test_shuffle_dataset_false_keeps_dataset_order(tmp_path, shipped_policy_dir):
     trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, shuffle_dataset=False),
                           addition_rows(16))
-    assert trainer._prompt_indices(0) == [0, 1] and trainer._prompt_indices(1) == [2, 3]
+    assert trainer.schedule.indices(0) == [0, 1] and trainer.schedule.indices(1) == [2, 3]
 
 
 def test_generation_kwargs_and_min_p_reach_generate(tmp_path, shipped_policy_dir):

@@ -409,8 +409,8 @@ def test_a_moe_policys_router_loss_is_added_as_trl_adds_it(tmp_path):
     assert trainer.router_aux_loss_coef == 0.5
     batch = trainer._make_rollout(0)
     rows = torch.arange(batch.rollout.completion_ids.shape[0])
-    without = trainer._forward(trainer.model, batch.rollout, rows)
-    with_router = trainer._forward(trainer.model, batch.rollout, rows, router_loss=True)
+    without = trainer.scorer.forward(trainer.model, batch.rollout, rows)
+    with_router = trainer.scorer.forward(trainer.model, batch.rollout, rows, router_loss=True)
     assert (
         torch.equal(without[0], with_router[0]) and with_router[2] > 0
     )  # same log-probs, plus the router loss
@@ -684,7 +684,7 @@ def test_evaluate_reports_the_loss_on_the_eval_completions(tmp_path, shipped_pol
                           eval_dataset=addition_rows(3, heldout=True))
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] == 0.0 and "eval_reward" in metrics
-    rollout = trainer._generate(trainer.train_prompts.batch([0]), 4)
+    rollout = trainer.source.generate(trainer.train_prompts.batch([0]), 4)
     rewards = torch.tensor([[1.0], [0.0], [1.0], [0.0]])
     lengths = rollout.loss_mask.sum(dim=1).double()
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64) * 0.5 / (3 ** -0.5 + 1e-4)

@@ -41,7 +41,7 @@ def parity(trainer) -> float:
     trainer.model.eval()
     rollout = trainer.generator(trainer.accelerator.unwrap_model(trainer.model),
                                 trainer.train_prompts.batch([0, 1, 2, 3])["prompt_ids"], 4)
-    logps = trainer._logps_no_grad(trainer.model, rollout)
+    logps = trainer.scorer.logps(trainer.model, rollout)
     return (logps - rollout.sampling_logps)[rollout.completion_mask.bool()].abs().max().item()
 
 
@@ -394,9 +394,9 @@ def test_tool_calling_rollouts_generate_each_turn_with_vllm(tmp_path):
     trainer.train()
     history = trainer.state.log_history
     assert history[0]["tools/call_frequency"] > 0.5 and max(h.get("grad_norm", 0) for h in history) > 0
-    rollout = trainer._generate(trainer.train_prompts.batch([0, 1, 2, 3]), 4)
+    rollout = trainer.source.generate(trainer.train_prompts.batch([0, 1, 2, 3]), 4)
     assert rollout.stats["turns"].max() >= 2
-    logps = trainer._logps_no_grad(trainer.model, rollout)
+    logps = trainer.scorer.logps(trainer.model, rollout)
     policy = rollout.loss_mask.bool()
     assert (logps - rollout.sampling_logps)[policy].abs().max().item() < 2e-3
     assert rollout.sampling_logps[rollout.completion_mask.bool() & ~policy].eq(0).all()  # tool output: not sampled

@@ -257,3 +257,38 @@ def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, c
             {**shown, "prompt": prompts[row], "completion": completions[row]}, len(unscored),
             len(completions))
     return rewards
+
+
+def _repeat(values: list, times: int) -> list:
+    return [v for v in values for _ in range(times)]
+
+
+class RewardScorer:
+    """A rollout's rewards from every reward function, called as TRL calls them: the completions decoded (or,
+    for multi-turn rollouts, as the chat messages the rollout recorded), each prompt's dataset columns
+    repeated
+    for its `group` completions, the rollout's own per-row values (environments, rollout_func keys)."""
+
+    def __init__(self, funcs: list[Callable], names: list[str], tokenizer, trainer_state: Any,
+                 allow_nan: bool = False):
+        self.funcs, self.names, self.tokenizer = funcs, names, tokenizer
+        self.trainer_state, self.allow_nan = trainer_state, allow_nan
+
+    def __call__(self, rollout, prompts: dict, group: int,
+                 reward_log: RewardLog | None = None) -> tuple[torch.Tensor, list]:
+        """(rewards [N, F], the completions the functions received) for the rows of `rollout`, whose prompts
+        are the PromptSet batch `prompts`."""
+        mask = rollout.completion_mask.bool()
+        ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), mask.cpu())]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        repeated_prompts = _repeat(prompts["prompts"], group)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for p, t in zip(repeated_prompts, texts)]
+        if rollout.completions is not None:  # multi-turn: the assistant and tool messages
+            completions = rollout.completions
+        columns = {k: _repeat(v, group) for k, v in prompts.items() if k not in ("prompts", "prompt_ids")}
+        columns.update({"environments": None, **rollout.extra})  # TRL passes environments=None without them
+        rewards = compute_rewards(self.funcs, self.names, prompts=repeated_prompts, completions=completions,
+                                  completion_ids=ids, columns=columns, trainer_state=self.trainer_state,
+                                  reward_log=reward_log or RewardLog(), allow_nan=self.allow_nan)
+        return rewards, completions

@@ -21,7 +21,7 @@ import torch
 
 from rlft.data.prompts import left_pad, right_pad
 from rlft.errors import ConfigError
-from rlft.rollout.hf import Rollout
+from rlft.rollout.base import Rollout
 from rlft.rollout.multiturn import Toolset
 from rlft.rollout.tools import tool_schemas
 
@@ -143,10 +143,11 @@ def _owned_reward(kind):
     return reward
 
 
-def function_rollout(func, prompts: list, trainer, num_generations: int, eos_ids: list[int],
-                     pad_id: int, max_length: int, device) -> Rollout:
-    """Call a user's rollout_func and check what it returned, naming the key and row that is wrong."""
-    out = func(prompts, trainer)
+def function_rollout(func, prompts: list, num_generations: int, eos_ids: list[int], pad_id: int,
+                     max_length: int, device) -> Rollout:
+    """Call a user's rollout_func (bound to its trainer: `func(prompts)`) and check what it returned, naming
+    the key and row that is wrong."""
+    out = func(prompts)
     if not isinstance(out, dict):
         raise ConfigError(f"rollout_func returned {type(out).__name__}; return a dict with prompt_ids, "
                           "completion_ids and logprobs")

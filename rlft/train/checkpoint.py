@@ -27,14 +27,21 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rlft.train import engine_io
-from rlft.train.safe_files import CheckpointError, check_finite, load_json, load_safetensors
+from rlft.train.safe_files import (  # noqa: F401 (check_finite, load_model_weights, model_folder: old paths)
+    CheckpointError,
+    check_finite,
+    load_json,
+    load_model_weights,
+    load_safetensors,
+    model_folder,
+)
 
 logger = logging.getLogger("rlft")
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -145,43 +152,56 @@ def resolve_resume(resume: bool | str | Path | None, output_dir: str | Path) -> 
 
 
 # ---- writing --------------------------------------------------------------------------------------
-def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, output_dir: str | Path, step: int,
-                    state: dict[str, Any], extra_tensors: dict[str, torch.Tensor] | None = None,
-                    extra_json: dict[str, Any] | None = None, flow=None, save_total_limit: int | None = None,
-                    engine=None) -> Path:
-    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files). Under FSDP2
-    and DeepSpeed the weights and optimizer state are gathered whole (the engine's save_state,
-    rlft/train/engines/)."""
+@dataclass
+class PartState:
+    """What one part of a trainer (the policy update, the rollout source, a rollout in progress, the run
+    itself) puts in a checkpoint: scalars for rlft_state.json (`state`), this process's JSON for extra.json
+    (`extra`), tensors for extra.safetensors (`tensors`). A checkpoint is the parts' states merged, plus the
+    model files; on resume each part reads its own keys back from the merged ones."""
+
+    state: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def merged(cls, parts: list[PartState]) -> PartState:
+        out = cls()
+        for part in parts:
+            out.state.update(part.state)
+            out.extra.update(part.extra)
+            out.tensors.update(part.tensors)
+        return out
+
+
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, trained, tokenizer, flow,
+                    parts: PartState, save_total_limit: int | None = None) -> Path:
+    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files): `trained`
+    (rlft/train/optimization.py) saves the model files, optimizer state and schedule, its engine's way
+    (gathered whole under FSDP2 and DeepSpeed); `parts` are what the trainer's parts carry."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
-    unwrapped = accelerator.unwrap_model(model)
-    gathered = engine is not None and engine.gathers_checkpoints
-    if not gathered:
-        check_finite(unwrapped)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    (tmp / f"rng_state_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
-    _write_carried(accelerator, tmp, extra_tensors, extra_json)
-    if gathered:
-        state_dict = engine_io.save_pretrained(accelerator, engine, model, tmp, tokenizer)
-        engine_io.save_engine_state(accelerator, engine, model, optimizer, tmp / "engine", state_dict)
-    if accelerator.is_main_process:
-        if not gathered:
-            unwrapped.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
-        if flow is not None:
+    try:
+        (tmp / f"rng_state_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
+        _write_carried(accelerator, tmp, parts.tensors, parts.extra or None)
+        trained.save(tmp, tokenizer)
+        if accelerator.is_main_process:
             flow.save(tmp)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        files = {str(f.relative_to(tmp)): _sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
-        (tmp / STATE_FILE).write_text(json.dumps({"global_step": step, **state, "files": files}, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _rotate(output_dir, save_total_limit)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            files = {str(f.relative_to(tmp)): _sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+            state = {"global_step": step, **parts.state, "files": files}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _rotate(output_dir, save_total_limit)
+    except BaseException:
+        if accelerator.is_main_process:  # the previous checkpoints stay as they were
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     accelerator.wait_for_everyone()
     return final
 
@@ -232,33 +252,10 @@ def _rotate(output_dir: Path, limit: int | None) -> None:
 
 
 # ---- reading --------------------------------------------------------------------------------------
-def model_folder(path: Path) -> Path:
-    """Where a checkpoint's model files are: its top level (older rlft checkpoints: its model/ folder)."""
-    return path / "model" if (path / "model" / "config.json").is_file() else path
-
-
-def load_model_weights(model, folder: Path) -> None:
-    """Load trainable weights saved by `save_pretrained` (peft adapter or full model) in place."""
-    from peft import PeftModel, set_peft_model_state_dict
-
-    if isinstance(model, PeftModel):
-        set_peft_model_state_dict(model, load_safetensors(folder / "adapter_model.safetensors"))
-        return
-    state = {}
-    # model.safetensors or model-0000k-of-0000n shards
-    for shard in sorted(folder.glob("model*.safetensors")):
-        state.update(load_safetensors(shard))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {name for name in missing if "lm_head" in name}  # tied to the embeddings, not saved twice
-    if unexpected or set(missing) - tied:
-        raise CheckpointError(f"checkpoint {folder} does not match the model: missing "
-                              f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
-
-
-def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path,
-                    engine=None) -> tuple[dict, dict, dict]:
-    """Restore weights, optimizer, scheduler and this process's RNG.
-    Returns (rlft state, extra tensors, extra json)."""
+def load_checkpoint(accelerator, trained, path: Path) -> PartState:
+    """Restore the model, optimizer and schedule (`trained`: rlft/train/optimization.py) and this process's
+    RNG. Returns the parts' merged state (rlft_state.json, this process's extra JSON and tensors) for each
+    part to read its own from; the TrainerState is the flow's to load."""
     state = verify(path)
     if state.get("num_processes", 1) != accelerator.num_processes:
         from rlft.errors import ConfigError
@@ -266,30 +263,10 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, path: Path,
         raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same "
                           f"number (now {accelerator.num_processes}): the RNG states and data order are per "
                           "process")
-    _load_weights_and_optimizer(accelerator, model, optimizer, path, engine)
-    scheduler.load_state_dict(load_json(path / "scheduler.json"))
+    trained.load(path)
     rng_file = path / f"rng_state_{accelerator.process_index}.json"
     if not rng_file.is_file():
         raise CheckpointError(f"{rng_file} is missing: the checkpoint was written by fewer processes")
     set_rng_state(load_json(rng_file))
     tensors, extra = _read_carried(accelerator, path)
-    return state, tensors, extra
-
-
-def _load_weights_and_optimizer(accelerator, model, optimizer, path: Path, engine) -> None:
-    gathered = engine is not None and engine.gathers_checkpoints
-    if gathered != (path / "engine").is_dir():
-        written = "FSDP2 or DeepSpeed" if (path / "engine").is_dir() else "DDP or one process"
-        raise CheckpointError(f"{path} was written by {written}; "
-                              f"this run is {engine.name if engine else 'ddp'}: resume with the engine that "
-                              "wrote it (or start a new run from its model files)")
-    if gathered:
-        engine_io.load_engine_state(accelerator, engine, model, optimizer, path / "engine")
-        return
-    load_model_weights(accelerator.unwrap_model(model), model_folder(path))
-    try:
-        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    except Exception as err:  # weights_only refuses anything but tensors and plain containers
-        raise CheckpointError(f"{path / 'optimizer.pt'} is not a plain optimizer state dict; "
-                              f"refusing to load it ({type(err).__name__})") from err
-    optimizer.load_state_dict(optimizer_state)
+    return PartState(state, extra, tensors)

@@ -2,9 +2,11 @@
 `dynamic_filtering`): a group whose completions all got the same reward has advantage 0 and teaches nothing,
 so it is dropped and more prompts are sampled until the step's batch is full of groups with a learning signal.
 
-Rounds after the first draw their prompts from a permutation seeded by (seed, rollout, round): no cursor
-to save, so a resumed or repeated run samples the same prompts. Process p samples positions [p*P, (p+1)*P)
-of each round's prompts (P per process), so N processes sample exactly the prompts one process would.
+`DynamicSampling` wraps any rollout source: round 0 is the source's own rollout (for the async producer, the
+scheduled one), later rounds are `source.round(index, r)`, whose prompts come from a permutation seeded by
+(seed, rollout, round): no cursor to save, so a resumed or repeated run samples the same prompts. Process p
+samples positions [p*P, (p+1)*P) of each round's prompts (P per process), so N processes sample exactly the
+prompts one process would.
 
 The choice is global, as on one process: every process learns every group's informative flag, the batch is
 the first N*P informative groups in (round, position) order, and process p trains on the p-th P of them. A
@@ -17,11 +19,13 @@ the same, and the run says so.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from rlft.data.prompts import epoch_order
-from rlft.rewards.calling import RewardLog
-from rlft.rollout.hf import Rollout
+from rlft.rollout.base import Rollout
+from rlft.train.batch import ScoredRollout, add_timing
+from rlft.train.source import round_prompt_indices  # noqa: F401 (its old import path)
 
 SPREAD_TOLERANCE = 1e-6
 
@@ -37,53 +41,6 @@ def informative_groups(rewards: torch.Tensor, weights: torch.Tensor, group: int)
     return (valid.sum(dim=1) >= 2) & (high - low > SPREAD_TOLERANCE)
 
 
-def round_prompt_indices(num_rows: int, seed: int, rollout_index: int, round_index: int, process_index: int,
-                         per_process: int) -> list[int]:
-    """This process's prompts for a later round: a permutation of all rows seeded by (seed, rollout,
-    round)."""
-    order = epoch_order(num_rows, seed + 1_000_003 * round_index, rollout_index)
-    start = process_index * per_process
-    return [order[(start + k) % num_rows] for k in range(per_process)]
-
-
-def select_rows(rollout: Rollout, rows: list[int]) -> Rollout:
-    """The rollout's rows `rows`, in that order (per-row lists and stats too)."""
-    index = torch.tensor(rows, dtype=torch.long)  # moved to each tensor's device: stats may live on the CPU
-    pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
-    return Rollout(pick(rollout.prompt_ids), pick(rollout.prompt_mask), pick(rollout.completion_ids),
-                   pick(rollout.completion_mask), pick(rollout.truncated), pick(rollout.sampling_logps),
-                   pick(rollout.tool_mask), None if rollout.completions is None else
-                   [rollout.completions[i] for i in rows],
-                   {k: [v[i] for i in rows] for k, v in rollout.extra.items()},
-                   {k: pick(v) for k, v in rollout.stats.items()})
-
-
-def _pad(tensors: list[torch.Tensor], value, left: bool = False) -> torch.Tensor:
-    width = max(t.shape[1] for t in tensors)
-    padded = []
-    for t in tensors:
-        fill = t.new_full((t.shape[0], width - t.shape[1]), value)
-        padded.append(torch.cat([fill, t] if left else [t, fill], dim=1))
-    return torch.cat(padded)
-
-
-def cat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Rows of several rollouts as one: prompts left-padded, completions right-padded to the widest."""
-    if len(parts) == 1:
-        return parts[0]
-    optional = lambda name, value: None if getattr(parts[0], name) is None else \
-        _pad([getattr(p, name) for p in parts], value)  # noqa: E731
-    return Rollout(_pad([p.prompt_ids for p in parts], pad_token_id, left=True),
-                   _pad([p.prompt_mask for p in parts], 0, left=True),
-                   _pad([p.completion_ids for p in parts], pad_token_id),
-                   _pad([p.completion_mask for p in parts], 0),
-                   torch.cat([p.truncated for p in parts]), optional("sampling_logps", 0.0),
-                   optional("tool_mask", 0),
-                   None if parts[0].completions is None else [c for p in parts for c in p.completions],
-                   {k: [v for p in parts for v in p.extra[k]] for k in parts[0].extra},
-                   {k: torch.cat([p.stats[k] for p in parts]) for k in parts[0].stats})
-
-
 def choose_groups(flags: list[list[bool]], wanted: int) -> list[tuple[int, int]]:
     """(round, position) of the groups the batch trains on, in batch order: the informative ones by round and
     position, then zero-spread ones the same way (only when too few had a spread), the first `wanted`.
@@ -93,93 +50,107 @@ def choose_groups(flags: list[list[bool]], wanted: int) -> list[tuple[int, int]]
     return (useful + [key for key in keys if not flags[key[0]][key[1]]])[:wanted]
 
 
-def sample_informative(trainer, rollout_index: int, reward_log, timing: dict):
-    """Rounds of generate + score until all processes together hold as many informative groups as a
-    rollout has prompts on all of them (or `max_num_gen_batches` rounds ran); this process's share of the
-    global choice. Returns (prompts batch, rollout, rewards, completions, metrics)."""
-    args, acc = trainer.args, trainer.accelerator
-    group, per, me = args.num_generations, trainer.prompts_per_rollout, acc.process_index
-    wanted, flags, held = per * acc.num_processes, [], {}
-    while True:
-        rounds = len(flags)
-        indices = trainer._prompt_indices(rollout_index) if rounds == 0 else round_prompt_indices(
-            len(trainer.train_prompts), args.seed, rollout_index, rounds, me, per)
-        prompts, round_log = trainer.train_prompts.batch(indices), RewardLog()
-        rollout, rewards, completions = trainer._generate_and_score(prompts, round_log, timing)
-        for name, values in round_log.scalars.items():  # log_metric values: every round's
-            reward_log.scalars.setdefault(name, []).extend(values)
-        columns = round_log.columns(len(completions))  # log_extra columns: the chosen rows' (below)
-        signal = informative_groups(rewards, trainer.reward_weights, group)
-        for g in range(per):
-            held[(rounds, me * per + g)] = (indices[g], rollout, rewards, completions, g, columns)
-        if acc.num_processes > 1:
-            signal = acc.gather(signal.to(acc.device, torch.uint8)).cpu()  # every process's, in process order
-        flags.append([bool(flag) for flag in signal.tolist()])
-        found = sum(map(sum, flags))
-        if found >= wanted or (args.max_num_gen_batches > 0 and len(flags) >= args.max_num_gen_batches):
-            break
-    if found < wanted:  # the same on every process (only the main process prints)
-        trainer.log.warn(f"dynamic sampling: {found} of {wanted} groups had a reward spread after "
-                         f"{len(flags)} rounds (max_num_gen_batches={args.max_num_gen_batches}); the rest "
-                         "of the batch are groups without one (advantage 0)")
-    chosen = choose_groups(flags, wanted)
-    keys = chosen[me * per:(me + 1) * per]
-    arrived = _exchange(held, chosen, per, group, acc, rollout, rewards) if acc.num_processes > 1 else {}
-    mine = [held[key] if key in held else arrived[key] for key in keys]
-    metrics = {"dynamic_sampling/kept_fraction": min(found, wanted) / sum(map(len, flags)),
-               "dynamic_sampling/generation_rounds": float(len(flags))}
-    reward_log.extra = {name: [v for *_, g, cols in mine for v in cols[name][g * group:(g + 1) * group]]
-                        for name in set.intersection(*(set(cols) for *_, cols in mine))}
-    return _assemble(trainer, mine, group) + (metrics,)
+class DynamicSampling:
+    """A rollout source holding only groups with a reward spread, around `inner` (module docstring)."""
+
+    def __init__(self, inner, args, accelerator, reward_weights: torch.Tensor, pad_token_id: int, messages):
+        self.inner, self.args, self.accelerator = inner, args, accelerator
+        self.reward_weights, self.pad_token_id, self.messages = reward_weights, pad_token_id, messages
+        self.schedule = inner.schedule
+
+    @property
+    def engine(self):
+        return self.inner.engine
+
+    @engine.setter
+    def engine(self, value) -> None:
+        self.inner.engine = value
+
+    def rollout(self, index: int) -> ScoredRollout:
+        """Rounds of generate + score until all processes together hold as many informative groups as a
+        rollout has prompts on all of them (or `max_num_gen_batches` rounds ran); this process's share of the
+        global choice."""
+        args, acc, group = self.args, self.accelerator, self.args.num_generations
+        per = self.schedule.per_process
+        wanted, flags, rounds = per * acc.num_processes, [], []
+        while True:
+            scored = self.inner.rollout(index) if not rounds else self.inner.round(index, len(rounds))
+            rounds.append(scored)
+            signal = informative_groups(scored.rewards, self.reward_weights, group)
+            if acc.num_processes > 1:
+                signal = acc.gather(signal.to(acc.device, torch.uint8)).cpu()  # every process's, in order
+            flags.append([bool(flag) for flag in signal.tolist()])
+            found = sum(map(sum, flags))
+            if found >= wanted or (args.max_num_gen_batches > 0 and len(flags) >= args.max_num_gen_batches):
+                break
+        if found < wanted:  # the same on every process (only the main process prints)
+            self.messages.warn(f"dynamic sampling: {found} of {wanted} groups had a reward spread after "
+                               f"{len(flags)} rounds (max_num_gen_batches={args.max_num_gen_batches}); the "
+                               "rest of the batch are groups without one (advantage 0)")
+        chosen = choose_groups(flags, wanted)
+        held = {(r, acc.process_index * per + g): self._group(scored, g)
+                for r, scored in enumerate(rounds) for g in range(per)}
+        arrived = self._exchange(held, chosen) if acc.num_processes > 1 else {}
+        mine = chosen[acc.process_index * per:(acc.process_index + 1) * per]
+        batch = ScoredRollout.cat([held[key] if key in held else arrived[key] for key in mine],
+                                  self.pad_token_id)
+        timing, scalars = {}, {}
+        for scored in rounds:  # every round's time, tokens and log_metric values count
+            timing = add_timing(timing, scored.timing)
+            for name, values in scored.scalars.items():
+                scalars.setdefault(name, []).extend(values)
+        metrics = {**batch.metrics,
+                   "dynamic_sampling/kept_fraction": min(found, wanted) / sum(map(len, flags)),
+                   "dynamic_sampling/generation_rounds": float(len(flags))}
+        return dataclasses.replace(batch, timing=timing, scalars=scalars, metrics=metrics)
+
+    def _group(self, scored: ScoredRollout, g: int) -> ScoredRollout:
+        group = self.args.num_generations
+        return scored.select(slice(g * group, (g + 1) * group))
+
+    def _exchange(self, held: dict, chosen: list) -> dict:
+        """Send the groups this process sampled but another trains on; returns those the others sent. All
+        processes call the collective or none (they all know `chosen`). Environments stay where they ran."""
+        acc, per = self.accelerator, self.schedule.per_process
+        if all(key[1] // per == k // per for k, key in enumerate(chosen)):  # every group trains where sampled
+            return {}
+        from accelerate.utils import gather_object
+
+        outgoing = {key: _portable(held[key]) for k, key in enumerate(chosen)
+                    if key in held and k // per != acc.process_index}
+        mine = set(chosen[acc.process_index * per:(acc.process_index + 1) * per])
+        arrived = {key: value for part in gather_object([outgoing]) for key, value in part.items()
+                   if key in mine}
+        device = next(iter(held.values())).rollout.completion_ids.device
+        return {key: value.to(device) for key, value in arrived.items()}
+
+    # ---- the rest is the wrapped source's --------------------------------------------------------------
+    def round(self, index: int, round_index: int) -> ScoredRollout:
+        return self.inner.round(index, round_index)
+
+    def generate(self, prompts: dict, count: int, greedy: bool = False) -> Rollout:
+        return self.inner.generate(prompts, count, greedy)
+
+    def open(self) -> None:
+        self.inner.open()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return self.inner.step_metrics(step)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.inner.load_state_dict(state)
 
 
-def _exchange(held: dict, chosen: list, per: int, group: int, acc, like: Rollout, like_rewards) -> dict:
-    """Send the groups this process sampled but another trains on; returns those the others sent. All
-    processes call the collective or none (they all know `chosen`). Environments stay where they ran."""
-    if all(key[1] // per == k // per for k, key in enumerate(chosen)):  # every group trains where sampled
-        return {}
-    from accelerate.utils import gather_object
-
-    outgoing = {key: _portable(held[key], group) for k, key in enumerate(chosen)
-                if key in held and k // per != acc.process_index}
-    mine = set(chosen[acc.process_index * per:(acc.process_index + 1) * per])
-    arrived = {key: value for part in gather_object([outgoing]) for key, value in part.items() if key in mine}
-    return {key: _placed(value, like, like_rewards) for key, value in arrived.items()}
-
-
-def _portable(entry: tuple, group: int) -> tuple:
-    """One group of a round's results as CPU tensors and plain lists, ready to send."""
-    index, rollout, rewards, completions, g, columns = entry
-    rows = list(range(g * group, (g + 1) * group))
-    part = _moved(select_rows(rollout, rows), lambda name, t: t.cpu())
-    if "environments" in part.extra:  # live objects in this process's pool: not sent
-        part.extra["environments"] = [None] * group
-    return (index, part, rewards[rows].cpu(), completions[g * group:(g + 1) * group], 0,
-            {name: values[g * group:(g + 1) * group] for name, values in columns.items()})
-
-
-def _placed(entry: tuple, like: Rollout, like_rewards: torch.Tensor) -> tuple:
-    """A group another process sent, on this process's devices (those of its own `like` rollout)."""
-    index, part, rewards, completions, g, columns = entry
-    device_of = lambda name: (like.stats.get(name[6:]) if name.startswith("stats.")  # noqa: E731
-                              else getattr(like, name))
-    moved = _moved(part, lambda name, t: t.to(device_of(name).device))
-    return index, moved, rewards.to(like_rewards.device), completions, g, columns
-
-
-def _moved(rollout: Rollout, move) -> Rollout:
-    """The rollout with move(field name, tensor) applied to every tensor (stats as 'stats.<name>')."""
-    tensors = {name: None if getattr(rollout, name) is None else move(name, getattr(rollout, name))
-               for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
-                            "sampling_logps", "tool_mask")}
-    return Rollout(**tensors, completions=rollout.completions, extra=dict(rollout.extra),
-                   stats={k: move(f"stats.{k}", v) for k, v in rollout.stats.items()})
-
-
-def _assemble(trainer, chosen: list, group: int):
-    rows = lambda g: list(range(g * group, (g + 1) * group))  # noqa: E731
-    parts = [select_rows(rollout, rows(g)) for _, rollout, _, _, g, _ in chosen]
-    rewards = torch.cat([r[g * group:(g + 1) * group] for _, _, r, _, g, _ in chosen])
-    completions = [c for _, _, _, comps, g, _ in chosen for c in comps[g * group:(g + 1) * group]]
-    prompts = trainer.train_prompts.batch([index for index, *_ in chosen])
-    return prompts, cat_rollouts(parts, trainer.tokenizer.pad_token_id), rewards, completions
+def _portable(group: ScoredRollout) -> ScoredRollout:
+    """One group as CPU tensors and plain values, ready to send; live environments stay in this process."""
+    group = group.to("cpu")
+    extra = dict(group.rollout.extra)
+    if "environments" in extra:
+        extra["environments"] = [None] * len(extra["environments"])
+    return dataclasses.replace(group, rollout=dataclasses.replace(group.rollout, extra=extra))

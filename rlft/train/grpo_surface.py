@@ -1,5 +1,6 @@
-"""TRL's GRPOTrainer helper methods under their names and signatures, thin wrappers over rlft/core/, and the
-attributes TRL users read off the trainer. Mixed into GRPOTrainer; the maths lives in core/ only."""
+"""What scripts and TRL's tests call on a GRPO trainer beyond `train()`: TRL's GRPOTrainer helper methods
+under their names and signatures (thin wrappers over rlft/core/, where the maths lives), and the attributes
+TRL users and older rlft code read off the trainer, each a view of the part that owns it."""
 
 from __future__ import annotations
 
@@ -7,10 +8,21 @@ import torch
 
 from rlft.core.losses import off_policy_sequence_mask, vespo_weights
 from rlft.core.regularizers import entropy_threshold, high_entropy_mask
+from rlft.train.surface import TrainerSurface
 
 
-class GRPOHelpers:
-    """`get_high_entropy_mask`, `get_off_policy_mask`, `get_gamma_weights`; `aux_loss_enabled`, ..."""
+def _counter(name: str) -> property:
+    """The trainer's attribute of the same name reads and writes the policy update's counter."""
+    return property(lambda self: getattr(self.updater.counters, name),
+                    lambda self, value: setattr(self.updater.counters, name, value))
+
+
+class GRPOSurface(TrainerSurface):
+    """`get_high_entropy_mask`, `get_off_policy_mask`, `get_gamma_weights`; `aux_loss_enabled`, `generator`,
+    ..."""
+
+    entropy_coef, last_entropy, ref_syncs = _counter("entropy_coef"), _counter("last_entropy"), \
+        _counter("ref_syncs")
 
     def get_high_entropy_mask(
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
@@ -70,10 +82,6 @@ class GRPOHelpers:
         return self.router_aux_loss_coef != 0.0
 
     @property
-    def _entropy_bonus_enabled(self) -> bool:
-        return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
-
-    @property
     def reward_func_names(self) -> list[str]:
         return list(self.reward_names)
 
@@ -93,14 +101,34 @@ class GRPOHelpers:
         """TRL's name: each environment's reusable instances (a single factory's under None)."""
         return {} if self.environments is None else self.environments.pools
 
+    # ---- views of the parts --------------------------------------------------------------------------------
+    @property
+    def generator(self):
+        """The rollout engine the source generates with (settable: a test stub, a user's own engine)."""
+        return self.source.engine
+
+    @generator.setter
+    def generator(self, engine) -> None:
+        self.source.engine = engine
+
     @property
     def token_level_advantages(self) -> bool:
         """The advantage estimator gives each token its own advantage (REINFORCE++)."""
-        from rlft.core.advantages import ADVANTAGE_ESTIMATORS
-
-        return getattr(ADVANTAGE_ESTIMATORS[self.args.advantage_estimator], "token_level", False)
+        return self.estimator.token_level
 
     @property
     def kl_in_loss(self) -> bool:
         """beta weighs a per-token KL term of the loss, unless the estimator puts the KL in the reward."""
-        return not self.token_level_advantages
+        return self.advantages.kl_in_loss
+
+    @property
+    def counters(self):
+        return self.updater.counters
+
+    @property
+    def steps_skipped(self) -> int:
+        return self.optim.skipped
+
+    @property
+    def loss_options(self):
+        return self.updater.loss_options

@@ -9,8 +9,10 @@ A trainer using it provides:
   _step(step) -> metrics          one optimiser step's work; a skipped (non-finite) step returns its counters
   _after_step(step, metrics)      log -> evaluate -> checkpoint, with `step` the number of steps done
   _final_row() -> summary         transformers' summary row (train_runtime, train_loss, ...)
+  _end()                          after the run, however it ends: stop what runs only while training
   _eval_sets                      the evaluation sets given at construction (evaluated at start if asked)
-and the attributes args, accelerator, flow, total_steps, steps_per_epoch, log_project.
+and the attributes args, accelerator, flow, messages, total_steps, steps_per_epoch, log_project. While the
+run log is open, what the trainer's parts say (`messages`) goes to it.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ class TrainLoop:
         start_step = self._resume(resume_from_checkpoint)
         self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
                           start_step, show_progress=not args.disable_tqdm, project=self.log_project)
-        self._announce()
-        flow.fire("on_train_begin")
+        self.messages.run = self.log
         try:
+            self._announce()
+            flow.fire("on_train_begin")
             with run_state.named_timeouts(self.accelerator, args):
                 if args.eval_on_start and start_step == 0 and self._eval_sets:
                     self.evaluate()
@@ -46,6 +49,8 @@ class TrainLoop:
                 flow.fire("on_train_end")
         finally:
             self.log.close()
+            self.messages.run = None
+            self._end()
         return TrainOutput(flow.state.global_step, summary["train_loss"], summary)
 
     def _run_step(self, step: int) -> None:

@@ -9,7 +9,6 @@ a non-finite loss skips the step, and several in a row stop the run with the lik
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from rlft.config import RewardConfig, validate
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
-from rlft.errors import ConfigError, NonFiniteLossError, RlftError
+from rlft.errors import ConfigError, NonFiniteLossError, RlftError  # noqa: F401 (NonFiniteLossError: old path)
 from rlft.models import (
     apply_lora,
     disable_dropout,
@@ -29,13 +28,16 @@ from rlft.models import (
     prepare_tokenizer,
     training_dtype,
 )
+from rlft.tracking import Messages
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state
+from rlft.train.checkpoint import PartState
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.loop import TrainLoop
 from rlft.train.metrics import MetricWindow
+from rlft.train.optimization import GuardedOptimizer
 from rlft.train.surface import TrainerSurface
 
 HEAD_NAMES = ("score", "classifier")
@@ -79,7 +81,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         self.data_collator, self.compute_metrics = data_collator, compute_metrics
         run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
-        self.engine = make_engine(self.accelerator)
+        self.engine, self.messages = make_engine(self.accelerator), Messages()
         run_state.check_writable(args.output_dir)
         source = model if isinstance(model, str | Path) else getattr(model, "name_or_path", None)
         self.processing_class = self.tokenizer = prepare_tokenizer(processing_class, source, args, "right")
@@ -103,6 +105,10 @@ class RewardTrainer(TrainLoop, TrainerSurface):
                          self.total_steps, self.steps_per_epoch, self.accelerator,
                          args.per_device_train_batch_size)
         self.state = self.flow.state
+        self.optim = GuardedOptimizer(
+            self.model, self.optimizer, self.scheduler, self.engine, self.accelerator, self.flow,
+            self.messages, max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
+            counter="nonfinite_skipped", stop_message=self._stop_message)
         self.flow.fire("on_init_end")
 
     def _setup_model(self, model, peft_config, optimizers, quantization_config=None) -> None:
@@ -156,12 +162,10 @@ class RewardTrainer(TrainLoop, TrainerSurface):
 
     def _step(self, step: int) -> dict[str, float]:
         """pairs -> scores -> Bradley-Terry loss -> update; a non-finite step is skipped and counted."""
-        metrics = self._optimizer_step(step)
-        self._consecutive = self._consecutive + 1 if metrics is None else 0
-        if metrics is None:
-            self._skip(step, self._consecutive)
-            metrics = {"nonfinite_skipped": self.nonfinite_skipped}
-        return metrics
+        return self._optimizer_step(step)
+
+    def _end(self) -> None:
+        pass
 
     def _final_row(self) -> dict:
         """transformers' summary row, holding the steps since the last log (as in TRL): none is lost."""
@@ -170,20 +174,15 @@ class RewardTrainer(TrainLoop, TrainerSurface):
                                * self.accelerator.num_processes)
         return self._log_row({**self.window.flush(), **summary}) if self.window.rows else flow.record(summary)
 
-    def _skip(self, step: int, consecutive: int) -> None:
-        self.nonfinite_skipped += 1
-        self.log.warn(f"step {step + 1}: non-finite loss or gradient norm, step skipped, weights unchanged "
-                      f"({self.nonfinite_skipped} so far)")
-        if consecutive >= self.args.max_nonfinite_steps:
-            half = (self.autocast_dtype == torch.float16
-                    or self.accelerator.unwrap_model(self.model).dtype == torch.float16)
-            raise NonFiniteLossError(
-                f"{consecutive} consecutive steps had an inf/NaN loss or gradient norm (max_nonfinite_steps="
+    def _stop_message(self, consecutive: int, reason: str) -> str:
+        """Why max_nonfinite_steps steps in a row were not finite, and what to do."""
+        dtype = self.accelerator.unwrap_model(self.model).dtype
+        half = self.autocast_dtype == torch.float16 or dtype == torch.float16
+        return (f"{consecutive} consecutive steps had an inf/NaN loss or gradient norm (max_nonfinite_steps="
                 f"{self.args.max_nonfinite_steps}). Likely cause: a learning rate too high (now "
                 f"{self.args.learning_rate}; lower it or set max_grad_norm)"
                 + (", or float16 activations overflowing (use dtype bfloat16 or float32)" if half else
-                   f"; the model runs in {self.accelerator.unwrap_model(self.model).dtype}, "
-                   "so not a float16 overflow"))
+                   f"; the model runs in {dtype}, so not a float16 overflow"))
 
     def _indices(self, step: int, micro: int) -> list[int]:
         epoch, offset = divmod(step, self.steps_per_epoch)
@@ -209,7 +208,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
                                            self.args.center_rewards_coefficient)
         return loss, metrics, chosen.detach(), rejected.detach()
 
-    def _optimizer_step(self, step: int) -> dict[str, float] | None:
+    def _optimizer_step(self, step: int) -> dict[str, float]:
         args, acc = self.args, self.accelerator
         self.model.train()
         sums, rewards, finite = {}, [], True
@@ -226,25 +225,9 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 sums[key] = sums.get(key, 0.0) + value.item() / args.gradient_accumulation_steps
             rewards.append(torch.cat([chosen, rejected]))
-        grad_norm = self.engine.clip(self.model, args.max_grad_norm)  # None: DeepSpeed clips in its step
-        norm_ok = grad_norm is None or math.isfinite(grad_norm)
-        flags = torch.tensor([float(finite and norm_ok)], device=acc.device)
-        # every process must skip together: a local inf loss may leave a finite norm
-        if acc.num_processes > 1:
-            flags = -acc.reduce(-flags, "max")  # a min: accelerate's reduce knows sum, mean and max only
-        learning_rate = self.scheduler.get_last_lr()[0]
-        applied = flags.item() >= 1
-        if applied:
-            self.flow.fire("on_pre_optimizer_step")
-            applied, engine_norm = self.engine.step(self.model, self.optimizer)
-            grad_norm = engine_norm if grad_norm is None else grad_norm
-        if not applied:  # not finite (DeepSpeed checks the gradient norm in its step)
-            self.engine.zero_grad(self.model, self.optimizer)
-            self.scheduler.step()
-            return None
-        self.flow.fire("on_optimizer_step")
-        self.scheduler.step()
-        self.engine.zero_grad(self.model, self.optimizer)
+        outcome = self.optim.apply(finite, lambda norm: "the loss or gradient norm is not finite")
+        if not outcome.applied:
+            return {"nonfinite_skipped": self.optim.skipped}
         all_rewards = torch.cat(rewards)
         if acc.num_processes > 1:  # every process's pairs, not rank 0's alone
             keys = sorted(sums)
@@ -253,8 +236,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             all_rewards = acc.gather(all_rewards)
         return {**sums, "min_reward": all_rewards.min().item(), "mean_reward": all_rewards.mean().item(),
                 "max_reward": all_rewards.max().item(), "reward_std": all_rewards.std().item(),
-                "grad_norm": float(grad_norm), "learning_rate": learning_rate,
-                "nonfinite_skipped": self.nonfinite_skipped}
+                "grad_norm": float(outcome.grad_norm), "learning_rate": outcome.learning_rate,
+                "nonfinite_skipped": self.optim.skipped}
 
     def _after_step(self, step: int, metrics: dict[str, float]) -> None:
         control = self.flow.control
@@ -266,15 +249,12 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         self.log.advance(step, f"loss {metrics.get('loss', float('nan')):.3f} "
                                f"acc {metrics.get('accuracy', 0):.2f}")
         if control.should_save:
-            ckpt.save_checkpoint(self.accelerator, self.model, self.tokenizer, self.optimizer, self.scheduler,
-                                 self.args.output_dir, step, {"num_processes": self.accelerator.num_processes,
-                                                              "config": self._record,
-                                                              "config_hash": runs.config_hash(self._record),
-                                                              "loss_sum": self.flow.loss_sum,
-                                                              "nonfinite_skipped": self.nonfinite_skipped,
-                                                              "metric_window": self.window.rows},
-                                 flow=self.flow, save_total_limit=self.args.save_total_limit,
-                                 engine=self.engine)
+            run = PartState(state={"num_processes": self.accelerator.num_processes, "config": self._record,
+                                   "config_hash": runs.config_hash(self._record),
+                                   "loss_sum": self.flow.loss_sum, "metric_window": self.window.rows,
+                                   **self.optim.state_dict()})
+            ckpt.save_checkpoint(self.accelerator, self.args.output_dir, step, self.optim, self.tokenizer,
+                                 self.flow, run, self.args.save_total_limit)
             self.flow.fire("on_save")
 
     @torch.no_grad()
@@ -321,23 +301,24 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         return out
 
     def _resume(self, resume_from_checkpoint) -> int:
-        self.nonfinite_skipped, self._consecutive, self.window = 0, 0, MetricWindow()
+        self.window = MetricWindow()
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model))
         if path is None:
             self._notes = [runs.claim_output_dir(self.accelerator, self.args)]
             run_state.seed_everything(self.args.seed)
+            self.optim.load_state_dict({})
             return 0
         self._notes = runs.check_resume(path, ckpt.read_state(path), self._record,
                                         runs.field_defaults(self.args))
-        state, _, _ = ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, path,
-                                           self.engine)
-        if state.get("config", {}).get("learning_rate", self.args.learning_rate) != self.args.learning_rate:
-            runs.apply_learning_rate(self.optimizer, self.scheduler, self.args.learning_rate)
-        self.flow.load(path, state.get("loss_sum", 0.0))
-        self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
-        self.window.rows = state.get("metric_window", [])
-        return state["global_step"]
+        part = ckpt.load_checkpoint(self.accelerator, self.optim, path)
+        rate = self.args.learning_rate
+        if part.state.get("config", {}).get("learning_rate", rate) != rate:
+            runs.apply_learning_rate(self.optimizer, self.scheduler, rate)
+        self.flow.load(path, part.state.get("loss_sum", 0.0))
+        self.optim.load_state_dict(part.state)
+        self.window.rows = part.state.get("metric_window", [])
+        return part.state["global_step"]
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """A plain sequence-classification folder (LoRA merged in), loadable by any Auto class and by GRPO."""
@@ -345,7 +326,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         self.accelerator.wait_for_everyone()
         model = self.accelerator.unwrap_model(self.model)
         if not hasattr(model, "merge_and_unload"):
-            engine_io.save_pretrained(self.accelerator, self.engine, self.model, output_dir, self.tokenizer)
+            self.engine.save_pretrained(self.model, output_dir, self.tokenizer)
             return
         # every process
         state_dict = self.accelerator.get_state_dict(self.model) if self.engine.sharded else None

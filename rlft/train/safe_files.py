@@ -41,3 +41,26 @@ def load_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path} cannot be read as JSON ({err})") from err
+
+
+def model_folder(path: Path) -> Path:
+    """Where a checkpoint's model files are: its top level (older rlft checkpoints: its model/ folder)."""
+    return path / "model" if (path / "model" / "config.json").is_file() else path
+
+
+def load_model_weights(model, folder: Path) -> None:
+    """Load trainable weights saved by `save_pretrained` (peft adapter or full model) in place."""
+    from peft import PeftModel, set_peft_model_state_dict
+
+    if isinstance(model, PeftModel):
+        set_peft_model_state_dict(model, load_safetensors(folder / "adapter_model.safetensors"))
+        return
+    state = {}
+    # model.safetensors or model-0000k-of-0000n shards
+    for shard in sorted(folder.glob("model*.safetensors")):
+        state.update(load_safetensors(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {name for name in missing if "lm_head" in name}  # tied to the embeddings, not saved twice
+    if unexpected or set(missing) - tied:
+        raise CheckpointError(f"checkpoint {folder} does not match the model: missing "
+                              f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")

@@ -42,7 +42,7 @@ def counting(exchange):
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dynamic._exchange = counting(dynamic._exchange)
+    dynamic.DynamicSampling._exchange = counting(dynamic.DynamicSampling._exchange)
     cfg = GRPOConfig(output_dir=f"{out}-run", optim="sgd", learning_rate=1.0, max_grad_norm=1e9, seed=0,
                      num_generations=GROUP, per_device_train_batch_size=PER_DEVICE,
                      gradient_accumulation_steps=GLOBAL_ACCUMULATION // world, max_steps=2, beta=0.04,
@@ -54,7 +54,7 @@ def main() -> None:
     for rollout_index in range(2):
         batch = trainer._make_rollout(rollout_index)
         rows.append([(s["prompt"], s["completion"], s["reward"]) for s in batch.samples])
-        metrics = {**batch.metrics, **trainer._optimizer_step(batch)}
+        metrics = {**batch.metrics, **trainer.updater.step(batch)}
         steps.append({k: v for k, v in metrics.items()
                       if "time" not in k and k != "tokens_per_second" and not k.startswith("perf/")})
     everyone = [[row for part in gather_object([step]) for row in part] for step in rows]

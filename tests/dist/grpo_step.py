@@ -51,7 +51,7 @@ def off_policy(trainer, batch, scale: float = 0.3) -> None:
     seeded by each row's own tokens (ratios ~exp(+-0.3): clipping, delta, VESPO's weight and the off-policy
     mask all act)."""
     rollout = batch.rollout
-    current = trainer._logps_no_grad(trainer.model, rollout)
+    current = trainer.scorer.logps(trainer.model, rollout)
     noise = torch.zeros_like(current)
     for row, ids in enumerate(rollout.completion_ids.tolist()):
         g = torch.Generator().manual_seed(sum(i * (k + 1) for k, i in enumerate(ids)))
@@ -95,7 +95,7 @@ def main() -> None:
         batch = trainer._make_rollout(0)
         off_policy(trainer, batch)
         trainer.last_entropy = 0.0  # adaptive entropy: as if the previous step was below the target
-        metrics = {**batch.metrics, **trainer._optimizer_step(batch)}
+        metrics = {**batch.metrics, **trainer.updater.step(batch)}
         params = trainer.accelerator.get_state_dict(trainer.model) or {}  # every process gathers; ZeRO-3: rank 0 gets it
         results[name] = {"params": {k: v.detach().clone() for k, v in params.items()}, "engine": trainer.engine.name,
                          "metrics": {k: v for k, v in metrics.items()

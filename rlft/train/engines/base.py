@@ -3,8 +3,11 @@
 The base class is the plain case (one process, or DDP: every process holds every weight and all optimizer
 state whole), so an engine overrides only what it does differently, and the loops never ask which engine runs.
 
-It also owns the format of a gathered checkpoint's engine/ folder, so the sharded engines only say how to
-gather their state whole and how to put it back:
+Each engine saves and loads its own part of a checkpoint (`save_checkpoint` / `load_checkpoint`): the model
+files at the checkpoint's top level (a normal transformers or peft folder) and the optimizer state. The plain
+engine writes them from the whole weights it holds (optimizer.pt: a plain state dict, read back with
+weights_only); the sharded ones (`GatheringEngine`: FSDP2, DeepSpeed) gather them whole into an engine/ folder
+whose format this module owns, so they only say how to gather their state whole and how to put it back:
   engine/weights.safetensors    every trainable parameter in full, by its name in the model
                                 (DeepSpeed: its fp32 master copy, so a bf16 run resumes exactly)
   engine/optimizer.safetensors  every optimizer state tensor in full, as "<parameter name>::<state key>"
@@ -21,7 +24,14 @@ from pathlib import Path
 
 import torch
 
-from rlft.train.safe_files import load_json, load_safetensors
+from rlft.train.safe_files import (
+    CheckpointError,
+    check_finite,
+    load_json,
+    load_model_weights,
+    load_safetensors,
+    model_folder,
+)
 
 State = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]  # weights, optimizer tensors, scalars
 
@@ -44,9 +54,8 @@ class TrainingEngine:
 
     @property
     def gathers_checkpoints(self) -> bool:
-        """Checkpoints go through full gathered weights and optimizer state (engine/, `save_state`) when the
-        optimizer state is in pieces on the processes; otherwise rlft/train/checkpoint.py writes the plain
-        optimizer.pt itself."""
+        """Checkpoints hold the weights and optimizer state gathered whole (engine/: `GatheringEngine`), since
+        they are in pieces on the processes; the plain engine writes optimizer.pt."""
         return False
 
     @property
@@ -123,7 +132,80 @@ class TrainingEngine:
 
         return trainable_parameters(self.accelerator.unwrap_model(model))
 
-    # ---- engine/ in a checkpoint ------------------------------------------------------------------
+    # ---- saving ---------------------------------------------------------------------------------
+    def save_pretrained(self, model, folder: Path, tokenizer=None) -> dict | None:
+        """`save_pretrained` of the full weights (gathered on every process where they are in pieces), written
+        by the main process. Returns the gathered state dict (the main process's; None when nothing had to be
+        gathered)."""
+        acc = self.accelerator
+        unwrapped = acc.unwrap_model(model)
+        state_dict = acc.get_state_dict(model) if self.sharded else None
+        if acc.is_main_process:
+            check_finite(unwrapped if state_dict is None else state_dict)
+            unwrapped.save_pretrained(folder, **({} if state_dict is None else
+                                                  {"state_dict": _without_tied(unwrapped, state_dict)}))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder)
+        acc.wait_for_everyone()
+        return state_dict
+
+    def save_checkpoint(self, model, optimizer, folder: Path, tokenizer) -> None:
+        """The model files at `folder`'s top level and the optimizer state; every process calls this. Whole
+        weights and optimizer state on every process: checked finite everywhere, written by the main one
+        (optimizer.pt, a plain state dict)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        check_finite(unwrapped)
+        if self.accelerator.is_main_process:
+            unwrapped.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load_checkpoint(self, model, optimizer, folder: Path) -> None:
+        """What `save_checkpoint` wrote, back into the model and optimizer (every process)."""
+        self._same_kind(folder)
+        load_model_weights(self.accelerator.unwrap_model(model), model_folder(folder))
+        try:
+            state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+        except Exception as err:  # weights_only refuses anything but tensors and plain containers
+            raise CheckpointError(f"{folder / 'optimizer.pt'} is not a plain optimizer state dict; "
+                                  f"refusing to load it ({type(err).__name__})") from err
+        optimizer.load_state_dict(state)
+
+    def _same_kind(self, folder: Path) -> None:
+        """A checkpoint is resumed by the kind of engine that wrote it (whole files or a gathered engine/)."""
+        if self.gathers_checkpoints != (folder / "engine").is_dir():
+            written = "FSDP2 or DeepSpeed" if (folder / "engine").is_dir() else "DDP or one process"
+            raise CheckpointError(f"{folder} was written by {written}; this run is {self.name}: resume with "
+                                  "the engine that wrote it (or start a new run from its model files)")
+
+
+def _without_tied(model, state_dict: dict) -> dict:
+    """A gathered state dict holds tied weights (lm_head = embeddings) as separate tensors, so save_pretrained
+    cannot see the tie and would save both: keep the first name of each shared parameter only."""
+    seen, tied = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return {k: v for k, v in state_dict.items() if k not in tied}
+
+
+class GatheringEngine(TrainingEngine):
+    """An engine whose weights or optimizer state are in pieces on the processes: a checkpoint holds them
+    gathered whole (the model files, and engine/ in the module docstring's format)."""
+
+    @property
+    def gathers_checkpoints(self) -> bool:
+        return True
+
+    def save_checkpoint(self, model, optimizer, folder: Path, tokenizer) -> None:
+        gathered = self.save_pretrained(model, folder, tokenizer)
+        self.save_state(model, optimizer, folder / "engine", gathered)
+
+    def load_checkpoint(self, model, optimizer, folder: Path) -> None:
+        self._same_kind(folder)
+        self.load_state(model, optimizer, folder / "engine")
+
     def save_state(self, model, optimizer, folder: Path, gathered: dict | None = None) -> None:
         """Write engine/ (the module docstring) from the engine's state gathered whole; every process calls
         this (gathering is a collective), the main process writes. `gathered`: the full state dict
@@ -150,11 +232,9 @@ class TrainingEngine:
         self.accelerator.wait_for_everyone()
 
     def _gather_state(self, model, optimizer, gathered: dict | None) -> State:
-        """(weights, optimizer tensors, scalars), whole, for the engines whose checkpoints gather."""
-        raise NotImplementedError(f"{self.name} checkpoints are the plain ones rlft/train/checkpoint.py "
-                                  "writes (gathers_checkpoints is False): nothing is in pieces")
+        """(weights, optimizer tensors, scalars), whole."""
+        raise NotImplementedError
 
     def _scatter_state(self, model, optimizer, weights: dict, tensors: dict, scalars: dict) -> None:
         """Put gathered state back, split the engine's way."""
-        raise NotImplementedError(f"{self.name} checkpoints are the plain ones rlft/train/checkpoint.py "
-                                  "reads (gathers_checkpoints is False)")
+        raise NotImplementedError

@@ -15,12 +15,12 @@ import contextlib
 import torch
 
 from rlft.errors import ConfigError
-from rlft.train.engines.base import State, TrainingEngine
+from rlft.train.engines.base import GatheringEngine, State
 
 FLOAT16 = "float16 weights under DeepSpeed: rlft trains bfloat16 or float32 (dtype: bfloat16)"
 
 
-class DeepSpeedEngine(TrainingEngine):
+class DeepSpeedEngine(GatheringEngine):
     """DeepSpeed through accelerate's plugin; `zero_stage` is 2 or 3 (engine_plugins refuses the others)."""
 
     def __init__(self, accelerator):
@@ -34,10 +34,6 @@ class DeepSpeedEngine(TrainingEngine):
     @property
     def sharded(self) -> bool:
         return self.zero_stage == 3
-
-    @property
-    def gathers_checkpoints(self) -> bool:
-        return True
 
     @property
     def partitions_on_load(self) -> bool:

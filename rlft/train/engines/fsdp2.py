@@ -12,10 +12,10 @@ import contextlib
 
 import torch
 
-from rlft.train.engines.base import State, TrainingEngine
+from rlft.train.engines.base import GatheringEngine, State
 
 
-class FSDP2Engine(TrainingEngine):
+class FSDP2Engine(GatheringEngine):
     """FSDP2: every parameter a DTensor shard; accumulation, backward, clipping and step are accelerate's."""
 
     @property
@@ -24,10 +24,6 @@ class FSDP2Engine(TrainingEngine):
 
     @property
     def sharded(self) -> bool:
-        return True
-
-    @property
-    def gathers_checkpoints(self) -> bool:
         return True
 
     def prepare(self, model, optimizer, max_grad_norm: float | None):

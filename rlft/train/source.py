@@ -1,0 +1,235 @@
+"""Where a GRPO trainer's rollouts come from: a `RolloutSource` turns a rollout index into a `ScoredRollout`
+(the prompts of that index, num_generations completions each, every reward function's rewards), and owns
+whatever that takes between rollouts (`state_dict()` / `load_state_dict()` go into checkpoints).
+
+Sources are chosen by the config's `rollout_source` from `SOURCES` (`register_source(name, cls)` adds one: a
+class built from the `SourceParts`, usually a `SourceBase`, whose `check` runs before the model is loaded):
+    generate   `GeneratedSource`: the engine the config asks for (generate, vLLM, a tool loop, environments,
+               rollout_func) samples the rollout when its step comes
+    producer   `ProducerSource` (rlft/train/producer_source.py): a producer process samples rollouts ahead of
+               the trainer on a fixed, reproducible schedule (AsyncGRPOTrainer)
+and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling` (rlft/train/dynamic.py).
+
+Prompts: rollout r of an epoch takes, from the epoch's seeded permutation, the r-th block of prompts, each
+process its own slice of it (`PromptSchedule`); a resumed or repeated run samples the same prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from rlft.data.prompts import PromptSet, epoch_order
+from rlft.rewards.calling import RewardLog, RewardScorer
+from rlft.rollout.base import Rollout
+from rlft.train.batch import ScoredRollout
+from rlft.train.checkpoint import PartState
+from rlft.train.generation import Generation, ToolSetup, rollout_engine
+
+
+def round_prompt_indices(num_rows: int, seed: int, rollout_index: int, round_index: int, process_index: int,
+                         per_process: int) -> list[int]:
+    """This process's prompts for a later generation round of a rollout (dynamic sampling): a permutation of
+    all rows seeded by (seed, rollout, round); process p takes positions [p*P, (p+1)*P)."""
+    order = epoch_order(num_rows, seed + 1_000_003 * round_index, rollout_index)
+    start = process_index * per_process
+    return [order[(start + k) % num_rows] for k in range(per_process)]
+
+
+@dataclass
+class PromptSchedule:
+    """Which prompts each rollout of a run samples on this process."""
+
+    prompts: PromptSet
+    per_process: int  # prompts per rollout on each process
+    rollouts_per_epoch: int
+    seed: int
+    shuffle: bool  # a new seeded permutation each epoch (not for a streamed dataset: its order is the data's)
+    process_index: int = 0
+    num_processes: int = 1
+
+    def indices(self, rollout_index: int) -> list[int]:
+        epoch, offset = divmod(rollout_index, self.rollouts_per_epoch)
+        order = epoch_order(len(self.prompts), self.seed, epoch) if self.shuffle \
+            else list(range(len(self.prompts)))
+        start = (offset * self.num_processes + self.process_index) * self.per_process
+        return order[start:start + self.per_process]
+
+    def round_indices(self, rollout_index: int, round_index: int) -> list[int]:
+        """Round 0 is the rollout's own prompts; later rounds (dynamic sampling) draw their own."""
+        if round_index == 0:
+            return self.indices(rollout_index)
+        return round_prompt_indices(len(self.prompts), self.seed, rollout_index, round_index,
+                                    self.process_index, self.per_process)
+
+    def batch(self, rollout_index: int, round_index: int = 0) -> dict[str, Any]:
+        return self.prompts.batch(self.round_indices(rollout_index, round_index))
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """What a GRPO trainer asks of where its rollouts come from."""
+
+    schedule: PromptSchedule
+    engine: Any  # the rollout engine it generates with (`trainer.generator`)
+
+    def rollout(self, index: int) -> ScoredRollout: ...
+
+    def round(self, index: int, round_index: int) -> ScoredRollout:
+        """A later generation round of rollout `index` (dynamic sampling), on its own prompts."""
+
+    def generate(self, prompts: dict, count: int, greedy: bool = False) -> Rollout:
+        """Completions for evaluation, from the current weights."""
+
+    def open(self) -> None:
+        """Before the first step of `train()`."""
+
+    def close(self) -> None:
+        """After `train()`: stop what runs only while training."""
+
+    def session(self) -> contextlib.AbstractContextManager:
+        """Around an evaluate() outside train(): start and stop what generating needs (a producer)."""
+
+    def step_metrics(self, step: int) -> dict[str, float]: ...
+
+    def state_dict(self) -> PartState: ...
+
+    def load_state_dict(self, state: PartState | None) -> None:
+        """None: a new run (nothing carried)."""
+
+
+@dataclass
+class SourceParts:
+    """What a source is built from: the trainer's parts, not the trainer."""
+
+    args: Any
+    schedule: PromptSchedule
+    rewards: RewardScorer
+    throughput: Any  # rlft/perf.py: Throughput
+    accelerator: Any
+    state: Any  # transformers' TrainerState: the run's step
+    messages: Any  # rlft/tracking.py: Messages
+    model: Any  # the policy, unwrapped
+    tokenizer: Any
+    training_engine: Any
+    setup: ToolSetup
+    model_source: Any  # what the policy was loaded from (a vLLM engine loads it too)
+    rollout_func: Callable[[list], dict] | None  # the user's, bound to the trainer
+    steps_per_rollout: int
+    total_steps: int
+
+
+def score_rollout(rewards: RewardScorer, throughput, prompts: dict, rollout: Rollout, group: int,
+                  waited: float, generating: float) -> ScoredRollout:
+    """A rollout's rewards and timings: `waited` seconds for the rollout (what the step spent), of which the
+    engine spent `generating` generating it (what its throughput is measured over)."""
+    tokens = rollout.prompt_mask.sum().item() + rollout.completion_mask.sum().item()  # before any masking
+    timing = {"time/generation_seconds": waited, "tokens": float(tokens)}
+    for key, value in throughput.generation(rollout, generating, group).items():
+        timing[key] = value * waited  # time-weighted, so that rounds add up (rlft/train/batch.py)
+    reward_log, started = RewardLog(), time.perf_counter()
+    values, completions = rewards(rollout, prompts, group, reward_log)
+    timing["time/reward_seconds"] = time.perf_counter() - started
+    return ScoredRollout(rollout, values, completions, [p for p in prompts["prompts"] for _ in range(group)],
+                         reward_log.columns(len(completions)), reward_log.scalars, timing)
+
+
+class SourceBase:
+    """What every source shares: nothing to check, start, stop, log or save beyond its rollouts. A source
+    defines `rollout`, `round` (dynamic sampling's later rounds) and `generate` (evaluation)."""
+
+    schedule: PromptSchedule
+    engine: Any = None
+
+    @classmethod
+    def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
+        """Before anything is loaded: what this source cannot run (with these tools= / environments /
+        rollout_func, on this many processes), as a ConfigError."""
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> PartState:
+        return PartState()
+
+    def load_state_dict(self, state: PartState | None) -> None:
+        pass
+
+
+class GeneratedSource(SourceBase):
+    """Each rollout generated when its step comes, by the engine the config asks for."""
+
+    def __init__(self, parts: SourceParts):
+        self.args, self.schedule, self.rewards = parts.args, parts.schedule, parts.rewards
+        self.throughput, self.group = parts.throughput, parts.args.num_generations
+        engine = rollout_engine(parts.args, parts.tokenizer, parts.model, parts.model_source,
+                                parts.training_engine, parts.setup)
+        self.generation = Generation(engine, parts.model, parts.tokenizer, parts.args,
+                                     parts.accelerator.device, parts.training_engine, parts.setup,
+                                     parts.rollout_func)
+
+    @property
+    def engine(self):
+        return self.generation.engine
+
+    @engine.setter
+    def engine(self, value) -> None:
+        self.generation.engine = value
+
+    def rollout(self, index: int) -> ScoredRollout:
+        return self.round(index, 0)
+
+    def round(self, index: int, round_index: int) -> ScoredRollout:
+        prompts = self.schedule.batch(index, round_index)
+        started = time.perf_counter()
+        rollout = self.generate(prompts, self.group)
+        seconds = time.perf_counter() - started
+        return score_rollout(self.rewards, self.throughput, prompts, rollout, self.group, seconds, seconds)
+
+    def generate(self, prompts: dict, count: int, greedy: bool = False) -> Rollout:
+        return self.generation(prompts, count, greedy)
+
+
+# name -> the source class, or "module:Class" for one imported when a run asks for it
+SOURCES: dict[str, type[SourceBase] | str] = {}
+
+
+def register_source(name: str, source: type[SourceBase] | str) -> type[SourceBase] | str:
+    """Add a rollout source (a class built from SourceParts, usually a SourceBase); `rollout_source: <name>`
+    in a config then selects it."""
+    if name in SOURCES:
+        raise ValueError(f"rollout source {name!r} is already registered")
+    SOURCES[name] = source
+    return source
+
+
+def source_class(name: str) -> type[SourceBase]:
+    """The registered source `name` (a config's `rollout_source`), or a ConfigError naming the others."""
+    if name not in SOURCES:
+        from rlft.errors import ConfigError
+
+        raise ConfigError(f"rollout_source={name!r}: choose one of {sorted(SOURCES)} "
+                          "(rlft/train/source.py: register_source adds one)")
+    found = SOURCES[name]
+    if isinstance(found, str):
+        import importlib
+
+        module, _, name = found.partition(":")
+        found = getattr(importlib.import_module(module), name)
+    return found
+
+
+register_source("generate", GeneratedSource)
+register_source("producer", "rlft.train.producer_source:ProducerSource")
