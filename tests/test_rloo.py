@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from rlft import RLOOConfig, RLOOTrainer
+from rlft import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from rlft.core.losses import policy_loss
+from rlft.errors import ConfigError
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, tiny_grpo_config
 
 
@@ -155,3 +156,31 @@ def test_rloo_clip_fractions_combine_micro_batches_by_their_sequences():
             sums.add(torch.tensor(0.0), {k: torch.tensor(value) for k in CLIP_MEAN_KEYS}, None, mask)
         out = sums.reduce(one)
         assert all(out[k] == pytest.approx(expected) for k in CLIP_MEAN_KEYS)
+
+
+def test_where_the_kl_goes_is_the_trainers_way_unless_the_config_says(tmp_path, shipped_policy_dir):
+    """RLOOTrainer puts beta's KL in the reward and GRPOTrainer in the loss when kl_in_reward is left at null;
+    either config can ask for the other (the loss's own beta is then 0 / beta)."""
+    cfg = tiny_grpo_config(tmp_path, num_generations=2, beta=0.05)
+    as_dict = {**cfg.to_dict(), "report_to": "none"}
+    for trainer_class, args, in_loss in [
+            (RLOOTrainer, RLOOConfig(**as_dict), False),
+            (RLOOTrainer, RLOOConfig(**{**as_dict, "kl_in_reward": False}), True),
+            (GRPOTrainer, GRPOConfig(**as_dict), True),
+            (GRPOTrainer, GRPOConfig(**{**as_dict, "kl_in_reward": True, "advantage_estimator": "rloo"}), False)]:
+        trainer = trainer_class(str(shipped_policy_dir), [correct_answer], args, addition_rows(16))
+        assert trainer.kl_in_loss is in_loss and trainer.loss_options.beta == (0.05 if in_loss else 0.0)
+        assert trainer.estimator.kl_in_reward is not in_loss
+
+
+def test_the_kl_in_the_reward_is_refused_where_it_cannot_go(tmp_path):
+    with pytest.raises(ConfigError, match="kl_in_reward=True with advantage_estimator reinforce_pp"):
+        GRPOConfig(output_dir=str(tmp_path), kl_in_reward=True, advantage_estimator="reinforce_pp")
+    with pytest.raises(ConfigError, match="use multi_objective_aggregation: sum_then_normalize"):
+        GRPOConfig(output_dir=str(tmp_path), kl_in_reward=True, multi_objective_aggregation="normalize_then_sum")
+
+
+def test_an_unknown_rollout_source_names_the_registered_ones(tmp_path, shipped_policy_dir):
+    cfg = tiny_grpo_config(tmp_path, rollout_source="replay_jsonl")
+    with pytest.raises(ConfigError, match=r"rollout_source='replay_jsonl': choose one of \['generate', 'producer'\]"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], cfg, addition_rows(16))

@@ -21,8 +21,8 @@ def estimator_spec(args, kl_in_reward: bool) -> EstimatorSpec:
     if not kl_in_reward:
         return spec
     if args.multi_objective_aggregation != "sum_then_normalize":
-        raise ConfigError("the KL in the reward penalises the summed reward: use multi_objective_aggregation: "
-                          "sum_then_normalize (or kl_in_reward: false)")
+        raise ConfigError("the KL in the reward penalises the summed reward: use "
+                          "multi_objective_aggregation: sum_then_normalize (or kl_in_reward: false)")
     try:
         return core.kl_in_reward(spec)
     except ValueError as err:
