@@ -187,6 +187,8 @@ RLFT_FIELDS = frozenset(
         "shared_prompt_prefill",
         "logprob_chunk_size",
         "allow_nan_rewards",
+        "reward_timeout",
+        "replay_sampling_mask",
         "num_completions_to_log",
         "zero_signal_warning_steps",
         "vllm_dtype",

@@ -216,6 +216,14 @@ class _GRPOFields(_BaseConfig):
                                         "per_device_train_batch_size rows"})
     allow_nan_rewards: bool = field(
         default=False, metadata={"help": "a reward function may return None/NaN for rows it does not score"})
+    reward_timeout: float | None = field(
+        default=None, metadata={"help": "seconds the reward functions may take on one rollout; then the run "
+                                        "stops naming the one still running (null: no limit; a line names it "
+                                        "every minute it runs)"})
+    replay_sampling_mask: bool | None = field(
+        default=None, metadata={"help": "score the distribution the sampler drew from when top_p / top_k / "
+                                        "min_p truncate it: log-probs renormalised over the tokens it kept "
+                                        "(null: on whenever sampling truncates; false: the full vocabulary)"})
     num_completions_to_log: int = field(default=8, metadata={"help": "completions written per log step"})
     zero_signal_warning_steps: int = field(
         default=5, metadata={"help": "warn after this many steps in a row where every group had equal "
