@@ -302,6 +302,16 @@ def check_rloo(cfg, errors: list[str]) -> None:
         errors.append(f"reward_clip_range={list(clip)!r} must be two numbers (min, max) with min < max")
 
 
+def _check_replay(cfg, errors: list[str]) -> None:
+    """replay_sampling_mask=True where the sampler's distribution cannot be replayed exactly."""
+    from rlft.rollout.truncation import replay_plan
+
+    try:
+        replay_plan(cfg)
+    except ConfigError as err:
+        errors.append(str(err))
+
+
 def _check_kl_in_reward(cfg, errors: list[str]) -> None:
     """kl_in_reward shapes the one summed sequence reward of a sequence-level estimator."""
     from rlft.core.advantages import ADVANTAGE_ESTIMATORS
@@ -353,6 +363,7 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
         errors.append("advantage_estimator reinforce_pp whitens token-level returns of the summed reward: "
                       "use multi_objective_aggregation: sum_then_normalize")
     _check_kl_in_reward(cfg, errors)
+    _check_replay(cfg, errors)
     if cfg.sync_ref_model and cfg.beta == 0:
         errors.append(
             "sync_ref_model=True with beta=0: there is no reference model to update (the KL term is off); "

@@ -181,12 +181,29 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
         loss.backward()
 
     _grad_check(report, unwrapped, backward)
+    _truncation_check(report, cfg)
     if cfg.use_vllm:
         _vllm_checks(report, trainer, batch.rollout, unwrapped)
     report.add("INFO", "loss", f"loss_type={cfg.loss_type!r}, beta={cfg.beta}, "
                f"importance_sampling_level={cfg.importance_sampling_level!r} (formulas: docs/losses.md)")
     for trap, remedy in TRAPS_GRPO:
         report.add("INFO", f"trap: {trap}", remedy)
+
+
+def _truncation_check(report: Report, cfg) -> None:
+    """Sampling that truncates (top_p / top_k / min_p) while the trainer scores the full vocabulary."""
+    from rlft.rollout.truncation import replay_plan, truncation
+
+    cut, (replayed, why) = truncation(cfg), replay_plan(cfg)
+    if not cut.truncates:
+        return
+    if replayed:
+        report.add("PASS", "truncated sampling", f"top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}: "
+                   "the trainer renormalises over the tokens the sampler kept (ratio 1 on-policy)")
+        return
+    why = why or (f"top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p} with replay_sampling_mask: "
+                  "false: the trainer scores the full vocabulary, so importance ratios carry the kept mass")
+    report.add("WARN", "truncated sampling", why + "; docs/vllm.md#truncated-sampling")
 
 
 def _engine_mismatch(trainer, rollout) -> float:

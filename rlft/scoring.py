@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rlft.core.fused_head import fused_token_logprobs, tile_positions
+from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
 
 
 @dataclass
@@ -36,6 +36,9 @@ class Score:
     entropy: bool = False  # also the entropy of each position's distribution
     router_loss: bool = False  # a Mixture-of-Experts policy's load-balancing loss
     tile: int | None = None  # positions per tile (None: sized to the vocabulary)
+    # [b, c, K] the token ids a truncating sampler kept at each position (-1 padding): log-probs are then
+    # renormalised over them (rlft/core/fused_head.py); None: the full vocabulary
+    kept: torch.Tensor | None = None
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Scored:
     logps: torch.Tensor  # [b, c], 0 at masked positions
     entropy: torch.Tensor | None  # [b, c]
     aux_loss: torch.Tensor | None
+    kept_logmass: torch.Tensor | None = None  # [b, c] log of the mass the sampler kept (with `kept`)
 
 
 def head_settings(config) -> tuple[float, float | None]:
@@ -85,14 +89,16 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
     mask = score.mask.bool()
     scale, softcap = head_settings(model.config)
     head = model.get_output_embeddings()
-    logps, entropy = _head_scores(model, head, hidden[mask], score.targets[mask], score, scale,
-                                  softcap)  # [n]
+    kept = None if score.kept is None else score.kept[mask]  # [n, K]
+    logps, entropy, logmass = _head_scores(model, head, hidden[mask], score.targets[mask], kept, score, scale,
+                                           softcap)  # [n]
     full = hidden.new_zeros(mask.shape, dtype=logps.dtype)
     logps = full.masked_scatter(mask, logps)  # [b, c]; an all-masked batch stays connected to the graph
     if entropy is not None:
         entropy = full.masked_scatter(mask, entropy)
+    logmass = None if kept is None else full.detach().masked_scatter(mask, logmass)
     aux = _router_loss(model, outputs, kwargs.get("attention_mask")) if score.router_loss else None
-    return Scored(logps, entropy, aux)
+    return Scored(logps, entropy, aux, logmass)
 
 
 def _plain_weight(head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -125,37 +131,41 @@ def _gathered(*params):
     return whole
 
 
-def _head_scores(model, head, hidden, targets, score: Score, scale: float, softcap: float | None):
+def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float, softcap: float | None):
+    """(log-probs [n], entropy [n] or None, log kept mass [n])."""
     plain = _plain_weight(head)
     if plain is not None:
         weight, bias = plain
-        return fused_token_logprobs(hidden.to(weight.dtype), weight, targets, bias, score.temperature, scale,
-                                    softcap, score.entropy, score.tile, _gathered(weight, bias))
-    return _module_scores(head, hidden, targets, score, scale, softcap)
+        return fused_kept_logprobs(hidden.to(weight.dtype), weight, targets, kept, bias, score.temperature,
+                                   scale, softcap, score.entropy, score.tile, _gathered(weight, bias))
+    return _module_scores(head, hidden, targets, kept, score, scale, softcap)
 
 
-def _module_scores(head, hidden, targets, score: Score, scale: float, softcap: float | None):
+def _module_scores(head, hidden, targets, kept, score: Score, scale: float, softcap: float | None):
     """The head called as a module, one checkpointed tile at a time (its [t, V] logits recomputed in
     backward)."""
     tile = score.tile or tile_positions(head.out_features if hasattr(head, "out_features")
                                         else head.weight.shape[0])
-    parts = [checkpoint(_tile_scores, head, hidden[i:i + tile], targets[i:i + tile], score.temperature, scale,
-                        softcap, score.entropy, use_reentrant=False) for i in range(0, hidden.shape[0], tile)]
+    parts = [checkpoint(_tile_scores, head, hidden[i:i + tile], targets[i:i + tile],
+                        None if kept is None else kept[i:i + tile], score.temperature, scale, softcap,
+                        score.entropy, use_reentrant=False) for i in range(0, hidden.shape[0], tile)]
     if not parts:
         empty = hidden.sum(-1).float()
-        return empty, (empty if score.entropy else None)
-    logps = torch.cat([p[0] for p in parts])
-    return logps, (torch.cat([p[1] for p in parts]) if score.entropy else None)
+        return empty, (empty if score.entropy else None), empty.detach()
+    logps, logmass = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+    return logps, (torch.cat([p[1] for p in parts]) if score.entropy else None), logmass
 
 
-def _tile_scores(head, hidden, targets, temperature, scale, softcap, entropy):
+def _tile_scores(head, hidden, targets, kept, temperature, scale, softcap, entropy):
     z = head(hidden).float() * scale  # [t, V]
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     z = z / temperature
-    log_probs = torch.log_softmax(z, dim=-1)
-    picked = log_probs.gather(-1, targets[:, None]).squeeze(-1)
-    return picked, (-(log_probs.exp() * log_probs).sum(-1) if entropy else picked)
+    lse = torch.logsumexp(z, dim=-1)
+    used = lse if kept is None else kept_lse(z, kept, targets, lse)
+    picked = z.gather(-1, targets[:, None]).squeeze(-1) - used
+    log_probs = z - lse[:, None]
+    return picked, (-(log_probs.exp() * log_probs).sum(-1) if entropy else picked), (used - lse).detach()
 
 
 def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
@@ -173,8 +183,9 @@ def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
 def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = False,
                router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None) -> Scored:
     """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index tensor),
-    from a model with `install_scoring`. The batch is cut to its own longest completion (c <= C, rounded up
-    to `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every row
+    from a model with `install_scoring`; renormalised over the sampler's kept tokens where the rollout
+    carries them (`sampling_kept`). The batch is cut to its own longest completion (c <= C, rounded up to
+    `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every row
     cost a forward pass and change nothing."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
@@ -186,5 +197,7 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     ids = torch.cat([rollout.prompt_ids[rows, first:], completion_ids], dim=1)
     mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-    score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile)
+    kept = rollout.sampling_kept
+    score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile,
+                  None if kept is None else kept[rows, :width])
     return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)

@@ -81,3 +81,11 @@ def test_python_reward_functions_replace_the_config_entries(tmp_path, shipped_po
     _, report = run_doctor(write_grpo_config(tmp_path, shipped_policy_dir), reward_funcs=[correct_answer,
                                                                                           has_answer_tags])
     assert "correct_answer std" in report.text() and "has_answer_tags std" in report.text()
+
+
+def test_truncated_sampling_without_the_replay_is_a_warning(tmp_path, shipped_policy_dir):
+    config = write_grpo_config(tmp_path, shipped_policy_dir)
+    code, report = run_doctor(config, overrides={"top_p": 0.8, "replay_sampling_mask": False})
+    assert code == 0 and "WARN truncated sampling" in report.text() and "carry the kept mass" in report.text()
+    code, report = run_doctor(config, overrides={"top_p": 0.8})
+    assert "PASS truncated sampling" in report.text()

@@ -17,7 +17,7 @@ def one_step(model_dir, tmp_path, per_device: int, accumulation: int, **override
                      gradient_accumulation_steps=accumulation, max_steps=1, max_completion_length=8,
                      report_to=["none"], disable_tqdm=True, **overrides)
     trainer = GRPOTrainer(str(model_dir), [token_sum_reward], cfg, addition_rows(16))
-    trainer.generator = FixedGenerator(trainer.tokenizer)
+    trainer.generator = FixedGenerator(trainer.tokenizer, kept=overrides.get("top_p", 1.0) < 1.0)
     batch = trainer._make_rollout(0)
     off_policy(trainer, batch)
     trainer.last_entropy = 0.0  # adaptive entropy: as if the previous step was below the target

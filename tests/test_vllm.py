@@ -5,6 +5,7 @@ log-prob mismatch of 0.4-1.7 after the first optimiser step."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -400,3 +401,37 @@ def test_tool_calling_rollouts_generate_each_turn_with_vllm(tmp_path):
     policy = rollout.loss_mask.bool()
     assert (logps - rollout.sampling_logps)[policy].abs().max().item() < 2e-3
     assert rollout.sampling_logps[rollout.completion_mask.bool() & ~policy].eq(0).all()  # tool output: not sampled
+
+
+def on_policy_ratios(trainer) -> torch.Tensor:
+    """pi_trainer / pi_vLLM of every token of fresh samples, the weights the engine has (synced first)."""
+    trainer.model.eval()
+    rollout = trainer.generator(trainer.accelerator.unwrap_model(trainer.model),
+                                trainer.train_prompts.batch(list(range(8)))["prompt_ids"], 4)
+    logps = trainer.scorer.logps(trainer.model, rollout)
+    return (logps - rollout.sampling_logps)[rollout.completion_mask.bool()].exp(), rollout
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_truncated_sampling_on_vllm_is_replayed_so_an_on_policy_ratio_is_one(tmp_path, shipped_policy_dir, mode):
+    """top_p 0.8 + top_k 20, float32: vLLM's processed log-probs are the truncated distribution's, and its top-20
+    log-probs name the tokens it kept. With the replay the on-policy ratio is 1 (mean within 0.005, max |delta
+    log-prob| <= 1e-4); without it, the kept mass."""
+    truncated = dict(temperature=1.0, top_p=0.8, top_k=20, max_steps=1)
+    port = free_port()
+    server = serving(tmp_path, shipped_policy_dir, port) if mode == "server" else contextlib.nullcontext()
+    extra = dict(vllm_mode="server", vllm_server_port=port, vllm_server_timeout=240) if mode == "server" else {}
+    with server:
+        results = {}
+        for replay in (True, False):
+            trainer = vllm_trainer(tmp_path / str(replay), shipped_policy_dir, replay_sampling_mask=replay,
+                                   **truncated, **extra)
+            results[replay] = on_policy_ratios(trainer)
+            release(trainer)
+    ratio, rollout = results[True]
+    assert rollout.sampling_kept is not None and (rollout.sampling_kept >= 0).sum(-1).max() <= 20
+    assert abs(ratio.mean().item() - 1) <= 0.005 and ratio.log().abs().max().item() <= 1e-4
+    biased, rollout = results[False]
+    assert rollout.sampling_kept is None and biased.mean().item() < 0.95
+    print(f"\nvllm {mode} top_p 0.8 top_k 20: ratio mean {ratio.mean().item():.4f} with the replay, "
+          f"{biased.mean().item():.4f} without")

@@ -15,6 +15,15 @@ g = dL/dlog p and e = dL/dH:
     dL/dz_j = g ([j = y] - p_j) - e p_j (z_j - lse + H)
     dL/du   = dL/dz * c (1 - tanh^2(c u / k)) / T      (without softcapping: c / T)
 
+Truncated sampling -- top-k (Fan et al. 2018, arXiv:1805.04833), top-p (Holtzman et al. 2020,
+arXiv:1904.09751), min-p (Nguyen et al. 2024, arXiv:2407.01082) -- draws y from the distribution
+renormalised over the tokens the sampler kept, K; given those ids (`kept` [N, K], -1 padding), the log-prob
+is that distribution's (no ids at a position, or y not among them: the full one):
+
+    log p_K(y) = z_y - logsumexp_{j in K} z_j
+    log m      = logsumexp_{j in K} z_j - logsumexp(z)      the log of the mass the sampler kept
+    dL/dz_j    = g ([j = y] - p_K,j [j in K]) - ...         (the entropy term stays the full distribution's)
+
 Logits are float32 whatever the model's dtype (a bf16/fp16 matmul, then float32 from there on). This is the
 selective log-softmax of rlft/core/logprobs.py without ever holding a [B, T, V] tensor: the memory of a
 scoring pass is one tile of logits, not a sequence's (Liger-Kernel's fused linear cross-entropy and TRL 1.15's
@@ -51,41 +60,56 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return scaled / temperature, squashed
 
 
+def kept_lse(z: torch.Tensor, kept: torch.Tensor, targets: torch.Tensor,
+             lse: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row's kept logits: z [t, V], kept [t, K] token ids (-1: padding), targets [t];
+    `lse` [t] (the full one) where a row has no kept id or its target is not among them."""
+    valid = kept >= 0  # [t, K]
+    has = valid.any(-1) & (kept == targets[:, None]).any(-1)  # [t]
+    picked = z.gather(-1, kept.clamp(min=0)).masked_fill(~valid, float("-inf"))  # [t, K]
+    return torch.where(has, torch.logsumexp(picked, dim=-1), lse)
+
+
 class _TiledLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, tile, with_entropy, whole):
+    def forward(ctx, hidden, weight, bias, targets, kept, temperature, scale, softcap, tile, with_entropy,
+                whole):
         with whole():
-            return _TiledLogProbs._forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap,
-                                           tile, with_entropy, whole)
+            return _TiledLogProbs._forward(ctx, hidden, weight, bias, targets, kept, temperature, scale,
+                                           softcap, tile, with_entropy, whole)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, bias, targets, temperature, scale, softcap, tile, with_entropy, whole):
+    def _forward(ctx, hidden, weight, bias, targets, kept, temperature, scale, softcap, tile, with_entropy,
+                 whole):
         n = hidden.shape[0]
         work = torch.promote_types(hidden.dtype, torch.float32)
         logps = torch.empty(n, dtype=work, device=hidden.device)  # [N]
-        lses = torch.empty_like(logps)  # [N]
+        lses, used = torch.empty_like(logps), torch.empty_like(logps)  # [N] full and renormalising lse
         entropy = torch.empty_like(logps) if with_entropy else None  # [N]
         for start in range(0, n, tile):
             rows = slice(start, start + tile)
             z, _ = _logits(hidden[rows], weight, bias, scale, softcap, temperature)  # [t, V]
             lse = torch.logsumexp(z, dim=-1)  # [t]
             lses[rows] = lse
-            logps[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse
+            used[rows] = lse if kept is None else kept_lse(z, kept[rows], targets[rows], lse)
+            logps[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - used[rows]
             if with_entropy:
                 entropy[rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lses, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, kept, lses, used, entropy)
         ctx.settings = (temperature, scale, softcap, tile, whole)
-        return logps, entropy
+        logmass = used - lses  # [N] log of the kept mass, 0 where nothing was kept
+        ctx.mark_non_differentiable(logmass)
+        return logps, entropy, logmass
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, bias, targets, lses, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logps, grad_entropy, grad_logmass):
+        hidden, weight, bias, targets, kept, lses, used, entropy = ctx.saved_tensors
         with ctx.settings[4]():
             return _TiledLogProbs._backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets,
-                                            lses, entropy)
+                                            kept, lses, used, entropy)
 
     @staticmethod
-    def _backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets, lses, entropy):
+    def _backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets, kept, lses, used, entropy):
         temperature, scale, softcap, tile, _ = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
@@ -100,6 +124,12 @@ class _TiledLogProbs(torch.autograd.Function):
             probs = torch.exp(z - lses[rows, None])  # [t, V]
             g = grad_logps[rows, None].to(z.dtype)
             grad_z = -probs * g
+            if kept is not None:  # rows renormalised over their kept tokens: p_K there, 0 elsewhere
+                ids, renormalised = kept[rows].clamp(min=0).long(), used[rows] != lses[rows]
+                picked = z.gather(-1, ids).masked_fill(kept[rows] < 0, float("-inf"))  # [t, K]
+                grad_z.masked_fill_(renormalised[:, None], 0.0)
+                kept_grad = -torch.exp(picked - used[rows, None]) * g * renormalised[:, None]  # [t, K]
+                grad_z.scatter_add_(-1, ids, kept_grad)
             grad_z.scatter_add_(-1, targets[rows, None], g)  # + g [j = y]
             if grad_entropy is not None:
                 shift = (entropy[rows] - lses[rows])[:, None]  # H - lse
@@ -113,7 +143,8 @@ class _TiledLogProbs(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += grad_u.sum(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None, None,
+                None)
 
 
 def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -126,9 +157,22 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     weight and bias; the entropy only when it is used in the loss (its gradient is exact too). Never allocates
     [N, V]. `whole()`: a context in which the weight is whole, entered around the forward and the backward
     tile loops (a partitioned weight gathered for them)."""
+    logps, ent, _ = fused_kept_logprobs(hidden, weight, targets, None, bias, temperature, logit_scale,
+                                        softcap, entropy, tile, whole)
+    return logps, ent
+
+
+def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        kept: torch.Tensor | None, bias: torch.Tensor | None = None, temperature: float = 1.0,
+                        logit_scale: float = 1.0, softcap: float | None = None, entropy: bool = False,
+                        tile: int | None = None,
+                        whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`fused_token_logprobs` renormalised over each position's kept token ids (`kept` [N, K], -1 padding;
+    None: the full vocabulary), and the log of the kept mass [N] (0 where nothing was kept; no gradient)."""
     if hidden.shape[0] == 0:
         empty = hidden.sum(-1).float()  # [0], still connected to the graph
-        return empty, (empty if entropy else None)
+        return empty, (empty if entropy else None), empty.detach()
     tile = tile or tile_positions(weight.shape[0])
-    return _TiledLogProbs.apply(hidden, weight, bias, targets, float(temperature), float(logit_scale),
+    return _TiledLogProbs.apply(hidden, weight, bias, targets, kept, float(temperature), float(logit_scale),
                                 softcap, int(tile), bool(entropy), whole)

@@ -49,10 +49,13 @@ def sampling_correction(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor
 def correction_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
                      weights: torch.Tensor) -> dict[str, torch.Tensor]:
     """Sums/extremes of the mismatch for one micro-batch (combined over a step by the caller):
-    |delta log-prob| over scored completion tokens, and the importance weights (per token or per sequence),
-    including how many were zeroed by a *_mask mode."""
+    |delta log-prob| over scored completion tokens and how many of their unbounded ratios lie outside
+    [0.9, 1.1], and the importance weights (per token or per sequence), including how many were zeroed by a
+    *_mask mode."""
     valid = mask.bool() & ~torch.isnan(sampler_logps)
-    delta = (trainer_logps - sampler_logps).abs()[valid]
+    signed = (trainer_logps - sampler_logps)[valid]
+    delta = signed.abs()
+    outside = ((signed.exp() < 0.9) | (signed.exp() > 1.1)).sum().float()
     flat = weights.flatten() if weights.shape[-1] == 1 else weights[mask.bool()]
     if weights.shape[-1] == 1:
         flat = flat[mask.bool().any(dim=-1)]
@@ -64,5 +67,5 @@ def correction_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, m
         "ratio_sum": flat.sum() if flat.numel() else empty, "ratio_count": torch.tensor(float(flat.numel())),
         "ratio_min": flat.min() if flat.numel() else empty,
         "ratio_max": flat.max() if flat.numel() else empty,
-        "zeroed": (flat == 0).sum().float(),
+        "zeroed": (flat == 0).sum().float(), "outside": outside,
     }

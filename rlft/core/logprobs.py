@@ -132,3 +132,31 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0")
     return _Entropy.apply(logits, float(temperature), int(chunk_size))
+
+
+def kept_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, kept: torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """log p_K(y): softmax(logits / T) renormalised over each position's kept token ids (what a top-k /
+    top-p / min-p sampler drew from), gathered at `token_ids`; dense, a reference for the fused head's tiled
+    path (rlft/core/fused_head.py). logits [..., V], token_ids [...], kept [..., K] (-1 padding; a position
+    with no id, or whose token is not among them, gets the full softmax) -> [...] float32."""
+    z = logits.to(_work_dtype(logits)) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    valid = kept >= 0
+    has = valid.any(-1) & (kept == token_ids[..., None]).any(-1)
+    picked = z.gather(-1, kept.clamp(min=0).long()).masked_fill(~valid, float("-inf"))
+    used = torch.where(has, torch.logsumexp(picked, dim=-1), lse)
+    return z.gather(-1, token_ids[..., None]).squeeze(-1) - used
+
+
+def finite_ids(scores: torch.Tensor) -> torch.Tensor:
+    """The token ids a sampler kept at each row of its processed scores [B, V] (the finite ones: top-k /
+    top-p / min-p set the rest to -inf), as [B, K] padded with -1, K the largest count in the batch."""
+    finite = torch.isfinite(scores)  # [B, V]
+    counts = finite.sum(-1)  # [B]
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    ids = torch.full((scores.shape[0], width), -1, dtype=torch.int32, device=scores.device)
+    rows, cols = finite.nonzero(as_tuple=True)
+    slot = torch.arange(rows.numel(), device=scores.device) - (counts.cumsum(0) - counts)[rows]
+    ids[rows, slot] = cols.to(torch.int32)
+    return ids

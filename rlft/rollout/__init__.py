@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rlft.rollout.base import Rollout, RolloutEngine
 from rlft.rollout.hf import HFGenerator
+from rlft.rollout.truncation import replay_plan
 
 __all__ = ["HFGenerator", "Rollout", "RolloutEngine", "make_generator"]
 
@@ -19,7 +20,8 @@ def _hf(args, tokenizer, model, source, synced, full_weights) -> HFGenerator:
                        repetition_penalty=args.repetition_penalty,
                        cache_implementation=args.cache_implementation,
                        shared_prompt_prefill=args.shared_prompt_prefill,
-                       generation_kwargs=args.generation_kwargs, synced=synced)
+                       generation_kwargs=args.generation_kwargs, synced=synced,
+                       replay_mask=replay_plan(args)[0])
 
 
 def _vllm_colocate(args, tokenizer, model, source, synced, full_weights):

@@ -53,16 +53,19 @@ def _pick(value, rows):
 
 
 def _pad_cat(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
-    """Rows of several [n, T] tensors as one, each padded with `value` to the widest T ([n] ones: cat)."""
+    """Rows of several [n, T, ...] tensors as one, each padded with `value` to the widest T (on the left with
+    `left`) and the widest of every later dimension (on the right); [n] ones: cat."""
     device = tensors[0].device
     tensors = [t.to(device) for t in tensors]
     if tensors[0].ndim < 2:
         return torch.cat(tensors)
-    width = max(t.shape[1] for t in tensors)
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].ndim)]
     padded = []
     for t in tensors:
-        fill = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)
-        padded.append(torch.cat([fill, t] if left else [t, fill], dim=1))
+        out = t.new_full((t.shape[0], *shape), value)
+        start = shape[0] - t.shape[1] if left else 0
+        out[(slice(None), slice(start, start + t.shape[1]), *(slice(0, n) for n in t.shape[2:]))] = t
+        padded.append(out)
     return torch.cat(padded)
 
 
@@ -196,6 +199,9 @@ class Rollout(Rows):
     completions: list | None = rows("list", default=None)
     extra: dict[str, list] = rows("columns", default_factory=dict)  # per-row values for reward functions
     stats: dict[str, torch.Tensor] = rows("tensors", default_factory=dict)  # per-row counts: tool calls,...
+    # [N, C, K] int32: the token ids a truncating sampler (top-k / top-p / min-p) kept at each position, -1
+    # padding (a position without any: the full vocabulary); the trainer renormalises over them
+    sampling_kept: torch.Tensor | None = rows("right", pad=-1, saved=True, default=None)
 
     @property
     def loss_mask(self) -> torch.Tensor:

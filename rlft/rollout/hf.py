@@ -12,12 +12,13 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from rlft.core.logprobs import finite_ids
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 
-__all__ = ["HFGenerator", "LogpRecorder", "Rollout", "cache_keyword", "check_generation_kwargs",
-           "completion_mask_from", "eos_token_ids", "shared_prompt_cache"]
+__all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "cache_keyword", "check_generation_kwargs",
+           "completion_mask_from", "eos_token_ids", "sampling_warpers", "shared_prompt_cache"]
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -91,33 +92,69 @@ def check_generation_kwargs(kwargs: dict | None) -> dict:
     return kwargs
 
 
-class LogpRecorder:
-    """A logits processor that keeps each sampled token's log-prob at the sampling temperature: at every step
-    it reads the token the previous step sampled (the last of `input_ids`) and looks it up in that step's
-    log-softmax; `finish` reads the last one. transformers runs it after its own processors (repetition
-    penalty, bad words, ...) and before the temperature / top-k / top-p warpers, so with no such processor the
-    log-probs are those of softmax(logits / temperature): what the trainer scores (rlft/scoring.py). Its
-    user (rlft/rollout/producer_worker.py) asks for it only then."""
+def sampling_warpers(sampling: dict) -> list:
+    """transformers' own temperature / top-k / top-p / min-p warpers for `sampling` (generate's keywords), in
+    the order generate applies them, for a chain rlft places itself (so that a recorder can follow them)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
-    def __init__(self, temperature: float):
-        self.temperature, self.previous, self.logps = temperature or 1.0, None, []
+    temperature, top_k = sampling.get("temperature"), sampling.get("top_k")
+    top_p, min_p = sampling.get("top_p"), sampling.get("min_p")
+    warpers = [TemperatureLogitsWarper(temperature)] if temperature not in (None, 1.0) else []
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    if min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p=min_p, min_tokens_to_keep=1))
+    return warpers
+
+
+class SamplerRecorder:
+    """A logits processor placed after the sampling warpers, so it sees the scores generate samples from: at
+    every step it keeps the ids the step kept (`kept`: the finite scores; top-k / top-p / min-p set the rest
+    to -inf) and reads the token the previous step sampled (the last of `input_ids`) to keep its log-prob
+    under that step's distribution; `finish` reads the last one."""
+
+    def __init__(self, logps: bool = True, kept: bool = False):
+        self.record_logps, self.record_kept = logps, kept
+        self.previous, self.logps, self.kept = None, [], []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._read(input_ids[:, -1])
-        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.record_logps:
+            self._read(input_ids[:, -1])
+            self.previous = torch.log_softmax(scores.float(), dim=-1)
+        if self.record_kept:
+            self.kept.append(finite_ids(scores))
         return scores
 
     def _read(self, tokens: torch.Tensor) -> None:
         if self.previous is not None:
             self.logps.append(self.previous.gather(1, tokens[:, None]).squeeze(1))
 
-    def finish(self, completion_ids: torch.Tensor) -> torch.Tensor:
-        """[N, C] log-probs of the generated tokens."""
-        if completion_ids.shape[1]:
-            self._read(completion_ids[:, -1])
-        if not self.logps:
-            return torch.zeros(completion_ids.shape)
-        return torch.stack(self.logps, dim=1)[:, :completion_ids.shape[1]]
+    def finish(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
+        """([N, C] log-probs of the generated tokens or None, [N, C, K] kept ids (-1 past each completion's
+        end) or None)."""
+        logps = kept = None
+        if self.record_logps:
+            if completion_ids.shape[1]:
+                self._read(completion_ids[:, -1])
+            logps = torch.stack(self.logps, dim=1)[:, :completion_ids.shape[1]] if self.logps else \
+                torch.zeros(completion_ids.shape)
+            # past a completion's end generate samples padding, which truncation may have removed (-inf)
+            logps = logps.masked_fill(completion_mask.to(logps.device) == 0, 0.0)
+        if self.record_kept:
+            width = max([k.shape[1] for k in self.kept] or [1])
+            kept = torch.full((*completion_ids.shape, width), -1, dtype=torch.int32,
+                              device=completion_ids.device)
+            for step, ids in enumerate(self.kept[:completion_ids.shape[1]]):
+                kept[:, step, :ids.shape[1]] = ids
+            kept.masked_fill_(completion_mask[..., None] == 0, -1)
+        return logps, kept
 
 
 class HFGenerator:
@@ -125,12 +162,15 @@ class HFGenerator:
 
     With the default dynamic cache each prompt is prefilled once per group, not num_generations times
     (`shared_prompt_prefill`); `cache_implementation` is passed to generate as in TRL. With `synced` (FSDP2,
-    ZeRO-3) generate runs with synced_gpus, as every sharded forward needs every process."""
+    ZeRO-3) generate runs with synced_gpus, as every sharded forward needs every process. `replay_mask`: each
+    completion token comes with the ids the sampler kept (rlft/rollout/truncation.py); `return_logps` (a
+    rollout producer): with its log-prob under the distribution it was sampled from."""
 
     def __init__(self, tokenizer, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int | None = None, repetition_penalty: float = 1.0,
                  cache_implementation: str | None = None, shared_prompt_prefill: bool = True,
-                 min_p: float | None = None, generation_kwargs: dict | None = None, synced: bool = False):
+                 min_p: float | None = None, generation_kwargs: dict | None = None, synced: bool = False,
+                 replay_mask: bool = False):
         self.tokenizer = tokenizer
         self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k or 0, repetition_penalty=repetition_penalty)
@@ -146,7 +186,7 @@ class HFGenerator:
         # part), nor with beam search (generate expands each row into beams itself)
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and \
             not synced and self.sampling.get("num_beams", 1) == 1
-        self.return_logps = False  # a rollout producer asks for the sampled tokens' log-probs
+        self.return_logps, self.replay_mask = False, replay_mask
 
     holds_own_weights = False  # generate reads the live model: nothing to sync
 
@@ -155,6 +195,20 @@ class HFGenerator:
 
     def close(self) -> None:
         pass
+
+    def _settings(self, greedy: bool) -> tuple[dict, SamplerRecorder | None]:
+        """generate's keywords; when it records, rlft's own warper chain with the recorder after it (the
+        same warpers generate would apply, which then applies none of its own)."""
+        if greedy:
+            return dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None,
+                        min_p=None), None
+        sampling = dict(self.sampling, do_sample=True)
+        if not (self.return_logps or self.replay_mask):
+            return sampling, None
+        recorder = SamplerRecorder(logps=self.return_logps, kept=self.replay_mask)
+        chain = [*sampling.get("logits_processor", []), *sampling_warpers(sampling), recorder]
+        sampling.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None, logits_processor=chain)
+        return sampling, recorder
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
@@ -166,22 +220,19 @@ class HFGenerator:
         eos_ids = eos_token_ids(model, self.tokenizer)
         was_training = model.training
         model.eval()
-        sampling = dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None,
-                        min_p=None) if greedy else dict(self.sampling, do_sample=True)
+        sampling, recorder = self._settings(greedy)
         if max_new_tokens is not None:  # a later turn of a multi-turn rollout: what is left of the budget
             sampling["max_new_tokens"] = max_new_tokens
         cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \
             if self.shared_prompt_prefill and num_generations > 1 else None
         if cache is not None:
             sampling[cache_keyword(model)] = cache
-        recorder = LogpRecorder(self.sampling["temperature"]) if self.return_logps and not greedy else None
-        if recorder is not None:
-            sampling["logits_processor"] = [*sampling.get("logits_processor", []), recorder]
         out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
                              eos_token_id=eos_ids, use_cache=True, **sampling)
         model.train(was_training)
         completion_ids = out[:, ids.shape[1]:]
         completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
-        logps = None if recorder is None else recorder.finish(completion_ids).to(completion_ids.device)
+        logps, kept = (None, None) if recorder is None else recorder.finish(completion_ids, completion_mask)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
-        return Rollout(ids, mask, completion_ids, completion_mask, truncated, logps)
+        return Rollout(ids, mask, completion_ids, completion_mask, truncated,
+                       None if logps is None else logps.to(completion_ids.device), sampling_kept=kept)

@@ -15,6 +15,7 @@ import torch
 from rlft.data.prompts import right_pad
 from rlft.rollout.base import Rollout, engine_metrics, holds_own_weights, weights_changed
 from rlft.rollout.tools import ToolCall, ToolRunner, parse_turn, tool_suffix_ids
+from rlft.rollout.truncation import kept_tensor
 
 
 @dataclass
@@ -30,6 +31,7 @@ class _Row:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1: sampled by the policy
     logps: list[float] = field(default_factory=list)
+    kept: list[list[int] | None] = field(default_factory=list)  # per token: the ids the sampler kept
     messages: list[dict] = field(default_factory=list)
     pending: list[ToolCall] = field(default_factory=list)  # calls of the last turn not yet answered
     ended: bool = False  # the last turn ended with EOS
@@ -95,6 +97,8 @@ class ToolLoop:
             row.mask += [1] * len(ids)
             if out.sampling_logps is not None:
                 row.logps += out.sampling_logps[i][:len(ids)].tolist()
+            if out.sampling_kept is not None:
+                row.kept += [[k for k in step if k >= 0] for step in out.sampling_kept[i][:len(ids)].tolist()]
             row.turns += 1
             if row.ended:  # a cut turn's calls are incomplete: not run
                 content, row.pending = parse_turn(self.tokenizer, ids, context, row.toolset.schemas)
@@ -123,6 +127,7 @@ class ToolLoop:
             row.ids += suffix
             row.mask += [0] * len(suffix)
             row.logps += [0.0] * len(suffix)
+            row.kept += [None] * len(suffix)
             row.messages += messages
             going.append(row)
         return going
@@ -137,6 +142,8 @@ class ToolLoop:
             ("tool_calls", lambda r: r.calls), ("tool_failures", lambda r: r.failures),
             ("turns", lambda r: r.turns), ("hit_limit", lambda r: bool(r.pending)))}
         truncated = torch.tensor([not r.ended for r in rows], device=device)
+        kept = None if first.sampling_kept is None else kept_tensor([r.kept for r in rows], ids.shape[1])
         return Rollout(first.prompt_ids, first.prompt_mask, ids.to(device), mask.to(device), truncated,
                        None if logps is None else logps.to(device), tool_mask.to(device),
-                       completions=[r.messages for r in rows], stats=stats)
+                       completions=[r.messages for r in rows], stats=stats,
+                       sampling_kept=None if kept is None else kept.to(device))

@@ -58,6 +58,7 @@ class Produced:
     seconds: float = 0.0  # generating
     arrived: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
+    kept: list[list[list[int]]] | None = None  # per row, per token: the ids a truncating sampler kept
 
 
 def _spec_args(args) -> dict:
@@ -212,7 +213,7 @@ class ProcessProducer:
 
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         return engine_rollout(repeated, produced.tokens, produced.logprobs or [None] * len(repeated),
-                              self.tokenizer.pad_token_id, self.eos_ids, device, greedy)
+                              self.tokenizer.pad_token_id, self.eos_ids, device, greedy, produced.kept)
 
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
                  seed: int = 0, version: int = -1) -> Rollout:
@@ -248,10 +249,11 @@ class ProcessProducer:
                 kind = message.pop("type")
                 if kind == "result":
                     timings = {k: message.pop(k) for k in list(message)
-                               if k not in ("key", "version", "tokens", "logprobs", "seconds")}
+                               if k not in ("key", "version", "tokens", "logprobs", "seconds", "kept")}
                     self.results[message["key"]] = Produced(message["key"], message["version"],
                                                             message["tokens"], message["logprobs"],
-                                                            message["seconds"], timings=timings)
+                                                            message["seconds"], timings=timings,
+                                                            kept=message.get("kept"))
                     self.begun.pop(message["key"], None)
                 elif kind == "begin":
                     self.begun[message["key"]] = time.monotonic()

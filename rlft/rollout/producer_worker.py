@@ -13,7 +13,8 @@ serves its standard input in order, one JSON object per line:
 and answers on its standard output (anything else this process prints goes to standard error):
 
   {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin"/"done", "key": k} around a request,
-  {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]], "seconds": ...},
+  {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]],
+   "kept": [[[...]]] or null, "seconds": ...},
   {"type": "error", "message": traceback}
 
 No pickle crosses the pipe. Each rollout is sampled after `torch.manual_seed(seed)`: the same weights, prompts
@@ -160,8 +161,11 @@ def _generate(model, engine, args, message: dict, version: int) -> dict:
     tokens = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
     logprobs = None if message["greedy"] else [
         row[:n] for row, n in zip(_logprobs(model, rollout, args), lengths)]
+    kept = None if rollout.sampling_kept is None else [
+        [[k for k in step if k >= 0] for step in row[:n]]
+        for row, n in zip(rollout.sampling_kept.tolist(), lengths)]
     return {"type": "result", "key": message["key"], "version": version, "tokens": tokens,
-            "logprobs": logprobs, "seconds": generated - started,
+            "logprobs": logprobs, "kept": kept, "seconds": generated - started,
             "score_seconds": time.perf_counter() - generated}
 
 

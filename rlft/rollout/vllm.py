@@ -36,6 +36,7 @@ import torch
 from rlft.data.prompts import left_pad
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import completion_mask_from, eos_token_ids
+from rlft.rollout.truncation import kept_of, kept_tensor, replay_plan, truncation
 from rlft.rollout.weight_sync import (
     adapter_files,
     adapter_tensors,
@@ -164,8 +165,10 @@ def engine_source(model, source) -> tuple[str, str | None]:
 
 
 def engine_rollout(repeated: list[list[int]], tokens: list[list[int]], logprobs: list[list[float] | None],
-                   pad: int, eos_ids: list[int], device, greedy: bool) -> Rollout:
-    """An engine's completions (token ids and each token's log-prob, per request) as a Rollout on `device`."""
+                   pad: int, eos_ids: list[int], device, greedy: bool,
+                   kept: list[list[list[int] | None]] | None = None) -> Rollout:
+    """An engine's completions (token ids and each token's log-prob, per request; with `kept`, the ids the
+    sampler kept at each token) as a Rollout on `device`."""
     width = max(max(len(t) for t in tokens), 1)
     completion_ids = torch.full((len(tokens), width), pad, dtype=torch.long)
     sampling_logps = torch.zeros((len(tokens), width), dtype=torch.float32)
@@ -176,9 +179,10 @@ def engine_rollout(repeated: list[list[int]], tokens: list[list[int]], logprobs:
     prompt_ids, prompt_mask = left_pad(repeated, pad)
     completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
+    kept = None if greedy or kept is None else kept_tensor(kept, width).to(device)
     return Rollout(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                    completion_mask.to(device), truncated.to(device),
-                   None if greedy else sampling_logps.to(device))
+                   None if greedy else sampling_logps.to(device), sampling_kept=kept)
 
 
 def request_seeds(count: int, greedy: bool) -> list[int | None]:
@@ -194,8 +198,10 @@ def request_fields(args, eos_ids: list[int], seed: int | None, max_tokens: int |
                   repetition_penalty=args.repetition_penalty, **(args.generation_kwargs or {}))
     if seed is None:
         return {**fields, "temperature": 0.0}
-    return {**fields, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k or -1,
-            "min_p": args.min_p or 0.0, "seed": seed, "logprobs": 0}
+    # with the replay on, each token's top log-probs hold the kept set (rlft/rollout/truncation.py)
+    top = truncation(args).top_k if replay_plan(args)[0] else 0
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k or -1,
+            "min_p": args.min_p or 0.0, **fields, "seed": seed, "logprobs": top}
 
 
 class StaleAfterStep:
@@ -260,7 +266,8 @@ class VLLMColocate(StaleAfterStep):
                     gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_prefix_caching=True,
                     enforce_eager=on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager,
                     enable_sleep_mode=args.vllm_enable_sleep_mode, skip_tokenizer_init=True,
-                    logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code, **lora)
+                    logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code,
+                    max_logprobs=max(20, truncation(args).top_k), **lora)
             except (ValueError, NotImplementedError) as err:
                 if lora and "lora" in str(err).lower():  # vLLM has no LoRA for this model / this build
                     raise ConfigError(f"vLLM could not start with LoRA on to serve the adapter ({err}); set "
@@ -362,9 +369,11 @@ class VLLMColocate(StaleAfterStep):
         logprobs = [[float(lp[t].logprob) if t in lp else float("nan")
                      for t, lp in zip(s.token_ids, s.logprobs)]
                     if s.logprobs else None for s in samples]
+        kept = [[kept_of({t: float(v.logprob) for t, v in lp.items()}) for lp in s.logprobs or []]
+                for s in samples] if replay_plan(self.args)[0] else None
         return engine_rollout(repeated, [list(s.token_ids) for s in samples], logprobs,
                               self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
-                              greedy)
+                              greedy, kept)
 
     def close(self) -> None:
         """Free the engine (its KV cache) before the process ends; the generator is unusable afterwards."""

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from rlft.errors import RlftError
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import eos_token_ids
+from rlft.rollout.truncation import kept_of, replay_plan
 from rlft.rollout.vllm import (
     StaleAfterStep,
     engine_dtype,
@@ -131,7 +132,7 @@ def serve_command(model: str, host: str, port: int, dtype: str | None, max_model
     on_cpu = not torch.cuda.is_available()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--dtype", dtype or default_dtype(), "--seed", str(seed),
-            "--logprobs-mode", "processed_logprobs",
+            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "1024",
             "--tensor-parallel-size", str(tensor_parallel_size), "--enable-prefix-caching",
             "--worker-extension-cls", "rlft.rollout.vllm_receiver.WeightReceiver"]
     if max_model_len:
@@ -281,6 +282,7 @@ class VLLMServer(StaleAfterStep):
 
     def _complete(self, ids: list[int], seed: int | None, max_tokens: int | None = None) -> dict:
         body = {"model": self.served, "prompt": ids, "return_token_ids": True, "skip_special_tokens": False,
+                "return_tokens_as_token_ids": True,
                 **request_fields(self.args, self.eos_ids, seed, max_tokens)}
         return self.client.request("/v1/completions", body)["choices"][0]
 
@@ -294,9 +296,12 @@ class VLLMServer(StaleAfterStep):
         with ThreadPoolExecutor(max_workers=16) as pool:
             choices = list(pool.map(self._complete, repeated, seeds, [max_new_tokens] * len(repeated)))
         logprobs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
+        kept = [[kept_of({int(key.rpartition(":")[2]): value for key, value in (top or {}).items()})
+                 for top in (c.get("logprobs") or {}).get("top_logprobs") or []]
+                for c in choices] if replay_plan(self.args)[0] else None
         return engine_rollout(repeated, [c["token_ids"] for c in choices], logprobs,
                               self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
-                              greedy)
+                              greedy, kept)
 
     def close(self) -> None:
         """Unload this run's adapter from the server and delete its files there (full weights need nothing:

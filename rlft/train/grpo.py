@@ -33,6 +33,7 @@ from rlft.models import context_length, prepare_tokenizer
 from rlft.perf import Throughput
 from rlft.rewards.calling import RewardLog, RewardScorer, check_keywords, resolve_rewards
 from rlft.rollout.base import engine_metrics, weights_changed
+from rlft.rollout.truncation import replay_plan
 from rlft.tracking import Messages
 from rlft.train import checkpoint as ckpt
 from rlft.train import runs
@@ -110,7 +111,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         self._setup_policy(model, source, peft_config, optimizers, quantization_config)
         for note in option_notes(args):  # at construction, as TRL warns
             logging.getLogger("rlft").warning(note)
-        self._setup_notes += no_effect_notes(args)
+        self._setup_notes += no_effect_notes(args) + [n for n in [replay_plan(args)[1]] if n]
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
                          self.total_steps, self.rollouts_per_epoch * self.steps_per_rollout, self.accelerator,
                          args.per_device_train_batch_size)

@@ -10,7 +10,7 @@ import torch
 # a window shows the latest value, not a mean
 LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate", "ref_model/syncs")
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                   "clip_ratio/delta_mean", "ratio_mean", "kl")
+                   "clip_ratio/delta_mean", "ratio_mean", "kl", "sampling/kept_mass/mean")
 SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean", "aux_loss")
 CLIP_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # parts of the loss, summed over micro-batches like it
@@ -128,20 +128,22 @@ def correction_metrics(parts: list[dict[str, torch.Tensor]], accelerator) -> dic
     names (`sampling/...`), plus the fraction of weights a *_mask mode set to zero."""
     device = accelerator.device
     sums = torch.stack([torch.stack([p[k].to(device).float() for k in (
-        "delta_sum", "delta_count", "ratio_sum", "ratio_count", "zeroed")]) for p in parts])
+        "delta_sum", "delta_count", "ratio_sum", "ratio_count", "zeroed", "outside")]) for p in parts])
     highs = torch.stack([torch.stack([p["delta_max"].to(device).float(), p["ratio_max"].to(device).float(),
                                       -p["ratio_min"].to(device).float()]) for p in parts]).max(dim=0).values
     sums = sums.sum(dim=0)
     if accelerator.num_processes > 1:
         sums = accelerator.reduce(sums, "sum")
         highs = accelerator.gather(highs[None]).max(dim=0).values
-    delta_sum, delta_count, ratio_sum, ratio_count, zeroed = sums.tolist()
+    delta_sum, delta_count, ratio_sum, ratio_count, zeroed, outside = sums.tolist()
     return {"sampling/sampling_logp_difference/mean": delta_sum / max(delta_count, 1),
             "sampling/sampling_logp_difference/max": highs[0].item(),
             "sampling/importance_sampling_ratio/min": -highs[2].item(),
             "sampling/importance_sampling_ratio/mean": ratio_sum / max(ratio_count, 1),
             "sampling/importance_sampling_ratio/max": highs[1].item(),
-            "sampling/importance_sampling_zeroed_fraction": zeroed / max(ratio_count, 1)}
+            "sampling/importance_sampling_zeroed_fraction": zeroed / max(ratio_count, 1),
+            # per token, before any bound: how far the trainer's distribution is from the sampler's
+            "sampling/importance_sampling_ratio/outside_fraction": outside / max(delta_count, 1)}
 
 
 class MetricWindow:

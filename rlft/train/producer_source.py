@@ -272,6 +272,12 @@ class ProducerSource(SourceBase):
                                                                dtype=torch.long)
             tensors[f"async.{rollout}.logprobs"] = torch.tensor(
                 [v for row in produced.logprobs for v in row], dtype=torch.float32)
+            if produced.kept is not None:  # per token of every row, in order: its count, then the ids
+                steps = [step for row in produced.kept for step in row]
+                tensors[f"async.{rollout}.kept_counts"] = torch.tensor([len(s) for s in steps],
+                                                                       dtype=torch.long)
+                tensors[f"async.{rollout}.kept_ids"] = torch.tensor([k for s in steps for k in s],
+                                                                    dtype=torch.int32)
             pending.append({"rollout": rollout, "version": produced.version, "seconds": produced.seconds})
         carried = {"next_submit": self.next_submit, "pending": pending, "metrics": self.last,
                    "restarts": self.restarts}
@@ -298,7 +304,21 @@ class ProducerSource(SourceBase):
             tokens = part.tensors[f"async.{r}.tokens"].split(lengths)
             logprobs = part.tensors[f"async.{r}.logprobs"].split(lengths)
             self.ready[r] = Produced(f"rollout-{r}", entry["version"], [t.tolist() for t in tokens],
-                                     [v.tolist() for v in logprobs], entry["seconds"])
+                                     [v.tolist() for v in logprobs], entry["seconds"],
+                                     kept=_saved_kept(part.tensors, r, lengths))
         rollouts_done = -(-start // self.steps_per_rollout)
         self.next_submit = max(self.next_submit, rollouts_done)
         self.taking = rollouts_done - 1  # the last rollout taken from the producer
+
+
+def _saved_kept(tensors: dict, rollout: int, lengths: list[int]) -> list | None:
+    """A pending rollout's kept ids as state_dict saved them (None: none saved, or an older checkpoint)."""
+    counts = tensors.get(f"async.{rollout}.kept_counts")
+    if counts is None:
+        return None
+    steps = [s.tolist() for s in tensors[f"async.{rollout}.kept_ids"].split(counts.tolist())]
+    rows, start = [], 0
+    for length in lengths:
+        rows.append(steps[start:start + length])
+        start += length
+    return rows

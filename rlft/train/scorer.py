@@ -27,13 +27,15 @@ class PolicyScorer:
 
     def forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
                 router_loss: bool = False):
-        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; and a MoE policy's
-        router load-balancing loss, the model's own `aux_loss`) for `rows` (a slice or an index tensor), cut
-        to the rows' longest completion and prompt (rlft/scoring.py: score_rows)."""
+        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; a MoE policy's
+        router load-balancing loss, the model's own `aux_loss`; the log of the mass the sampler kept [b, c]
+        where the rollout carries its kept ids) for `rows` (a slice or an index tensor), cut to the rows'
+        longest completion and prompt (rlft/scoring.py: score_rows). With kept ids the log-probs are
+        renormalised over them: the distribution the sampler drew from (rlft/rollout/truncation.py)."""
         scored = score_rows(model, rollout, rows, self.args.temperature, entropy, router_loss,
                             self.args.logprob_chunk_size, self.args.pad_to_multiple_of)
         ent = None if scored.entropy is None else scored.entropy if entropy_grad else scored.entropy.detach()
-        return scored.logps, ent, scored.aux_loss
+        return scored.logps, ent, scored.aux_loss, scored.kept_logmass
 
     def micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         """Row indices of each micro-batch (module docstring)."""

@@ -117,7 +117,7 @@ class PolicyUpdater:
         if check_flow:
             self.optim.engine.watch_grads(self.scorer.model)
         self._backward(batch, keep, num_items, num_sequences, sums, corrections)
-        metrics = self._finish(sums, started, check_flow)
+        metrics = self._finish(sums, started, check_flow, self._weighted(corrections))
         if "grad_norm" in metrics:  # an applied step: how much of the machine its forward + backward used
             metrics.update(self.throughput.training(rollout, metrics["time/train_seconds"]))
         metrics.update(extra)
@@ -140,13 +140,26 @@ class PolicyUpdater:
                 engine.backward(model, loss * self.accelerator.num_processes)
             sums.add(loss, metrics, entropy, mask)
 
-    def _finish(self, sums: StepSums, started: float, check_flow: bool) -> dict[str, float]:
+    def _weighted(self, corrections: list) -> bool:
+        """Some token kept a nonzero sampling-correction weight on some process (a *_mask correction can zero
+        every one: then a zero gradient is right, not a wiring fault)."""
+        if not corrections:
+            return True
+        kept = torch.tensor(float(sum(float(c["ratio_sum"]) for c in corrections) > 0),
+                            device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            kept = self.accelerator.reduce(kept, "max")
+        return bool(kept.item() > 0)
+
+    def _finish(self, sums: StepSums, started: float, check_flow: bool, weighted: bool) -> dict[str, float]:
         metrics = sums.reduce(self.accelerator)
         loss = metrics["loss"]
 
         def check() -> None:
-            check_gradient_flow(self.optim.engine.grads(self.scorer.model))
-            self.counters.flow_checked = True
+            grads = self.optim.engine.grads(self.scorer.model)  # (releases what watch_grads set up)
+            if weighted:  # else checked at the next step with a learning signal
+                check_gradient_flow(grads)
+                self.counters.flow_checked = True
 
         outcome = self.optim.apply(math.isfinite(loss), lambda norm: nonfinite_reason(self.args, loss, norm),
                                    before_step=check if check_flow else None)
@@ -196,9 +209,9 @@ class PolicyUpdater:
         """One micro-batch's share of the step loss. Completions sampled by another engine (vLLM) are
         weighted by pi_old / pi_sampler (`vllm_importance_sampling_*`, rlft/core/importance.py)."""
         args, rollout = self.args, batch.rollout
-        logps, entropy, router = self.scorer.forward(self.scorer.model, rollout, rows, entropy=True,
-                                                     entropy_grad=self.entropy_bonus_on,
-                                                     router_loss=self.router_aux_loss_coef != 0.0)
+        logps, entropy, router, logmass = self.scorer.forward(self.scorer.model, rollout, rows, entropy=True,
+                                                              entropy_grad=self.entropy_bonus_on,
+                                                              router_loss=self.router_aux_loss_coef != 0.0)
         width = logps.shape[1]
         mask = (rollout.loss_mask if keep is None else keep)[rows, :width]
         old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
@@ -222,6 +235,8 @@ class PolicyUpdater:
             num_sequences=num_sequences, rollout_is_weights=weights, keep=off_policy)
         if off_policy is not None:
             metrics["off_policy/masked_fraction"] = 1.0 - off_policy.mean()
+        if logmass is not None:  # the mass the sampler kept, under the policy now (per trained token)
+            metrics["sampling/kept_mass/mean"] = (logmass.exp() * mask).sum() / mask.sum().clamp(min=1)
         loss = self._extra_terms(loss, metrics, entropy, router, mask, num_items)
         return loss, metrics, None if entropy is None else entropy.detach(), mask
 

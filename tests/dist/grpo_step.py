@@ -27,10 +27,11 @@ GROUP, PROMPTS, PER_DEVICE = 4, 4, 4
 
 
 class FixedGenerator:
-    """Completions that depend only on the prompt and their index in the group."""
+    """Completions that depend only on the prompt and their index in the group; with `kept`, each token comes
+    with a kept set as a truncating sampler's would (the token and 5 others, fixed by the row's tokens)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, kept: bool = False):
+        self.tokenizer, self.kept = tokenizer, kept
 
     def __call__(self, model, prompt_ids, num_generations, greedy=False):
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
@@ -43,7 +44,15 @@ class FixedGenerator:
             completions.append(tokens + [self.tokenizer.pad_token_id] * (8 - len(tokens)))
         completion_ids = torch.tensor(completions)
         completion_mask, truncated = completion_mask_from(completion_ids, [self.tokenizer.eos_token_id])
-        return Rollout(ids, mask, completion_ids, completion_mask, truncated)
+        kept = None
+        if self.kept:
+            kept = torch.full((*completion_ids.shape, 6), -1, dtype=torch.int32)
+            for row, tokens in enumerate(completion_ids.tolist()):
+                for t, token in enumerate(tokens[:int(completion_mask[row].sum())]):
+                    others = [i for i in torch.randperm(300, generator=torch.Generator().manual_seed(token * 7 + t))
+                              .tolist() if i != token][:5]
+                    kept[row, t] = torch.tensor([token, *others], dtype=torch.int32)
+        return Rollout(ids, mask, completion_ids, completion_mask, truncated, sampling_kept=kept)
 
 
 def off_policy(trainer, batch, scale: float = 0.3) -> None:
@@ -71,6 +80,7 @@ OPTIONS = {
     "rloo_estimator": dict(advantage_estimator="rloo"),
     "all_together": dict(loss_type="dapo", delta=1.1, top_entropy_quantile=0.5, entropy_coef=0.05,
                          off_policy_mask_threshold=0.02),
+    "replayed_kept_sets": dict(top_p=0.8),  # log-probs renormalised over each token's kept ids
 }
 
 
@@ -91,7 +101,7 @@ def main() -> None:
                          max_completion_length=8, report_to=["none"], disable_tqdm=True,
                          scale_rewards="batch", gradient_checkpointing=False, **{"loss_type": "grpo", **fields})
         trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(PROMPTS))
-        trainer.generator = FixedGenerator(trainer.tokenizer)
+        trainer.generator = FixedGenerator(trainer.tokenizer, kept=fields.get("top_p", 1.0) < 1.0)
         batch = trainer._make_rollout(0)
         off_policy(trainer, batch)
         trainer.last_entropy = 0.0  # adaptive entropy: as if the previous step was below the target
