@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, OutputDirBusyError
 
 
 def train_command(kind: str, argv: list[str]) -> int:
     """`rlft grpo` / `rlft reward`: TRL's script arguments, training config, ModelConfig and dataset mixture
-    from `--config run.yaml` and `--field value` options; validated before the model loads; train, save."""
+    from `--config run.yaml` and `--field value` options; validated before the model loads; train, save the
+    model to output_dir (as `trl grpo` / `trl reward` do: its top level holds the model, checkpoint-N/ and
+    metrics.jsonl beside it)."""
     from rlft.recipes import build_trainer, make_parser, parse_run
 
     argv = [a for a in argv if a != "--verbose"]
@@ -36,11 +38,18 @@ def train_command(kind: str, argv: list[str]) -> int:
     script_args, training_args, model_args, mixture_args, notes = parse_run(kind, argv, config)
     for note in notes:
         print(f"rlft {kind}: {note}", file=sys.stderr)
+    from rlft.train.preemption import Preempted
     from rlft.train.state import release_processes
 
     trainer = build_trainer(kind, script_args, training_args, model_args, mixture_args)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    final = f"{training_args.output_dir}/final"
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except Preempted:  # a checkpoint is written and said: the processes end together, then the exit status
+        accelerator = trainer.accelerator
+        del trainer
+        release_processes(accelerator)
+        raise
+    final = training_args.output_dir  # where `trl grpo / rloo / reward` save it, beside the checkpoints
     trainer.save_model(final)
     if trainer.accelerator.is_main_process:
         hint = f" (use it in GRPO: reward_funcs: [{final}])" if kind == "reward" else ""
@@ -190,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"rlft {command}: {err}", file=sys.stderr)
         return 2
+    except OutputDirBusyError as err:  # another run holds output_dir: said plainly, nothing was written
+        print(f"rlft {command}: {err}", file=sys.stderr)
+        return 1
     except ValueError as err:  # a dataset problem is the user's to fix, like a config one: no traceback
         from rlft.data.prompts import DatasetError
 

@@ -12,7 +12,6 @@ and the tool was called and worked.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from rlft.config import GRPOConfig
 from rlft.data.addition import rows, split_problems
@@ -85,7 +84,7 @@ def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_
     trainer.train()
     accuracy = [h[key] for h in trainer.state.log_history if key in h]
     before, after = accuracy[0], accuracy[-1]
-    trainer.save_model(Path(output_dir) / "final")
+    trainer.save_model(output_dir)  # beside its checkpoints, as `rlft grpo` saves
     policy = "tiny-calculator (add tool)" if task == "calculator" else "tiny-adder"
     png = plot_run(output_dir, title=f"rlft demo: GRPO {'LoRA' if lora else 'full'} on {policy}")
     wall = time.perf_counter() - started
@@ -100,6 +99,6 @@ def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_
         f"  wall time: {wall:.0f} s including start-up\n"
         f"  metrics: {output_dir}/metrics.jsonl  samples: {output_dir}/completions.jsonl\n"
         f"  curves: {png}\n"
-        f"  model: {output_dir}/final"
+        f"  model: {output_dir}"
     )
     return 0

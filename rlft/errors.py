@@ -14,6 +14,11 @@ class ConfigError(RlftError, ValueError):
     """A configuration value that cannot work; the message says which field and what to do."""
 
 
+class OutputDirBusyError(RlftError, RuntimeError):
+    """Another training run holds the output_dir (its lock, rlft/train/runs.py); the message names its process
+    and what to do."""
+
+
 class NonFiniteError(RlftError, RuntimeError):
     """Too many consecutive optimiser steps with an inf/NaN loss or gradient norm (GRPO and reward training
     alike: each such step is skipped, and `max_nonfinite_steps` in a row stop the run)."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from rlft.errors import ConfigError
 
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# peft takes target modules as a list of names or one string ("all-linear", a regex), as a YAML gives it.
+WIDER_TYPES = {"lora_target_modules": str | list[str] | None}
 
 
 @dataclass
@@ -63,6 +65,9 @@ class ModelConfig:
         default=None, metadata={"help": "storage dtype of the 4-bit weights"})
 
     def __post_init__(self):
+        from rlft.field_types import check_field_types
+
+        check_field_types(self, WIDER_TYPES)  # the checks below assume the types are right
         errors = []
         if self.load_in_8bit and self.load_in_4bit:
             errors.append("load_in_8bit and load_in_4bit are both true: pick one")

@@ -46,6 +46,11 @@ class ScriptArguments:
         default=False, metadata={"help": "TRL's DDP debug switch for bool buffers"}
     )
 
+    def __post_init__(self):
+        from rlft.field_types import check_field_types
+
+        check_field_types(self)  # subclasses' fields too (rlft grpo's reward_funcs, train_dataset, ...)
+
 
 @dataclass
 class DatasetConfig:
@@ -59,6 +64,11 @@ class DatasetConfig:
     split: str = "train"
     columns: list[str] | None = None
     fraction: float | None = None
+
+    def __post_init__(self):
+        from rlft.field_types import check_field_types
+
+        check_field_types(self)
 
 
 @dataclass
@@ -74,7 +84,13 @@ class DatasetMixtureConfig:
     )
 
     def __post_init__(self):
+        from rlft.field_types import check_field_types
+
+        if not isinstance(self.datasets, list | tuple):
+            raise ConfigError(f"datasets={self.datasets!r} is a {type(self.datasets).__name__}; it takes a "
+                              "list of datasets (a YAML list of mappings with path:, split:, ...)")
         self.datasets = [_dataset_config(index, entry) for index, entry in enumerate(self.datasets)]
+        check_field_types(self)
 
 
 def _dataset_config(index: int, entry) -> DatasetConfig:
@@ -87,7 +103,10 @@ def _dataset_config(index: int, entry) -> DatasetConfig:
             f"datasets[{index}]: {'unknown keys ' + str(unknown) if unknown else 'no path'}; a dataset "
             f"takes {list(DatasetConfig.__dataclass_fields__)}"
         )
-    return DatasetConfig(**entry)
+    try:
+        return DatasetConfig(**entry)
+    except ConfigError as err:
+        raise ConfigError(f"datasets[{index}]: {err}") from err
 
 
 def _mixture_shares(sizes: list[int], fractions: list[float]) -> list[int]:

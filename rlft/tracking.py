@@ -1,7 +1,9 @@
 """Where metrics go: `metrics.jsonl`, `completions.jsonl`, a rich progress bar, accelerate trackers.
 
 Only the main process writes. On resume, lines of `metrics.jsonl` past the resumed step are
-dropped, so the file reads as one uninterrupted run.
+dropped, so the file reads as one uninterrupted run. Trackers file the run where transformers'
+integrations (`report_to` in a TRL script) would: under `run_name` and the project those integrations
+read (`tracker_target`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class RunLog:
     """One run's metrics sink. `log()` is called on every process; only the main one writes."""
 
     def __init__(self, accelerator, output_dir: str | Path, report_to: list[str], config: dict,
-                 total_steps: int, start_step: int = 0, show_progress: bool = True, project: str = "rlft"):
+                 total_steps: int, start_step: int = 0, show_progress: bool = True):
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
         self.dir = Path(output_dir)
@@ -70,7 +72,7 @@ class RunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         if self.trackers:
-            accelerator.init_trackers(project, config=_flat_config(config))
+            start_trackers(accelerator, config)
         if show_progress and not self.plain:
             self.progress = Progress(TextColumn("[bold]rlft"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
@@ -100,8 +102,9 @@ class RunLog:
             print(plain_line(row, self.total_steps), file=sys.stderr, flush=True)
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
-        if self.trackers:
-            self.accelerator.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)
+        if self.trackers:  # the step goes as the step, not as a metric (trackio reserves the name)
+            self.accelerator.log({k: v for k, v in row.items() if k != "step" and isinstance(v, int | float)},
+                                 step=step)
 
     def samples(self, rows: list[dict], step: int) -> None:
         if not self.is_main or not rows:
@@ -163,6 +166,58 @@ def plain_line(row: dict, total_steps: int) -> str:
     shown += [(k, v) for k, v in row.items() if k.startswith("eval") and isinstance(v, int | float)]
     text = " ".join(f"{k} {v:.4g}" for k, v in shown)
     return f"rlft step {row['step']}/{total_steps} {text}".rstrip()
+
+
+# ---- trackers: where transformers' integrations file a run -----------------------------------------------
+DEFAULT_PROJECT = "huggingface"  # transformers' default project (WandbCallback, TrainingArguments.project)
+# Trackers whose project transformers' integration reads from an environment variable (with its default).
+PROJECT_VARIABLES = {"wandb": "WANDB_PROJECT", "comet_ml": "COMET_PROJECT_NAME", "swanlab": "SWANLAB_PROJECT"}
+# The keyword each tracker's init takes the run name as (accelerate passes init_kwargs on to it).
+RUN_NAME_KEYWORDS = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
+
+
+def tracker_target(tracker: str, config: dict) -> tuple[str, dict]:
+    """(project, init keywords) for one tracker, as transformers' integration chooses them:
+      wandb     project WANDB_PROJECT (default "huggingface"), run name `run_name` (None: wandb names it)
+      trackio   project the config's `project` field (TrainingArguments', default "huggingface"), run name
+                `run_name` (None: trackio names it), resume="allow" (a resumed run continues its trackio run)
+      tensorboard  the log folder: TENSORBOARD_LOGGING_DIR, else <output_dir>/runs/<run_name>, without a
+                run_name <output_dir>/runs/<date>_<host> (transformers' default_logdir)
+    The other trackers: their integration's project variable where it has one, else "huggingface"."""
+    run_name = config.get("run_name")
+    if tracker == "tensorboard":
+        folder = os.environ.get("TENSORBOARD_LOGGING_DIR")
+        if folder:  # absolute: accelerate joins it to output_dir, which an absolute path replaces
+            return os.path.abspath(os.path.expanduser(folder)), {}
+        if run_name:
+            return os.path.join("runs", str(run_name)), {}
+        from transformers.integrations.integration_utils import default_logdir
+
+        return default_logdir(), {}
+    if tracker == "trackio":
+        project = config.get("project") or DEFAULT_PROJECT
+    else:
+        project = os.environ.get(PROJECT_VARIABLES.get(tracker, ""), DEFAULT_PROJECT) or DEFAULT_PROJECT
+    keywords = {"resume": "allow"} if tracker == "trackio" else {}
+    if run_name and tracker in RUN_NAME_KEYWORDS:
+        keywords[RUN_NAME_KEYWORDS[tracker]] = str(run_name)
+    return project, keywords
+
+
+def start_trackers(accelerator, config: dict) -> None:
+    """`init_trackers` once per project (accelerate gives every tracker of one call the same project; wandb's
+    and trackio's can differ), each tracker with its run name in init_kwargs."""
+    wanted = list(accelerator.log_with)
+    groups: dict[str, dict[str, dict]] = {}
+    for tracker in wanted:
+        project, keywords = tracker_target(str(tracker), config)
+        groups.setdefault(project, {})[str(tracker)] = keywords
+    try:
+        for project, members in groups.items():
+            accelerator.log_with = [t for t in wanted if str(t) in members]
+            accelerator.init_trackers(project, config=_flat_config(config), init_kwargs=members)
+    finally:
+        accelerator.log_with = wanted
 
 
 def _flat_config(config: dict) -> dict:

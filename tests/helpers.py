@@ -33,6 +33,14 @@ def correct_answer(completions, answer, **kwargs):
     return [1.0 if f"<answer>{a}</answer>" in t else 0.0 for t, a in zip(texts, answer)]
 
 
+def slow_correct_answer(completions, answer, **kwargs):
+    """correct_answer, taking half a second per call: a run that lasts long enough for another to start."""
+    import time
+
+    time.sleep(0.5)
+    return correct_answer(completions, answer)
+
+
 def has_answer_tags(completions, **kwargs):
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [0.5 if "<answer>" in t and "</answer>" in t else 0.0 for t in texts]

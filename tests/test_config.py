@@ -94,6 +94,46 @@ def test_a_value_of_the_wrong_type_is_named():
         GRPOConfig(num_generations="8")
 
 
+def test_use_peft_given_as_a_list_in_a_recipe_is_refused_not_read_as_true(tmp_path):
+    """`use_peft: [false]` is a non-empty list, which is truthy: unchecked, it trained LoRA without a word."""
+    (tmp_path / "run.yaml").write_text("model_name_or_path: m\ntrain_dataset: d.jsonl\nuse_peft: [false]\n")
+    with pytest.raises(ConfigError, match=r"invalid ModelConfig:\n  - use_peft=\[False\] is a list; "
+                                          r"the field takes bool"):
+        parse_run("grpo", [], str(tmp_path / "run.yaml"))
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"lora_r": "8"}, r"lora_r='8' is a str; the field takes int"),
+    ({"lora_alpha": 16.5}, r"lora_alpha=16.5 is a float; the field takes int"),
+    ({"load_in_4bit": "yes"}, r"load_in_4bit='yes' is a str; the field takes bool"),
+    ({"lora_modules_to_save": "score"}, r"lora_modules_to_save='score' is a str; the field takes "
+                                        r"list\[str\] \| None; write a list as \[a, b\]"),
+])
+def test_a_model_config_value_of_the_wrong_type_is_named(values, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**values)
+
+
+def test_lora_target_modules_takes_peft_s_string_form_or_a_list():
+    assert ModelConfig(lora_target_modules="all-linear").lora_target_modules == "all-linear"
+    assert ModelConfig(lora_target_modules=["q_proj", "v_proj"]).lora_target_modules == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match=r"lora_target_modules=7 is a int"):
+        ModelConfig(lora_target_modules=7)
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("reward_funcs: format\n", r"invalid GRPOScriptArguments:\n  - reward_funcs='format' is a str; the field "
+                                r"takes list\[str\] \| None; write a list as \[a, b\]"),
+    ("dataset_streaming: [true]\n", r"dataset_streaming=\[True\] is a list; the field takes bool"),
+    ("datasets:\n  - path: a\n    fraction: half\n", r"datasets\[0\]: invalid DatasetConfig:\n  - "
+                                                      r"fraction='half' is a str; the field takes float \| None"),
+])
+def test_a_script_argument_of_the_wrong_type_is_named(tmp_path, yaml_text, message):
+    (tmp_path / "run.yaml").write_text("model_name_or_path: m\n" + yaml_text)
+    with pytest.raises(ConfigError, match=message):
+        parse_run("grpo", [], str(tmp_path / "run.yaml"))
+
+
 def test_yaml_that_is_not_a_mapping_is_rejected(tmp_path):
     (tmp_path / "bad.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="expected a mapping"):

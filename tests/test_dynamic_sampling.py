@@ -160,3 +160,28 @@ def test_log_extra_columns_follow_the_rows_kept_from_every_round(tmp_path, shipp
     assert all(sample["text"] == (sample["completion"][-1]["content"] if isinstance(sample["completion"], list)
                                   else sample["completion"]) for sample in batch.samples)
     assert batch.metrics["rows_scored"] == 8.0
+
+
+def test_with_no_round_limit_a_search_says_what_it_found_and_stops_when_no_prompt_has_a_spread(
+        tmp_path, shipped_policy_dir, caplog, monkeypatch):
+    """max_num_gen_batches: 0 and a reward with no spread used to generate forever without a line. Now: a line
+    every REPORT_ROUNDS rounds, and an error once three datasets' worth of prompts (8 prompts, 2 per round: 12
+    rounds) held none with a spread."""
+    import rlft.train.dynamic as dynamic
+
+    monkeypatch.setattr(dynamic, "REPORT_ROUNDS", 5)
+
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    cfg = tiny_grpo_config(tmp_path, max_steps=1, dynamic_sampling=True, max_num_gen_batches=0)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [constant], cfg, addition_rows(8))
+    with caplog.at_level(logging.INFO, logger="rlft"):
+        with pytest.raises(dynamic.NoRewardSpreadError,
+                           match=r"no group with a reward spread in 12 rounds of rollout 0: 24 prompts sampled "
+                                 r"\(3\.0 times the 8 prompts of the dataset\) with 4 completions each.*graded.*"
+                                 r"num_generations or temperature.*set max_num_gen_batches"):
+            trainer.train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dynamic sampling, rollout")]
+    assert lines == [f"dynamic sampling, rollout 0: {n} rounds, 0 of 2 groups with a reward spread so far "
+                     f"({2 * n} prompts sampled; max_num_gen_batches=0 (no limit))" for n in (5, 10)]

@@ -32,7 +32,7 @@ def test_cpu_grpo_lora_example_runs(tmp_path, monkeypatch):
     rows = read_metrics(tmp_path / "grpo")
     assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3]
     assert any("eval_reward" in r for r in rows)
-    assert (tmp_path / "grpo" / "final" / "adapter_config.json").exists()
+    assert (tmp_path / "grpo" / "adapter_config.json").exists()  # the model in output_dir, as trl saves it
 
 
 def test_cpu_reward_example_then_grpo_with_that_reward_model(tmp_path, monkeypatch):
@@ -40,13 +40,13 @@ def test_cpu_reward_example_then_grpo_with_that_reward_model(tmp_path, monkeypat
     run("reward", "--config", "examples/configs/cpu-reward.yaml", "--output_dir", str(tmp_path / "rm"),
         "--max_steps", "4", "--logging_steps", "2")
     assert [r["step"] for r in read_metrics(tmp_path / "rm")] == [2, 4]
-    reward_model = tmp_path / "rm" / "final"
+    reward_model = tmp_path / "rm"
     run("grpo", "--config", "examples/configs/cpu-grpo-with-reward-model.yaml", "--output_dir",
         str(tmp_path / "grpo"), "--reward_funcs", str(reward_model), "format", "--max_steps", "2",
         "--logging_steps", "1", "--eval_steps", "2")
     rows = [r for r in read_metrics(tmp_path / "grpo") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2]
-    assert all("rewards/final/mean" in r and "rewards/format_reward/mean" in r for r in rows)
+    assert all("rewards/rm/mean" in r and "rewards/format_reward/mean" in r for r in rows)
 
 
 def test_an_example_config_runs_from_any_folder(tmp_path, monkeypatch):
@@ -59,4 +59,4 @@ def test_an_example_config_runs_from_any_folder(tmp_path, monkeypatch):
     assert any(n.startswith("model_name_or_path: '../../rlft/assets/tiny-adder' does not exist from") for n in notes)
     run("grpo", "--config", str(ROOT / "examples" / "configs" / "cpu-grpo-lora.yaml"), "--output_dir",
         str(tmp_path / "out"), "--max_steps", "1", "--eval_strategy", "no", "--save_steps", "1")
-    assert (tmp_path / "out" / "final" / "adapter_config.json").exists()
+    assert (tmp_path / "out" / "adapter_config.json").exists()

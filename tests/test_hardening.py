@@ -3,9 +3,14 @@ every bad input is named."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -372,3 +377,96 @@ def test_a_corrupt_base_model_file_is_named_with_the_fix(tmp_path, shipped_polic
     data_file = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
     assert main(["grpo", "--model_name_or_path", str(folder), "--train_dataset", str(data_file), "--reward_funcs",
                  "exact_match", "--output_dir", str(tmp_path / "o")]) == 2
+
+
+def test_a_full_disk_while_optimizer_pt_is_written_names_the_file_the_reason_and_the_intact_checkpoint(
+        tmp_path, shipped_policy_dir, monkeypatch):
+    """ENOSPC part-way through optimizer.pt of checkpoint-2: the error says which file, why, the free space, that
+    checkpoint-1 is intact and what to do; checkpoint-1 still verifies and the run resumes from it."""
+    import rlft.train.engines.base as engine_base
+    from rlft.train.checkpoint import CheckpointWriteError, verify
+
+    real_save, calls = torch.save, []
+
+    def disk_fills_on_the_second_save(obj, handle):
+        calls.append(1)
+        if len(calls) == 2:
+            handle.write(b"PK\x03\x04 partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(obj, handle)
+
+    monkeypatch.setattr(engine_base.torch, "save", disk_fills_on_the_second_save)
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer],
+                          tiny_grpo_config(tmp_path, save_steps=1, max_steps=3), addition_rows(16))
+    with pytest.raises(CheckpointWriteError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert f"checkpoint-2 could not be written to {tmp_path / 'run'} (writing checkpoint-2/optimizer.pt failed: " \
+           "ENOSPC: No space left on device)" in message
+    assert "free on its filesystem now" in message and "Likely cause: the disk is full" in message
+    assert "checkpoint-1, the last complete checkpoint, is intact: resume_from_checkpoint=True" in message
+    assert err.value.reason == "ENOSPC: No space left on device"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+    verify(tmp_path / "run" / "checkpoint-1")
+    monkeypatch.setattr(engine_base.torch, "save", real_save)
+    resumed = GRPOTrainer(str(shipped_policy_dir), [correct_answer],
+                          tiny_grpo_config(tmp_path, save_steps=1, max_steps=3), addition_rows(16))
+    resumed.train(resume_from_checkpoint=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+SIZE_LIMIT_AFTER_FIRST_CHECKPOINT = """
+import resource, signal, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from transformers import TrainerCallback
+from rlft import GRPOTrainer
+from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+
+class LimitFileSize(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        first = Path(args.output_dir) / "checkpoint-1"
+        limit = ((first / "model.safetensors").stat().st_size + (first / "optimizer.pt").stat().st_size) // 2
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+cfg = tiny_grpo_config(Path({folder!r}), save_steps=1, max_steps=3)
+GRPOTrainer({model!r}, [correct_answer], cfg, addition_rows(16), callbacks=[LimitFileSize()]).train()
+"""
+
+
+def test_a_file_size_limit_hit_inside_torch_save_is_named_not_torchs_unexpected_pos(tmp_path, shipped_policy_dir):
+    """A real failed write inside torch.save (a process file-size limit between the model file's size and
+    optimizer.pt's): torch says only 'unexpected pos'; the run says which file and the OS's reason."""
+    script = SIZE_LIMIT_AFTER_FIRST_CHECKPOINT.format(root=str(Path(__file__).resolve().parents[1]),
+                                                      folder=str(tmp_path), model=str(shipped_policy_dir))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlft.train.safe_files.CheckpointWriteError: checkpoint-2 could not be written")
+    assert "(writing checkpoint-2/optimizer.pt failed: EFBIG: File too large)" in last
+    assert "a file size limit (ulimit -f)" in last and "checkpoint-1, the last complete checkpoint, is intact" in last
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+
+
+def test_reward_timeout_stops_a_run_whose_reward_never_returns(tmp_path, shipped_policy_dir):
+    """reward_timeout reaches the trainer's reward calls: the run stops promptly, naming the function."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def never_returns(completions, **kwargs):
+        release.wait(30)
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer, never_returns],
+                          tiny_grpo_config(tmp_path, reward_timeout=1.0), addition_rows(16))
+    started = time.monotonic()
+    try:
+        with pytest.raises(RewardFunctionError, match=r"reward function 'never_returns' did not return within "
+                                                      r"reward_timeout=1 s at step 0"):
+            trainer.train()
+        assert time.monotonic() - started < 30
+    finally:
+        release.set()

@@ -174,12 +174,12 @@ def test_reward_model_trained_by_cli_is_a_grpo_reward(tmp_path, tiny_rm_dir, shi
                       "max_steps: 4\nper_device_train_batch_size: 8\nuse_peft: true\nlora_r: 4\n"
                       "report_to: [none]\ndisable_tqdm: true\nlearning_rate: 1e-3\n")
     assert main(["reward", "--config", str(config)]) == 0
-    final = tmp_path / "rm" / "final"
+    final = tmp_path / "rm"  # output_dir itself, as `trl reward` saves it
     assert (final / "config.json").exists() and not (final / "adapter_config.json").exists()  # LoRA merged
     args = tiny_grpo_config(tmp_path, max_steps=1)
     GRPOTrainer(str(shipped_policy_dir), [str(final)], args, addition_rows(16)).train()
     row = read_metrics(tmp_path / "run")[0]
-    assert math.isfinite(row["rewards/final/mean"])
+    assert math.isfinite(row["rewards/rm/mean"])
 
 
 @pytest.mark.slow

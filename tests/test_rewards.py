@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
+import time
 
 import pytest
+import torch
 from transformers import TrainerState
 
 from rlft.rewards import (
@@ -22,13 +25,14 @@ from rlft.rewards import (
 )
 
 
-def call(funcs, completions=("<answer>4</answer>", "<answer>5</answer>"), allow_nan=False, **columns):
+def call(funcs, completions=("<answer>4</answer>", "<answer>5</answer>"), allow_nan=False, timeout=None,
+         **columns):
     completions = list(completions)
     columns = columns or {"answer": ["4"] * len(completions)}
     return compute_rewards(funcs, [getattr(f, "__name__", "f") for f in funcs], prompts=["q"] * len(completions),
                            completions=completions, completion_ids=[[1, 2]] * len(completions),
                            columns=columns, trainer_state=TrainerState(global_step=7), reward_log=RewardLog(),
-                           allow_nan=allow_nan)
+                           allow_nan=allow_nan, timeout=timeout)
 
 
 def test_extra_columns_arrive_as_keyword_arguments_and_none_is_nan():
@@ -141,3 +145,80 @@ def test_resolve_builtin_module_path_and_unknown():
     assert resolve_reward("tests.helpers:correct_answer", 8).__name__ == "correct_answer"
     with pytest.raises(RewardFunctionError, match="could not be imported"):
         resolve_reward("tests.helpers:nope", 8)
+
+
+def test_a_reward_that_outlasts_reward_timeout_stops_the_run_naming_it_the_step_and_the_seconds():
+    release = threading.Event()
+
+    def quick(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def hangs(completions, **kwargs):
+        release.wait(60)  # a function that never returns (released after the test)
+        return [0.0] * len(completions)
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(RewardFunctionError, match=r"reward function 'hangs' did not return within "
+                                                      r"reward_timeout=0.5 s at step 7; it has run \d+\.\d s\. The run "
+                                                      r"stops here.*Make the function faster.*raise reward_timeout"):
+            call([quick, hangs], timeout=0.5)
+        assert time.monotonic() - started < 5  # promptly, not when the function returns
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("timeout, limit", [(None, "no reward_timeout: set one"),
+                                            (30.0, "reward_timeout=30 s stops the run")])
+def test_a_reward_still_running_is_named_every_report_interval(monkeypatch, caplog, timeout, limit):
+    import rlft.rewards.calling as calling
+
+    monkeypatch.setattr(calling, "REPORT_SECONDS", 0.2)
+
+    def slow(completions, **kwargs):
+        time.sleep(0.75)
+        return [1.0] * len(completions)
+
+    with caplog.at_level(logging.WARNING, logger="rlft"):
+        rewards = call([slow], timeout=timeout)
+    lines = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert rewards[:, 0].tolist() == [1.0, 1.0] and 2 <= len(lines) <= 4
+    assert lines[0].startswith("reward function 'slow' is still running after 0 s at step 7 (" + limit)
+
+
+def test_with_reward_timeout_the_calls_keep_their_order_results_and_errors():
+    order = []
+
+    def first(completions, **kwargs):
+        order.append("first")
+        return [1.0, 2.0]
+
+    async def concurrent(completions, **kwargs):
+        return [3.0, 4.0]
+
+    def last(completions, **kwargs):
+        order.append("last")
+        return [5.0, None]
+
+    watched = call([first, concurrent, last], timeout=30.0)
+    assert order == ["first", "last"]
+    assert torch.equal(watched.nan_to_num(-1), call([first, concurrent, last]).nan_to_num(-1))
+
+    def broken(completions, **kwargs):
+        raise KeyError("answer")
+
+    with pytest.raises(RewardFunctionError, match=r"reward function 'broken' raised at step 7: KeyError"):
+        call([first, broken], timeout=30.0)
+
+
+def test_with_reward_timeout_functions_run_in_the_callers_grad_mode():
+    seen = []
+
+    def records_grad_mode(completions, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return [0.0] * len(completions)
+
+    with torch.no_grad():
+        call([records_grad_mode], timeout=30.0)
+    call([records_grad_mode], timeout=30.0)
+    assert seen == [False, True]

@@ -122,7 +122,9 @@ def test_rlft_rloo_runs_from_the_command_line(tmp_path, shipped_policy_dir, monk
                  "--reward_funcs", "tests.helpers:correct_answer", "--output_dir", str(tmp_path / "out"),
                  "--max_steps", "1", "--per_device_train_batch_size", "4", "--max_completion_length", "6",
                  "--report_to", "none", "--reward_clip_range", "-1", "1", "--disable_tqdm", "true"])
-    assert code == 0 and (tmp_path / "out" / "final").is_dir()
+    # the model is in output_dir itself, where `trl rloo` saves it
+    assert code == 0 and (tmp_path / "out" / "model.safetensors").is_file()
+    assert not (tmp_path / "out" / "final").exists()
 
 
 def test_the_policy_scores_a_rollout_once_for_the_kl_and_the_old_log_probs(tmp_path, shipped_policy_dir):

@@ -4,12 +4,18 @@ compares it with the new one."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from peft import LoraConfig
 
 from rlft import GRPOTrainer, RewardTrainer
 from rlft.config import ConfigError
+from rlft.tracking import read_metrics
 from rlft.train.checkpoint import STATE_FILE
 from rlft.train.runs import compare, config_hash
 from tests.helpers import (
@@ -19,7 +25,10 @@ from tests.helpers import (
     stop_after,
     tiny_grpo_config,
     tiny_reward_config,
+    write_jsonl,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def grpo(tmp_path, shipped, peft_config=None, **overrides):
@@ -42,6 +51,24 @@ def test_a_new_run_into_a_folder_holding_a_run_is_refused_then_replaced_on_reque
     again.train()
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1"]  # no checkpoint of the other run
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+def test_overwriting_a_folder_removes_the_earlier_runs_saved_model_but_not_the_users_files(tmp_path,
+                                                                                          shipped_policy_dir):
+    """The final model lives in output_dir (as TRL's scripts save it): a LoRA run replacing a full run must not
+    leave the full run's weights beside its adapter, where loading the folder would find both."""
+    full = grpo(tmp_path, shipped_policy_dir, max_steps=1)
+    full.train()
+    full.save_model()
+    run = tmp_path / "run"
+    (run / "notes.txt").write_text("mine")
+    assert (run / "model.safetensors").is_file() and (run / "config.json").is_file()
+    lora = grpo(tmp_path, shipped_policy_dir, "lora", max_steps=1, overwrite_output_dir=True)
+    lora.train()
+    assert not (run / "model.safetensors").exists() and not (run / "config.json").exists()
+    lora.save_model()
+    assert (run / "adapter_model.safetensors").is_file() and not (run / "model.safetensors").exists()
     assert (run / "notes.txt").read_text() == "mine"
 
 
@@ -94,6 +121,67 @@ def test_the_reward_trainer_refuses_a_changed_config_on_resume(tmp_path, tiny_rm
                       train_dataset=preference_rows(32)).train()
 
 
+def lora_grpo(tmp_path, shipped, **lora_settings):
+    settings = {"r": 4, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"],
+                **lora_settings}
+    return GRPOTrainer(str(shipped), [correct_answer], tiny_grpo_config(tmp_path, save_steps=2, max_steps=3),
+                       addition_rows(16), peft_config=LoraConfig(**settings))
+
+
+def test_a_lora_checkpoint_records_the_adapters_settings(tmp_path, shipped_policy_dir):
+    first = lora_grpo(tmp_path, shipped_policy_dir)
+    first.add_callback(stop_after(2))
+    first.train()
+    peft = json.loads((tmp_path / "run" / "checkpoint-2" / STATE_FILE).read_text())["config"]["_peft"]
+    assert {k: peft["default"][k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora",
+                                            "use_dora", "modules_to_save")} == {
+        "r": 4, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"],
+        "use_rslora": False, "use_dora": False, "modules_to_save": None}
+
+
+@pytest.mark.parametrize("change, line", [
+    ({"lora_alpha": 64}, "LoRA lora_alpha: 32 -> 64"),
+    ({"r": 8}, "LoRA r (lora_r): 4 -> 8"),
+    ({"use_rslora": True}, "LoRA use_rslora: False -> True"),
+    ({"target_modules": ["q_proj", "k_proj", "v_proj"]},
+     "LoRA target_modules (lora_target_modules): ['q_proj', 'v_proj'] -> ['k_proj', 'q_proj', 'v_proj']"),
+])
+def test_resuming_lora_with_a_setting_that_changes_the_saved_weights_meaning_is_refused_naming_it(
+        tmp_path, shipped_policy_dir, change, line):
+    first = lora_grpo(tmp_path, shipped_policy_dir)
+    first.add_callback(stop_after(2))
+    first.train()
+    with pytest.raises(ConfigError, match="different config") as err:
+        lora_grpo(tmp_path, shipped_policy_dir, **change).train(resume_from_checkpoint=True)
+    assert line in str(err.value)
+
+
+def test_resuming_lora_with_another_dropout_is_applied_with_a_notice(tmp_path, shipped_policy_dir, caplog):
+    first = lora_grpo(tmp_path, shipped_policy_dir)
+    first.add_callback(stop_after(2))
+    first.train()
+    resumed = lora_grpo(tmp_path, shipped_policy_dir, lora_dropout=0.2)
+    with caplog.at_level("WARNING", logger="rlft"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    assert "LoRA lora_dropout: 0.05 -> 0.2 (applied from the resumed step" in caplog.text
+
+
+def test_a_lora_checkpoint_of_an_older_rlft_without_the_record_resumes_with_a_note(tmp_path, shipped_policy_dir,
+                                                                                   caplog):
+    first = lora_grpo(tmp_path, shipped_policy_dir)
+    first.add_callback(stop_after(2))
+    first.train()
+    state_file = tmp_path / "run" / "checkpoint-2" / STATE_FILE
+    state = json.loads(state_file.read_text())
+    del state["config"]["_peft"]  # as an rlft before the LoRA record wrote it
+    state_file.write_text(json.dumps(state))
+    resumed = lora_grpo(tmp_path, shipped_policy_dir, lora_alpha=64)
+    with caplog.at_level("WARNING", logger="rlft"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3 and "records no LoRA settings (written by an older rlft)" in caplog.text
+
+
 def test_compare_splits_refused_from_applied_fields():
     refused, applied = compare({"seed": 1, "save_steps": 5, "lora_r": 8}, {"seed": 1, "save_steps": 9, "lora_r": 16})
     assert refused == ["lora_r: 8 -> 16"] and applied == ["save_steps: 5 -> 9"]
@@ -109,3 +197,60 @@ def test_a_checkpoint_from_before_a_field_existed_resumes_when_the_field_keeps_i
     assert runs.compare(saved, new, defaults) == ([], [])
     refused, _ = runs.compare(saved, {**new, "dynamic_sampling": True}, defaults)
     assert refused == ["dynamic_sampling: False -> True"]
+
+
+def test_two_runs_started_together_on_one_folder_one_trains_and_the_other_is_refused_naming_it(tmp_path,
+                                                                                               shipped_policy_dir):
+    """Both would pass the 'folder already holds a run' check (nothing is there yet); the folder's lock lets one
+    through. Their max_steps differ, so metrics.jsonl tells whose it is."""
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "rlft.cli", "grpo", "--model_name_or_path", str(shipped_policy_dir),
+               "--train_dataset", str(data), "--reward_funcs", "tests.helpers:slow_correct_answer",
+               "--output_dir", str(out), "--per_device_train_batch_size", "8", "--num_generations", "4",
+               "--max_completion_length", "8", "--logging_steps", "1", "--save_steps", "2", "--report_to", "none",
+               "--disable_tqdm", "true", "--max_steps"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = [subprocess.Popen([*command, str(steps)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for steps in (8, 9)]
+    outputs = [run.communicate(timeout=600) for run in runs]
+    codes = [run.returncode for run in runs]
+    assert sorted(codes) == [0, 1], [err[-2000:] for _, err in outputs]
+    winner = codes.index(0)
+    refusal = outputs[1 - winner][1]
+    assert f"rlft grpo: output_dir={str(out)!r} is in use by another training run (pid {runs[winner].pid} on " \
+        in refusal and "Wait for that run to end" in refusal and "another output_dir" in refusal
+    steps = (8, 9)[winner]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, steps + 1))
+    saved = sorted({*range(2, steps + 1, 2), steps})  # every save_steps, and the last step
+    assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == saved
+
+
+HOLD_THE_LOCK = """
+import sys, time, types
+sys.path.insert(0, {root!r})
+from rlft.train.runs import OutputDirLock
+OutputDirLock(types.SimpleNamespace(is_main_process=True, num_processes=1), {folder!r}).__enter__()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_runs_lock_file_does_not_block_the_next_run(tmp_path, shipped_policy_dir):
+    """The lock is the OS's, held by a live process: while it lives a run is refused naming its pid; once it is
+    killed (no chance to clean up) the lock file left behind blocks nothing."""
+    from rlft.errors import OutputDirBusyError
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK.format(root=str(ROOT),
+                                                                           folder=str(tmp_path / "run"))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirBusyError, match=rf"pid {holder.pid} on "):
+            grpo(tmp_path, shipped_policy_dir).train()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (tmp_path / "run" / ".rlft.lock").is_file()
+    grpo(tmp_path, shipped_policy_dir).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]

@@ -4,11 +4,17 @@ A reward function is called with keyword arguments `prompts`, `completions`,
 `completion_ids`, `trainer_state` (transformers' TrainerState), `log_extra(column, values)`,
 `log_metric(name, value)` and every extra dataset column, and returns one float or None (not
 applicable) per completion. `async def` functions run concurrently.
+
+A reward function that runs long is named: every `REPORT_SECONDS` a warning says which one is still running
+and for how long; with `reward_timeout` the calls run in a worker thread and the run stops with an error
+naming the one still running once the rollout's rewards take longer (Python cannot stop a thread: a hung
+function's thread is left running, as a daemon).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
@@ -16,6 +22,8 @@ import math
 import numbers
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +34,7 @@ from rlft.errors import RlftError
 from rlft.rewards.builtins import BUILTIN_REWARDS, get_soft_overlong_punishment
 
 MAX_REWARD = 1e15  # squared deviations overflow float32 near 1.8e19; this keeps a wide margin below that
+REPORT_SECONDS = 60.0  # how often a reward function still running is named (a module constant tests shrink)
 
 
 class RewardFunctionError(RlftError, RuntimeError):
@@ -182,22 +191,118 @@ def _is_async(func: Callable) -> bool:
     return inspect.iscoroutinefunction(func) or (method is not None and inspect.iscoroutinefunction(method))
 
 
-def _invoke_all(funcs: list[Callable], kwargs: dict[str, Any]) -> list[Any]:
-    """Call sync functions in order, async ones concurrently; exceptions come back as values."""
+class Running:
+    """Which reward functions are running now and since when; shared by the thread calling them and the one
+    watching them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._since: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def call(self, name: str):
+        with self._lock:
+            self._since[name] = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._since.pop(name, None)
+
+    def now(self) -> list[tuple[str, float]]:
+        """(name, seconds running) of each function running now, longest first."""
+        moment = time.monotonic()
+        with self._lock:
+            return sorted(((n, moment - s) for n, s in self._since.items()), key=lambda item: -item[1])
+
+
+def _invoke_all(funcs: list[Callable], names: list[str], kwargs: dict[str, Any],
+                running: Running | None = None) -> list[Any]:
+    """Call sync functions in order, async ones concurrently; exceptions come back as values. `running` learns
+    which function runs when."""
+    running = running or Running()
     results: list[Any] = [None] * len(funcs)
     pending = []
-    for index, func in enumerate(funcs):
+    for index, (func, name) in enumerate(zip(funcs, names)):
         if _is_async(func):
-            pending.append((index, func(**kwargs)))
+            pending.append((index, name, func(**kwargs)))
             continue
-        try:
-            results[index] = func(**kwargs)
-        except Exception as err:  # reported with the function's name below
-            results[index] = err
+        with running.call(name):
+            try:
+                results[index] = func(**kwargs)
+            except Exception as err:  # reported with the function's name below
+                results[index] = err
     if pending:
-        for (index, _), value in zip(pending, asyncio.run(_gather([call for _, call in pending]))):
+        async def tracked(name, coroutine):
+            with running.call(name):
+                return await coroutine
+
+        calls = [tracked(name, coroutine) for _, name, coroutine in pending]
+        for (index, _, _), value in zip(pending, asyncio.run(_gather(calls))):
             results[index] = value
     return results
+
+
+def _still_running(running: Running, step: Any, timeout: float | None) -> None:
+    limit = (f"reward_timeout={timeout:g} s stops the run" if timeout is not None else
+             "no reward_timeout: set one to stop the run when a reward function hangs")
+    for name, seconds in running.now():
+        logging.getLogger("rlft").warning("reward function %r is still running after %.0f s at step %s (%s)",
+                                          name, seconds, step, limit)
+
+
+def _timed_out(running: Running, step: Any, timeout: float) -> RewardFunctionError:
+    late = running.now()
+    names = ", ".join(repr(name) for name, _ in late) or "the reward functions"
+    took = f"; it has run {late[0][1]:.1f} s" if late else ""
+    return RewardFunctionError(
+        f"reward function {names} did not return within reward_timeout={timeout:g} s at step {step}{took}. "
+        "The run stops here (its thread is left running in the background). Make the function faster or "
+        "give it its own time limit (a request timeout, a sandbox limit), or raise reward_timeout (null: no "
+        "limit)")
+
+
+def _watched(work: Callable[[], Any], running: Running, step: Any, timeout: float | None) -> Any:
+    """work(), naming what still runs every REPORT_SECONDS. Without a timeout it runs in this thread and a
+    watcher thread names it; with one it runs in a daemon thread, in this thread's grad mode, and this
+    thread stops waiting after `timeout` seconds with an error naming what still runs."""
+    if timeout is None:
+        done = threading.Event()
+
+        def watch():
+            while not done.wait(REPORT_SECONDS):
+                _still_running(running, step, None)
+
+        threading.Thread(target=watch, daemon=True, name="rlft-reward-watch").start()
+        try:
+            return work()
+        finally:
+            done.set()
+    outcome: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+
+    def run():
+        try:
+            with torch.set_grad_enabled(grad):
+                outcome["value"] = work()
+        except BaseException as err:  # raised in the caller's thread below
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True, name="rlft-reward-functions")
+    started = time.monotonic()
+    next_report, deadline = started + REPORT_SECONDS, started + timeout
+    worker.start()
+    while True:
+        worker.join(max(0.0, min(deadline, next_report) - time.monotonic()))
+        if not worker.is_alive():
+            break
+        if time.monotonic() >= deadline:
+            raise _timed_out(running, step, timeout)
+        _still_running(running, step, timeout)
+        next_report += REPORT_SECONDS
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _check(name: str, values: Any, expected: int, step: int, completions: list,
@@ -236,13 +341,17 @@ def _check(name: str, values: Any, expected: int, step: int, completions: list,
 
 def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, completions: list,
                     completion_ids: list[list[int]], columns: dict[str, list], trainer_state: Any,
-                    reward_log: RewardLog, allow_nan: bool = False) -> torch.Tensor:
-    """Call every reward function once on the whole rollout -> rewards [N, F] (NaN = not applicable)."""
+                    reward_log: RewardLog, allow_nan: bool = False,
+                    timeout: float | None = None) -> torch.Tensor:
+    """Call every reward function once on the whole rollout -> rewards [N, F] (NaN = not applicable).
+    `timeout` (reward_timeout): seconds they may take together before the run stops naming the one still
+    running."""
     kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
                   trainer_state=trainer_state, log_extra=reward_log.log_extra,
                   log_metric=reward_log.log_metric)
-    results = _invoke_all(funcs, kwargs)
     step = getattr(trainer_state, "global_step", trainer_state)
+    running = Running()
+    results = _watched(lambda: _invoke_all(funcs, names, kwargs, running), running, step, timeout)
     rows = [_check(name, values, len(completions), step, completions, allow_nan)
             for name, values in zip(names, results)]
     rewards = torch.tensor(rows, dtype=torch.float32).T.contiguous()  # [N, F]
@@ -270,9 +379,9 @@ class RewardScorer:
     for its `group` completions, the rollout's own per-row values (environments, rollout_func keys)."""
 
     def __init__(self, funcs: list[Callable], names: list[str], tokenizer, trainer_state: Any,
-                 allow_nan: bool = False):
+                 allow_nan: bool = False, timeout: float | None = None):
         self.funcs, self.names, self.tokenizer = funcs, names, tokenizer
-        self.trainer_state, self.allow_nan = trainer_state, allow_nan
+        self.trainer_state, self.allow_nan, self.timeout = trainer_state, allow_nan, timeout
 
     def __call__(self, rollout, prompts: dict, group: int,
                  reward_log: RewardLog | None = None) -> tuple[torch.Tensor, list]:
@@ -290,5 +399,6 @@ class RewardScorer:
         columns.update({"environments": None, **rollout.extra})  # TRL passes environments=None without them
         rewards = compute_rewards(self.funcs, self.names, prompts=repeated_prompts, completions=completions,
                                   completion_ids=ids, columns=columns, trainer_state=self.trainer_state,
-                                  reward_log=reward_log or RewardLog(), allow_nan=self.allow_nan)
+                                  reward_log=reward_log or RewardLog(), allow_nan=self.allow_nan,
+                                  timeout=self.timeout)
         return rewards, completions

@@ -12,9 +12,11 @@ weights_only=True
   rlft_state.json        written last: rlft's own state and the sha256 of every file above
 
 Nothing is unpickled on resume: a planted file cannot run code, it can only fail to load, and the
-error names it. A checkpoint is written to a temporary folder and renamed into place. Resume
-verifies the checksums; `resume_from_checkpoint=True` falls back to the previous complete
-checkpoint when the newest is corrupt (with a warning), a checkpoint named explicitly stops.
+error names it. A checkpoint is written to a temporary folder and renamed into place; a write that
+fails (a full disk) removes the temporary folder and stops the run naming the file, the OS's reason,
+the free space and the previous checkpoint, which is intact. Resume verifies the checksums;
+`resume_from_checkpoint=True` falls back to the previous complete checkpoint when the newest is
+corrupt (with a warning), a checkpoint named explicitly stops.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ import torch
 
 from rlft.train.safe_files import (  # noqa: F401 (check_finite, load_model_weights, model_folder: old paths)
     CheckpointError,
+    CheckpointWriteError,
     check_finite,
     load_json,
     load_model_weights,
     load_safetensors,
     model_folder,
+    os_reason,
+    writing,
 )
 
 logger = logging.getLogger("rlft")
@@ -185,25 +190,71 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, trained, tok
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
-        (tmp / f"rng_state_{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
+        rng_file = tmp / f"rng_state_{accelerator.process_index}.json"
+        with writing(rng_file):
+            rng_file.write_text(json.dumps(rng_state()))
         _write_carried(accelerator, tmp, parts.tensors, parts.extra or None)
         trained.save(tmp, tokenizer)
         if accelerator.is_main_process:
-            flow.save(tmp)
+            with writing(tmp, "trainer_state.json"):
+                flow.save(tmp)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             files = {str(f.relative_to(tmp)): _sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
             state = {"global_step": step, **parts.state, "files": files}
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            with writing(tmp / STATE_FILE):
+                (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _rotate(output_dir, save_total_limit)
-    except BaseException:
+    except BaseException as err:
         if accelerator.is_main_process:  # the previous checkpoints stay as they were
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, CheckpointWriteError | OSError):
+            raise write_failure(output_dir, step, err) from err
         raise
     accelerator.wait_for_everyone()
     return final
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1024 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} B"
+
+
+WRITE_ADVICE = {
+    "ENOSPC": "the disk is full: free space there or move output_dir to a larger disk (save_total_limit "
+              "keeps fewer checkpoints), then resume",
+    "EDQUOT": "your disk quota is used up: free space or raise the quota, then resume",
+    "EFBIG": "a file size limit (ulimit -f) stopped the write: raise it, then resume",
+}
+
+
+def write_failure(output_dir: Path, step: int, err: BaseException) -> CheckpointWriteError:
+    """A failed checkpoint write as one error: which file and why (the OS's reason), the free space left, that
+    the previous checkpoint is intact, and what to do. Called after the temporary folder is removed."""
+    file = getattr(err, "file", None) or (Path(err.filename) if getattr(err, "filename", None) else None)
+    reason = getattr(err, "reason", None) or os_reason(err)
+    what = str(err) if isinstance(err, CheckpointWriteError) else \
+        f"writing {file or 'a file'} failed: {reason or err}"
+    what = what.replace(str(Path(output_dir) / f".tmp-checkpoint-{step}"), f"checkpoint-{step}")  # its name
+    try:
+        free = f"{_size(shutil.disk_usage(output_dir).free)} free on its filesystem now"
+    except OSError:
+        free = "its free space cannot be read"
+    previous = latest_checkpoint(output_dir)
+    kept = (f"{previous.name}, the last complete checkpoint, is intact: resume_from_checkpoint=True "
+            "continues from it" if previous is not None else "there is no earlier checkpoint to resume from")
+    advice = WRITE_ADVICE.get((reason or "").split(":")[0],
+                              "the OS gave no reason; a full disk is the usual cause: check the free space, "
+                              "then resume")
+    return CheckpointWriteError(
+        f"checkpoint-{step} could not be written to {output_dir} ({what}); {free}. Nothing of "
+        f"checkpoint-{step} is kept (its temporary folder was removed) and {kept}. Likely cause: {advice}",
+        file, reason)
 
 
 SHARED_PREFIXES = ("ref_model.",)  # carried tensors every process holds alike: written once
@@ -222,9 +273,11 @@ def _write_carried(accelerator, tmp: Path, tensors: dict | None, extra: dict | N
     for part, name, writes in ((shared, "extra.safetensors", accelerator.is_main_process),
                                (own, f"extra{suffix}.safetensors", True)):
         if part and writes:
-            save_file({k: v.detach().cpu().contiguous() for k, v in part.items()}, str(tmp / name))
+            with writing(tmp / name):
+                save_file({k: v.detach().cpu().contiguous() for k, v in part.items()}, str(tmp / name))
     if extra is not None and (several or accelerator.is_main_process):
-        (tmp / f"extra{suffix}.json").write_text(json.dumps(extra, default=str))
+        with writing(tmp / f"extra{suffix}.json"):
+            (tmp / f"extra{suffix}.json").write_text(json.dumps(extra, default=str))
 
 
 def _read_carried(accelerator, path: Path) -> tuple[dict, dict]:

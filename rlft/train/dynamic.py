@@ -14,7 +14,11 @@ group chosen for another process than the one that sampled it is sent there (its
 and logged columns). So N processes train on the batch one process would, and all run the same rounds.
 When `max_num_gen_batches` rounds are not enough, the batch is filled with zero-spread groups from the
 rounds (advantage 0: no policy signal), in the same order, so its shape and every normaliser's meaning stay
-the same, and the run says so.
+the same, and the run says so. A search that goes on says what it has found every `REPORT_ROUNDS` rounds;
+with no round limit (`max_num_gen_batches: 0`) one that has found no group with a spread after
+`NO_SPREAD_EPOCHS` datasets' worth of prompts stops with an error: about 95% of the prompts have been sampled
+by then (each round draws its prompts from a fresh permutation, so a prompt is missed with probability about
+e^-3), and none had a spread: no batch would ever fill.
 """
 
 from __future__ import annotations
@@ -23,11 +27,19 @@ import dataclasses
 
 import torch
 
+from rlft.errors import RlftError
 from rlft.rollout.base import Rollout
 from rlft.train.batch import ScoredRollout, add_timing
 from rlft.train.source import round_prompt_indices  # noqa: F401 (its old import path)
 
 SPREAD_TOLERANCE = 1e-6
+REPORT_ROUNDS = 10  # a search still going says what it has found every this many rounds
+NO_SPREAD_EPOCHS = 3  # with no round limit: datasets' worth of prompts sampled with no spread before it stops
+
+
+class NoRewardSpreadError(RlftError, RuntimeError):
+    """Dynamic sampling with no round limit found no group with a reward spread in NO_SPREAD_EPOCHS datasets'
+    worth of prompts; the message says what to change."""
 
 
 def informative_groups(rewards: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
@@ -83,6 +95,7 @@ class DynamicSampling:
             found = sum(map(sum, flags))
             if found >= wanted or (args.max_num_gen_batches > 0 and len(flags) >= args.max_num_gen_batches):
                 break
+            self._searching(index, len(flags), found, wanted)
         if found < wanted:  # the same on every process (only the main process prints)
             self.messages.warn(f"dynamic sampling: {found} of {wanted} groups had a reward spread after "
                                f"{len(flags)} rounds (max_num_gen_batches={args.max_num_gen_batches}); the "
@@ -103,6 +116,29 @@ class DynamicSampling:
                    "dynamic_sampling/kept_fraction": min(found, wanted) / sum(map(len, flags)),
                    "dynamic_sampling/generation_rounds": float(len(flags))}
         return dataclasses.replace(batch, timing=timing, scalars=scalars, metrics=metrics)
+
+    def _searching(self, index: int, rounds: int, found: int, wanted: int) -> None:
+        """Between rounds: a line every REPORT_ROUNDS rounds; with no round limit, stop a search that has
+        sampled NO_SPREAD_EPOCHS datasets' worth of prompts and found no group with a spread (module
+        docstring). Every process sees the same counts, so all stop together."""
+        args = self.args
+        sampled = rounds * self.schedule.per_process * self.accelerator.num_processes
+        dataset = len(self.schedule.prompts)
+        limit = args.max_num_gen_batches or "0 (no limit)"
+        if rounds % REPORT_ROUNDS == 0:
+            self.messages.info(f"dynamic sampling, rollout {index}: {rounds} rounds, {found} of {wanted} "
+                               f"groups with a reward spread so far ({sampled} prompts sampled; "
+                               f"max_num_gen_batches={limit})")
+        if args.max_num_gen_batches == 0 and found == 0 and sampled >= NO_SPREAD_EPOCHS * dataset:
+            raise NoRewardSpreadError(
+                f"dynamic sampling found no group with a reward spread in {rounds} rounds of rollout "
+                f"{index}: {sampled} prompts sampled ({sampled / dataset:.1f} times the {dataset} prompts of "
+                f"the dataset) with {args.num_generations} completions each, and every prompt's completions "
+                "got the same total reward, so the batch can never fill (max_num_gen_batches=0: no limit). "
+                "Make the reward graded (partial credit) rather than pass/fail, raise num_generations or "
+                "temperature so completions differ, start from a policy that sometimes succeeds, or set "
+                "max_num_gen_batches to a number of rounds (the batch is then filled with zero-spread groups "
+                "and the run goes on)")
 
     def _group(self, scored: ScoredRollout, g: int) -> ScoredRollout:
         group = self.args.num_generations

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rlft.errors import NonFiniteError
-from rlft.train.safe_files import load_json
+from rlft.train.safe_files import load_json, writing
 
 
 @dataclass
@@ -102,7 +102,8 @@ class GuardedOptimizer:
         """The engine's files (model, optimizer state) and the schedule (every process calls this)."""
         self.engine.save_checkpoint(self.model, self.optimizer, folder, tokenizer)
         if self.accelerator.is_main_process:
-            (folder / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
+            with writing(folder / "scheduler.json"):
+                (folder / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
 
     def load(self, folder: Path) -> None:
         self.engine.load_checkpoint(self.model, self.optimizer, folder)

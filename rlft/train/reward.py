@@ -144,8 +144,6 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         self.model, self.optimizer = self.engine.prepare(model, optimizer, args.max_grad_norm)
 
     # ---- the loop (rlft/train/loop.py runs the steps) ------------------------------------------------
-    log_project = "rlft-reward"
-
     @property
     def _eval_sets(self) -> dict:
         return self.eval_sets
@@ -164,7 +162,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         """pairs -> scores -> Bradley-Terry loss -> update; a non-finite step is skipped and counted."""
         return self._optimizer_step(step)
 
-    def _end(self) -> None:
+    def _end(self, stopping: bool = False) -> None:
         pass
 
     def _final_row(self) -> dict:
@@ -249,13 +247,15 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         self.log.advance(step, f"loss {metrics.get('loss', float('nan')):.3f} "
                                f"acc {metrics.get('accuracy', 0):.2f}")
         if control.should_save:
-            run = PartState(state={"num_processes": self.accelerator.num_processes, "config": self._record,
-                                   "config_hash": runs.config_hash(self._record),
-                                   "loss_sum": self.flow.loss_sum, "metric_window": self.window.rows,
-                                   **self.optim.state_dict()})
-            ckpt.save_checkpoint(self.accelerator, self.args.output_dir, step, self.optim, self.tokenizer,
-                                 self.flow, run, self.args.save_total_limit)
-            self.flow.fire("on_save")
+            self._save_checkpoint(step)
+
+    def _save_checkpoint(self, step: int) -> None:
+        run = PartState(state={"num_processes": self.accelerator.num_processes, "config": self._record,
+                               "config_hash": runs.config_hash(self._record), "loss_sum": self.flow.loss_sum,
+                               "metric_window": self.window.rows, **self.optim.state_dict()})
+        ckpt.save_checkpoint(self.accelerator, self.args.output_dir, step, self.optim, self.tokenizer,
+                             self.flow, run, self.args.save_total_limit)
+        self.flow.fire("on_save")
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None,

@@ -3,27 +3,32 @@
 A new run never writes into a folder that already holds a run's results (metrics, samples,
 checkpoints, a saved model) unless the user says so with `overwrite_output_dir=True`
 (transformers' name; transformers 5 dropped the field, rlft keeps it because a reused folder mixes
-two runs' checkpoints and a later resume picks the wrong one).
+two runs' checkpoints and a later resume picks the wrong one). While a run trains, its main process
+holds an OS lock on the folder (`OutputDirLock`), so a second run started on it at the same time is
+refused too.
 
 Each checkpoint records the config that wrote it and its hash. A resume compares it with the new
 config: a change that would make the continued run differ from an uninterrupted one (batch shape,
-num_generations, loss, seed, LoRA, model, rewards, ...) is refused with the list of differences;
-fields that only change what is logged, saved or evaluated, how long the run lasts, or the peak
-learning rate (the schedule is rebuilt from the new value at the resumed step) are applied and
-reported.
+num_generations, loss, seed, model, rewards, the LoRA settings field by field, ...) is refused with the
+list of differences; fields that only change what is logged, saved or evaluated, how long the run lasts,
+the peak learning rate (the schedule is rebuilt from the new value at the resumed step) or LoRA dropout
+are applied and reported.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from rlft.compat import NO_EFFECT
 from rlft.config import to_dict
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, OutputDirBusyError
 
 # Fields a resumed run may change: they do not touch what is computed up to the resumed step.
 MAY_CHANGE = frozenset({
@@ -38,16 +43,58 @@ MAY_CHANGE = frozenset({
 })
 RUN_FILES = ("metrics.jsonl", "completions.jsonl")
 MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
+# The saved model's weight and config files (save_model writes the final model to output_dir, as TRL's scripts
+# do): with overwrite_output_dir they go with the earlier run, so a LoRA run's adapter never lands beside an
+# earlier full run's weights (or the reverse) in the folder a pipeline loads.
+MODEL_FILE_PATTERNS = (*MODEL_FILES, "generation_config.json", "model-*-of-*.safetensors",
+                       "model.safetensors.index.json")
+
+
+# The LoRA (peft) settings a checkpoint records, from the model's own peft_config: all but lora_dropout change
+# what the saved adapter weights mean (their shapes, scale, the modules they sit on); dropout acts only while
+# training, from the resumed step on, so a change to it is applied and reported.
+LORA_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "target_modules", "exclude_modules",
+               "target_parameters", "modules_to_save", "bias", "lora_bias", "fan_in_fan_out",
+               "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern",
+               "layer_replication", "trainable_token_indices", "lora_dropout")
+LORA_MAY_CHANGE = frozenset({"lora_dropout"})
+# The same setting's name in ModelConfig (rlft grpo / rlft reward, TRL's scripts), where it differs.
+LORA_MODEL_CONFIG_NAMES = {"r": "lora_r", "target_modules": "lora_target_modules",
+                           "modules_to_save": "lora_modules_to_save",
+                           "target_parameters": "lora_target_parameters"}
+
+
+def _plain(value: Any) -> Any:
+    """A peft setting as a JSON value (sets sorted, enums by value)."""
+    if isinstance(value, set | frozenset):
+        return sorted(_plain(v) for v in value)
+    if hasattr(value, "value") and not isinstance(value, int | float | str):
+        return _plain(value.value)
+    return json.loads(json.dumps(value, default=str))
+
+
+def peft_record(model) -> dict[str, dict[str, Any]] | None:
+    """{adapter name: its LoRA settings} from the model's peft_config; None for a model without adapters."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    return {str(adapter): {name: _plain(getattr(config, name)) for name in LORA_FIELDS
+                           if hasattr(config, name)}
+            for adapter, config in configs.items()}
 
 
 def run_record(args, model, reward_names: list[str] | tuple = ()) -> dict[str, Any]:
-    """The config of this run as JSON values, plus what a Python caller passed outside the config."""
+    """The config of this run as JSON values, plus what a Python caller passed outside the config: the model,
+    its LoRA settings (`_peft`, when it has adapters) and the reward functions."""
     record = json.loads(json.dumps(to_dict(args), default=str))
     config = getattr(model, "config", None)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     record["_model"] = {"class": type(model).__name__,
                         "name_or_path": str(getattr(config, "_name_or_path", "")),
                         "parameters": sum(p.numel() for p in model.parameters()), "trainable": trainable}
+    peft = peft_record(model)
+    if peft is not None:
+        record["_peft"] = peft
     if reward_names:
         record["_reward_funcs"] = list(reward_names)
     return record
@@ -70,7 +117,7 @@ def earlier_run(output_dir: str | Path) -> list[str]:
 
 def claim_output_dir(accelerator, args) -> str | None:
     """Stop a new run that would mix with an earlier one; with overwrite_output_dir, clear the earlier run's
-    metrics, samples and checkpoints (a saved model is replaced when this run saves). Returns a note."""
+    metrics, samples, checkpoints and saved model files (the user's own files stay). Returns a note."""
     found = earlier_run(args.output_dir)
     if not found:
         return None
@@ -89,8 +136,74 @@ def claim_output_dir(accelerator, args) -> str | None:
                 shutil.rmtree(target)
             elif name in RUN_FILES:
                 target.unlink()
+        for pattern in MODEL_FILE_PATTERNS:
+            for target in path.glob(pattern):
+                target.unlink()
     accelerator.wait_for_everyone()
     return f"overwrite_output_dir=True: removed the earlier run's {shown} from {args.output_dir}"
+
+
+# ---- one run at a time in a folder ------------------------------------------------------------------
+LOCK_FILE = ".rlft.lock"
+
+
+class OutputDirLock:
+    """An OS lock (`flock`) on output_dir/.rlft.lock, taken by the run's main process for the whole of
+    train(): a second run started on the folder is refused before it reads or writes anything there, naming
+    the process that holds it. The OS drops the lock when its process ends, however it ends, so the file a
+    killed run leaves behind never blocks a resume. The other processes of the same run (torchrun /
+    accelerate launch) take no lock; they learn the main process's outcome and stop with it."""
+
+    def __init__(self, accelerator, output_dir: str | Path):
+        self.accelerator, self.path = accelerator, Path(output_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def __enter__(self) -> OutputDirLock:
+        refusal = self._acquire() if self.accelerator.is_main_process else None
+        if self.accelerator.num_processes > 1:  # every process of this run stops, or none
+            from accelerate.utils import broadcast_object_list
+
+            refusal = broadcast_object_list([refusal], from_process=0)[0]
+        if refusal is not None:
+            raise OutputDirBusyError(refusal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _acquire(self) -> str | None:
+        """None when this process holds the lock now, else the refusal's message."""
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): runs are not guarded
+            return None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or \
+                "a process that has not written its id yet"
+            os.close(fd)
+            return (f"output_dir={str(self.path.parent)!r} is in use by another training run ({holder}; "
+                    f"lock {self.path}): two runs in one folder would interleave metrics.jsonl and overwrite "
+                    "each other's checkpoints. Wait for that run to end (or stop it), then resume or "
+                    "overwrite; or give this run another output_dir")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        self.fd = fd
+        return None
+
+    def release(self) -> None:
+        """Unlock (the file stays: removing it could let a third run lock a new file while a second holds the
+        old one)."""
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 # ---- a resumed run ----------------------------------------------------------------------------------
@@ -117,15 +230,57 @@ def compare(saved: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any]
     return refused, applied
 
 
+def _lora_label(name: str, adapter: str) -> str:
+    alias = LORA_MODEL_CONFIG_NAMES.get(name)
+    where = "" if adapter == "default" else f" (adapter {adapter!r})"
+    return f"LoRA {name}{f' ({alias})' if alias else ''}{where}"
+
+
+def compare_peft(saved: dict | None, new: dict | None) -> tuple[list[str], list[str]]:
+    """(refused, applied) for the LoRA settings, one 'LoRA <field>: old -> new' line per difference; a dropout
+    change is applied (it acts only while training), every other one refused (the saved adapter weights would
+    mean something else: another rank, scale or set of modules)."""
+    if not saved or not new:
+        return ([] if saved == new else [f"LoRA adapters: {saved!r} -> {new!r}"]), []
+    refused, applied = [], []
+    for adapter in sorted(set(saved) | set(new)):
+        old_fields, new_fields = saved.get(adapter), new.get(adapter)
+        if old_fields is None or new_fields is None:
+            refused.append(f"LoRA adapter {adapter!r}: {old_fields!r} -> {new_fields!r}")
+            continue
+        for name in [n for n in LORA_FIELDS if n in old_fields or n in new_fields]:
+            old, now = old_fields.get(name, "<unset>"), new_fields.get(name, "<unset>")
+            if old == now:
+                continue
+            line = f"{_lora_label(name, adapter)}: {old!r} -> {now!r}"
+            if name in LORA_MAY_CHANGE:
+                applied.append(f"{line} (applied from the resumed step: dropout acts only while training, "
+                               "the saved adapter weights mean the same)")
+            else:
+                refused.append(line)
+    return refused, applied
+
+
 def check_resume(path: Path, state: dict[str, Any], record: dict[str, Any],
                  defaults: dict[str, Any] | None = None) -> list[str]:
     """Refuse a resume whose config differs in a field that breaks exactness; return the applied changes.
-    `defaults` (field_defaults): what fields the checkpoint's rlft did not have yet meant."""
+    `defaults` (field_defaults): what fields the checkpoint's rlft did not have yet meant. The LoRA settings
+    are compared field by field (compare_peft); a checkpoint that records none (an older rlft) is not
+    compared on them, and the run says so."""
     saved = state.get("config")
     if saved is None:
         return [f"{path} records no config (written by an older rlft): "
                 "the new config is not compared with it"]
+    saved, record = dict(saved), dict(record)
+    saved_peft, new_peft = saved.pop("_peft", None), record.pop("_peft", None)
     refused, applied = compare(saved, record, defaults)
+    older = "_peft" not in state["config"] and saved.get("_model") == record.get("_model")  # same model
+    if saved_peft is None and new_peft is not None and older:
+        applied.append(f"{path} records no LoRA settings (written by an older rlft): this run's lora_r, "
+                       "lora_alpha, target modules, ... are not compared with the checkpoint's")
+    else:
+        lora_refused, lora_applied = compare_peft(saved_peft, new_peft)
+        refused, applied = lora_refused + refused, applied + lora_applied
     if refused:
         raise ConfigError(
             f"{path} was written by a run with a different config; resuming would not continue that run. "

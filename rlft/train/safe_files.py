@@ -4,7 +4,11 @@ both so neither imports the other."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,49 @@ from rlft.errors import RlftError
 
 class CheckpointError(RlftError, RuntimeError):
     """A checkpoint that is incomplete, corrupt, or not rlft's; the message names the file."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing one file of a checkpoint failed (a full disk, a file size limit, a lost mount): `file` is the
+    file, `reason` the OS's reason when one is known ('ENOSPC: No space left on device')."""
+
+    def __init__(self, message: str, file: Path | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.file, self.reason = file, reason
+
+
+def os_reason(err: BaseException) -> str | None:
+    """The OS's reason behind a failed write, from the error or the one it was raised while handling
+    (torch.save reports a failed write as a RuntimeError 'unexpected pos ...' raised during the OSError), or
+    from safetensors' message ('os error 28'); None when there is none."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"{errno.errorcode.get(seen.errno, seen.errno)}: {os.strerror(seen.errno)}"
+        seen = seen.__cause__ or seen.__context__
+    match = re.search(r"os error (\d+)", str(err))
+    if match:
+        number = int(match.group(1))
+        return f"{errno.errorcode.get(number, number)}: {os.strerror(number)}"
+    return None
+
+
+@contextlib.contextmanager
+def writing(file: Path, what: str | None = None):
+    """Around writing one checkpoint file (or the files `what` names in the folder `file`): an I/O failure
+    becomes a CheckpointWriteError naming it and the OS's reason (refusals such as check_finite pass
+    through)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError, SafetensorError) as err:
+        reason = os_reason(err)
+        shown = f"{what} in {file}" if what else str(file)
+        raise CheckpointWriteError(f"writing {shown} failed: {reason or f'{type(err).__name__}: {err}'}",
+                                   file, reason) from err
 
 
 def check_finite(model_or_state_dict) -> None:

@@ -31,6 +31,7 @@ from rlft.train.safe_files import (
     load_model_weights,
     load_safetensors,
     model_folder,
+    writing,
 )
 
 State = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]  # weights, optimizer tensors, scalars
@@ -142,23 +143,30 @@ class TrainingEngine:
         state_dict = acc.get_state_dict(model) if self.sharded else None
         if acc.is_main_process:
             check_finite(unwrapped if state_dict is None else state_dict)
-            unwrapped.save_pretrained(folder, **({} if state_dict is None else
-                                                  {"state_dict": _without_tied(unwrapped, state_dict)}))
+            with writing(folder, "the model files (save_pretrained)"):
+                unwrapped.save_pretrained(folder, **({} if state_dict is None else
+                                                      {"state_dict": _without_tied(unwrapped, state_dict)}))
             if tokenizer is not None:
-                tokenizer.save_pretrained(folder)
+                with writing(folder, "the tokenizer files"):
+                    tokenizer.save_pretrained(folder)
         acc.wait_for_everyone()
         return state_dict
 
     def save_checkpoint(self, model, optimizer, folder: Path, tokenizer) -> None:
         """The model files at `folder`'s top level and the optimizer state; every process calls this. Whole
         weights and optimizer state on every process: checked finite everywhere, written by the main one
-        (optimizer.pt, a plain state dict)."""
+        (optimizer.pt, a plain state dict). A failed write names its file and the OS's reason
+        (safe_files.writing; optimizer.pt is written through a Python file, so the OS error behind torch's own
+        error survives)."""
         unwrapped = self.accelerator.unwrap_model(model)
         check_finite(unwrapped)
         if self.accelerator.is_main_process:
-            unwrapped.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+            with writing(folder, "the model files (save_pretrained)"):
+                unwrapped.save_pretrained(folder)
+            with writing(folder, "the tokenizer files"):
+                tokenizer.save_pretrained(folder)
+            with writing(folder / "optimizer.pt"), (folder / "optimizer.pt").open("wb") as handle:
+                torch.save(optimizer.state_dict(), handle)
 
     def load_checkpoint(self, model, optimizer, folder: Path) -> None:
         """What `save_checkpoint` wrote, back into the model and optimizer (every process)."""
@@ -216,11 +224,14 @@ class GatheringEngine(TrainingEngine):
             from safetensors.torch import save_file
 
             folder.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
-                      str(folder / "weights.safetensors"))
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-                      str(folder / "optimizer.safetensors"))
-            (folder / "optimizer.json").write_text(json.dumps(scalars, default=list))
+            with writing(folder / "weights.safetensors"):
+                save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
+                          str(folder / "weights.safetensors"))
+            with writing(folder / "optimizer.safetensors"):
+                save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                          str(folder / "optimizer.safetensors"))
+            with writing(folder / "optimizer.json"):
+                (folder / "optimizer.json").write_text(json.dumps(scalars, default=list))
         self.accelerator.wait_for_everyone()
 
     def load_state(self, model, optimizer, folder: Path) -> None:
