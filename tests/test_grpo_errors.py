@@ -115,3 +115,35 @@ def test_a_dead_vllm_server_is_a_clear_error_within_the_timeout(tmp_path, shippe
                     tiny_grpo_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_port=port,
                                      vllm_server_timeout=3), addition_rows(16))
     assert time.monotonic() - started < 30
+
+
+def test_a_vllm_server_that_dies_mid_run_is_named_as_gone_not_as_slow_or_a_different_model():
+    """A server that closes the connection (it stopped or crashed) is named as gone, with the reason, before
+    anything else; a weight push to it is not blamed on the model."""
+    import socket
+    import threading
+
+    from rlft.rollout.vllm_server import ServerClient, VLLMServer, VLLMServerError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def reset_every_connection():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.close()  # RST: "Connection reset by peer"
+
+    threading.Thread(target=reset_every_connection, daemon=True).start()
+    client = ServerClient(f"http://127.0.0.1:{listener.getsockname()[1]}", 30)
+    with pytest.raises(VLLMServerError, match=r"^the vLLM server at http://127\.0\.0\.1:\d+ is gone: the connection "
+                                              r"was refused or closed during /collective_rpc") as caught:
+        server = VLLMServer.__new__(VLLMServer)
+        server.client, server.base_name = client, "tiny-adder"
+        server._rpc("rlft_load_received", "session")
+    assert caught.value.kind == "gone" and "different model" not in str(caught.value)
+    listener.close()

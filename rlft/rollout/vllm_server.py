@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import logging
 import re
@@ -58,7 +59,20 @@ from rlft.rollout.weight_sync import (
 
 
 class VLLMServerError(RlftError, RuntimeError):
-    """The vLLM server is unreachable, too slow, or refused a request; the message names the URL."""
+    """The vLLM server is unreachable, too slow, or refused a request; the message names the URL. `kind`:
+    "answered" (it answered with an error), "gone" (the connection was refused or closed: it stopped or
+    crashed), "timeout" (no answer in time)."""
+
+    def __init__(self, message: str, kind: str = "answered"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _gone(err: BaseException) -> bool:
+    """A refused, reset or closed connection (a server that stopped or crashed), not a slow one."""
+    reason = getattr(err, "reason", err)
+    return isinstance(reason, ConnectionError | http.client.RemoteDisconnected) or isinstance(
+        err, ConnectionError | http.client.RemoteDisconnected)
 
 
 def server_url(args) -> str:
@@ -82,11 +96,18 @@ class ServerClient:
         except urllib.error.HTTPError as err:
             raise VLLMServerError(f"vLLM server {self.url}{path} answered {err.code}: "
                                   f"{err.read().decode()[:500]}") from err
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) \
+                as err:
+            if _gone(err):
+                raise VLLMServerError(
+                    f"the vLLM server at {self.url} is gone: the connection was refused or closed during "
+                    f"{path} ({getattr(err, 'reason', err)!r}), so it stopped or crashed. Check its log, "
+                    "start it again (`rlft vllm-serve --model ...`) and resume from the last checkpoint "
+                    "(resume_from_checkpoint=True)", "gone") from err
             raise VLLMServerError(f"vLLM server {self.url} did not answer {path} within "
                                   f"{timeout or self.timeout} s ({getattr(err, 'reason', err)}); "
                                   "start it with `rlft vllm-serve --model ...` or fix vllm_server_base_url / "
-                                  "vllm_server_host / vllm_server_port") from err
+                                  "vllm_server_host / vllm_server_port", "timeout") from err
         try:
             return json.loads(text) if text else None
         except json.JSONDecodeError:  # vLLM's LoRA routes answer in plain text
@@ -235,6 +256,8 @@ class VLLMServer(StaleAfterStep):
         try:
             return self.client.request("/collective_rpc", {"method": method, "args": list(args)})
         except VLLMServerError as err:
+            if err.kind != "answered":  # the server is gone or slow: that is the cause, not the weights
+                raise
             raise VLLMServerError(f"the vLLM server serves {self.base_name!r}, which did not take this "
                                   f"model's weights (a different model?): {err}") from err
 

@@ -191,7 +191,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                                        args.seed, args.shuffle_dataset and not self.streaming,
                                        acc.process_index, acc.num_processes)
         self.reward_scorer = RewardScorer(self.reward_funcs, self.reward_names, self.tokenizer, self.state,
-                                          args.allow_nan_rewards)
+                                          args.allow_nan_rewards, timeout=args.reward_timeout)
         parts = SourceParts(args, self.schedule, self.reward_scorer, self.throughput, acc, self.state,
                             self.messages, unwrapped, self.tokenizer, self.engine, setup, source,
                             None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
@@ -220,8 +220,10 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         weights_changed(self.generator)  # a resume may have loaded other weights than the engine holds
         self.source.open()
 
-    def _end(self) -> None:
+    def _end(self, stopping: bool = False) -> None:
         self.source.close()
+        if stopping:  # the process exits: a colocated vLLM engine frees its memory and processes now
+            self.generator.close()
 
     def _step(self, step: int) -> dict[str, float]:
         """One GRPO step: a new rollout every steps_per_rollout steps (rollout -> rewards -> advantages), then
@@ -281,9 +283,12 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             self.evaluate()
         self.log.advance(step, f"reward {window.last.get('reward', float('nan')):.3f}")
         if control.should_save:
-            ckpt.save_checkpoint(self.accelerator, self.args.output_dir, step, self.optim, self.tokenizer,
-                                 self.flow, self._parts(step), self.args.save_total_limit)
-            self.flow.fire("on_save")
+            self._save_checkpoint(step)
+
+    def _save_checkpoint(self, step: int) -> None:
+        ckpt.save_checkpoint(self.accelerator, self.args.output_dir, step, self.optim, self.tokenizer,
+                             self.flow, self._parts(step), self.args.save_total_limit)
+        self.flow.fire("on_save")
 
     def _parts(self, step: int) -> PartState:
         """What a checkpoint holds besides the model files: the run's record, the policy update's counters and

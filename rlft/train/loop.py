@@ -9,49 +9,78 @@ A trainer using it provides:
   _step(step) -> metrics          one optimiser step's work; a skipped (non-finite) step returns its counters
   _after_step(step, metrics)      log -> evaluate -> checkpoint, with `step` the number of steps done
   _final_row() -> summary         transformers' summary row (train_runtime, train_loss, ...)
-  _end()                          after the run, however it ends: stop what runs only while training
+  _save_checkpoint(step)          write checkpoint-<step> (a preempted run writes one where it stops)
+  _end(stopping)                  after the run, however it ends: stop what runs only while training
+                                  (`stopping`: the process is about to exit, preempted: free everything)
   _eval_sets                      the evaluation sets given at construction (evaluated at start if asked)
-and the attributes args, accelerator, flow, messages, total_steps, steps_per_epoch, log_project. While the
-run log is open, what the trainer's parts say (`messages`) goes to it.
+and the attributes args, accelerator, flow, messages, total_steps, steps_per_epoch. While the run log is open,
+what the trainer's parts say (`messages`) goes to it.
 """
 
 from __future__ import annotations
+
+import sys
 
 from transformers.trainer_utils import TrainOutput
 
 from rlft.config import to_dict
 from rlft.tracking import RunLog
+from rlft.train import runs
 from rlft.train import state as run_state
+from rlft.train.preemption import Preempted, Preemption
 
 
 class TrainLoop:
     """`train()` for GRPOTrainer and RewardTrainer."""
 
-    log_project = "rlft"
-
     def train(self, resume_from_checkpoint=None):
+        """The run, holding output_dir for its whole length: a second run started on the folder is refused
+        (rlft/train/runs.py: OutputDirLock)."""
+        with runs.OutputDirLock(self.accelerator, self.args.output_dir):
+            return self._train(resume_from_checkpoint)
+
+    def _train(self, resume_from_checkpoint):
         args, flow = self.args, self.flow
         start_step = self._resume(resume_from_checkpoint)
         self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
-                          start_step, show_progress=not args.disable_tqdm, project=self.log_project)
-        self.messages.run = self.log
+                          start_step, show_progress=not args.disable_tqdm)
+        self.messages.run, stopping = self.log, False
         try:
             self._announce()
             flow.fire("on_train_begin")
-            with run_state.named_timeouts(self.accelerator, args):
+            with run_state.named_timeouts(self.accelerator, args), Preemption(self.accelerator) as preemption:
                 if args.eval_on_start and start_step == 0 and self._eval_sets:
                     self.evaluate()
                 for step in range(start_step, self.total_steps):
                     self._run_step(step)
                     if flow.control.should_training_stop:
                         break
+                    if preemption.requested():  # every process asks, so all stop at the same step
+                        stopping = True
+                        self._preempted(step + 1, preemption)
                 summary = self._final_row()
                 flow.fire("on_train_end")
         finally:
             self.log.close()
             self.messages.run = None
-            self._end()
+            self._end(stopping)
         return TrainOutput(flow.state.global_step, summary["train_loss"], summary)
+
+    def _preempted(self, step: int, preemption: Preemption) -> None:
+        """A checkpoint at `step` (unless this step just wrote one), the line that says where and how to
+        resume, then the exit (rlft/train/preemption.py)."""
+        if not self.flow.control.should_save:
+            self._save_checkpoint(step)
+        path = f"{self.args.output_dir}/checkpoint-{step}"
+        message = (f"stopped by {preemption.name} after step {step} of {self.total_steps}: checkpoint "
+                   f"written to {path}. Resume with resume_from_checkpoint=True (rlft grpo/rloo/reward: "
+                   "--resume_from_checkpoint true); the resumed run continues exactly")
+        self.messages.warn(message)
+        if self.accelerator.is_main_process:
+            print(f"rlft: {message}", file=sys.stderr, flush=True)
+        if preemption.name == "SIGINT":
+            raise KeyboardInterrupt(message)
+        raise Preempted(message)
 
     def _run_step(self, step: int) -> None:
         """One step between transformers' events, as Trainer fires them."""
