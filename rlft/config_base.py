@@ -101,6 +101,14 @@ class _BaseConfig(TrainingArguments):
             self.gradient_checkpointing = self.activation_checkpointing
             self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
 
+    def to_dict(self) -> dict:
+        """TrainingArguments.to_dict, which hides every field ending in "_token" as a secret (hub_token),
+        except the tokenizer's pad_token and eos_token: names of tokens, not credentials, and a config rebuilt
+        from the dict (a subprocess's, another trainer's) needs them as they were."""
+        out = super().to_dict()
+        out.update(pad_token=self.pad_token, eos_token=self.eos_token)
+        return out
+
     def _normalize(self) -> None:
         """TRL/transformers spellings of this class's fields to one form; a subclass that declares fields
         needing it calls `super()._normalize()` first."""

@@ -167,11 +167,22 @@ def prepare_tokenizer(processing_class, source, args, padding_side: str):
         if not template.is_file():
             raise FileNotFoundError(f"chat_template_path={args.chat_template_path!r}: no such template file")
         tokenizer.chat_template = template.read_text()
-    if args.pad_token:
-        tokenizer.pad_token = args.pad_token
-    if args.eos_token:
-        tokenizer.eos_token = args.eos_token
+    for field in ("pad_token", "eos_token"):
+        value = getattr(args, field)
+        if value:
+            _check_in_vocabulary(tokenizer, field, value, source)
+            setattr(tokenizer, field, value)
     return ensure_pad_token(tokenizer, str(source))
+
+
+def _check_in_vocabulary(tokenizer, field: str, value: str, source) -> None:
+    """A pad / eos token the vocabulary lacks would have no id (transformers sets it all the same)."""
+    token_id = tokenizer.convert_tokens_to_ids(value)
+    if token_id is None or (token_id == tokenizer.unk_token_id and value != tokenizer.unk_token):
+        raise ConfigError(f"{field}={value!r} is not a token of the tokenizer of {source}: name one it has "
+                          f"(its eos token is {tokenizer.eos_token!r}), or add it to the tokenizer "
+                          "(tokenizer.add_special_tokens) and resize the model's embeddings, then pass "
+                          "processing_class=")
 
 
 def _init_kwargs(dtype: torch.dtype, model_init_kwargs: dict | None, trust_remote_code: bool) -> dict:

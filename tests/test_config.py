@@ -255,3 +255,15 @@ def test_staleness_refuses_weight_sync_steps_that_are_not_whole_rollouts():
     with pytest.raises(ConfigError, match=r"weight_sync_steps=3 must be a multiple of the optimiser steps per "
                                           r"rollout \(2\)"):
         staleness(cfg, 2)
+
+
+def test_to_dict_keeps_the_tokenizers_tokens_and_hides_credentials():
+    """transformers hides every "*_token" field; pad_token and eos_token name tokens, and a config rebuilt
+    from the dict (the async producer's, RLOOConfig(**grpo.to_dict())) needs them."""
+    from rlft import RLOOConfig
+
+    cfg = GRPOConfig(output_dir="x", pad_token="<|endoftext|>", eos_token="<|im_end|>", hub_token="secret")
+    as_dict = cfg.to_dict()
+    assert (as_dict["pad_token"], as_dict["eos_token"]) == ("<|endoftext|>", "<|im_end|>")
+    assert as_dict["hub_token"] != "secret"
+    assert RLOOConfig(**{**as_dict, "hub_token": None}).pad_token == "<|endoftext|>"

@@ -147,3 +147,10 @@ def test_a_vllm_server_that_dies_mid_run_is_named_as_gone_not_as_slow_or_a_diffe
         server._rpc("rlft_load_received", "session")
     assert caught.value.kind == "gone" and "different model" not in str(caught.value)
     listener.close()
+
+
+@pytest.mark.parametrize("field", ["pad_token", "eos_token"])
+def test_a_pad_or_eos_token_the_vocabulary_lacks_is_named(tmp_path, shipped_policy_dir, field):
+    """transformers would set it with no id, and the first padded batch would fail far from the cause."""
+    with pytest.raises(ConfigError, match=f"{field}='<NOT_A_TOKEN>' is not a token of the tokenizer"):
+        make(tmp_path, shipped_policy_dir, **{field: "<NOT_A_TOKEN>"})
