@@ -188,6 +188,8 @@ RLFT_FIELDS = frozenset(
         "logprob_chunk_size",
         "allow_nan_rewards",
         "reward_timeout",
+        "padding_free",
+        "shared_prefix_scoring",
         "replay_sampling_mask",
         "num_completions_to_log",
         "zero_signal_warning_steps",

@@ -214,6 +214,14 @@ class _GRPOFields(_BaseConfig):
         default=None, metadata={"help": "fill micro-batches by prompt + completion tokens (at most this "
                                         "many each; a longer row alone) instead of "
                                         "per_device_train_batch_size rows"})
+    padding_free: bool | None = field(
+        default=None, metadata={"help": "score each micro-batch packed into one sequence, no padding (null: "
+                                        "where that computes at most half the tokens a padded one would; "
+                                        "true: always; false: never); used once a check shows it exact for "
+                                        "the model"})
+    shared_prefix_scoring: bool = field(
+        default=True, metadata={"help": "packed scoring holds a prompt several completions share once, each "
+                                        "completion attending to it (false: every row whole)"})
     allow_nan_rewards: bool = field(
         default=False, metadata={"help": "a reward function may return None/NaN for rows it does not score"})
     reward_timeout: float | None = field(

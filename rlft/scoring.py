@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
+from rlft.packing import Packed, install, pack_rows, packed_forward
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Score:
     # [b, c, K] the token ids a truncating sampler kept at each position (-1 padding): log-probs are then
     # renormalised over them (rlft/core/fused_head.py); None: the full vocabulary
     kept: torch.Tensor | None = None
+    # the rows packed into one sequence (rlft/packing.py): the hidden states are read where it says
+    packed: Packed | None = None
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Scored:
     entropy: torch.Tensor | None  # [b, c]
     aux_loss: torch.Tensor | None
     kept_logmass: torch.Tensor | None = None  # [b, c] log of the mass the sampler kept (with `kept`)
+    tokens: int = 0  # tokens the backbone ran on: padding included, a packed shared prompt once
 
 
 def head_settings(config) -> tuple[float, float | None]:
@@ -84,19 +88,24 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
         kwargs["output_router_logits"] = True
     backbone = getattr(model, model.base_model_prefix)
     outputs = backbone(*args, **kwargs)
-    width = score.targets.shape[1]
-    hidden = outputs.last_hidden_state[:, -(width + 1):-1]  # [b, c, H]: position t predicts token t + 1
-    mask = score.mask.bool()
+    mask, packed = score.mask.bool(), score.packed
+    if packed is None:
+        width = score.targets.shape[1]
+        hidden = outputs.last_hidden_state[:, -(width + 1):-1]  # [b, c, H]: position t predicts token t + 1
+        hidden, targets = hidden[mask], score.targets[mask]  # [n, H], [n]
+        kept = None if score.kept is None else score.kept[mask]  # [n, K]
+    else:  # one packed sequence: the positions that predict each scored token
+        hidden, targets, kept = outputs.last_hidden_state[0, packed.predict], packed.targets, packed.kept
     scale, softcap = head_settings(model.config)
     head = model.get_output_embeddings()
-    kept = None if score.kept is None else score.kept[mask]  # [n, K]
-    logps, entropy, logmass = _head_scores(model, head, hidden[mask], score.targets[mask], kept, score, scale,
-                                           softcap)  # [n]
-    full = hidden.new_zeros(mask.shape, dtype=logps.dtype)
-    logps = full.masked_scatter(mask, logps)  # [b, c]; an all-masked batch stays connected to the graph
+    logps, entropy, logmass = _head_scores(model, head, hidden, targets, kept, score, scale, softcap)  # [n]
+    full = hidden.new_zeros(mask.shape, dtype=logps.dtype)  # [b, c]; an all-masked batch stays connected
+    place = (lambda values: full.masked_scatter(mask, values)) if packed is None else \
+        (lambda values: full.index_put((packed.rows, packed.cols), values))
+    logps = place(logps)
     if entropy is not None:
-        entropy = full.masked_scatter(mask, entropy)
-    logmass = None if kept is None else full.detach().masked_scatter(mask, logmass)
+        entropy = place(entropy)
+    logmass = None if kept is None else place(logmass).detach()
     aux = _router_loss(model, outputs, kwargs.get("attention_mask")) if score.router_loss else None
     return Scored(logps, entropy, aux, logmass)
 
@@ -145,7 +154,7 @@ def _module_scores(head, hidden, targets, kept, score: Score, scale: float, soft
     """The head called as a module, one checkpointed tile at a time (its [t, V] logits recomputed in
     backward)."""
     tile = score.tile or tile_positions(head.out_features if hasattr(head, "out_features")
-                                        else head.weight.shape[0])
+                                        else head.weight.shape[0], device=hidden.device)
     parts = [checkpoint(_tile_scores, head, hidden[i:i + tile], targets[i:i + tile],
                         None if kept is None else kept[i:i + tile], score.temperature, scale, softcap,
                         score.entropy, use_reentrant=False) for i in range(0, hidden.shape[0], tile)]
@@ -181,14 +190,22 @@ def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
 
 
 def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = False,
-               router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None) -> Scored:
+               router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None,
+               packing: str | None = None) -> Scored:
     """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index tensor),
     from a model with `install_scoring`; renormalised over the sampler's kept tokens where the rollout
-    carries them (`sampling_kept`). The batch is cut to its own longest completion (c <= C, rounded up to
-    `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every row
-    cost a forward pass and change nothing."""
+    carries them (`sampling_kept`). Padded, the batch is cut to its own longest completion (c <= C, rounded
+    up to `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every
+    row cost a forward pass and change nothing. `packing` "rows" / "prompts": the rows packed into one
+    sequence without padding, prompts shared by rows held once with "prompts" (rlft/packing.py)."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
+    if packing is not None:
+        listed = _row_list(rows, rollout.completion_ids.shape[0])
+        packed = pack_rows(rollout, listed, packing == "prompts")
+        if packed.targets.numel():  # (no token to score: the padded forward keeps the graph connected)
+            return _score_packed(model, rollout, listed, width, packed, temperature, entropy, router_loss,
+                                 tile)
     if isinstance(pad_to_multiple_of, int):
         width = min(-(-width // pad_to_multiple_of) * pad_to_multiple_of, completion_mask.shape[1])
     prompt_mask = rollout.prompt_mask[rows]
@@ -200,4 +217,34 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     kept = rollout.sampling_kept
     score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile,
                   None if kept is None else kept[rows, :width])
-    return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
+    scored = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
+    scored.tokens = ids.numel()
+    return scored
+
+
+def _row_list(rows, total: int) -> list[int]:
+    if isinstance(rows, slice):
+        return list(range(*rows.indices(total)))
+    return rows.tolist() if torch.is_tensor(rows) else list(rows)
+
+
+def _score_packed(model, rollout, rows: list[int], width: int, packed: Packed, temperature: float,
+                  entropy: bool, router_loss: bool, tile: int | None) -> Scored:
+    index = torch.tensor(rows, dtype=torch.long, device=rollout.completion_ids.device)
+    score = Score(rollout.completion_ids[index, :width], rollout.completion_mask[index, :width], temperature,
+                  entropy, router_loss, tile, packed=packed)
+    install(_scoring_model(model))
+    with packed_forward():
+        scored = model(input_ids=packed.input_ids, position_ids=packed.position_ids, rlft_score=score,
+                       rlft_blocks=packed.blocks)
+    scored.tokens = packed.input_ids.numel()
+    return scored
+
+
+def _scoring_model(model):
+    """The transformers model inside whatever wraps it (DDP, DeepSpeed, peft): the one `install_scoring`
+    patched (its own attribute: wrappers forward attribute lookups to what they wrap)."""
+    for module in model.modules():
+        if vars(module).get("_rlft_scoring", False):
+            return module
+    raise ValueError("packed scoring needs a model prepared with install_scoring")

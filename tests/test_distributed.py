@@ -37,6 +37,15 @@ def test_one_step_on_two_processes_equals_one_process_for_every_loss_type_and_op
     assert one["off_policy_mask"]["metrics"]["off_policy/masked_fraction"] > 0  # the options did act
     assert 0 < one["top_entropy_quantile"]["metrics"]["entropy_mask/kept_fraction"] < 1
     assert one["delta"]["metrics"]["clip_ratio/delta_mean"] > 0
+    for packed in ("packed_prompts", "packed_rows"):
+        assert one[packed]["tokens"]["tokens/packed_fraction"] == two[packed]["tokens"]["tokens/packed_fraction"] == 1
+    assert one["padded"]["tokens"]["tokens/packed_fraction"] == 0
+    for packed in ("packed_prompts", "packed_rows"):  # packed (a group's prompt once / every row whole) = padded
+        for name, param in one["padded"]["params"].items():
+            assert torch.allclose(param, one[packed]["params"][name], atol=1e-5, rtol=0), (packed, name)
+        assert one[packed]["metrics"]["loss"] == pytest.approx(one["padded"]["metrics"]["loss"], abs=1e-6)
+    assert one["packed_prompts"]["tokens"]["tokens/computed"] < one["packed_rows"]["tokens"]["tokens/computed"] \
+        < one["padded"]["tokens"]["tokens/computed"]
     for loss_type in one:
         for name, param in one[loss_type]["params"].items():
             assert torch.allclose(param, two[loss_type]["params"][name], atol=1e-6, rtol=0), (loss_type, name)

@@ -11,7 +11,9 @@ from tests.helpers import addition_rows
 
 
 def one_step(model_dir, tmp_path, per_device: int, accumulation: int, **overrides):
-    """Parameters after one SGD step (lr 1: the change is the gradient) and the shapes fed to the model."""
+    """Parameters after one SGD step (lr 1: the change is the gradient) and the shapes fed to the model;
+    micro-batches padded unless `overrides` say padding_free (these tests are about padded micro-batches)."""
+    overrides = {"padding_free": False, **overrides}
     cfg = GRPOConfig(output_dir=str(tmp_path / f"run{per_device}"), optim="sgd", learning_rate=1.0,
                      max_grad_norm=1e9, seed=0, num_generations=4, per_device_train_batch_size=per_device,
                      gradient_accumulation_steps=accumulation, max_steps=1, max_completion_length=8,
@@ -43,6 +45,9 @@ def test_sorted_trimmed_micro_batches_give_the_one_batch_step(tmp_path, tiny_cau
                 "off_policy/masked_fraction", "vespo/phi_seq_mean", "clip_ratio/delta_mean"):
         if key in whole_metrics:
             assert whole_metrics[key] == pytest.approx(split_metrics[key], abs=1e-6), key
+    if overrides.get("padding_free"):  # packed: one sequence per micro-batch, no padding to compare
+        assert all(shape[0] == 1 for shape in split_shapes)
+        return
     # The fixed completions have 3..7 tokens: the big batch pads every row to the longest, the
     # micro-batches (longest first) only to their own longest.
     lengths = sorted(batch.rollout.completion_mask.sum(dim=1).tolist(), reverse=True)

@@ -180,7 +180,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
             counter="steps_skipped", stop_message=_stop_message(args),
             on_applied=lambda: weights_changed(self.generator))  # an engine with its own weights syncs
-        self.scorer = PolicyScorer(self.model, self.ref_model, acc, args)
+        self.scorer = PolicyScorer(self.model, self.ref_model, acc, args, self.messages)
         options = LossOptions.from_config(args)
         if self.estimator.kl_in_reward:  # beta is in the reward instead: no KL term in the loss
             options = dataclasses.replace(options, beta=0.0)
@@ -235,6 +235,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         metrics = {**batch.metrics, **self.updater.step(batch.part(part, self.rows_per_step))}  # update
         metrics.update(self.updater.sync_reference(step + 1))  # sync_ref_model (TR-DPO)
         metrics.update(self.source.step_metrics(step))
+        metrics.update(self.scorer.tally())  # tokens the step's scoring forwards computed, packed or padded
         seconds = time.perf_counter() - started
         metrics.update({"step_time": seconds, "time/step_seconds": seconds,
                         "num_tokens": self.state.num_input_tokens_seen,

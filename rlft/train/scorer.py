@@ -3,7 +3,10 @@ micro-batch at a time, through the fused LM head (rlft/scoring.py: never a [B, T
 
 Micro-batches hold the longest completions first, so each pads only to its own longest row (a step's loss is
 a sum over rows with global normalisers: row order changes nothing); with `token_budget` they are filled by
-tokens instead of rows (rlft/core/batching.py). The policy's log-probs of a rollout as it was sampled are
+tokens instead of rows (rlft/core/batching.py). With `padding_free` a micro-batch is scored packed into one
+sequence with no padding, a shared prompt once (`shared_prefix_scoring`; rlft/packing.py), once a check on
+the model's first scored rows shows packed and padded agree; left at null, where packing computes at most
+half the tokens padding would. The policy's log-probs of a rollout as it was sampled are
 computed once per rollout and shared by whatever needs them (the KL in RLOO's and REINFORCE++'s reward, the
 old log-probs of several optimiser steps per rollout).
 """
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from rlft.core import segments
 from rlft.core.batching import balanced_bins, budget_count
+from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 from rlft.scoring import score_rows
 
@@ -21,9 +26,12 @@ class PolicyScorer:
     """Log-probs (and entropies) of rollouts under `model` (the policy, as the training engine wraps it) or
     its reference (`ref_model`; with LoRA and no copy, the policy with its adapters off)."""
 
-    def __init__(self, model, ref_model, accelerator, args):
+    def __init__(self, model, ref_model, accelerator, args, messages=None):
         self.model, self.ref_model, self.accelerator, self.args = model, ref_model, accelerator, args
+        self.messages = messages
         self._policy_logps_of: tuple[Rollout, torch.Tensor] | None = None
+        self.packable: bool | None = None  # packed scoring checked exact for this model (None: not yet)
+        self._tally = dict.fromkeys(("computed", "real", "packed", "forwards"), 0)
 
     def forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
                 router_loss: bool = False):
@@ -32,10 +40,78 @@ class PolicyScorer:
         where the rollout carries its kept ids) for `rows` (a slice or an index tensor), cut to the rows'
         longest completion and prompt (rlft/scoring.py: score_rows). With kept ids the log-probs are
         renormalised over them: the distribution the sampler drew from (rlft/rollout/truncation.py)."""
+        packing = self.packing(model, rollout, rows, router_loss)
         scored = score_rows(model, rollout, rows, self.args.temperature, entropy, router_loss,
-                            self.args.logprob_chunk_size, self.args.pad_to_multiple_of)
+                            self.args.logprob_chunk_size, self.args.pad_to_multiple_of, packing)
+        real = int(rollout.prompt_mask[rows].sum()) + int(rollout.completion_mask[rows].sum())
+        for key, value in (("computed", scored.tokens), ("real", real), ("packed", packing is not None),
+                           ("forwards", 1)):
+            self._tally[key] += value
         ent = None if scored.entropy is None else scored.entropy if entropy_grad else scored.entropy.detach()
         return scored.logps, ent, scored.aux_loss, scored.kept_logmass
+
+    def tally(self) -> dict[str, float]:
+        """What the scoring forwards since the last call computed: `tokens/computed` (through the backbone:
+        padding included, a packed shared prompt once), `tokens/real` (each row's prompt and completion,
+        no padding) and `tokens/packed_fraction` (of the forwards); summed over all processes (each calls
+        it)."""
+        tally, self._tally = self._tally, dict.fromkeys(self._tally, 0)
+        values = torch.tensor([int(v) for v in tally.values()], dtype=torch.long,
+                              device=self.accelerator.device)
+        computed, real, packed, forwards = self.accelerator.reduce(values, "sum").tolist()
+        if not forwards:
+            return {}
+        return {"tokens/computed": float(computed), "tokens/real": float(real),
+                "tokens/packed_fraction": packed / forwards}
+
+    def packing(self, model, rollout: Rollout, rows, router_loss: bool = False) -> str | None:
+        """How these rows are scored: "prompts" (packed, shared prompts once), "rows" (packed) or None
+        (padded). A MoE router's balancing loss is over the tokens of each row: rows whole."""
+        asked = self.args.padding_free
+        if asked is False:
+            return None
+        mode = "prompts" if self.args.shared_prefix_scoring and not router_loss else "rows"
+        if self.packable is None:  # at the first forward on every process alike (sharded forwards gather)
+            self.packable = self._check_packing(model, rollout, mode)
+        if not self.packable or (asked is None and not _packing_halves(rollout, rows, mode == "prompts")):
+            return None
+        return mode
+
+    @torch.no_grad()
+    def _check_packing(self, model, rollout: Rollout, mode: str) -> bool:
+        """Packed and padded scoring of a rollout's first rows agree (to the dtype's rounding): the model's
+        attention takes rlft's segment attention and no row sees another. Else padding stays, said once
+        (an error when padding_free is true)."""
+        rows = torch.arange(min(4, rollout.completion_ids.shape[0]), device=rollout.completion_ids.device)
+        args = (self.args.temperature, False, False, self.args.logprob_chunk_size)
+        error, training, device = None, model.training, rollout.completion_ids.device
+        # without dropout (it would make any two forwards differ), and drawing no random number: the run's
+        # random stream is the same wherever the check falls (a resumed run checks at its first step)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model.eval()
+            try:
+                padded = score_rows(model, rollout, rows, *args).logps
+                packed = score_rows(model, rollout, rows, *args, packing=mode).logps
+                gap = (padded - packed).abs().max().item()
+            except (ValueError, RuntimeError, TypeError, AttributeError) as err:
+                gap, error = float("inf"), err
+            finally:
+                model.train(training)
+        half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
+        if gap <= (0.1 if half else 1e-3):
+            if self.messages is not None:
+                self.messages.info(f"packed scoring checked (log-probs within {gap:.2g} of padded); "
+                                   f"attention kernel: {segments.LAST_KERNEL}")
+            return True
+        why = f"packing failed: {error}" if error is not None else \
+            f"packed and padded log-probs differ by {gap:.3g}"
+        if self.args.padding_free:
+            raise ConfigError(f"padding_free=True: {why} for this model ({type(model).__name__}): its "
+                              "attention does not take rlft's packed segments exactly; set "
+                              "padding_free: false")
+        if self.messages is not None:
+            self.messages.warn(f"packed scoring is off for this model: {why}; micro-batches are padded")
+        return False
 
     def micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         """Row indices of each micro-batch (module docstring)."""
@@ -101,3 +177,21 @@ class PolicyScorer:
         if self.args.mask_truncated_completions:
             mask = mask * (~rollout.truncated).float()[:, None]
         return mask
+
+
+def _packing_halves(rollout: Rollout, rows, share_prompts: bool) -> bool:
+    """Packing these rows computes at most half the tokens a padded forward of them would."""
+    prompt = rollout.prompt_mask[rows].sum(dim=1)  # [b]
+    completion = rollout.completion_mask[rows].sum(dim=1)
+    padded = prompt.numel() * (int(prompt.max()) + int(completion.max())) if prompt.numel() else 0
+    packed = int(completion.sum()) + (int(prompt.sum()) if not share_prompts else _distinct_prompt_tokens(
+        rollout, rows))
+    return 2 * packed <= padded
+
+
+def _distinct_prompt_tokens(rollout: Rollout, rows) -> int:
+    seen = {}
+    for ids, mask in zip(rollout.prompt_ids[rows].tolist(), rollout.prompt_mask[rows].tolist()):
+        prompt = tuple(i for i, m in zip(ids, mask) if m)
+        seen[prompt] = len(prompt)
+    return sum(seen.values())

@@ -81,6 +81,9 @@ OPTIONS = {
     "all_together": dict(loss_type="dapo", delta=1.1, top_entropy_quantile=0.5, entropy_coef=0.05,
                          off_policy_mask_threshold=0.02),
     "replayed_kept_sets": dict(top_p=0.8),  # log-probs renormalised over each token's kept ids
+    "padded": dict(padding_free=False),  # the others: packed where that halves the tokens (auto)
+    "packed_prompts": dict(padding_free=True),  # packed, each group's prompt once
+    "packed_rows": dict(padding_free=True, shared_prefix_scoring=False),
 }
 
 
@@ -106,8 +109,10 @@ def main() -> None:
         off_policy(trainer, batch)
         trainer.last_entropy = 0.0  # adaptive entropy: as if the previous step was below the target
         metrics = {**batch.metrics, **trainer.updater.step(batch)}
+        tokens = trainer.scorer.tally()  # how micro-batches fall (and so their padding) depends on the split
         params = trainer.accelerator.get_state_dict(trainer.model) or {}  # every process gathers; ZeRO-3: rank 0 gets it
         results[name] = {"params": {k: v.detach().clone() for k, v in params.items()}, "engine": trainer.engine.name,
+                         "tokens": tokens,
                          "metrics": {k: v for k, v in metrics.items()
                                      if "time" not in k and k != "tokens_per_second" and not k.startswith("perf/")}}
     if trainer.accelerator.is_main_process:
