@@ -106,3 +106,4 @@ def test_no_tensor_of_positions_times_vocabulary_is_built_forward_or_backward():
 def test_tiles_are_sized_to_the_vocabulary():
     assert tile_positions(151_936) == (1 << 24) // 151_936
     assert tile_positions(10) == (1 << 24) // 10 and tile_positions(1 << 30) == 1
+    assert tile_positions(151_936, device="cuda") == (1 << 26) // 151_936  # larger tiles fill a GPU

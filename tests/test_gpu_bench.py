@@ -39,3 +39,17 @@ def test_tiny_cpu_run_agrees_across_libraries(tmp_path):
     assert "| shape | library | completion tokens | peak RSS (GiB) |" in report
     assert all(f"| tiny | {lib} | 32 |" in report for lib in libs)
     assert report.count("\n{") == len(libs)  # the JSON lines, one per child
+
+
+def test_packing_bench_runs_at_its_tiny_cpu_shape(tmp_path):
+    """benchmarks/gpu/packing.py end to end on a CPU: every variant scores the padded log-probs."""
+    out = tmp_path / "packing.md"
+    command = [sys.executable, str(BENCH.parent / "packing.py"), "--device", "cpu", "--shape", "tiny",
+               "--scale", "64", "--sweep", "32", "64", "--repeats", "1", "--vocab", "500", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith('{"workload"')]
+    assert len(rows) == 15 and {r["kernel"] for r in rows if r["variant"] != "padded"} == {"sdpa per block"}
+    assert all(r["max_logp_diff_vs_padded"] < 1e-5 for r in rows)
+    skewed = {r["variant"]: r["computed_tokens"] for r in rows if r["workload"] == "skewed"}
+    assert skewed["prompts"] < skewed["rows"] == rows[1]["real_tokens"] < skewed["padded"]

@@ -77,12 +77,16 @@ def dtype_of(args):
     return getattr(torch, name)
 
 
-def prepare(lib: str, model) -> None:
+def prepare(lib: str, model, args) -> None:
     """Give the model the forward its library scores with (plain needs nothing)."""
     if lib == "rlft":
         from rlft.scoring import install_scoring
 
         install_scoring(model)
+        if args.tile_elements:  # rlft's tile size (float32 logits per tile), to measure the default's choice
+            import rlft.core.fused_head as fused_head
+
+            fused_head.TILE_ELEMENTS = fused_head.GPU_TILE_ELEMENTS = args.tile_elements
     elif lib == "trl":
         from trl.trainer.utils import add_fused_lm_head
 
@@ -124,11 +128,11 @@ def child(args) -> dict:
     import torch
 
     lib, length, cuda = args.child, args.lengths[0], args.device.startswith("cuda")
-    row = {"lib": lib, "shape": args.shape[0], "rows": args.rows, "length": length,
+    row = {"lib": lib, "shape": args.shape[0], "rows": args.rows, "length": length, "tile_elements": args.tile_elements,
            "dtype": str(dtype_of(args)).removeprefix("torch."), "versions": versions(lib),
            "device_name": torch.cuda.get_device_name(args.device) if cuda else f"CPU ({platform.machine()})"}
     model, ids, mask = build(args, length)
-    prepare(lib, model)
+    prepare(lib, model, args)
     row["model_gb"] = round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 3)
     if cuda:
         torch.cuda.empty_cache()
@@ -155,6 +159,7 @@ def run(args, lib: str, shape: str, length: int) -> dict:
                "--rows", str(args.rows), "--repeats", str(args.repeats), "--device", args.device,
                "--dtype", args.dtype, "--vocab", str(args.vocab)]
     command += [] if args.checkpointing else ["--no-checkpointing"]
+    command += ["--tile-elements", str(args.tile_elements)] if args.tile_elements else []
     out = subprocess.run(command, capture_output=True, text=True, check=False)
     if out.returncode:
         last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
@@ -213,6 +218,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="keep every layer's activations (GRPO in both libraries checkpoints by default)")
+    parser.add_argument("--tile-elements", type=int, default=None,
+                        help="rlft: float32 logits per LM-head tile (default: rlft's own choice)")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl==1.16.0 installed")
     parser.add_argument("--out", default=None, help="write the table and JSON lines to this markdown file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

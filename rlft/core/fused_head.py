@@ -39,25 +39,49 @@ import torch
 
 # float32 logits per tile (64 MiB): large enough that re-reading W per tile is amortised
 TILE_ELEMENTS = 1 << 24
+# on a GPU (256 MiB): a tile's matmuls are too small to fill the device at 64 MiB, and each tile is a dozen
+# kernel launches (benchmarks/gpu/README.md measures the choice)
+GPU_TILE_ELEMENTS = 1 << 26
 
 
-def tile_positions(vocab: int, tile_elements: int = TILE_ELEMENTS) -> int:
-    """Positions per tile so that one tile of float32 logits holds about `tile_elements` values."""
+def tile_positions(vocab: int, tile_elements: int | None = None, device: torch.device | str | None = None,
+                   ) -> int:
+    """Positions per tile so that one tile of float32 logits holds about `tile_elements` values (by default
+    TILE_ELEMENTS, GPU_TILE_ELEMENTS on a CUDA `device`)."""
+    if tile_elements is None:
+        cuda = device is not None and torch.device(device).type == "cuda"
+        tile_elements = GPU_TILE_ELEMENTS if cuda else TILE_ELEMENTS
     return max(1, tile_elements // max(vocab, 1))
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
             softcap: float | None, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """z [t, V] float32 and, with softcapping, tanh(c u / k) [t, V] (for the backward)."""
+    """z [t, V] float32 and, with softcapping, tanh(c u / k) [t, V] (for the backward). In place where it
+    can be: one [t, V] float32 tensor, not one per step (a factor of 1 is skipped: it changes no bit)."""
     raw = hidden @ weight.t()  # [t, V] in the model's dtype
     if bias is not None:
-        raw = raw + bias
-    scaled = raw.to(torch.promote_types(raw.dtype, torch.float32)) * scale  # float32 (float64 stays float64)
+        raw += bias
+    z = raw.to(torch.promote_types(raw.dtype, torch.float32))  # float32 (float64 stays float64)
+    if scale != 1:
+        z *= scale
     squashed = None
     if softcap:
-        squashed = torch.tanh(scaled / softcap)
-        scaled = squashed * softcap
-    return scaled / temperature, squashed
+        squashed = torch.tanh(z / softcap)
+        z = squashed * softcap
+    if temperature != 1:
+        z /= temperature
+    return z, squashed
+
+
+def _accumulate(total: torch.Tensor, grad_u: torch.Tensor, low: torch.Tensor, hidden: torch.Tensor) -> None:
+    """dL/dW (float32 `total` [V, H]) += dL/du^T h for one tile. On a GPU with a bfloat16/float16 model, the
+    product of `low` (dL/du in the model's dtype, as dL/dh uses it) and h in the tensor cores, accumulated in
+    float32 by the matmul itself (never rounded to the half type: summed over tiles, that rounding biases the
+    gradient); elsewhere the float32 (float64) dL/du times h cast up, as before."""
+    if total.device.type == "cuda" and low.dtype in (torch.float16, torch.bfloat16):
+        torch.addmm(total, low.t(), hidden, out_dtype=torch.float32, out=total)
+    else:
+        total.addmm_(grad_u.t(), hidden.to(total.dtype))
 
 
 def kept_lse(z: torch.Tensor, kept: torch.Tensor, targets: torch.Tensor,
@@ -118,28 +142,39 @@ class _TiledLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=work, device=weight.device) if need_w else None  # [V, H]
         grad_b = torch.zeros(weight.shape[0], dtype=work, device=weight.device) \
             if need_b and bias is not None else None  # [V]
+        chain = scale / temperature
         for start in range(0, hidden.shape[0], tile):
             rows = slice(start, start + tile)
             z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature)  # [t, V]
-            probs = torch.exp(z - lses[rows, None])  # [t, V]
             g = grad_logps[rows, None].to(z.dtype)
-            grad_z = -probs * g
-            if kept is not None:  # rows renormalised over their kept tokens: p_K there, 0 elsewhere
+            ent = None
+            if grad_entropy is not None:  # e p (z - lse + H), p filled in below
+                ent = z + (entropy[rows] - lses[rows])[:, None]
+            if kept is not None:
                 ids, renormalised = kept[rows].clamp(min=0).long(), used[rows] != lses[rows]
                 picked = z.gather(-1, ids).masked_fill(kept[rows] < 0, float("-inf"))  # [t, K]
+            grad_z = z.sub_(lses[rows, None]).exp_()  # p [t, V], in z's memory
+            if ent is not None:
+                ent *= grad_z
+                ent *= grad_entropy[rows, None].to(z.dtype)
+            grad_z *= -g
+            if kept is not None:  # rows renormalised over their kept tokens: p_K there, 0 elsewhere
                 grad_z.masked_fill_(renormalised[:, None], 0.0)
                 kept_grad = -torch.exp(picked - used[rows, None]) * g * renormalised[:, None]  # [t, K]
                 grad_z.scatter_add_(-1, ids, kept_grad)
             grad_z.scatter_add_(-1, targets[rows, None], g)  # + g [j = y]
-            if grad_entropy is not None:
-                shift = (entropy[rows] - lses[rows])[:, None]  # H - lse
-                grad_z -= grad_entropy[rows, None].to(z.dtype) * probs * (z + shift)
-            chain = scale / temperature
-            grad_u = grad_z * (chain * (1 - squashed**2) if squashed is not None else chain)  # [t, V] float32
+            if ent is not None:
+                grad_z -= ent
+            if squashed is not None:
+                grad_z *= chain * (1 - squashed**2)
+            elif chain != 1:
+                grad_z *= chain
+            grad_u = grad_z  # dL/du [t, V]
+            low = grad_u.to(weight.dtype)
             if need_h:
-                grad_h[rows] = (grad_u.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[rows] = (low @ weight).to(hidden.dtype)
             if need_w:
-                grad_w.addmm_(grad_u.t().to(work), hidden[rows].to(work))
+                _accumulate(grad_w, grad_u, low, hidden[rows])
             if grad_b is not None:
                 grad_b += grad_u.sum(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
@@ -173,6 +208,6 @@ def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     if hidden.shape[0] == 0:
         empty = hidden.sum(-1).float()  # [0], still connected to the graph
         return empty, (empty if entropy else None), empty.detach()
-    tile = tile or tile_positions(weight.shape[0])
+    tile = tile or tile_positions(weight.shape[0], device=hidden.device)
     return _TiledLogProbs.apply(hidden, weight, bias, targets, kept, float(temperature), float(logit_scale),
                                 softcap, int(tile), bool(entropy), whole)
