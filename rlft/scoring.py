@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlft.core.distill import Head, tiled_divergence
 from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
 from rlft.packing import Packed, install, pack_rows, packed_forward
 
@@ -42,6 +43,19 @@ class Score:
     kept: torch.Tensor | None = None
     # the rows packed into one sequence (rlft/packing.py): the hidden states are read where it says
     packed: Packed | None = None
+    # distillation: the divergence to a teacher at the scored positions instead of log-probs
+    teacher: TeacherStates | None = None
+
+
+@dataclass
+class TeacherStates:
+    """A teacher's view of the scored positions: its last hidden states [n, H_t] (no gradient), in the
+    order the student's are read (the completion mask's), its LM head, and the divergence's beta
+    (rlft/core/distill.py)."""
+
+    hidden: torch.Tensor
+    head: Head
+    beta: float
 
 
 @dataclass
@@ -51,6 +65,7 @@ class Scored:
     aux_loss: torch.Tensor | None
     kept_logmass: torch.Tensor | None = None  # [b, c] log of the mass the sampler kept (with `kept`)
     tokens: int = 0  # tokens the backbone ran on: padding included, a packed shared prompt once
+    divergence: torch.Tensor | None = None  # [b, c] with a teacher: each token's divergence to it
 
 
 def head_settings(config) -> tuple[float, float | None]:
@@ -98,10 +113,16 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
         hidden, targets, kept = outputs.last_hidden_state[0, packed.predict], packed.targets, packed.kept
     scale, softcap = head_settings(model.config)
     head = model.get_output_embeddings()
+    def place(values):  # [n] -> [b, c], 0 elsewhere; an all-masked batch stays connected
+        full = hidden.new_zeros(mask.shape, dtype=values.dtype)
+        return full.masked_scatter(mask, values) if packed is None else \
+            full.index_put((packed.rows, packed.cols), values)
+
+    if score.teacher is not None:
+        divergence, entropy = _divergence(head, hidden, score, scale, softcap)  # [n]
+        entropy = place(entropy).detach()
+        return Scored(torch.zeros_like(entropy), entropy, None, divergence=place(divergence))
     logps, entropy, logmass = _head_scores(model, head, hidden, targets, kept, score, scale, softcap)  # [n]
-    full = hidden.new_zeros(mask.shape, dtype=logps.dtype)  # [b, c]; an all-masked batch stays connected
-    place = (lambda values: full.masked_scatter(mask, values)) if packed is None else \
-        (lambda values: full.index_put((packed.rows, packed.cols), values))
     logps = place(logps)
     if entropy is not None:
         entropy = place(entropy)
@@ -150,6 +171,39 @@ def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float,
     return _module_scores(head, hidden, targets, kept, score, scale, softcap)
 
 
+def _divergence(head, hidden, score: Score, scale: float, softcap: float | None):
+    """(D [n], the student's entropy [n]) to the teacher's states, tile by tile (rlft/core/distill.py)."""
+    plain = _plain_weight(head)
+    if plain is None:
+        raise ValueError("distillation reads the student's LM head as a weight; an LM head adapted by peft "
+                         "is not supported: leave lm_head out of the LoRA target_modules")
+    weight, bias = plain
+    teacher = score.teacher
+    student = Head(weight, bias, scale, softcap, _gathered(weight, bias))
+    return tiled_divergence(hidden.to(weight.dtype), teacher.hidden, student, teacher.head, teacher.beta,
+                            score.temperature, score.tile)
+
+
+@torch.no_grad()
+def teacher_states(teacher, ids, mask, position_ids, completion_mask, beta: float) -> TeacherStates:
+    """The teacher's hidden states at the positions that predict each real completion token of this padded
+    batch (the last `c` columns; completion_mask [b, c]), and its LM head. Its backbone only: the teacher's
+    [B, T, V] logits are never formed."""
+    inner = teacher.get_base_model() if hasattr(teacher, "get_base_model") else teacher
+    backbone = getattr(inner, inner.base_model_prefix)
+    outputs = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+    width = completion_mask.shape[1]
+    hidden = outputs.last_hidden_state[:, -(width + 1):-1][completion_mask.bool()]  # [n, H_t]
+    plain = _plain_weight(inner.get_output_embeddings())
+    if plain is None:
+        raise ValueError("the teacher's LM head must be a plain linear layer (not adapted by peft)")
+    weight, bias = plain
+    scale, softcap = head_settings(inner.config)
+    # the parameters themselves (read inside the divergence's autograd function: no graph), not detached
+    # copies: a ZeRO-3 gather fills the parameter in place
+    return TeacherStates(hidden, Head(weight, bias, scale, softcap, _gathered(weight, bias)), beta)
+
+
 def _module_scores(head, hidden, targets, kept, score: Score, scale: float, softcap: float | None):
     """The head called as a module, one checkpointed tile at a time (its [t, V] logits recomputed in
     backward)."""
@@ -191,16 +245,18 @@ def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
 
 def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = False,
                router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None,
-               packing: str | None = None) -> Scored:
+               packing: str | None = None, teacher=None, beta: float = 1.0) -> Scored:
     """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index tensor),
     from a model with `install_scoring`; renormalised over the sampler's kept tokens where the rollout
     carries them (`sampling_kept`). Padded, the batch is cut to its own longest completion (c <= C, rounded
     up to `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every
     row cost a forward pass and change nothing. `packing` "rows" / "prompts": the rows packed into one
-    sequence without padding, prompts shared by rows held once with "prompts" (rlft/packing.py)."""
+    sequence without padding, prompts shared by rows held once with "prompts" (rlft/packing.py). With a
+    `teacher` model (same vocabulary): `Scored.divergence` [b, c], each token's divergence from the teacher
+    at `beta` (rlft/core/distill.py), and the student's entropy, instead of log-probs; padded."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
-    if packing is not None:
+    if packing is not None and teacher is None:
         listed = _row_list(rows, rollout.completion_ids.shape[0])
         packed = pack_rows(rollout, listed, packing == "prompts")
         if packed.targets.numel():  # (no token to score: the padded forward keeps the graph connected)
@@ -217,6 +273,8 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     kept = rollout.sampling_kept
     score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile,
                   None if kept is None else kept[rows, :width])
+    if teacher is not None:
+        score.teacher = teacher_states(teacher, ids, mask, position_ids, completion_mask[:, :width], beta)
     scored = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
     scored.tokens = ids.numel()
     return scored

@@ -1,0 +1,151 @@
+"""On-policy distillation's per-token divergence, tile by tile from the two models' hidden states.
+
+Generalized Jensen-Shannon divergence (Agarwal et al. 2024, "On-Policy Distillation of Language Models:
+Learning from Self-Generated Mistakes", arXiv:2306.13649, GKD), as TRL's DistillationTrainer defines `beta`:
+with the student's and the teacher's next-token distributions at one position, both at temperature T,
+
+    p_s = softmax(z_s),  z_s = c_s (h_s W_s^T + b_s) / T          (the student's, differentiable)
+    p_t = softmax(z_t),  z_t = c_t (h_t W_t^T + b_t) / T          (the teacher's, no gradient)
+
+    beta = 0:      D = KL(p_t || p_s) = sum_j p_t,j (log p_t,j - log p_s,j)          (forward KL)
+    beta = 1:      D = KL(p_s || p_t) = sum_j p_s,j (log p_s,j - log p_t,j)   (reverse KL, TRL default)
+    0 < beta < 1:  m = (1 - beta) p_s + beta p_t
+                   D = beta KL(p_t || m) + (1 - beta) KL(p_s || m)
+
+(the mixture's formula goes to 0 at both ends; 0 and 1 are the two KLs, as TRL has them). c is a model's
+logit scale (and Gemma-2's softcapping k tanh(u / k) where set, rlft/core/fused_head.py). The gradient
+with respect to the student's logits, per position:
+
+    beta = 0:      dD/dz_s = p_s - p_t
+    beta = 1:      dD/dz_s = p_s (log p_s - log p_t - D)
+    0 < beta < 1:  dD/dz_s = (1 - beta) p_s (log p_s - log m - KL(p_s || m))
+
+The vocabulary is never held for all positions: each tile of positions is projected through both heads,
+reduced to D (and the student's entropy, a metric) and dropped; the backward recomputes the tile. Logits
+are float32 whatever the models' dtype. Shapes: N positions, H_s / H_t hidden sizes, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlft.core.fused_head import _accumulate, _logits, tile_positions
+
+
+@dataclass(frozen=True)
+class Head:
+    """One model's LM head as the divergence reads it: weight [V, H], bias [V] or None, logit scale,
+    softcapping, and `whole()`: a context in which a partitioned weight is whole (ZeRO-3)."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+    whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def divergence_from_logprobs(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
+    """D [t] from log p_s, log p_t [t, V] (the module docstring's three cases)."""
+    if beta == 0.0:
+        return (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    if beta == 1.0:
+        return (log_ps.exp() * (log_ps - log_pt)).sum(-1)
+    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
+    return (beta * (log_pt.exp() * (log_pt - log_m)).sum(-1)
+            + (1 - beta) * (log_ps.exp() * (log_ps - log_m)).sum(-1))
+
+
+def _divergence_grad(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float,
+                     d: torch.Tensor) -> torch.Tensor:
+    """dD/dz_s [t, V] (the module docstring), `d` [t] the tile's D."""
+    p_s = log_ps.exp()
+    if beta == 0.0:
+        return p_s - log_pt.exp()
+    if beta == 1.0:
+        return p_s * (log_ps - log_pt - d[:, None])
+    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
+    gap = log_ps - log_m
+    kl_s = (p_s * gap).sum(-1, keepdim=True)  # KL(p_s || m)
+    return (1 - beta) * p_s * (gap - kl_s)
+
+
+class _TiledDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_s, weight_s, bias_s, hidden_t, student: Head, teacher: Head, beta, temperature,
+                tile):
+        n = hidden_s.shape[0]
+        work = torch.promote_types(hidden_s.dtype, torch.float32)
+        d = torch.empty(n, dtype=work, device=hidden_s.device)  # [N]
+        entropy = torch.empty_like(d)  # [N] the student's, at temperature T
+        with student.whole(), teacher.whole():
+            for start in range(0, n, tile):
+                rows = slice(start, start + tile)
+                log_ps, log_pt = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher, temperature)
+                d[rows] = divergence_from_logprobs(log_ps, log_pt, beta)
+                entropy[rows] = -(log_ps.exp() * log_ps).sum(-1)
+        ctx.save_for_backward(hidden_s, hidden_t, d)
+        ctx.settings = (student, teacher, beta, temperature, tile)
+        ctx.mark_non_differentiable(entropy)
+        return d, entropy
+
+    @staticmethod
+    def backward(ctx, grad_d, grad_entropy):
+        hidden_s, hidden_t, d = ctx.saved_tensors
+        student, teacher, beta, temperature, tile = ctx.settings
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        weight = student.weight
+        work = torch.promote_types(weight.dtype, torch.float32)
+        grad_h = torch.empty_like(hidden_s) if need_h else None  # [N, H_s]
+        grad_w = torch.zeros(weight.shape, dtype=work, device=weight.device) if need_w else None  # [V, H_s]
+        grad_b = torch.zeros(weight.shape[0], dtype=work, device=weight.device) \
+            if need_b and student.bias is not None else None  # [V]
+        with student.whole(), teacher.whole():
+            for start in range(0, hidden_s.shape[0], tile):
+                rows = slice(start, start + tile)
+                log_ps, log_pt, squashed = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher,
+                                                          temperature, keep_squashed=True)
+                grad_z = _divergence_grad(log_ps, log_pt, beta, d[rows]) * grad_d[rows, None].to(log_ps.dtype)
+                chain = student.scale / temperature
+                grad_u = grad_z * (chain * (1 - squashed**2) if squashed is not None else chain)  # [t, V]
+                low = grad_u.to(weight.dtype)
+                if need_h:
+                    grad_h[rows] = (low @ weight).to(hidden_s.dtype)
+                if need_w:
+                    _accumulate(grad_w, grad_u, low, hidden_s[rows])
+                if grad_b is not None:
+                    grad_b += grad_u.sum(0)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(student.bias.dtype), None, None, None, None, None, None)
+
+
+def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, keep_squashed: bool = False):
+    """log p_s, log p_t [t, V] float32 for one tile (and the student's tanh(c u / k) for the backward)."""
+    z_s, squashed = _logits(h_s, student.weight, student.bias, student.scale, student.softcap, temperature)
+    z_t, _ = _logits(h_t, teacher.weight, teacher.bias, teacher.scale, teacher.softcap, temperature)
+    log_ps = z_s - torch.logsumexp(z_s, dim=-1, keepdim=True)
+    log_pt = z_t.to(log_ps.dtype) - torch.logsumexp(z_t, dim=-1, keepdim=True).to(log_ps.dtype)
+    return (log_ps, log_pt, squashed) if keep_squashed else (log_ps, log_pt)
+
+
+def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: Head, teacher: Head,
+                     beta: float = 1.0, temperature: float = 1.0, tile: int | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D [N], the student's entropy [N]) at N positions from the student's hidden states [N, H_s]
+    (differentiable, as are the student head's weight and bias) and the teacher's [N, H_t] (no gradient).
+    Never allocates [N, V]. The heads must share the vocabulary (V)."""
+    if student.weight.shape[0] != teacher.weight.shape[0]:
+        raise ValueError(f"the student's vocabulary ({student.weight.shape[0]}) and the teacher's "
+                         f"({teacher.weight.shape[0]}) differ: distillation compares their next-token "
+                         "distributions token by token, so both must use the same tokenizer")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
+    if hidden_s.shape[0] == 0:
+        empty = hidden_s.sum(-1).float()
+        return empty, empty.detach()
+    tile = tile or tile_positions(student.weight.shape[0], device=hidden_s.device)
+    return _TiledDivergence.apply(hidden_s, student.weight, student.bias, hidden_t.detach(), student, teacher,
+                                  float(beta), float(temperature), int(tile))
