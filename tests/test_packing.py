@@ -17,7 +17,7 @@ from rlft.packing import pack_rows
 from rlft.rollout.base import Rollout
 from rlft.scoring import install_scoring, score_rows
 from rlft.tiny import build_causal_lm, build_tokenizer
-from rlft.train.scorer import _packing_halves
+from rlft.train.scorer import packing_pays
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 
 
@@ -136,10 +136,16 @@ def test_eager_attention_is_refused_by_name():
         score_rows(model, rollout(384), torch.arange(5), packing="rows")
 
 
-def test_auto_packing_needs_half_the_tokens():
+def test_auto_packing_needs_half_the_tokens_and_blocks_worth_a_call():
+    """padding_free null: packed at most half the padded tokens and, where attention loops over the blocks
+    (a CPU), 32 tokens a block on average (shorter ones cost more in calls than the padding they save)."""
+    rows = torch.arange(4)
     r = rollout(384, prompts=((5, 4),), lengths=(8, 1, 1, 1))
-    assert not _packing_halves(r, torch.arange(4), share_prompts=False)  # 31 of 52 tokens
-    assert _packing_halves(r, torch.arange(4), share_prompts=True)  # 16 of 52
+    assert not packing_pays(r, rows, share_prompts=False, one_call=True)  # 31 of 52 tokens
+    assert packing_pays(r, rows, share_prompts=True, one_call=True)  # 16 of 52 tokens, one varlen call
+    assert not packing_pays(r, rows, share_prompts=True, one_call=False)  # 16 tokens in 5 blocks
+    r = rollout(384, prompts=((40, 4),), lengths=(100, 20, 20, 20), width=100)
+    assert packing_pays(r, rows, share_prompts=True, one_call=False)  # 200 of 560 tokens, 5 blocks
 
 
 def one_step(kind: str, model_dir, out, **fields):

@@ -86,6 +86,12 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     return out, None
 
 
+def one_call(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a packed attention on tensors of this device and dtype runs as one varlen call (no loop over
+    the blocks), the head size and options permitting."""
+    return varlen_attn is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 def kernel(query: torch.Tensor, dropout: float = 0.0, window: int | None = None,
            scaling: float | None = None) -> str:
     """Which kernel `segment_attention` runs for this query (module docstring): "varlen flash" or
