@@ -37,7 +37,7 @@ def lora_config(lora: bool, task_type: str):
 def grpo(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> GRPOTrainer:
     cfg = GRPOConfig(model_init_kwargs={"dtype": dtype}, output_dir=str(out), num_generations=4,
                      per_device_train_batch_size=4, beta=0.04, gradient_accumulation_steps=2 // world(),
-                     max_completion_length=8, **COMMON)
+                     max_completion_length=8, padding_free=True, **COMMON)  # packed, under every engine
     trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(16),
                           peft_config=lora_config(lora, "CAUSAL_LM"))
     trainer.generator = FixedGenerator(trainer.tokenizer)
