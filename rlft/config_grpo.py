@@ -216,9 +216,10 @@ class _GRPOFields(_BaseConfig):
                                         "per_device_train_batch_size rows"})
     padding_free: bool | None = field(
         default=None, metadata={"help": "score each micro-batch packed into one sequence, no padding (null: "
-                                        "where that computes at most half the tokens a padded one would; "
-                                        "true: always; false: never); used once a check shows it exact for "
-                                        "the model"})
+                                        "where that computes at most half the tokens a padded one would "
+                                        "and, where attention loops over the rows (a CPU), rows average 32 "
+                                        "tokens or more; true: always; false: never); used once a check "
+                                        "shows it exact for the model"})
     shared_prefix_scoring: bool = field(
         default=True, metadata={"help": "packed scoring holds a prompt several completions share once, each "
                                         "completion attending to it (false: every row whole)"})

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlft.core.fused_head import _accumulate, _logits, tile_positions
+from rlft.core.fused_head import HeadGrads, _logits, tile_positions
 
 
 @dataclass(frozen=True)
@@ -96,30 +96,15 @@ class _TiledDivergence(torch.autograd.Function):
     def backward(ctx, grad_d, grad_entropy):
         hidden_s, hidden_t, d = ctx.saved_tensors
         student, teacher, beta, temperature, tile = ctx.settings
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        weight = student.weight
-        work = torch.promote_types(weight.dtype, torch.float32)
-        grad_h = torch.empty_like(hidden_s) if need_h else None  # [N, H_s]
-        grad_w = torch.zeros(weight.shape, dtype=work, device=weight.device) if need_w else None  # [V, H_s]
-        grad_b = torch.zeros(weight.shape[0], dtype=work, device=weight.device) \
-            if need_b and student.bias is not None else None  # [V]
+        grads = HeadGrads(hidden_s, student.weight, student.bias, ctx.needs_input_grad[:3])
         with student.whole(), teacher.whole():
             for start in range(0, hidden_s.shape[0], tile):
                 rows = slice(start, start + tile)
                 log_ps, log_pt, squashed = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher,
                                                           temperature, keep_squashed=True)
                 grad_z = _divergence_grad(log_ps, log_pt, beta, d[rows]) * grad_d[rows, None].to(log_ps.dtype)
-                chain = student.scale / temperature
-                grad_u = grad_z * (chain * (1 - squashed**2) if squashed is not None else chain)  # [t, V]
-                low = grad_u.to(weight.dtype)
-                if need_h:
-                    grad_h[rows] = (low @ weight).to(hidden_s.dtype)
-                if need_w:
-                    _accumulate(grad_w, grad_u, low, hidden_s[rows])
-                if grad_b is not None:
-                    grad_b += grad_u.sum(0)
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(student.bias.dtype), None, None, None, None, None, None)
+                grads.add(rows, grad_z, squashed, student.scale / temperature)
+        return (*grads.result(), None, None, None, None, None, None)
 
 
 def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, keep_squashed: bool = False):

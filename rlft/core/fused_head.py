@@ -94,6 +94,41 @@ def kept_lse(z: torch.Tensor, kept: torch.Tensor, targets: torch.Tensor,
     return torch.where(has, torch.logsumexp(picked, dim=-1), lse)
 
 
+class HeadGrads:
+    """dL/dh [N, H], dL/dW [V, H] and dL/db [V] of an LM head, filled tile by tile from each tile's dL/dz; W's
+    and b's accumulated in float32 (float64 stays float64). `needs`: the autograd function's
+    needs_input_grad for (hidden, weight, bias)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, needs):
+        need_h, need_w, need_b = needs
+        work = torch.promote_types(weight.dtype, torch.float32)
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.h = torch.empty_like(hidden) if need_h else None
+        self.w = torch.zeros(weight.shape, dtype=work, device=weight.device) if need_w else None
+        self.b = torch.zeros(weight.shape[0], dtype=work, device=weight.device) \
+            if need_b and bias is not None else None
+
+    def add(self, rows: slice, grad_z: torch.Tensor, squashed: torch.Tensor | None, chain: float) -> None:
+        """One tile's dL/dz [t, V] (scaled in place) back through the logit transform -- dz/du = chain, times
+        1 - tanh^2 with softcapping -- and the head."""
+        if squashed is not None:
+            grad_z *= chain * (1 - squashed**2)
+        elif chain != 1:
+            grad_z *= chain
+        low = grad_z.to(self.weight.dtype)  # dL/du [t, V] in the model's dtype
+        if self.h is not None:
+            self.h[rows] = (low @ self.weight).to(self.hidden.dtype)
+        if self.w is not None:
+            _accumulate(self.w, grad_z, low, self.hidden[rows])
+        if self.b is not None:
+            self.b += grad_z.sum(0)
+
+    def result(self) -> tuple:
+        """(dL/dh, dL/dW, dL/db) in the inputs' dtypes, None where not needed."""
+        return (self.h, None if self.w is None else self.w.to(self.weight.dtype),
+                None if self.b is None else self.b.to(self.bias.dtype))
+
+
 class _TiledLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, kept, temperature, scale, softcap, tile, with_entropy,
@@ -135,13 +170,7 @@ class _TiledLogProbs(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets, kept, lses, used, entropy):
         temperature, scale, softcap, tile, _ = ctx.settings
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
-        # float32 accumulation (float64 stays float64)
-        work = torch.promote_types(weight.dtype, torch.float32)
-        grad_w = torch.zeros(weight.shape, dtype=work, device=weight.device) if need_w else None  # [V, H]
-        grad_b = torch.zeros(weight.shape[0], dtype=work, device=weight.device) \
-            if need_b and bias is not None else None  # [V]
+        grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3])
         chain = scale / temperature
         for start in range(0, hidden.shape[0], tile):
             rows = slice(start, start + tile)
@@ -165,21 +194,8 @@ class _TiledLogProbs(torch.autograd.Function):
             grad_z.scatter_add_(-1, targets[rows, None], g)  # + g [j = y]
             if ent is not None:
                 grad_z -= ent
-            if squashed is not None:
-                grad_z *= chain * (1 - squashed**2)
-            elif chain != 1:
-                grad_z *= chain
-            grad_u = grad_z  # dL/du [t, V]
-            low = grad_u.to(weight.dtype)
-            if need_h:
-                grad_h[rows] = (low @ weight).to(hidden.dtype)
-            if need_w:
-                _accumulate(grad_w, grad_u, low, hidden[rows])
-            if grad_b is not None:
-                grad_b += grad_u.sum(0)
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None, None,
-                None)
+            grads.add(rows, grad_z, squashed, chain)
+        return (*grads.result(), None, None, None, None, None, None, None, None)
 
 
 def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
