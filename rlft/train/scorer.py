@@ -185,8 +185,9 @@ class PolicyScorer:
 
 
 # Below this many tokens per block on average, the loop over blocks (one SDPA call per block and layer) costs
-# more than the padding it saves: measured on 2 CPU cores, the demo's 8 x 8 rows of ~18 tokens scored 1.6x
-# slower packed at 0.42x the tokens; 50 tokens a block (a 200-token prompt, 8 x 8 rows of 32) 0.61x faster.
+# more than the padding it saves. A one-off timing of score_rows' forward + backward on 2 CPU cores
+# (2026-11-26): the demo's 8 x 8 rows of ~18 tokens took 1.6x the padded time packed, at 0.42x the tokens;
+# 50 tokens a block (a 200-token prompt, 8 x 8 rows of 32) took 0.61x the padded time.
 MIN_BLOCK_TOKENS = 32
 
 
