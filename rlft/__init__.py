@@ -5,7 +5,7 @@ The names a TRL script imports from `trl` are importable from `rlft` (docs/migra
 
 import logging
 
-from rlft.config import AsyncGRPOConfig, GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
+from rlft.config import AsyncGRPOConfig, DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
 from rlft.model_config import ModelConfig, get_kbit_device_map, get_peft_config, get_quantization_config
 from rlft.script_args import DatasetConfig, DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
 
@@ -15,11 +15,12 @@ logging.getLogger("rlft").addHandler(logging.NullHandler())
 __all__ = ["GRPOConfig", "RewardConfig", "SFTConfig", "RLOOConfig", "GRPOTrainer", "RewardTrainer",
            "RLOOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer", "ModelConfig", "ScriptArguments",
            "DatasetConfig", "DatasetMixtureConfig", "TrlParser", "get_dataset", "get_peft_config",
-           "get_quantization_config", "get_kbit_device_map"]
+           "get_quantization_config", "get_kbit_device_map", "DistillationConfig", "DistillationTrainer"]
 __version__ = "0.2.0"
 
 _LAZY = {"GRPOTrainer": "rlft.train.grpo", "RewardTrainer": "rlft.train.reward",
-         "RLOOTrainer": "rlft.train.rloo", "AsyncGRPOTrainer": "rlft.train.async_grpo"}
+         "RLOOTrainer": "rlft.train.rloo", "AsyncGRPOTrainer": "rlft.train.async_grpo",
+         "DistillationTrainer": "rlft.train.distillation"}
 
 
 def __getattr__(name: str):

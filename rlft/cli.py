@@ -1,4 +1,4 @@
-"""The `rlft` command: grpo | reward | demo | doctor | plot | vllm-serve.
+"""The `rlft` command: grpo | rloo | reward | distillation | demo | doctor | plot | vllm-serve.
 
 Training subcommands take `--config run.yaml` plus `--field value` overrides for any
 config field (`rlft grpo --config run.yaml --learning_rate 1e-5`).
@@ -66,9 +66,16 @@ HELP = {"grpo": "GRPO training. Fields of every group below can be in the --conf
         "rloo": "RLOO training (TRL's RLOOTrainer: leave-one-out baseline, KL in the reward). Fields of "
                 "every group below can be in the --config YAML or given here; TRL's `trl rloo` arguments "
                 "are accepted.",
+        "distillation": "On-policy distillation (TRL's DistillationTrainer: the student samples, the teacher "
+                        "scores every token, generalized JSD at beta). Fields of every group below can be in "
+                        "the --config YAML or given here; TRL's `trl distillation` arguments are accepted; "
+                        "teacher_model_name_or_path names the teacher.",
         "reward": "Bradley-Terry reward-model training. Fields of every group below can be in the --config "
                   "YAML or given here (options win over the YAML); TRL's `trl reward` arguments are "
                   "accepted."}
+
+
+TRAINING = ("grpo", "rloo", "reward", "distillation")
 
 
 def _cmd_demo(args, extra: list[str]) -> int:
@@ -143,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show third-party progress bars and vLLM's INFO log (also: RLFT_VERBOSE=1)")
 
     for name, what in (("grpo", "GRPO training"), ("rloo", "RLOO training (TRL's RLOOTrainer)"),
-                       ("reward", "Bradley-Terry reward-model training")):
+                       ("reward", "Bradley-Terry reward-model training"),
+                       ("distillation", "On-policy distillation (TRL's DistillationTrainer)")):
         sub.add_parser(name, parents=[common], add_help=False,
                        help=f"{what} from a YAML config and/or --field value options (rlft {name} --help "
                        "lists every field)")
@@ -182,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # fields of four dataclasses: their own parser (recipes.py)
-    if argv and argv[0] in ("grpo", "rloo", "reward"):
+    if argv and argv[0] in TRAINING:
         command, run = argv[0], lambda: train_command(argv[0], argv[1:])
         verbose = "--verbose" in argv
     else:
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra and args.command not in ("doctor", "vllm-serve"):  # vllm-serve: passed to vLLM
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         command, run, verbose = args.command, lambda: args.func(args, extra), getattr(args, "verbose", False)
-    if command in ("grpo", "rloo", "reward", "demo", "doctor"):
+    if command in (*TRAINING, "demo", "doctor"):
         from rlft.quiet import quiet_command_line
 
         quiet_command_line(verbose)

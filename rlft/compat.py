@@ -119,8 +119,8 @@ REWARD_NO_EFFECT = {"auto_find_batch_size": "rlft does not shrink the batch on o
 
 @cache
 def trl_fields(kind: str) -> dict[str, Any]:
-    """TRL 1.16's field names and defaults for 'GRPOConfig' or 'RewardConfig' (rlft/trl_fields.json, written
-    by tools/trl_fields.py from TRL itself)."""
+    """TRL 1.16's field names and defaults for 'GRPOConfig', 'RewardConfig' or 'DistillationConfig' (written
+    to rlft/trl_fields.json by tools/trl_fields.py from TRL itself)."""
     text = (resources.files("rlft") / "trl_fields.json").read_text()
     return json.loads(text)[kind]
 

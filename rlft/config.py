@@ -11,6 +11,7 @@ allowed. docs/migration.md lists every deliberate difference with its reason.
 """
 
 from dataclasses import field
+from typing import ClassVar
 
 from rlft.config_base import _BaseConfig, config_class
 from rlft.config_checks import (  # noqa: F401 (public names)
@@ -19,6 +20,7 @@ from rlft.config_checks import (  # noqa: F401 (public names)
     check_rloo,
     field_types,
     normalize_before,
+    read_dict_value,
     to_dict,
     validate,
 )
@@ -113,6 +115,49 @@ class AsyncGRPOConfig(_GRPOFields):
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         check_async(self, errors)
+
+
+@config_class
+class DistillationConfig(_GRPOFields):
+    """On-policy distillation (TRL 1.16's DistillationConfig names and defaults, on top of GRPO's generation,
+    vLLM, tool and packing fields): the student samples completions, a teacher scores every completion token,
+    and the loss is the generalized Jensen-Shannon divergence at `beta` (rlft/core/distill.py). No rewards, no
+    reference model: `beta` is the divergence's, not a KL coefficient."""
+
+    num_generations: int | None = field(
+        default=1, metadata={"help": "distillation: completions per prompt (TRL samples 1; more is allowed)"})
+    beta: float = field(
+        default=1.0, metadata={"help": "distillation: 0 forward KL(teacher || student), 1 reverse KL(student "
+                                       "|| teacher), in between the generalized Jensen-Shannon divergence"})
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "distillation: the teacher (hub id or folder; the trainer's "
+                                        "teacher_model wins)"})
+    teacher_model_revision: str | None = field(
+        default=None, metadata={"help": "distillation: the teacher's revision (branch, tag or commit)"})
+    teacher_model_init_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "distillation: from_pretrained keyword arguments for the teacher "
+                                        "(e.g. dtype)"})
+    min_generations: ClassVar[int] = 1  # no group statistics: one completion per prompt is the usual
+
+    @property
+    def kl_coef(self) -> float:
+        """No KL to a reference: `beta` is the divergence's mix."""
+        return 0.0
+
+    def _normalize(self) -> None:
+        super()._normalize()
+        self.teacher_model_init_kwargs = read_dict_value("teacher_model_init_kwargs",
+                                                         self.teacher_model_init_kwargs)
+
+    def _check(self, errors: list[str]) -> None:
+        super()._check(errors)
+        if not 0.0 <= self.beta <= 1.0:
+            errors.append(f"beta={self.beta!r} must be in [0, 1]: 0 is the forward KL, 1 the reverse KL, "
+                          "values in between the generalized Jensen-Shannon divergence")
+        kwargs = self.teacher_model_init_kwargs
+        if kwargs is not None and not isinstance(kwargs, dict):
+            errors.append(f"teacher_model_init_kwargs={kwargs!r} must be a mapping of from_pretrained "
+                          "arguments (or its JSON string), e.g. {\"dtype\": \"bfloat16\"}")
 
 
 @config_class

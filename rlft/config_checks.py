@@ -255,11 +255,10 @@ def check_grpo(cfg, errors: list[str]) -> None:
         ("vllm_lora_sync", LORA_SYNC_MODES),
     ]:
         _enum(errors, cfg, name, allowed)
-    if cfg.num_generations is None or cfg.num_generations < 2:
-        errors.append(
-            f"num_generations={cfg.num_generations!r} must be >= 2: group-relative advantages "
-            "compare completions of the same prompt, so a group of 1 has no signal"
-        )
+    if cfg.num_generations is None or cfg.num_generations < cfg.min_generations:
+        why = ": group-relative advantages compare completions of the same prompt, so a group of 1 has no signal"
+        errors.append(f"num_generations={cfg.num_generations!r} must be >= {cfg.min_generations}"
+                      + (why if cfg.min_generations == 2 else ""))
         return
     _positive(
         errors,

@@ -5,6 +5,7 @@ The help of `loss_type` and `advantage_estimator` lists the registries' keys (rl
 """
 
 from dataclasses import field
+from typing import ClassVar
 
 from rlft.config_base import _BaseConfig, config_class
 from rlft.config_checks import check_grpo, normalize_grpo
@@ -254,6 +255,13 @@ class _GRPOFields(_BaseConfig):
     tool_call_timeout: float = field(
         default=30.0, metadata={"help": "seconds one tool call may run; then the policy reads a timeout "
                                         "error"})
+
+    min_generations: ClassVar[int] = 2  # group-relative advantages need two completions of a prompt
+
+    @property
+    def kl_coef(self) -> float:
+        """The weight of the KL to the reference policy (GRPO's `beta`; DistillationConfig's beta is not)."""
+        return self.beta
 
     def _normalize(self) -> None:
         super()._normalize()

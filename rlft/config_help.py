@@ -14,12 +14,12 @@ from types import MappingProxyType
 
 from transformers import TrainingArguments
 
-from rlft.config import AsyncGRPOConfig, GRPOConfig, RewardConfig, RLOOConfig
+from rlft.config import AsyncGRPOConfig, DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig
 from rlft.model_config import ModelConfig
 from rlft.recipes import GRPOScriptArguments, RewardScriptArguments
 
-HELP_CLASSES = (GRPOConfig, RLOOConfig, AsyncGRPOConfig, RewardConfig, ModelConfig, GRPOScriptArguments,
-                RewardScriptArguments)
+HELP_CLASSES = (GRPOConfig, RLOOConfig, AsyncGRPOConfig, RewardConfig, DistillationConfig, ModelConfig,
+                GRPOScriptArguments, RewardScriptArguments)
 
 
 def declared_help(*classes: type) -> dict[str, str]:

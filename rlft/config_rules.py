@@ -40,8 +40,9 @@ def _size_problems(cfg, processes: int | None) -> list[str]:
     }
     problems = [f"{name}={value!r} must be > 0" for name, value in sizes.items()
                 if value is not None and value < 1]
-    if cfg.num_generations is None or cfg.num_generations < 2:
-        problems.append(f"num_generations={cfg.num_generations!r} must be >= 2")
+    least = getattr(cfg, "min_generations", 2)  # (also given plain namespaces)
+    if cfg.num_generations is None or cfg.num_generations < least:
+        problems.append(f"num_generations={cfg.num_generations!r} must be >= {least}")
     return problems
 
 

@@ -1,4 +1,5 @@
-"""What `rlft grpo` and `rlft reward` run: TRL's `trl grpo` / `trl reward` scripts' arguments and steps.
+"""What `rlft grpo`, `rlft rloo`, `rlft reward` and `rlft distillation` run: TRL's `trl grpo` / `trl rloo` /
+`trl reward` / `trl distillation` scripts' arguments and steps.
 
 One YAML (`--config run.yaml`) and `--field value` options fill four dataclasses, as in TRL:
 the script arguments (data, reward functions), the training config, `ModelConfig` and
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlft.config import GRPOConfig, RewardConfig, RLOOConfig
+from rlft.config import DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig
 from rlft.errors import ConfigError
 from rlft.model_config import ModelConfig, get_peft_config, get_quantization_config
 from rlft.script_args import DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset, read_recipe
@@ -26,6 +27,7 @@ PATH_FIELDS = (
     "dataset_name",
     "chat_template_path",
     "reward_model_name_or_path",
+    "teacher_model_name_or_path",
 )
 
 
@@ -49,7 +51,8 @@ class GRPOScriptArguments(ScriptArguments):
 
 @dataclass
 class RewardScriptArguments(ScriptArguments):
-    """`trl reward`'s script arguments, plus rlft's train_dataset / eval_dataset."""
+    """`trl reward`'s (and `trl distillation`'s) script arguments, plus rlft's train_dataset /
+    eval_dataset."""
 
     train_dataset: str | None = field(
         default=None, metadata={"help": "training data: a .jsonl/.json/.csv/.parquet file, a dataset "
@@ -60,7 +63,8 @@ class RewardScriptArguments(ScriptArguments):
 
 
 KINDS = {"grpo": (GRPOScriptArguments, GRPOConfig), "reward": (RewardScriptArguments, RewardConfig),
-         "rloo": (GRPOScriptArguments, RLOOConfig)}
+         "rloo": (GRPOScriptArguments, RLOOConfig),
+         "distillation": (RewardScriptArguments, DistillationConfig)}
 
 
 def make_parser(kind: str, **kwargs) -> TrlParser:
@@ -121,6 +125,18 @@ def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
     return kwargs or None
 
 
+def teacher_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
+    """`trl distillation`'s teacher kwargs: attention and dtype from ModelConfig, then
+    teacher_model_init_kwargs (the revision is teacher_model_revision's)."""
+    kwargs: dict[str, Any] = {}
+    if model_args.attn_implementation is not None:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    if model_args.dtype not in (None, "auto"):
+        kwargs["dtype"] = model_args.dtype
+    kwargs.update(training_args.teacher_model_init_kwargs or {})
+    return kwargs or None
+
+
 def recipe_datasets(script_args, training_args, mixture_args):
     """(train, eval) from train_dataset/eval_dataset, dataset_name or the mixture (TRL's precedence)."""
     from rlft.data.prompts import load_named_dataset, pick_split
@@ -167,6 +183,12 @@ def build_trainer(kind: str, script_args, training_args, model_args, mixture_arg
         from rlft.train.reward import RewardTrainer
 
         return RewardTrainer(model_args.model_name_or_path, **common)
+    if kind == "distillation":
+        from rlft.train.distillation import DistillationTrainer
+
+        training_args.teacher_model_init_kwargs = teacher_init_kwargs(model_args, training_args)
+        return DistillationTrainer(model_args.model_name_or_path, training_args.teacher_model_name_or_path,
+                                   **common)
     from rlft.train.grpo import GRPOTrainer
     from rlft.train.rloo import RLOOTrainer
 

@@ -66,6 +66,7 @@ class Scored:
     kept_logmass: torch.Tensor | None = None  # [b, c] log of the mass the sampler kept (with `kept`)
     tokens: int = 0  # tokens the backbone ran on: padding included, a packed shared prompt once
     divergence: torch.Tensor | None = None  # [b, c] with a teacher: each token's divergence to it
+    teacher_entropy: torch.Tensor | None = None  # [b, c] with a teacher: its entropy at each position
 
 
 def head_settings(config) -> tuple[float, float | None]:
@@ -119,9 +120,10 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
             full.index_put((packed.rows, packed.cols), values)
 
     if score.teacher is not None:
-        divergence, entropy = _divergence(head, hidden, score, scale, softcap)  # [n]
+        divergence, entropy, teacher_entropy = _divergence(head, hidden, score, scale, softcap)  # [n] each
         entropy = place(entropy).detach()
-        return Scored(torch.zeros_like(entropy), entropy, None, divergence=place(divergence))
+        return Scored(torch.zeros_like(entropy), entropy, None, divergence=place(divergence),
+                      teacher_entropy=place(teacher_entropy).detach())
     logps, entropy, logmass = _head_scores(model, head, hidden, targets, kept, score, scale, softcap)  # [n]
     logps = place(logps)
     if entropy is not None:
@@ -172,7 +174,8 @@ def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float,
 
 
 def _divergence(head, hidden, score: Score, scale: float, softcap: float | None):
-    """(D [n], the student's entropy [n]) to the teacher's states, tile by tile (rlft/core/distill.py)."""
+    """(D [n], the student's entropy [n], the teacher's [n]) to the teacher's states, tile by tile
+    (rlft/core/distill.py)."""
     plain = _plain_weight(head)
     if plain is None:
         raise ValueError("distillation reads the student's LM head as a weight; an LM head adapted by peft "
@@ -189,7 +192,8 @@ def teacher_states(teacher, ids, mask, position_ids, completion_mask, beta: floa
     """The teacher's hidden states at the positions that predict each real completion token of this padded
     batch (the last `c` columns; completion_mask [b, c]), and its LM head. Its backbone only: the teacher's
     [B, T, V] logits are never formed."""
-    inner = teacher.get_base_model() if hasattr(teacher, "get_base_model") else teacher
+    inner = getattr(teacher, "module", teacher)  # a DeepSpeed inference engine (ZeRO-3) wraps the model
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     backbone = getattr(inner, inner.base_model_prefix)
     outputs = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     width = completion_mask.shape[1]

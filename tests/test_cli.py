@@ -16,7 +16,7 @@ def test_help_lists_every_subcommand():
         assert name in out.stdout
 
 
-@pytest.mark.parametrize("sub", ["grpo", "reward", "demo", "doctor", "plot"])
+@pytest.mark.parametrize("sub", ["grpo", "reward", "distillation", "demo", "doctor", "plot"])
 def test_subcommand_help(sub, capsys):
     try:
         code = main([sub, "--help"])
@@ -97,7 +97,7 @@ def test_third_party_noise_is_silent_unless_verbose(tmp_path, shipped_policy_dir
         assert "Loading weights" in loud and "is_gradient_checkpointing` is deprecated" in loud
 
 
-@pytest.mark.parametrize("sub", ["grpo", "reward"])
+@pytest.mark.parametrize("sub", ["grpo", "reward", "distillation"])
 def test_training_help_lists_every_field_of_every_dataclass_with_default_and_help(sub, capsys):
     import dataclasses
 
@@ -112,9 +112,10 @@ def test_training_help_lists_every_field_of_every_dataclass_with_default_and_hel
         for f in dataclasses.fields(cls):
             if f.init:
                 assert f"--{f.name} " in out or f"--{f.name}," in out, f.name
-    for name in ("learning_rate", "num_generations" if sub == "grpo" else "max_length", "lora_r", "train_dataset"):
+    own = {"grpo": "num_generations", "reward": "max_length", "distillation": "teacher_model_name_or_path"}[sub]
+    for name in ("learning_rate", own, "lora_r", "train_dataset"):
         assert " ".join(FIELD_HELP[name].split()) in out, name
-    assert "peak learning rate (default: 1e-06)" in out if sub == "grpo" else "(default: 0.0001)" in out
+    assert "peak learning rate (default: 1e-06)" in out if sub != "reward" else "(default: 0.0001)" in out
 
 
 def test_every_field_rlft_declares_has_one_help_line_and_no_line_names_a_missing_field():
@@ -122,20 +123,18 @@ def test_every_field_rlft_declares_has_one_help_line_and_no_line_names_a_missing
 
     from transformers import TrainingArguments
 
-    from rlft.config import AsyncGRPOConfig, GRPOConfig, RewardConfig, RLOOConfig
+    from rlft.config import AsyncGRPOConfig, DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig
     from rlft.config_help import FIELD_HELP
     from rlft.model_config import ModelConfig
     from rlft.recipes import GRPOScriptArguments, RewardScriptArguments
 
     transformers_own = {f.name for f in dataclasses.fields(TrainingArguments)}
-    declared = {f.name for cls in (GRPOConfig, RewardConfig, RLOOConfig, AsyncGRPOConfig)
-                for f in dataclasses.fields(cls)} - transformers_own
+    configs = (GRPOConfig, RewardConfig, RLOOConfig, AsyncGRPOConfig, DistillationConfig)
+    declared = {f.name for cls in configs for f in dataclasses.fields(cls)} - transformers_own
     declared |= {f.name for cls in (ModelConfig, GRPOScriptArguments, RewardScriptArguments)
                  for f in dataclasses.fields(cls)} - {"dataset_name", "dataset_config", "dataset_train_split",
                                                       "dataset_test_split", "dataset_streaming", "ignore_bias_buffers"}
-    every = {f.name for cls in (GRPOConfig, RewardConfig, RLOOConfig, AsyncGRPOConfig, ModelConfig,
-                                GRPOScriptArguments)
-             for f in dataclasses.fields(cls)}
+    every = {f.name for cls in (*configs, ModelConfig, GRPOScriptArguments) for f in dataclasses.fields(cls)}
     assert declared - set(FIELD_HELP) == set()
     assert set(FIELD_HELP) - every == set()
 

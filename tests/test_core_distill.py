@@ -36,11 +36,13 @@ def test_divergence_and_its_gradients_are_the_definitions(beta, temperature):
     g = torch.linspace(0.5, 1.5, h_s.shape[0], dtype=torch.float64)  # a weighted sum: per-row gradients
     want_grads = torch.autograd.grad((want * g).sum(), weights)
     mine = [t.clone().requires_grad_() for t in (h_s, w_s, b_s)]
-    d, entropy = tiled_divergence(mine[0], h_t, Head(mine[1], mine[2], scale=0.8), Head(w_t, scale=1.3),
-                                  beta, temperature, tile=3)  # 3 tiles for 7 positions
+    d, entropy, teacher_entropy = tiled_divergence(mine[0], h_t, Head(mine[1], mine[2], scale=0.8),
+                                                   Head(w_t, scale=1.3), beta, temperature, tile=3)  # 3 tiles, 7 rows
     assert torch.allclose(d, want, atol=1e-12, rtol=0)
     p_s = torch.softmax(0.8 * (h_s @ w_s.T + b_s) / temperature, dim=-1)
+    p_t = torch.softmax(1.3 * (h_t @ w_t.T) / temperature, dim=-1)
     assert torch.allclose(entropy, -(p_s * p_s.log()).sum(-1), atol=1e-12)
+    assert torch.allclose(teacher_entropy, -(p_t * p_t.log()).sum(-1), atol=1e-12)
     for got, ref in zip(torch.autograd.grad((d * g).sum(), mine), want_grads):
         assert torch.allclose(got, ref, atol=1e-10, rtol=0)
 
@@ -49,7 +51,7 @@ def test_the_two_kls_and_the_mixture_behave_as_divergences():
     h_s, w_s, b_s, h_t, _ = inputs(1)
     same = Head(w_s, b_s)
     for beta in (0.0, 0.5, 1.0):  # a student equal to its teacher has nothing to learn
-        d, _ = tiled_divergence(h_s, h_s, same, same, beta)
+        d = tiled_divergence(h_s, h_s, same, same, beta).value
         assert d.abs().max() < 1e-12
     other = Head(torch.randn_like(w_s))
     d = {beta: tiled_divergence(h_s, h_s, same, other, beta)[0] for beta in (0.0, 0.5, 1.0)}
@@ -63,7 +65,7 @@ def test_tiles_change_nothing_in_float32():
     for tile in (1, 8, 33):
         h = h_s.clone().requires_grad_()
         w = w_s.clone().requires_grad_()
-        d, _ = tiled_divergence(h, h_t, Head(w, b_s), Head(w_t), 0.5, 1.0, tile=tile)
+        d = tiled_divergence(h, h_t, Head(w, b_s), Head(w_t), 0.5, 1.0, tile=tile).value
         d.sum().backward()
         runs.append((d.detach(), h.grad, w.grad))
     for other in runs[1:]:

@@ -24,7 +24,7 @@ from transformers import (
     TrainerState,
 )
 
-from rlft import GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
+from rlft import DistillationConfig, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
 from rlft.compat import NO_EFFECT, trl_fields
 from rlft.config import ConfigError
 from rlft.data.prompts import DatasetError
@@ -65,7 +65,8 @@ def test_report_to_none_string_builds_both_trainers(tmp_path, shipped_policy_dir
     RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, report_to="none"), train_dataset=preference_rows(32))
 
 
-@pytest.mark.parametrize("kind,cls", [("GRPOConfig", GRPOConfig), ("RewardConfig", RewardConfig)])
+@pytest.mark.parametrize("kind,cls", [("GRPOConfig", GRPOConfig), ("RewardConfig", RewardConfig),
+                                      ("DistillationConfig", DistillationConfig)])
 def test_every_trl_field_name_is_accepted_at_its_trl_default(kind, cls):
     names = {f.name for f in dataclasses.fields(cls)}
     missing = sorted(set(trl_fields(kind)) - names)
@@ -99,7 +100,8 @@ def test_fields_with_no_effect_are_accepted_at_any_value_and_named_in_a_note():
 
 def test_defaults_follow_trl_except_the_documented_differences():
     differences = {"output_dir", "bf16"}  # docs/migration.md says why
-    for kind, cls in (("GRPOConfig", GRPOConfig), ("RewardConfig", RewardConfig)):
+    for kind, cls in (("GRPOConfig", GRPOConfig), ("RewardConfig", RewardConfig),
+                      ("DistillationConfig", DistillationConfig)):
         ours = cls()
         for name, default in trl_fields(kind).items():
             if name in differences or name in NO_EFFECT:

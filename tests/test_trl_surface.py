@@ -43,6 +43,8 @@ TRL_NAMES = [
     "get_quantization_config",
     "get_kbit_device_map",
     "get_dataset",
+    "DistillationConfig",
+    "DistillationTrainer",
 ]
 
 
@@ -55,6 +57,8 @@ def test_the_names_a_trl_script_imports_are_importable_from_rlft():
         reasoning_accuracy_reward,
         think_format_reward,
     )
+    from rlft.trainer.distillation_config import DistillationConfig  # noqa: F401 (TRL's module paths)
+    from rlft.trainer.distillation_trainer import DistillationTrainer  # noqa: F401
 
 
 # ---- the configs are TrainingArguments ------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Write rlft/trl_fields.json: every field name of TRL's GRPOConfig and RewardConfig (which include
-transformers' TrainingArguments) with its default, so rlft accepts a TRL config's names.
+"""Write rlft/trl_fields.json: every field name of TRL's GRPOConfig, RewardConfig and DistillationConfig
+(which include transformers' TrainingArguments) with its default, so rlft accepts a TRL config's names.
 
     pip install -e ".[bench]" && python tools/trl_fields.py
 
@@ -37,11 +37,11 @@ def _default(field: dataclasses.Field):
 
 def main() -> None:
     table = {"trl_version": trl.__version__, "transformers_version": transformers.__version__}
-    for name in ("GRPOConfig", "RewardConfig"):
+    for name in ("GRPOConfig", "RewardConfig", "DistillationConfig"):
         table[name] = {f.name: _default(f) for f in dataclasses.fields(getattr(trl, name)) if f.init}
     OUT.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"{OUT}: {len(table['GRPOConfig'])} GRPOConfig and {len(table['RewardConfig'])} "
-          "RewardConfig fields")
+    print(f"{OUT}: " + ", ".join(f"{len(table[k])} {k}" for k in ("GRPOConfig", "RewardConfig",
+                                                                     "DistillationConfig")) + " fields")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -80,20 +81,21 @@ class _TiledDivergence(torch.autograd.Function):
         n = hidden_s.shape[0]
         work = torch.promote_types(hidden_s.dtype, torch.float32)
         d = torch.empty(n, dtype=work, device=hidden_s.device)  # [N]
-        entropy = torch.empty_like(d)  # [N] the student's, at temperature T
+        entropy, teacher_entropy = torch.empty_like(d), torch.empty_like(d)  # [N] each, at temperature T
         with student.whole(), teacher.whole():
             for start in range(0, n, tile):
                 rows = slice(start, start + tile)
                 log_ps, log_pt = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher, temperature)
                 d[rows] = divergence_from_logprobs(log_ps, log_pt, beta)
                 entropy[rows] = -(log_ps.exp() * log_ps).sum(-1)
+                teacher_entropy[rows] = -(log_pt.exp() * log_pt).sum(-1)
         ctx.save_for_backward(hidden_s, hidden_t, d)
         ctx.settings = (student, teacher, beta, temperature, tile)
-        ctx.mark_non_differentiable(entropy)
-        return d, entropy
+        ctx.mark_non_differentiable(entropy, teacher_entropy)
+        return d, entropy, teacher_entropy
 
     @staticmethod
-    def backward(ctx, grad_d, grad_entropy):
+    def backward(ctx, grad_d, grad_entropy, grad_teacher_entropy):
         hidden_s, hidden_t, d = ctx.saved_tensors
         student, teacher, beta, temperature, tile = ctx.settings
         grads = HeadGrads(hidden_s, student.weight, student.bias, ctx.needs_input_grad[:3])
@@ -116,10 +118,16 @@ def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, k
     return (log_ps, log_pt, squashed) if keep_squashed else (log_ps, log_pt)
 
 
+class Divergence(NamedTuple):
+    """Per position [N]: D (differentiable) and both models' entropies at temperature T (metrics)."""
+    value: torch.Tensor
+    entropy: torch.Tensor
+    teacher_entropy: torch.Tensor
+
+
 def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: Head, teacher: Head,
-                     beta: float = 1.0, temperature: float = 1.0, tile: int | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(D [N], the student's entropy [N]) at N positions from the student's hidden states [N, H_s]
+                     beta: float = 1.0, temperature: float = 1.0, tile: int | None = None) -> Divergence:
+    """D [N] and the two entropies [N] at N positions from the student's hidden states [N, H_s]
     (differentiable, as are the student head's weight and bias) and the teacher's [N, H_t] (no gradient).
     Never allocates [N, V]. The heads must share the vocabulary (V)."""
     if student.weight.shape[0] != teacher.weight.shape[0]:
@@ -130,7 +138,7 @@ def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: He
         raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
     if hidden_s.shape[0] == 0:
         empty = hidden_s.sum(-1).float()
-        return empty, empty.detach()
+        return Divergence(empty, empty.detach(), empty.detach())
     tile = tile or tile_positions(student.weight.shape[0], device=hidden_s.device)
-    return _TiledDivergence.apply(hidden_s, student.weight, student.bias, hidden_t.detach(), student, teacher,
-                                  float(beta), float(temperature), int(tile))
+    return Divergence(*_TiledDivergence.apply(hidden_s, student.weight, student.bias, hidden_t.detach(),
+                                              student, teacher, float(beta), float(temperature), int(tile)))

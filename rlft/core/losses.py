@@ -217,8 +217,10 @@ class LossOptions:
 
     @classmethod
     def from_config(cls, args) -> LossOptions:
-        """From a GRPOConfig (TRL's field names: epsilon, use_bias_correction_kl, ...)."""
-        return cls(epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta, beta=args.beta,
+        """From a GRPOConfig (TRL's field names: epsilon, use_bias_correction_kl, ...; the KL weight is
+        `kl_coef`: GRPO's beta)."""
+        return cls(epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
+                   beta=args.kl_coef,
                    kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
                    importance_sampling_level=args.importance_sampling_level,
                    max_completion_length=args.max_completion_length,

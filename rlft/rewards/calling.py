@@ -350,6 +350,8 @@ def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, c
                   trainer_state=trainer_state, log_extra=reward_log.log_extra,
                   log_metric=reward_log.log_metric)
     step = getattr(trainer_state, "global_step", trainer_state)
+    if not funcs:  # (distillation: no reward function) -> [N, 0]
+        return torch.zeros(len(completions), 0)
     running = Running()
     results = _watched(lambda: _invoke_all(funcs, names, kwargs, running), running, step, timeout)
     rows = [_check(name, values, len(completions), step, completions, allow_nan)

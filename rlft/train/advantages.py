@@ -55,7 +55,7 @@ class Advantages:
         """The mask and per-token KL of every process's rows, padded to the widest completion anywhere."""
         if not {"mask", "token_kl"} & self.spec.needs:
             return {}
-        if "token_kl" in self.spec.needs and self.args.beta != 0:
+        if "token_kl" in self.spec.needs and self.args.kl_coef != 0:
             kl, mask = self.scorer.sampling_kl(rollout)
         else:  # no KL, no reference pass; truncated completions still carry no return when masked
             kl, mask = None, self.scorer.trained_mask(rollout)
@@ -67,7 +67,7 @@ class Advantages:
         lengths = rollout.loss_mask.sum(dim=1).float()  # TRL's: tokens the policy generated (not tool output)
         gathered = [self._gather(t) for t in (rewards, lengths, rollout.truncated.float())]
         inputs = EstimatorInputs(gathered[0], args.num_generations, self.reward_weights, args.scale_rewards,
-                                 args.multi_objective_aggregation, lengths=gathered[1], beta=args.beta,
+                                 args.multi_objective_aggregation, lengths=gathered[1], beta=args.kl_coef,
                                  clip_range=getattr(args, "reward_clip_range", None),
                                  normalize=getattr(args, "normalize_advantages", False),
                                  **self._token_inputs(rollout))

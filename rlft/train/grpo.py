@@ -29,7 +29,7 @@ from rlft.config_rules import generation_batch
 from rlft.core.losses import LossOptions
 from rlft.data.prompts import PromptSet, load_eval_datasets, materialize
 from rlft.errors import ConfigError
-from rlft.models import context_length, prepare_tokenizer
+from rlft.models import context_length, prepare_tokenizer, training_dtype
 from rlft.perf import Throughput
 from rlft.rewards.calling import RewardLog, RewardScorer, check_keywords, resolve_rewards
 from rlft.rollout.base import engine_metrics, weights_changed
@@ -41,6 +41,7 @@ from rlft.train import state as run_state
 from rlft.train.advantages import Advantages, estimator_spec
 from rlft.train.batch import RolloutBatch, ScoredRollout, row_view, timing_metrics
 from rlft.train.checkpoint import PartState
+from rlft.train.distill import load_teacher
 from rlft.train.dynamic import DynamicSampling
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
@@ -82,11 +83,15 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
     # The trainer's way where the config leaves it open (null): its rollout source and where beta's KL goes.
     default_rollout_source = "generate"
     default_kl_in_reward = False
+    # The trainer's objective: its policy update, whether it needs reward functions, what the progress shows.
+    updater_class = PolicyUpdater
+    needs_rewards = True
+    progress_metric = "reward"
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None,
-                 rollout_func=None, environment_factory=None):
+                 rollout_func=None, environment_factory=None, teacher_model=None):
         self.args = args = validate(args or GRPOConfig(output_dir=default_output_dir(model, "GRPO")))
         # before LoRA init: adapter weights must not depend on earlier RNG use
         run_state.seed_everything(args.seed)
@@ -108,7 +113,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
-        self._setup_policy(model, source, peft_config, optimizers, quantization_config)
+        self._setup_policy(model, source, peft_config, optimizers, quantization_config, teacher_model)
         for note in option_notes(args):  # at construction, as TRL warns
             logging.getLogger("rlft").warning(note)
         self._setup_notes += no_effect_notes(args) + [n for n in [replay_plan(args)[1]] if n]
@@ -126,6 +131,10 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         args = self.args
         reward_funcs = [*(reward_funcs if isinstance(reward_funcs, list | tuple) else
                           [] if reward_funcs is None else [reward_funcs]), *own]
+        if not reward_funcs and not self.needs_rewards:  # (distillation: the teacher is the signal)
+            self.reward_funcs, self.reward_names, self.reward_weights = [], [], torch.zeros(0)
+            self.reward_processing_classes = []
+            return
         weights = None if args.reward_weights is None else [*args.reward_weights, *[1.0] * len(own)]
         self.reward_funcs, self.reward_names, self.reward_weights = resolve_rewards(
             reward_funcs, weights, processing_classes, args.max_completion_length)
@@ -155,10 +164,12 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         self.total_steps = args.max_steps if args.max_steps > 0 else \
             int(args.num_train_epochs * self.rollouts_per_epoch) * self.steps_per_rollout
 
-    def _setup_policy(self, model, source, peft_config, optimizers, quantization_config) -> None:
+    def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
         args = self.args
         policy = load_policy(model, source, args, self.engine, self.accelerator.device, peft_config,
                              quantization_config, self._tag_names)
+        teacher = load_teacher(teacher, args, training_dtype(args, self.accelerator.device), policy.model)
+        self.teacher_model = None if teacher is None else self.engine.prepare_reference(teacher)
         self._setup_notes += policy.notes
         self.is_peft, self.param_summary = policy.is_peft, policy.param_summary
         self.router_aux_loss_coef = policy.router_aux_loss_coef
@@ -180,12 +191,12 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
             counter="steps_skipped", stop_message=_stop_message(args),
             on_applied=lambda: weights_changed(self.generator))  # an engine with its own weights syncs
-        self.scorer = PolicyScorer(self.model, self.ref_model, acc, args, self.messages)
+        self.scorer = PolicyScorer(self.model, self.ref_model, acc, args, self.messages, self.teacher_model)
         options = LossOptions.from_config(args)
         if self.estimator.kl_in_reward:  # beta is in the reward instead: no KL term in the loss
             options = dataclasses.replace(options, beta=0.0)
-        self.updater = PolicyUpdater(self.scorer, self.optim, args, acc, options, self.throughput,
-                                     self.router_aux_loss_coef)
+        self.updater = self.updater_class(self.scorer, self.optim, args, acc, options, self.throughput,
+                                          self.router_aux_loss_coef)
         self.advantages = Advantages(self.estimator, args, acc, self.scorer, self.reward_weights)
         self.schedule = PromptSchedule(self.train_prompts, self.prompts_per_rollout, self.rollouts_per_epoch,
                                        args.seed, args.shuffle_dataset and not self.streaming,
@@ -257,7 +268,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             rollout.completion_mask[rollout.truncated] = 0
         old = self.scorer.policy_logps(rollout) if self.steps_per_rollout > 1 else None
         self.scorer.forget()  # the rollout's log-probs are in the batch now, or not needed
-        ref = self.scorer.reference_logps(rollout) if args.beta > 0 and self.kl_in_loss else None
+        ref = self.scorer.reference_logps(rollout) if args.kl_coef > 0 and self.kl_in_loss else None
         metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
         reward_log = RewardLog()
         reward_log.scalars = scored.scalars
@@ -282,7 +293,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             self._log_row(self._flush(window, batch, step))
         if control.should_evaluate and self.eval_datasets:
             self.evaluate()
-        self.log.advance(step, f"reward {window.last.get('reward', float('nan')):.3f}")
+        key = self.progress_metric
+        self.log.advance(step, f"{key} {window.last.get(key, float('nan')):.3f}")
         if control.should_save:
             self._save_checkpoint(step)
 
@@ -377,6 +389,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             loss += self._eval_loss(rollout, all_rewards[-1], n) * all_rewards[-1].shape[0]
         rewards = torch.cat(all_rewards)  # [E * n, F]
         metrics = {f"{prefix}_loss": loss / max(rewards.shape[0], 1)}
+        if not self.reward_names:  # (distillation)
+            return metrics
         metrics.update({f"{prefix}_rewards/{r}/mean": torch.nanmean(rewards[:, i]).item()
                         for i, r in enumerate(self.reward_names)})
         metrics[f"{prefix}_reward"] = torch.nanmean(torch.nansum(rewards * self.reward_weights, dim=1)).item()

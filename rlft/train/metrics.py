@@ -10,7 +10,8 @@ import torch
 # a window shows the latest value, not a mean
 LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate", "ref_model/syncs")
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                   "clip_ratio/delta_mean", "ratio_mean", "kl", "sampling/kept_mass/mean")
+                   "clip_ratio/delta_mean", "ratio_mean", "kl", "sampling/kept_mass/mean",
+                   "distill/teacher_entropy")
 SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean", "aux_loss")
 CLIP_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # parts of the loss, summed over micro-batches like it
@@ -25,6 +26,8 @@ def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.T
     valid_total = total[~torch.isnan(total)]
     metrics = {"reward": torch.nanmean(total).item(), "completions/count": float(total.numel()), **stats,
                "reward_std": valid_total.std().item() if valid_total.numel() > 1 else 0.0}
+    if not names:  # no reward function (distillation): no reward, spread or advantage to show
+        metrics = {"completions/count": float(total.numel())}
     for index, name in enumerate(names):
         weighted = rewards[:, index] * weights[index]
         valid = weighted[~torch.isnan(weighted)]

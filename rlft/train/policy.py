@@ -86,7 +86,7 @@ def _check(model, args, is_peft: bool) -> None:
 def reference_policy(model, source, args, engine, dtype, is_peft: bool):
     """Reference policy: none at beta 0; LoRA's base with adapters off; else a frozen copy. Under ZeRO-3 the
     loaded weights are already in pieces, so the reference is loaded again (sharded the same way)."""
-    if args.beta == 0 or is_peft:
+    if args.kl_coef == 0 or is_peft:
         return None
     if args.sync_ref_model and engine.sharded:
         raise ConfigError(f"sync_ref_model under {engine.name}: moving a reference whose weights are in "

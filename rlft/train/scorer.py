@@ -26,9 +26,9 @@ class PolicyScorer:
     """Log-probs (and entropies) of rollouts under `model` (the policy, as the training engine wraps it) or
     its reference (`ref_model`; with LoRA and no copy, the policy with its adapters off)."""
 
-    def __init__(self, model, ref_model, accelerator, args, messages=None):
+    def __init__(self, model, ref_model, accelerator, args, messages=None, teacher=None):
         self.model, self.ref_model, self.accelerator, self.args = model, ref_model, accelerator, args
-        self.messages = messages
+        self.messages, self.teacher = messages, teacher  # teacher: distillation's (rlft/train/distill.py)
         self._policy_logps_of: tuple[Rollout, torch.Tensor] | None = None
         self.packable: bool | None = None  # packed scoring checked exact for this model (None: not yet)
         self._tally = dict.fromkeys(("computed", "real", "packed", "forwards"), 0)
@@ -49,6 +49,17 @@ class PolicyScorer:
             self._tally[key] += value
         ent = None if scored.entropy is None else scored.entropy if entropy_grad else scored.entropy.detach()
         return scored.logps, ent, scored.aux_loss, scored.kept_logmass
+
+    def divergence(self, rollout: Rollout, rows, beta: float):
+        """Distillation: each completion token's divergence at `beta` from the teacher [b, c] (differentiable
+        in the policy), and the policy's and the teacher's entropies there [b, c]; padded forwards."""
+        args = self.args
+        scored = score_rows(self.model, rollout, rows, args.temperature, tile=args.logprob_chunk_size,
+                            pad_to_multiple_of=args.pad_to_multiple_of, teacher=self.teacher, beta=beta)
+        real = int(rollout.prompt_mask[rows].sum()) + int(rollout.completion_mask[rows].sum())
+        for key, value in (("computed", scored.tokens), ("real", real), ("forwards", 1)):
+            self._tally[key] += value
+        return scored.divergence, scored.entropy, scored.teacher_entropy
 
     def tally(self) -> dict[str, float]:
         """What the scoring forwards since the last call computed: `tokens/computed` (through the backbone:

@@ -112,8 +112,7 @@ class PolicyUpdater:
         sums, corrections = StepSums(per_sequence), []
         # Checked at the first step with a learning signal on any process: with all advantages 0 (and LoRA's
         # B = 0 making policy == reference) a zero gradient is correct, not a wiring fault.
-        check_flow = (not self.counters.flow_checked
-                      and float(acc.reduce(batch.advantages.abs().sum(), "sum")) > 0)
+        check_flow = not self.counters.flow_checked and self._has_signal(batch)
         if check_flow:
             self.optim.engine.watch_grads(self.scorer.model)
         self._backward(batch, keep, num_items, num_sequences, sums, corrections)
@@ -124,6 +123,10 @@ class PolicyUpdater:
         if self.entropy_bonus_on and "entropy" in metrics:  # a skipped step measured nothing: no update
             metrics.update(self._entropy_control(metrics["entropy"]))
         return {**metrics, **correction_metrics(corrections, acc)} if corrections else metrics
+
+    def _has_signal(self, batch: RolloutBatch) -> bool:
+        """Some process's rows carry a learning signal (a nonzero advantage)."""
+        return float(self.accelerator.reduce(batch.advantages.abs().sum(), "sum")) > 0
 
     def _backward(self, batch, keep, num_items, num_sequences, sums: StepSums, corrections: list) -> None:
         model, engine = self.scorer.model, self.optim.engine
@@ -267,10 +270,10 @@ class PolicyUpdater:
         signal = torch.tensor(float(advantages.abs().sum()), device=self.accelerator.device)
         if self.accelerator.num_processes > 1:  # every process skips the forward together (sharded engines)
             signal = self.accelerator.reduce(signal, "max")
-        if (args.beta == 0 or not kl_in_loss) and float(signal) == 0:
+        if (args.kl_coef == 0 or not kl_in_loss) and float(signal) == 0:
             return 0.0
         logps = self.scorer.logps(self.scorer.model, rollout)
-        ref = self.scorer.reference_logps(rollout) if args.beta > 0 and kl_in_loss else None
+        ref = self.scorer.reference_logps(rollout) if args.kl_coef > 0 and kl_in_loss else None
         loss, _ = policy_loss(logps, logps, advantages.to(logps.device), rollout.loss_mask,
                               loss_type=args.loss_type, options=self.loss_options, ref_logps=ref)
         return loss.item()

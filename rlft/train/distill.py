@@ -1,0 +1,95 @@
+"""On-policy distillation's parts (DistillationTrainer, rlft/trainer/distillation_trainer.py): the teacher as
+it is loaded, and the policy update whose loss is each completion token's divergence from the teacher.
+
+The loss of one optimiser step (TRL 1.16's DistillationTrainer's): the sum over every trained completion
+token of the step, on every process, of D (the generalized Jensen-Shannon divergence at `beta`,
+rlft/core/distill.py) divided by the number of those tokens: a token-level mean, counted before the first
+micro-batch, so neither the micro-batch split nor the process count changes it. Trained tokens are the
+policy's own completion tokens up to and including the first EOS; tool results and padding are left out
+(the rollout's loss mask).
+
+The teacher is frozen and scored under no_grad, only its backbone (its [B, T, V] logits never exist): it is
+prepared like a reference model (whole on every process; a ZeRO-3 inference engine under ZeRO-3).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlft.errors import ConfigError
+from rlft.models import load_causal_lm
+from rlft.scoring import install_scoring
+from rlft.train.batch import RolloutBatch
+from rlft.train.updater import PolicyUpdater
+
+
+def _vocabulary(model) -> int:
+    """Rows of the model's LM head (a ZeRO-3 partitioned weight keeps its full shape in ds_shape)."""
+    weight = model.get_output_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
+def load_teacher(teacher, args, dtype: torch.dtype, student) -> torch.nn.Module | None:
+    """The teacher from a hub id or folder (with teacher_model_init_kwargs and teacher_model_revision) or a
+    loaded model, frozen, in eval mode, checked against the student (`student`: the policy as loaded)."""
+    if teacher is None:
+        return None
+    kwargs = dict(args.teacher_model_init_kwargs or {})
+    if isinstance(teacher, torch.nn.Module):
+        if kwargs:
+            raise ConfigError("teacher_model_init_kwargs only applies when the teacher is given as a name or "
+                              "path; the teacher_model passed in is already loaded")
+    elif args.teacher_model_revision is not None:
+        kwargs.setdefault("revision", args.teacher_model_revision)
+    model = load_causal_lm(teacher if isinstance(teacher, torch.nn.Module) else str(teacher), dtype, kwargs,
+                           args.trust_remote_code)
+    install_scoring(model)
+    inner = student.get_base_model() if hasattr(student, "get_base_model") else student
+    if type(inner.get_output_embeddings()) is not torch.nn.Linear:
+        raise ConfigError("distillation reads the student's LM head as a weight, but peft adapts it: leave "
+                          "lm_head out of the LoRA target_modules (and modules_to_save)")
+    student_vocab, teacher_vocab = _vocabulary(inner), _vocabulary(model)
+    if student_vocab != teacher_vocab:
+        name = teacher if isinstance(teacher, str | Path) else type(teacher).__name__
+        raise ConfigError(f"the student's vocabulary ({student_vocab} tokens) and the teacher's ({name}: "
+                          f"{teacher_vocab}) differ: distillation compares their next-token distributions "
+                          "token by token, so both must use the same tokenizer")
+    return model.eval().requires_grad_(False)
+
+
+class DistillationUpdater(PolicyUpdater):
+    """The guarded optimiser step of PolicyUpdater with distillation's loss (module docstring); the scorer
+    holds the teacher."""
+
+    def _has_signal(self, batch: RolloutBatch) -> bool:
+        return True  # every trained token pulls toward the teacher
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        metrics = super().step(batch)
+        metrics.pop("policy_loss", None)
+        if "loss" in metrics:
+            metrics["distill/loss"] = metrics["loss"]
+        return metrics
+
+    def _micro_loss(self, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list, keep=None):
+        """One micro-batch's share: sum of D over its trained tokens / the step's trained tokens."""
+        rollout = batch.rollout
+        divergence, entropy, teacher_entropy = self.scorer.divergence(rollout, rows, self.args.beta)
+        width = divergence.shape[1]
+        mask = (rollout.loss_mask if keep is None else keep)[rows, :width].to(divergence.dtype)
+        loss = (divergence * mask).sum() / num_items
+        metrics = {"distill/teacher_entropy": (teacher_entropy * mask).sum() / mask.sum().clamp(min=1)}
+        return loss, metrics, entropy, mask
+
+    @torch.no_grad()
+    def eval_loss(self, rollout, advantages: torch.Tensor, kl_in_loss: bool) -> float:
+        """The mean divergence per completion token of the evaluation completions (TRL's `eval_loss`)."""
+        total, count = 0.0, 0
+        for rows in self.scorer.micro_batches(rollout):
+            divergence = self.scorer.divergence(rollout, rows, self.args.beta)[0]
+            mask = rollout.loss_mask[rows, :divergence.shape[1]]
+            total += float((divergence * mask).sum())
+            count += int(mask.sum())
+        return total / max(count, 1)

@@ -1,0 +1,41 @@
+"""On-policy distillation under TRL 1.16's names (`DistillationTrainer`, `DistillationConfig`; Agarwal et al.
+2024, arXiv:2306.13649): the student samples a completion per prompt from its current weights (transformers'
+generate, vLLM colocated or served, tools: GRPO's rollout sources), the teacher scores every completion token,
+and the loss is the token-mean generalized Jensen-Shannon divergence at `beta` between their next-token
+distributions (0 forward KL, 1 reverse KL), computed tile by tile over the vocabulary from the two models'
+hidden states (rlft/core/distill.py, rlft/train/distill.py). No reward function, no advantage, no reference
+model; generation, LoRA, sharded engines, exact resume and logging are GRPO's.
+"""
+
+from __future__ import annotations
+
+from rlft.config import DistillationConfig
+from rlft.errors import ConfigError
+from rlft.train.distill import DistillationUpdater
+from rlft.train.grpo import GRPOTrainer, default_output_dir
+
+
+class DistillationTrainer(GRPOTrainer):
+    """TRL-compatible on-policy distillation: `DistillationTrainer(model, teacher_model, args, train_dataset,
+    ...).train()`; `teacher_model` a hub id, a folder or a loaded model (else the config's
+    teacher_model_name_or_path)."""
+
+    _tag_names = ["trl", "distillation", "rlft"]
+    _name = "Distillation"
+    updater_class = DistillationUpdater
+    needs_rewards = False
+    progress_metric = "loss"
+
+    def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None):
+        args = args or DistillationConfig(output_dir=default_output_dir(model, "Distillation"))
+        if not isinstance(args, DistillationConfig):
+            raise ConfigError(f"DistillationTrainer takes a DistillationConfig, got {type(args).__name__}: "
+                              "its beta is the divergence's (GRPOConfig's is a KL weight)")
+        teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
+        if teacher_model is None:
+            raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model= (a hub id, a folder "
+                              "or a loaded model) or set teacher_model_name_or_path in the config")
+        super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, None, callbacks,
+                         optimizers, quantization_config, peft_config, tools, teacher_model=teacher_model)

@@ -1,0 +1,58 @@
+"""One DistillationTrainer optimiser step per beta (and with LoRA), in 1 or N processes (torchrun), on the fixed
+completions of tests/dist/grpo_step.py's stand-in generator; writes the trained parameters and the step's
+metrics to OUT (main process only).
+
+    torchrun --nproc_per_node 2 --standalone tests/dist/distill_step.py STUDENT_DIR TEACHER_DIR OUT
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from rlft import DistillationConfig, DistillationTrainer
+from rlft.train.state import release_processes
+from tests.dist.grpo_step import FixedGenerator
+from tests.helpers import addition_rows
+
+RUNS = {"forward_kl": dict(beta=0.0), "jsd": dict(beta=0.5), "reverse_kl": dict(beta=1.0),
+        "micro_batches": dict(beta=1.0),
+        "lora": dict(beta=0.5)}
+
+
+def main() -> None:
+    student, teacher, out = sys.argv[1:4]
+    world, results, trainer = int(os.environ.get("WORLD_SIZE", "1")), {}, None
+    for name, fields in RUNS.items():
+        values = dict(per_device_train_batch_size=8 // world, gradient_accumulation_steps=1, **fields)
+        if name == "micro_batches":  # 8 rows in 4 micro-batches of 2 over the processes
+            values.update(per_device_train_batch_size=2, gradient_accumulation_steps=4 // world)
+        cfg = DistillationConfig(output_dir=f"{out}-run", optim="sgd", learning_rate=1.0, max_grad_norm=1e9, seed=0,
+                                 max_steps=1, max_completion_length=8, report_to=["none"], disable_tqdm=True,
+                                 gradient_checkpointing=False, **values)
+        peft = None
+        if name == "lora":
+            from peft import LoraConfig
+
+            peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                              init_lora_weights=False)  # B != 0: the step is not at the base model
+        trainer = DistillationTrainer(student, teacher, cfg, addition_rows(8), peft_config=peft)
+        trainer.generator = FixedGenerator(trainer.tokenizer)
+        batch = trainer._make_rollout(0)
+        metrics = {}
+        for part in range(trainer.steps_per_rollout):
+            metrics = trainer.updater.step(batch.part(part, trainer.rows_per_step))
+        params = trainer.accelerator.get_state_dict(trainer.model) or {}
+        results[name] = {"params": {k: v.detach().clone() for k, v in params.items()},
+                         "metrics": {k: v for k, v in metrics.items() if "time" not in k and not k.startswith("perf/")}}
+    if trainer.accelerator.is_main_process:
+        torch.save(results, out)
+    accelerator = trainer.accelerator
+    trainer = None
+    release_processes(accelerator)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""On-policy distillation (DistillationTrainer): the loss and its gradients are the definition computed from
+full logits; training moves the student toward the teacher; resume is exact; LoRA, bad input, the recipe
+script and the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlft import DistillationConfig, DistillationTrainer, GRPOConfig
+from rlft.errors import ConfigError
+from rlft.tracking import read_metrics
+from rlft.train.checkpoint import latest_checkpoint
+from tests.dist.grpo_step import FixedGenerator
+from tests.helpers import addition_rows, write_jsonl
+from tests.test_grpo_resume import comparable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A Llama teacher (hidden 48) for the shipped Qwen2 student (hidden 128): same tokenizer, other model."""
+    from rlft.tiny import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("teacher"), kind="causal", arch="llama", hidden_size=48,
+                               seed=3)
+
+
+def config(tmp_path, name="run", **overrides) -> DistillationConfig:
+    values = dict(output_dir=str(tmp_path / name), learning_rate=1e-3, max_steps=2, per_device_train_batch_size=8,
+                  max_completion_length=8, logging_steps=1, save_steps=1000, report_to="none", disable_tqdm=True,
+                  seed=0, gradient_checkpointing=False)
+    values.update(overrides)
+    return DistillationConfig(**values)
+
+
+def reference_loss(student, teacher, rollout, beta: float, temperature: float) -> torch.Tensor:
+    """The definition from [B, T, V] logits of both models (float64 softmaxes): sum of D over every trained
+    completion token / their number."""
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    width = rollout.completion_ids.shape[1]
+    z_s = student(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -(width + 1):-1]
+    with torch.no_grad():
+        z_t = teacher(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -(width + 1):-1]
+    p_s = torch.softmax(z_s.double() / temperature, dim=-1)
+    p_t = torch.softmax(z_t.double() / temperature, dim=-1)
+    if beta == 0.0:
+        d = (p_t * (p_t.log() - p_s.log())).sum(-1)
+    elif beta == 1.0:
+        d = (p_s * (p_s.log() - p_t.log())).sum(-1)
+    else:
+        m = (1 - beta) * p_s + beta * p_t
+        d = beta * (p_t * (p_t / m).log()).sum(-1) + (1 - beta) * (p_s * (p_s / m).log()).sum(-1)
+    trained = rollout.loss_mask.double()
+    return (d * trained).sum() / trained.sum()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_one_step_is_the_definitions_loss_and_gradient(tmp_path, shipped_policy_dir, teacher_dir, beta):
+    """SGD with lr 1 (no clipping): the parameter change is the gradient. Loss and change equal the untiled
+    definition (reference_loss) on the same rollout; padding and the tokens after EOS count for nothing."""
+    cfg = config(tmp_path, optim="sgd", learning_rate=1.0, max_grad_norm=1e9, beta=beta, temperature=0.9,
+                 logprob_chunk_size=5)  # tiles of 5 positions
+    trainer = DistillationTrainer(str(shipped_policy_dir), str(teacher_dir), cfg, addition_rows(16))
+    trainer.generator = FixedGenerator(trainer.tokenizer)
+    batch = trainer._make_rollout(0)
+    assert batch.rollout.loss_mask.sum() < batch.rollout.loss_mask.numel()  # some padding after EOS
+    student = trainer.model
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    want = reference_loss(student, trainer.teacher_model, batch.rollout, beta, 0.9)
+    grads = torch.autograd.grad(want, list(student.parameters()))
+    metrics = trainer.updater.step(batch)
+    assert metrics["loss"] == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    assert metrics["distill/loss"] == metrics["loss"] and 0 < metrics["entropy"] and 0 < metrics["distill/teacher_entropy"]
+    for (name, p), g in zip(student.named_parameters(), grads):
+        assert torch.allclose(before[name] - p.detach(), g.float(), atol=2e-6, rtol=1e-4), name
+
+
+def perturbed(model_dir, scale: float = 0.05):
+    """The student's own model with seeded noise on every weight: a teacher close to it."""
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return teacher
+
+
+def test_training_lowers_the_divergence_and_logs_trls_metrics(tmp_path, shipped_policy_dir):
+    trainer = DistillationTrainer(str(shipped_policy_dir), perturbed(shipped_policy_dir),
+                                  config(tmp_path, max_steps=6, beta=0.5, save_steps=6),
+                                  addition_rows(32), eval_dataset=addition_rows(8, heldout=True))
+    trainer.train()
+    rows = read_metrics(tmp_path / "run")
+    steps = [r for r in rows if "loss" in r and "step_time" in r]
+    assert len(steps) == 6 and steps[-1]["loss"] < 0.5 * steps[0]["loss"]
+    for key in ("distill/loss", "entropy", "distill/teacher_entropy", "completions/mean_length", "num_tokens",
+                "step_time", "grad_norm", "tokens/computed"):
+        assert key in steps[-1], key
+    assert not any(k.startswith(("reward", "frac_reward", "advantage")) for k in steps[-1])
+    metrics = trainer.evaluate()
+    assert set(metrics) == {"eval_loss"} and 0 <= metrics["eval_loss"] < steps[0]["loss"]
+    assert latest_checkpoint(tmp_path / "run").name == "checkpoint-6"
+
+
+def run(tmp_path, name, model_dir, teacher_dir, steps, resume=None, **overrides):
+    cfg = config(tmp_path, name, max_steps=4, save_steps=2, **overrides)
+    trainer = DistillationTrainer(str(model_dir), str(teacher_dir), cfg, addition_rows(32))
+    if steps < 4:
+        trainer.total_steps = steps  # stop right after the checkpoint, as a killed job would
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_two_plus_two_steps_equal_four_with_lora(tmp_path, shipped_policy_dir, teacher_dir):
+    from peft import LoraConfig
+
+    lora = dict(peft_config=None)
+    lora["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    straight = DistillationTrainer(str(shipped_policy_dir), str(teacher_dir),
+                                   config(tmp_path, "straight", max_steps=4, save_steps=2), addition_rows(32), **lora)
+    straight.train()
+    split = DistillationTrainer(str(shipped_policy_dir), str(teacher_dir),
+                                config(tmp_path, "split", max_steps=4, save_steps=2), addition_rows(32), **lora)
+    split.total_steps = 2
+    split.train()
+    resumed = DistillationTrainer(str(shipped_policy_dir), str(teacher_dir),
+                                  config(tmp_path, "split", max_steps=4, save_steps=2), addition_rows(32), **lora)
+    resumed.train(resume_from_checkpoint=True)
+    a, b = comparable(read_metrics(tmp_path / "straight")), comparable(read_metrics(tmp_path / "split"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for row_a, row_b in zip(a, b):
+        assert row_a.keys() == row_b.keys()
+        for key in row_a:
+            assert row_a[key] == pytest.approx(row_b[key], abs=1e-6), key
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+    assert (tmp_path / "straight" / "checkpoint-4" / "adapter_model.safetensors").exists()
+
+
+def test_bad_teachers_and_configs_are_named(tmp_path, shipped_policy_dir, teacher_dir):
+    from peft import LoraConfig
+
+    data = addition_rows(16)
+    with pytest.raises(ConfigError, match="needs a teacher"):
+        DistillationTrainer(str(shipped_policy_dir), None, config(tmp_path), data)
+    with pytest.raises(ConfigError, match="takes a DistillationConfig, got GRPOConfig"):
+        DistillationTrainer(str(shipped_policy_dir), str(teacher_dir), GRPOConfig(output_dir=str(tmp_path / "g")),
+                            data)
+    with pytest.raises(ConfigError, match=r"beta=1.5 must be in \[0, 1\]"):
+        config(tmp_path, beta=1.5)
+    other = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    other.resize_token_embeddings(400)
+    with pytest.raises(ConfigError, match=r"student's vocabulary \(386 tokens\) and the teacher's .*400"):
+        DistillationTrainer(str(shipped_policy_dir), other, config(tmp_path), data)
+    with pytest.raises(ConfigError, match="teacher_model_init_kwargs only applies"):
+        DistillationTrainer(str(shipped_policy_dir), other, config(tmp_path, teacher_model_init_kwargs={"dtype": "float32"}),
+                            data)
+    head = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    with pytest.raises(ConfigError, match="leave lm_head out of the LoRA target_modules"):
+        DistillationTrainer(str(shipped_policy_dir), str(teacher_dir), config(tmp_path), data, peft_config=head)
+
+
+SCRIPT = '''
+"""A TRL distillation script (scripts/distillation.py's shape) with the import changed."""
+from datasets import load_dataset
+from rlft import DistillationConfig, DistillationTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+
+parser = TrlParser((ScriptArguments, DistillationConfig, ModelConfig))
+script_args, training_args, model_args = parser.parse_args_and_config()
+dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config, split="train")
+trainer = DistillationTrainer(model=model_args.model_name_or_path,
+                              teacher_model=training_args.teacher_model_name_or_path, args=training_args,
+                              train_dataset=dataset, peft_config=get_peft_config(model_args))
+trainer.train()
+trainer.save_model(training_args.output_dir)
+'''
+
+
+def test_a_trl_style_script_and_the_command_line_train_and_save(tmp_path, shipped_policy_dir, teacher_dir):
+    (tmp_path / "prompts").mkdir()
+    data = write_jsonl(tmp_path / "prompts" / "train.jsonl", addition_rows(16)).parent  # a dataset folder
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {teacher_dir}\n"
+                      f"dataset_name: {data}\nmax_steps: 2\nper_device_train_batch_size: 4\n"
+                      "max_completion_length: 8\nbeta: 0.5\nlearning_rate: 1.0e-4\nuse_peft: true\nlora_r: 4\n"
+                      "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\n"
+                      "teacher_model_init_kwargs: {\"dtype\": \"float32\"}\n")
+    script = tmp_path / "distill.py"
+    script.write_text(SCRIPT)
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, str(script), "--config", str(recipe), "--output_dir",
+                             str(tmp_path / "script")], capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "script" / "adapter_model.safetensors").exists()
+    result = subprocess.run([sys.executable, "-m", "rlft.cli", "distillation", "--config", str(recipe),
+                             "--output_dir", str(tmp_path / "cli")],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "cli" / "adapter_model.safetensors").exists()
+    assert f"rlft distillation: model saved to {tmp_path / 'cli'}" in result.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "cli") if "distill/loss" in r] == [1, 2]
+
+
+def test_two_processes_take_the_step_one_process_takes(tmp_path, shipped_policy_dir, teacher_dir):
+    """The loss is normalised by the trained tokens of the whole step on every process: one step on 2 processes
+    (and in 4 micro-batches) equals one process in one batch, for each beta and with LoRA."""
+    from tests.test_distributed import launch
+
+    for processes in (1, 2):
+        result = launch(["tests/dist/distill_step.py", str(shipped_policy_dir), str(teacher_dir),
+                         str(tmp_path / f"{processes}.pt")], processes)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    for name in one:
+        assert one[name]["metrics"]["loss"] > 0
+        for key, value in one[name]["metrics"].items():
+            assert value == pytest.approx(two[name]["metrics"][key], rel=1e-5, abs=1e-6), (name, key)
+        for key, param in one[name]["params"].items():
+            assert torch.allclose(param, two[name]["params"][key], atol=1e-6, rtol=0), (name, key)
+    for key, param in one["reverse_kl"]["params"].items():  # micro-batches: the same step in four parts
+        assert torch.allclose(param, one["micro_batches"]["params"][key], atol=1e-6, rtol=0), key
