@@ -20,7 +20,6 @@ from rlft.config_checks import (  # noqa: F401 (public names)
     check_rloo,
     field_types,
     normalize_before,
-    read_dict_value,
     to_dict,
     validate,
 )
@@ -144,13 +143,11 @@ class DistillationConfig(_GRPOFields):
         """No KL to a reference: `beta` is the divergence's mix."""
         return 0.0
 
-    def _normalize(self) -> None:
-        super()._normalize()
-        self.teacher_model_init_kwargs = read_dict_value("teacher_model_init_kwargs",
-                                                         self.teacher_model_init_kwargs)
-
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
+        if self.teacher_coef != 0.0:
+            errors.append(f"teacher_coef={self.teacher_coef!r} weighs GRPO's teacher term; distillation's "
+                          "loss is the divergence itself: leave it at 0")
         if not 0.0 <= self.beta <= 1.0:
             errors.append(f"beta={self.beta!r} must be in [0, 1]: 0 is the forward KL, 1 the reverse KL, "
                           "values in between the generalized Jensen-Shannon divergence")
@@ -251,6 +248,10 @@ RLFT_FIELDS = frozenset(
         "max_num_gen_batches",
         "kl_in_reward",
         "rollout_source",
+        "teacher_model_name_or_path",
+        "teacher_model_revision",
+        "teacher_model_init_kwargs",
+        "teacher_coef",
         "rollout_lag",
         "producer_cpus",
         "producer_threads",

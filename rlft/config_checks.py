@@ -32,7 +32,8 @@ COMMON_DICT_FIELDS = (
     "gradient_checkpointing_kwargs",
     "activation_checkpointing_kwargs",
 )
-GRPO_DICT_FIELDS = ("generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config")
+GRPO_DICT_FIELDS = ("generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
+                    "teacher_model_init_kwargs")
 DICT_FIELDS = COMMON_DICT_FIELDS + GRPO_DICT_FIELDS
 
 SCALE_REWARDS = ("group", "batch", "none")
@@ -256,7 +257,8 @@ def check_grpo(cfg, errors: list[str]) -> None:
     ]:
         _enum(errors, cfg, name, allowed)
     if cfg.num_generations is None or cfg.num_generations < cfg.min_generations:
-        why = ": group-relative advantages compare completions of the same prompt, so a group of 1 has no signal"
+        why = (": group-relative advantages compare completions of the same prompt, so a group of 1 has no "
+               "signal")
         errors.append(f"num_generations={cfg.num_generations!r} must be >= {cfg.min_generations}"
                       + (why if cfg.min_generations == 2 else ""))
         return
@@ -279,6 +281,7 @@ def check_grpo(cfg, errors: list[str]) -> None:
         errors,
         cfg,
         "beta",
+        "teacher_coef",
         "epsilon",
         "epsilon_high",
         "top_k",

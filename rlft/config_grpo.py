@@ -202,6 +202,17 @@ class _GRPOFields(_BaseConfig):
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "TRL's deprecated name for vllm_importance_sampling_clip_max"})
     # rlft's own (RLFT_FIELDS)
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "a teacher (hub id or folder; the trainer's teacher_model wins) "
+                                        "whose per-token reverse KL joins the loss, weighted by "
+                                        "teacher_coef"})
+    teacher_model_revision: str | None = field(
+        default=None, metadata={"help": "the teacher's revision (branch, tag or commit)"})
+    teacher_model_init_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "from_pretrained keyword arguments for the teacher (e.g. dtype)"})
+    teacher_coef: float = field(
+        default=0.0, metadata={"help": "GRPO with a teacher: the weight of the token-mean reverse KL(policy "
+                                       "|| teacher) added to the policy loss (0: no teacher term)"})
     max_prompt_length: int | None = field(
         default=None, metadata={"help": "longest prompt in tokens; a longer one is an error naming its row"})
     kl_estimator: str = field(default="k3", metadata={"help": "k1, k2, or k3 (Schulman's estimators)"})

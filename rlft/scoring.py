@@ -43,8 +43,10 @@ class Score:
     kept: torch.Tensor | None = None
     # the rows packed into one sequence (rlft/packing.py): the hidden states are read where it says
     packed: Packed | None = None
-    # distillation: the divergence to a teacher at the scored positions instead of log-probs
+    # distillation: the divergence to a teacher at the scored positions (and the log-probs unless `logps` is
+    # False)
     teacher: TeacherStates | None = None
+    logps: bool = True
 
 
 @dataclass
@@ -119,18 +121,21 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
         return full.masked_scatter(mask, values) if packed is None else \
             full.index_put((packed.rows, packed.cols), values)
 
+    divergence = teacher_entropy = None
     if score.teacher is not None:
         divergence, entropy, teacher_entropy = _divergence(head, hidden, score, scale, softcap)  # [n] each
-        entropy = place(entropy).detach()
-        return Scored(torch.zeros_like(entropy), entropy, None, divergence=place(divergence),
-                      teacher_entropy=place(teacher_entropy).detach())
+        divergence, teacher_entropy = place(divergence), place(teacher_entropy).detach()
+        if not score.logps:
+            entropy = place(entropy).detach()
+            return Scored(torch.zeros_like(entropy), entropy, None, divergence=divergence,
+                          teacher_entropy=teacher_entropy)
     logps, entropy, logmass = _head_scores(model, head, hidden, targets, kept, score, scale, softcap)  # [n]
     logps = place(logps)
     if entropy is not None:
         entropy = place(entropy)
     logmass = None if kept is None else place(logmass).detach()
     aux = _router_loss(model, outputs, kwargs.get("attention_mask")) if score.router_loss else None
-    return Scored(logps, entropy, aux, logmass)
+    return Scored(logps, entropy, aux, logmass, divergence=divergence, teacher_entropy=teacher_entropy)
 
 
 def _plain_weight(head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -249,7 +254,8 @@ def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
 
 def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = False,
                router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None,
-               packing: str | None = None, teacher=None, beta: float = 1.0) -> Scored:
+               packing: str | None = None, teacher=None, beta: float = 1.0,
+               with_logps: bool = False) -> Scored:
     """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index tensor),
     from a model with `install_scoring`; renormalised over the sampler's kept tokens where the rollout
     carries them (`sampling_kept`). Padded, the batch is cut to its own longest completion (c <= C, rounded
@@ -257,7 +263,8 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     row cost a forward pass and change nothing. `packing` "rows" / "prompts": the rows packed into one
     sequence without padding, prompts shared by rows held once with "prompts" (rlft/packing.py). With a
     `teacher` model (same vocabulary): `Scored.divergence` [b, c], each token's divergence from the teacher
-    at `beta` (rlft/core/distill.py), and the student's entropy, instead of log-probs; padded."""
+    at `beta` (rlft/core/distill.py), and the student's entropy, instead of log-probs (as well, with
+    `with_logps`); padded."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
     if packing is not None and teacher is None:
@@ -279,6 +286,7 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
                   None if kept is None else kept[rows, :width])
     if teacher is not None:
         score.teacher = teacher_states(teacher, ids, mask, position_ids, completion_mask[:, :width], beta)
+        score.logps = with_logps
     scored = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
     scored.tokens = ids.numel()
     return scored

@@ -229,3 +229,50 @@ def test_two_processes_take_the_step_one_process_takes(tmp_path, shipped_policy_
             assert torch.allclose(param, two[name]["params"][key], atol=1e-6, rtol=0), (name, key)
     for key, param in one["reverse_kl"]["params"].items():  # micro-batches: the same step in four parts
         assert torch.allclose(param, one["micro_batches"]["params"][key], atol=1e-6, rtol=0), key
+
+
+def test_grpo_with_a_teacher_term_adds_coef_times_the_token_mean_reverse_kl(tmp_path, shipped_policy_dir, teacher_dir):
+    """GRPO's step with teacher_coef 0.5 changes the weights by GRPO's own change plus 0.5 x the gradient of the
+    token-mean reverse KL to the teacher (from full logits), and logs the term apart from policy_loss."""
+    from tests.helpers import tiny_grpo_config
+
+    def token_sum_reward(completion_ids, **kwargs):
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    changes, metrics = {}, {}
+    for coef in (0.0, 0.5):
+        cfg = tiny_grpo_config(tmp_path, output_dir=str(tmp_path / f"c{coef}"), optim="sgd", learning_rate=1.0,
+                               max_grad_norm=1e9, loss_type="dapo", teacher_coef=coef, log_completions=False)
+        from rlft import GRPOTrainer
+
+        trainer = GRPOTrainer(str(shipped_policy_dir), [token_sum_reward], cfg, addition_rows(16),
+                              teacher_model=str(teacher_dir) if coef else None)
+        trainer.generator = FixedGenerator(trainer.tokenizer)
+        batch = trainer._make_rollout(0)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        if coef:
+            want = reference_loss(trainer.model, trainer.teacher_model, batch.rollout, 1.0, 1.0)
+            rkl = dict(zip(before, torch.autograd.grad(want, list(trainer.model.parameters()))))
+        metrics[coef] = trainer.updater.step(batch.part(0, trainer.rows_per_step))
+        changes[coef] = {n: before[n] - p.detach() for n, p in trainer.model.named_parameters()}
+    got = metrics[0.5]
+    assert got["teacher/reverse_kl"] == pytest.approx(want.item(), rel=1e-5)
+    assert got["teacher_loss"] == pytest.approx(0.5 * want.item(), rel=1e-5)
+    assert got["policy_loss"] == pytest.approx(metrics[0.0]["policy_loss"], abs=1e-6)
+    assert got["loss"] == pytest.approx(got["policy_loss"] + got["teacher_loss"], abs=1e-6)
+    for name, change in changes[0.5].items():
+        assert torch.allclose(change, changes[0.0][name] + 0.5 * rkl[name].float(), atol=3e-6, rtol=1e-4), name
+
+
+def test_a_teacher_without_its_coefficient_and_the_reverse_are_named(tmp_path, shipped_policy_dir, teacher_dir):
+    from rlft import GRPOTrainer
+    from tests.helpers import correct_answer, tiny_grpo_config
+
+    with pytest.raises(ConfigError, match="teacher_coef is 0, so it would be loaded and never used"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), addition_rows(16),
+                    teacher_model=str(teacher_dir))
+    with pytest.raises(ConfigError, match="teacher_coef=0.1 needs a teacher"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, teacher_coef=0.1),
+                    addition_rows(16))
+    with pytest.raises(ConfigError, match="teacher_coef=0.5 weighs GRPO's teacher term"):
+        config(tmp_path, teacher_coef=0.5)

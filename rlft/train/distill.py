@@ -31,6 +31,28 @@ def _vocabulary(model) -> int:
     return int(getattr(weight, "ds_shape", weight.shape)[0])
 
 
+def teacher_source(teacher_model, args, required: bool):
+    """What the teacher is loaded from (the trainer's teacher_model, else the config's
+    teacher_model_name_or_path), or None for a run without one. `required`: distillation's; otherwise GRPO's
+    teacher term, there exactly when teacher_coef > 0."""
+    teacher = args.teacher_model_name_or_path if teacher_model is None else teacher_model
+    if required:
+        if teacher is None:
+            raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model= (a hub id, a folder "
+                              "or a loaded model) or set teacher_model_name_or_path in the config")
+        return teacher
+    if args.teacher_coef == 0:
+        if teacher is not None:
+            raise ConfigError("a teacher is given (teacher_model / teacher_model_name_or_path) but "
+                              "teacher_coef is 0, so it would be loaded and never used: set teacher_coef > 0 "
+                              "to add its reverse KL to the loss, or leave the teacher out")
+        return None
+    if teacher is None:
+        raise ConfigError(f"teacher_coef={args.teacher_coef} needs a teacher: pass teacher_model= to the "
+                          "trainer or set teacher_model_name_or_path")
+    return teacher
+
+
 def load_teacher(teacher, args, dtype: torch.dtype, student) -> torch.nn.Module | None:
     """The teacher from a hub id or folder (with teacher_model_init_kwargs and teacher_model_revision) or a
     loaded model, frozen, in eval mode, checked against the student (`student`: the policy as loaded)."""

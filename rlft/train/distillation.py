@@ -24,6 +24,7 @@ class DistillationTrainer(GRPOTrainer):
     _name = "Distillation"
     updater_class = DistillationUpdater
     needs_rewards = False
+    teacher_required = True
     progress_metric = "loss"
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
@@ -33,9 +34,5 @@ class DistillationTrainer(GRPOTrainer):
         if not isinstance(args, DistillationConfig):
             raise ConfigError(f"DistillationTrainer takes a DistillationConfig, got {type(args).__name__}: "
                               "its beta is the divergence's (GRPOConfig's is a KL weight)")
-        teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
-        if teacher_model is None:
-            raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model= (a hub id, a folder "
-                              "or a loaded model) or set teacher_model_name_or_path in the config")
         super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, None, callbacks,
                          optimizers, quantization_config, peft_config, tools, teacher_model=teacher_model)

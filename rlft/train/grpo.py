@@ -41,7 +41,7 @@ from rlft.train import state as run_state
 from rlft.train.advantages import Advantages, estimator_spec
 from rlft.train.batch import RolloutBatch, ScoredRollout, row_view, timing_metrics
 from rlft.train.checkpoint import PartState
-from rlft.train.distill import load_teacher
+from rlft.train.distill import load_teacher, teacher_source
 from rlft.train.dynamic import DynamicSampling
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
@@ -86,6 +86,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
     # The trainer's objective: its policy update, whether it needs reward functions, what the progress shows.
     updater_class = PolicyUpdater
     needs_rewards = True
+    teacher_required = False  # (else a teacher only with teacher_coef > 0)
     progress_metric = "reward"
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
@@ -113,6 +114,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
+        teacher_model = teacher_source(teacher_model, args, self.teacher_required)
         self._setup_policy(model, source, peft_config, optimizers, quantization_config, teacher_model)
         for note in option_notes(args):  # at construction, as TRL warns
             logging.getLogger("rlft").warning(note)

@@ -11,11 +11,11 @@ import torch
 LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate", "ref_model/syncs")
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                    "clip_ratio/delta_mean", "ratio_mean", "kl", "sampling/kept_mass/mean",
-                   "distill/teacher_entropy")
+                   "distill/teacher_entropy", "teacher/reverse_kl")
 SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean", "aux_loss")
 CLIP_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # parts of the loss, summed over micro-batches like it
-SHARE_KEYS = ("kl_loss", "entropy_loss", "router_loss")
+SHARE_KEYS = ("kl_loss", "entropy_loss", "router_loss", "teacher_loss")
 
 
 def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor,
@@ -106,10 +106,13 @@ class StepSums:
         summed = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
         loss, tokens, sequences, *rest = summed.tolist()
         shares, weighted = dict(zip(SHARE_KEYS, rest[:len(SHARE_KEYS)])), rest[len(SHARE_KEYS):]
-        # TRL's policy_loss: the loss before the entropy bonus and the MoE router term (the KL term included)
-        out = {"loss": loss, "policy_loss": loss - shares["entropy_loss"] - shares["router_loss"]}
-        if shares["entropy_loss"]:
-            out["entropy_loss"] = shares["entropy_loss"]
+        # TRL's policy_loss: the loss before the entropy bonus and the MoE router term (the KL term included);
+        # rlft's teacher term is outside it too
+        out = {"loss": loss, "policy_loss": loss - shares["entropy_loss"] - shares["router_loss"]
+               - shares["teacher_loss"]}
+        for key in ("entropy_loss", "teacher_loss"):
+            if shares[key]:
+                out[key] = shares[key]
         for key, value in zip(keys, weighted):
             if key.startswith("seq:"):
                 out[key[4:]] = value / max(sequences, 1.0)

@@ -13,6 +13,8 @@ old log-probs of several optimiser steps per rollout).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from rlft.core import segments
@@ -20,6 +22,15 @@ from rlft.core.batching import balanced_bins, budget_count
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 from rlft.scoring import score_rows
+
+
+class Forward(NamedTuple):
+    """One scoring forward's per-token values [b, c] (None where not asked)."""
+    logps: torch.Tensor
+    entropy: torch.Tensor | None
+    aux_loss: torch.Tensor | None  # a MoE policy's router load-balancing loss (a scalar)
+    kept_logmass: torch.Tensor | None  # log of the mass the sampler kept (rollouts with kept ids)
+    divergence: torch.Tensor | None = None  # reverse KL(policy || teacher) per token (`teacher=True`)
 
 
 class PolicyScorer:
@@ -34,21 +45,23 @@ class PolicyScorer:
         self._tally = dict.fromkeys(("computed", "real", "packed", "forwards"), 0)
 
     def forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
-                router_loss: bool = False):
+                router_loss: bool = False, teacher: bool = False) -> Forward:
         """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; a MoE policy's
         router load-balancing loss, the model's own `aux_loss`; the log of the mass the sampler kept [b, c]
-        where the rollout carries its kept ids) for `rows` (a slice or an index tensor), cut to the rows'
-        longest completion and prompt (rlft/scoring.py: score_rows). With kept ids the log-probs are
-        renormalised over them: the distribution the sampler drew from (rlft/rollout/truncation.py)."""
-        packing = self.packing(model, rollout, rows, router_loss)
+        where the rollout carries its kept ids; with `teacher`, each token's reverse KL to the teacher, from
+        the same forward) for `rows` (a slice or an index tensor), cut to the rows' longest completion and
+        prompt (rlft/scoring.py: score_rows). With kept ids the log-probs are renormalised over them: the
+        distribution the sampler drew from (rlft/rollout/truncation.py)."""
+        packing = None if teacher else self.packing(model, rollout, rows, router_loss)
         scored = score_rows(model, rollout, rows, self.args.temperature, entropy, router_loss,
-                            self.args.logprob_chunk_size, self.args.pad_to_multiple_of, packing)
+                            self.args.logprob_chunk_size, self.args.pad_to_multiple_of, packing,
+                            teacher=self.teacher if teacher else None, beta=1.0, with_logps=True)
         real = int(rollout.prompt_mask[rows].sum()) + int(rollout.completion_mask[rows].sum())
         for key, value in (("computed", scored.tokens), ("real", real), ("packed", packing is not None),
                            ("forwards", 1)):
             self._tally[key] += value
         ent = None if scored.entropy is None else scored.entropy if entropy_grad else scored.entropy.detach()
-        return scored.logps, ent, scored.aux_loss, scored.kept_logmass
+        return Forward(scored.logps, ent, scored.aux_loss, scored.kept_logmass, scored.divergence)
 
     def divergence(self, rollout: Rollout, rows, beta: float):
         """Distillation: each completion token's divergence at `beta` from the teacher [b, c] (differentiable

@@ -212,9 +212,10 @@ class PolicyUpdater:
         """One micro-batch's share of the step loss. Completions sampled by another engine (vLLM) are
         weighted by pi_old / pi_sampler (`vllm_importance_sampling_*`, rlft/core/importance.py)."""
         args, rollout = self.args, batch.rollout
-        logps, entropy, router, logmass = self.scorer.forward(self.scorer.model, rollout, rows, entropy=True,
-                                                              entropy_grad=self.entropy_bonus_on,
-                                                              router_loss=self.router_aux_loss_coef != 0.0)
+        teacher = self.scorer.teacher is not None and args.teacher_coef > 0
+        logps, entropy, router, logmass, divergence = self.scorer.forward(
+            self.scorer.model, rollout, rows, entropy=True, entropy_grad=self.entropy_bonus_on,
+            router_loss=self.router_aux_loss_coef != 0.0, teacher=teacher)
         width = logps.shape[1]
         mask = (rollout.loss_mask if keep is None else keep)[rows, :width]
         old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
@@ -241,6 +242,11 @@ class PolicyUpdater:
         if logmass is not None:  # the mass the sampler kept, under the policy now (per trained token)
             metrics["sampling/kept_mass/mean"] = (logmass.exp() * mask).sum() / mask.sum().clamp(min=1)
         loss = self._extra_terms(loss, metrics, entropy, router, mask, num_items)
+        if divergence is not None:  # GRPO with a teacher: + coef x token-mean reverse KL to it
+            share = args.teacher_coef * (divergence * mask).sum() / num_items
+            loss = loss + share
+            metrics["teacher_loss"] = share.detach()
+            metrics["teacher/reverse_kl"] = (divergence * mask).sum() / mask.sum().clamp(min=1)
         return loss, metrics, None if entropy is None else entropy.detach(), mask
 
     def _extra_terms(self, loss, metrics: dict, entropy, router, mask, num_items):
