@@ -138,10 +138,11 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
     return Scored(logps, entropy, aux, logmass, divergence=divergence, teacher_entropy=teacher_entropy)
 
 
-def _plain_weight(head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _plain_weight(head, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The head's weight and bias when it can be used as a plain matrix (not peft-adapted); an FSDP2 DTensor
-    weight made whole (differentiably: its gradient is sharded back)."""
-    if type(head) is not torch.nn.Linear:
+    weight made whole (differentiably: its gradient is sharded back). `sharded`: FSDP2's own subclass of
+    the linear layer too (a peft layer is no nn.Linear)."""
+    if not (isinstance(head, torch.nn.Linear) if sharded else type(head) is torch.nn.Linear):
         return None
     weight, bias = head.weight, head.bias
     if hasattr(weight, "full_tensor"):  # torch.distributed.tensor.DTensor
@@ -181,7 +182,7 @@ def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float,
 def _divergence(head, hidden, score: Score, scale: float, softcap: float | None):
     """(D [n], the student's entropy [n], the teacher's [n]) to the teacher's states, tile by tile
     (rlft/core/distill.py)."""
-    plain = _plain_weight(head)
+    plain = _plain_weight(head, sharded=True)
     if plain is None:
         raise ValueError("distillation reads the student's LM head as a weight; an LM head adapted by peft "
                          "is not supported: leave lm_head out of the LoRA target_modules")
@@ -203,7 +204,7 @@ def teacher_states(teacher, ids, mask, position_ids, completion_mask, beta: floa
     outputs = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     width = completion_mask.shape[1]
     hidden = outputs.last_hidden_state[:, -(width + 1):-1][completion_mask.bool()]  # [n, H_t]
-    plain = _plain_weight(inner.get_output_embeddings())
+    plain = _plain_weight(inner.get_output_embeddings(), sharded=True)
     if plain is None:
         raise ValueError("the teacher's LM head must be a plain linear layer (not adapted by peft)")
     weight, bias = plain

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlft.core.fused_head import HeadGrads, _logits, tile_positions
+from rlft.core.fused_head import HeadGrads, _logits, tile_positions, vocabulary_rows
 
 
 @dataclass(frozen=True)
@@ -98,15 +98,15 @@ class _TiledDivergence(torch.autograd.Function):
     def backward(ctx, grad_d, grad_entropy, grad_teacher_entropy):
         hidden_s, hidden_t, d = ctx.saved_tensors
         student, teacher, beta, temperature, tile = ctx.settings
-        grads = HeadGrads(hidden_s, student.weight, student.bias, ctx.needs_input_grad[:3])
-        with student.whole(), teacher.whole():
+        with student.whole(), teacher.whole():  # (a partitioned weight has its shape only inside)
+            grads = HeadGrads(hidden_s, student.weight, student.bias, ctx.needs_input_grad[:3])
             for start in range(0, hidden_s.shape[0], tile):
                 rows = slice(start, start + tile)
                 log_ps, log_pt, squashed = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher,
                                                           temperature, keep_squashed=True)
                 grad_z = _divergence_grad(log_ps, log_pt, beta, d[rows]) * grad_d[rows, None].to(log_ps.dtype)
                 grads.add(rows, grad_z, squashed, student.scale / temperature)
-        return (*grads.result(), None, None, None, None, None, None)
+            return (*grads.result(), None, None, None, None, None, None)
 
 
 def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, keep_squashed: bool = False):
@@ -130,15 +130,16 @@ def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: He
     """D [N] and the two entropies [N] at N positions from the student's hidden states [N, H_s]
     (differentiable, as are the student head's weight and bias) and the teacher's [N, H_t] (no gradient).
     Never allocates [N, V]. The heads must share the vocabulary (V)."""
-    if student.weight.shape[0] != teacher.weight.shape[0]:
-        raise ValueError(f"the student's vocabulary ({student.weight.shape[0]}) and the teacher's "
-                         f"({teacher.weight.shape[0]}) differ: distillation compares their next-token "
-                         "distributions token by token, so both must use the same tokenizer")
+    vocab, teacher_vocab = vocabulary_rows(student.weight), vocabulary_rows(teacher.weight)
+    if vocab != teacher_vocab:
+        raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) differ: "
+                         "distillation compares their next-token distributions token by token, so both must "
+                         "use the same tokenizer")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
     if hidden_s.shape[0] == 0:
         empty = hidden_s.sum(-1).float()
         return Divergence(empty, empty.detach(), empty.detach())
-    tile = tile or tile_positions(student.weight.shape[0], device=hidden_s.device)
+    tile = tile or tile_positions(vocab, device=hidden_s.device)
     return Divergence(*_TiledDivergence.apply(hidden_s, student.weight, student.bias, hidden_t.detach(),
                                               student, teacher, float(beta), float(temperature), int(tile)))

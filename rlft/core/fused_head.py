@@ -44,6 +44,12 @@ TILE_ELEMENTS = 1 << 24
 GPU_TILE_ELEMENTS = 1 << 26
 
 
+def vocabulary_rows(weight: torch.Tensor) -> int:
+    """V of an LM head weight [V, H], also while it is partitioned (ZeRO-3 keeps the full shape in
+    `ds_shape` and leaves the tensor empty outside a gather)."""
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
 def tile_positions(vocab: int, tile_elements: int | None = None, device: torch.device | str | None = None,
                    ) -> int:
     """Positions per tile so that one tile of float32 logits holds about `tile_elements` values (by default
@@ -224,6 +230,6 @@ def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     if hidden.shape[0] == 0:
         empty = hidden.sum(-1).float()  # [0], still connected to the graph
         return empty, (empty if entropy else None), empty.detach()
-    tile = tile or tile_positions(weight.shape[0], device=hidden.device)
+    tile = tile or tile_positions(vocabulary_rows(weight), device=hidden.device)
     return _TiledLogProbs.apply(hidden, weight, bias, targets, kept, float(temperature), float(logit_scale),
                                 softcap, int(tile), bool(entropy), whole)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rlft.core.fused_head import vocabulary_rows
 from rlft.errors import ConfigError
 from rlft.models import load_causal_lm
 from rlft.scoring import install_scoring
@@ -26,9 +27,7 @@ from rlft.train.updater import PolicyUpdater
 
 
 def _vocabulary(model) -> int:
-    """Rows of the model's LM head (a ZeRO-3 partitioned weight keeps its full shape in ds_shape)."""
-    weight = model.get_output_embeddings().weight
-    return int(getattr(weight, "ds_shape", weight.shape)[0])
+    return vocabulary_rows(model.get_output_embeddings().weight)
 
 
 def teacher_source(teacher_model, args, required: bool):

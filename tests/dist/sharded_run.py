@@ -3,6 +3,8 @@
 GRPO (policy MODE lora or full): 4 AdamW steps on a linear schedule with fixed completions (so 1 and 2
 processes see the same data), checkpoint every 2 steps; then a second trainer resumes from checkpoint-2
 and runs to step 4. Reward model (MODE reward-lora / reward-full): the same with preference pairs.
+Distillation (MODE distill-lora / distill-full): the same with DistillationTrainer (beta 0.5) and a tiny Llama
+teacher built from a fixed seed (under ZeRO-3 the teacher is its own sharded engine, like a reference).
 Writes OUT/straight and OUT/resumed (save_model folders) and OUT/rates.json (learning rates per step).
 
     accelerate launch --config_file ENGINE.yaml tests/dist/sharded_run.py MODEL_DIR OUT MODE [DTYPE]
@@ -15,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlft import GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
+from rlft import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
 from rlft.train.state import release_processes
 from tests.dist.grpo_step import FixedGenerator, token_sum_reward
 from tests.helpers import addition_rows, preference_rows
@@ -50,10 +52,24 @@ def reward(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> Reward
     return RewardTrainer(model_dir, cfg, train_dataset=preference_rows(32), peft_config=lora_config(lora, "SEQ_CLS"))
 
 
+def distill(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> DistillationTrainer:
+    from rlft.tiny import make_tiny_model_dir
+
+    teacher = out.parent / f"teacher-{os.environ.get('RANK', '0')}"  # each process builds the same one
+    if not teacher.exists():
+        make_tiny_model_dir(teacher, kind="causal", arch="llama", hidden_size=48, seed=3)
+    cfg = DistillationConfig(model_init_kwargs={"dtype": dtype}, output_dir=str(out), per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2 // world(), max_completion_length=8, beta=0.5, **COMMON)
+    trainer = DistillationTrainer(model_dir, str(teacher), cfg, addition_rows(16),
+                                  peft_config=lora_config(lora, "CAUSAL_LM"))
+    trainer.generator = FixedGenerator(trainer.tokenizer)
+    return trainer
+
+
 def main() -> None:
     model_dir, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"
-    make = reward if mode.startswith("reward") else grpo
+    make = reward if mode.startswith("reward") else distill if mode.startswith("distill") else grpo
     lora = mode.endswith("lora")
     trainer = make(model_dir, out / "run", lora, dtype)
     trainer.train()
