@@ -129,8 +129,8 @@ def main() -> None:
           f"(teacher {teacher_accuracy:.1%}); {wall:.0f} s including the teacher's evaluation")
     if args.out:
         out = Path(args.out)
-        title = (f"On-policy distillation (beta {args.beta}, LoRA r16) of a GRPO-trained tiny-adder into the "
-                 f"shipped one\n`python examples/distillation_demo.py --out {args.out}` (2 CPU cores)")
+        title = (f"A GRPO-trained tiny-adder distilled into the shipped one (beta {args.beta}, LoRA r16)\n"
+                 f"python examples/distillation_demo.py --out {args.out}")
         plot(held.curve, teacher_accuracy, out, title)
         out.with_suffix(".json").write_text(json.dumps(
             {"teacher_accuracy": teacher_accuracy, "curve": held.curve, "steps": args.steps, "beta": args.beta,
