@@ -170,11 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", "--output_dir", dest="output_dir", default="runs/demo")
     demo.set_defaults(func=_cmd_demo)
 
-    doctor = sub.add_parser("doctor", parents=[common], help="preflight checks for a grpo or reward config")
-    doctor.add_argument("--config", required=True, help="the YAML you would pass to rlft grpo / rlft reward")
-    doctor.add_argument("--kind", choices=["auto", "grpo", "reward"], default="auto",
+    doctor = sub.add_parser("doctor", parents=[common],
+                            help="preflight checks for a grpo, reward or distillation config")
+    doctor.add_argument("--config", required=True,
+                        help="the YAML you would pass to rlft grpo / rlft reward / rlft distillation")
+    doctor.add_argument("--kind", choices=["auto", "grpo", "reward", "distillation"], default="auto",
                         help="auto: a config with reward-model fields (max_length, truncation, ...) is "
-                        "'reward'")
+                        "'reward'; one naming teacher_model_name_or_path without teacher_coef or "
+                        "reward_funcs 'distillation'")
     doctor.set_defaults(func=_cmd_doctor)
 
     plot = sub.add_parser("plot", help="PNG curves from RUN_DIR/metrics.jsonl")

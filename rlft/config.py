@@ -116,6 +116,13 @@ class AsyncGRPOConfig(_GRPOFields):
         check_async(self, errors)
 
 
+# GRPO fields a distillation run refuses away from these values: they would act on rewards or a reference it
+# does not have, or add a term its loss does not take.
+GRPO_ONLY = {"teacher_coef": 0.0, "dynamic_sampling": False, "sync_ref_model": False, "entropy_coef": 0.0,
+             "use_adaptive_entropy": False, "multi_objective_aggregation": "sum_then_normalize",
+             "kl_in_reward": None}
+
+
 @config_class
 class DistillationConfig(_GRPOFields):
     """On-policy distillation (TRL 1.16's DistillationConfig names and defaults, on top of GRPO's generation,
@@ -145,9 +152,11 @@ class DistillationConfig(_GRPOFields):
 
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
-        if self.teacher_coef != 0.0:
-            errors.append(f"teacher_coef={self.teacher_coef!r} weighs GRPO's teacher term; distillation's "
-                          "loss is the divergence itself: leave it at 0")
+        for name, value in GRPO_ONLY.items():
+            if getattr(self, name) != value:
+                errors.append(f"{name}={getattr(self, name)!r} is a GRPO setting with no meaning in "
+                              f"distillation (no reward, no reference, the loss is the divergence itself): "
+                              f"leave it at {value!r}")
         if not 0.0 <= self.beta <= 1.0:
             errors.append(f"beta={self.beta!r} must be in [0, 1]: 0 is the forward KL, 1 the reverse KL, "
                           "values in between the generalized Jensen-Shannon divergence")

@@ -366,7 +366,7 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
                       "use multi_objective_aggregation: sum_then_normalize")
     _check_kl_in_reward(cfg, errors)
     _check_replay(cfg, errors)
-    if cfg.sync_ref_model and cfg.beta == 0:
+    if cfg.sync_ref_model and cfg.kl_coef == 0:
         errors.append(
             "sync_ref_model=True with beta=0: there is no reference model to update (the KL term is off); "
             "set beta > 0 or sync_ref_model: false"

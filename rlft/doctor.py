@@ -65,7 +65,11 @@ def detect_kind(config_path: str | None) -> str:
     values = yaml.safe_load(Path(config_path).read_text()) or {}
     reward_only = ({f.name for f in dataclasses.fields(RewardConfig)}
                    - {f.name for f in dataclasses.fields(GRPOConfig)})
-    return "reward" if reward_only & set(values) or values.get("lora_task_type") == "SEQ_CLS" else "grpo"
+    if reward_only & set(values) or values.get("lora_task_type") == "SEQ_CLS":
+        return "reward"
+    # a teacher without GRPO's teacher term or reward functions: a distillation recipe
+    distills = values.get("teacher_model_name_or_path") and not values.get("teacher_coef")
+    return "distillation" if distills and not values.get("reward_funcs") else "grpo"
 
 
 @dataclasses.dataclass
@@ -266,6 +270,46 @@ def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, toke
         report.add("INFO", f"trap: {trap}", remedy)
 
 
+def doctor_distillation(run: Run, report: Report, model=None, train_dataset=None, tokenizer=None,
+                        teacher_model=None) -> None:
+    """What `rlft distillation` would build: student and teacher load and share a vocabulary, one rollout,
+    and the divergence's gradient reaches every trainable parameter."""
+    from rlft.data.prompts import is_conversational
+    from rlft.model_config import get_peft_config
+    from rlft.recipes import teacher_init_kwargs
+    from rlft.train.distillation import DistillationTrainer
+
+    source = model if model is not None else run.model_args.model_name_or_path
+    dataset = run.dataset(train_dataset, 2)
+    _tokenizer_checks(report, getattr(source, "name_or_path", source), tokenizer,
+                      is_conversational(dataset[0].get("prompt")))
+    cfg = run.small(len(dataset) * run.cfg.num_generations)
+    cfg.teacher_model_init_kwargs = teacher_init_kwargs(run.model_args, cfg)
+    trainer = DistillationTrainer(source, teacher_model, cfg, dataset, processing_class=tokenizer,
+                                  peft_config=get_peft_config(run.model_args))
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    teacher = trainer.teacher_model
+    kind = "LoRA" if trainer.is_peft else "full"
+    report.add("PASS", "models", f"student {type(unwrapped).__name__} ({kind}; "
+               f"{_summarise_trainable(unwrapped)}), teacher {type(teacher).__name__}, one vocabulary")
+    batch = trainer._make_rollout(0)
+    report.add("PASS", "generation", f"{len(batch.samples)} completions, e.g. "
+               f"{str(batch.samples[0]['completion'])[:80]!r}")
+
+    def backward():
+        rollout = batch.rollout
+        divergence = trainer.scorer.divergence(rollout, slice(0, None), cfg.beta)[0]
+        (divergence * rollout.loss_mask[:, :divergence.shape[1]]).sum().backward()
+
+    _grad_check(report, unwrapped, backward)
+    report.add("INFO", "loss", f"beta={cfg.beta} (0 forward KL, 1 reverse KL, between: generalized JSD), "
+               f"temperature={cfg.temperature} (docs/distillation.md)")
+
+
+DOCTORS = {"grpo": doctor_grpo, "rloo": doctor_grpo, "reward": doctor_reward,
+           "distillation": doctor_distillation}
+
+
 def run_doctor(config_path: str | None = None, kind: str = "auto", argv: list[str] | None = None,
                console: Console | None = None, overrides: dict | None = None,
                **objects) -> tuple[int, Report]:
@@ -278,7 +322,7 @@ def run_doctor(config_path: str | None = None, kind: str = "auto", argv: list[st
     try:
         *parsed, notes = parse_run(kind, argv or [], config_path, overrides)
         report.add("PASS", "config", f"{kind} config is valid" + "".join(f"; {n}" for n in notes))
-        (doctor_reward if kind == "reward" else doctor_grpo)(Run(*parsed), report, **objects)
+        DOCTORS[kind](Run(*parsed), report, **objects)
     except Exception as err:  # every failure becomes a report row, never a traceback
         report.add("FAIL", type(err).__name__, str(err))
     report.show(console or Console())

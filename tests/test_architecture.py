@@ -154,12 +154,13 @@ def test_the_configs_are_literal_classes_and_validation_dispatches_by_class_not_
 
 
 def test_the_grpo_trainers_are_compositions_not_overrides():
-    """GRPOTrainer has at most two bases (the loop and TRL's surface); AsyncGRPOTrainer and RLOOTrainer only
-    choose parts in their constructors: no method of their own but __init__."""
-    from rlft import AsyncGRPOTrainer, GRPOTrainer, RLOOTrainer
+    """GRPOTrainer has at most two bases (the loop and TRL's surface); AsyncGRPOTrainer, RLOOTrainer and
+    DistillationTrainer only choose parts (in their constructors and class attributes): no method of their own
+    but __init__."""
+    from rlft import AsyncGRPOTrainer, DistillationTrainer, GRPOTrainer, RLOOTrainer
 
     assert len(GRPOTrainer.__bases__) <= 2
-    for trainer in (AsyncGRPOTrainer, RLOOTrainer):
+    for trainer in (AsyncGRPOTrainer, RLOOTrainer, DistillationTrainer):
         own = {name for name, value in vars(trainer).items() if inspect.isfunction(value)
                or isinstance(value, property | staticmethod | classmethod)}
         assert own == {"__init__"}, (trainer.__name__, own)

@@ -112,9 +112,10 @@ def test_training_help_lists_every_field_of_every_dataclass_with_default_and_hel
         for f in dataclasses.fields(cls):
             if f.init:
                 assert f"--{f.name} " in out or f"--{f.name}," in out, f.name
-    own = {"grpo": "num_generations", "reward": "max_length", "distillation": "teacher_model_name_or_path"}[sub]
+    own = {"grpo": "num_generations", "reward": "max_length", "distillation": "teacher_model_revision"}[sub]
     for name in ("learning_rate", own, "lora_r", "train_dataset"):
-        assert " ".join(FIELD_HELP[name].split()) in out, name
+        text = config.__dataclass_fields__[name].metadata["help"] if name == own else FIELD_HELP[name]
+        assert " ".join(text.split()) in out, name
     assert "peak learning rate (default: 1e-06)" in out if sub != "reward" else "(default: 0.0001)" in out
 
 

@@ -274,5 +274,9 @@ def test_a_teacher_without_its_coefficient_and_the_reverse_are_named(tmp_path, s
     with pytest.raises(ConfigError, match="teacher_coef=0.1 needs a teacher"):
         GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, teacher_coef=0.1),
                     addition_rows(16))
-    with pytest.raises(ConfigError, match="teacher_coef=0.5 weighs GRPO's teacher term"):
-        config(tmp_path, teacher_coef=0.5)
+    for name, value in (("teacher_coef", 0.5), ("dynamic_sampling", True), ("entropy_coef", 0.01),
+                        ("multi_objective_aggregation", "normalize_then_sum")):
+        with pytest.raises(ConfigError, match=f"{name}={value!r} is a GRPO setting with no meaning in distillation"):
+            config(tmp_path, **{name: value})
+    with pytest.raises(ConfigError, match="GRPOTrainer takes a GRPO-family config, not a DistillationConfig"):
+        GRPOTrainer(str(shipped_policy_dir), [correct_answer], config(tmp_path), addition_rows(16))

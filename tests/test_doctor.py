@@ -89,3 +89,21 @@ def test_truncated_sampling_without_the_replay_is_a_warning(tmp_path, shipped_po
     assert code == 0 and "WARN truncated sampling" in report.text() and "carry the kept mass" in report.text()
     code, report = run_doctor(config, overrides={"top_p": 0.8})
     assert "PASS truncated sampling" in report.text()
+
+
+def test_a_distillation_recipe_is_checked_as_one(tmp_path, shipped_policy_dir, tiny_causal_dir, capsys):
+    """A YAML naming a teacher (no teacher_coef, no reward functions) is a distillation recipe: student and
+    teacher load with one vocabulary, a rollout is sampled, the divergence's gradient reaches the adapters; a
+    teacher with another vocabulary fails naming both sizes."""
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    path = tmp_path / "distill.yaml"
+    path.write_text(f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {tiny_causal_dir}\n"
+                    f"train_dataset: {data}\nmax_completion_length: 8\nuse_peft: true\nlora_r: 4\nbeta: 0.5\n")
+    assert main(["doctor", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for check in ("distillation config is valid", "models", "generation", "gradient flow", "beta=0.5"):
+        assert check in out, check
+    other = AutoModelForCausalLM.from_pretrained(tiny_causal_dir)
+    other.resize_token_embeddings(400)
+    code, report = run_doctor(str(path), teacher_model=other)
+    assert code == 1 and "the teacher's" in report.text() and "400" in report.text()

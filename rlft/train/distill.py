@@ -84,6 +84,8 @@ class DistillationUpdater(PolicyUpdater):
     """The guarded optimiser step of PolicyUpdater with distillation's loss (module docstring); the scorer
     holds the teacher."""
 
+    uses_old_logps = False  # the divergence needs no ratio to the sampling policy
+
     def _has_signal(self, batch: RolloutBatch) -> bool:
         return True  # every trained token pulls toward the teacher
 

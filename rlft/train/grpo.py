@@ -94,6 +94,10 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None,
                  rollout_func=None, environment_factory=None, teacher_model=None):
         self.args = args = validate(args or GRPOConfig(output_dir=default_output_dir(model, "GRPO")))
+        if args.min_generations < 2 and not self.teacher_required:
+            raise ConfigError(f"{type(self).__name__} takes a GRPO-family config, not a "
+                              f"{type(args).__name__} (its beta is a divergence's, not a KL weight): use "
+                              "DistillationTrainer")
         # before LoRA init: adapter weights must not depend on earlier RNG use
         run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
@@ -268,7 +272,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         timing, tokens = timing_metrics(scored.timing)
         if args.mask_truncated_completions:
             rollout.completion_mask[rollout.truncated] = 0
-        old = self.scorer.policy_logps(rollout) if self.steps_per_rollout > 1 else None
+        old = self.scorer.policy_logps(rollout) \
+            if self.steps_per_rollout > 1 and self.updater.uses_old_logps else None
         self.scorer.forget()  # the rollout's log-probs are in the batch now, or not needed
         ref = self.scorer.reference_logps(rollout) if args.kl_coef > 0 and self.kl_in_loss else None
         metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
@@ -335,7 +340,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
 
     def _explain(self, logged: dict) -> None:
         """Say in the run itself what a zero loss or a zero-signal batch means."""
-        if (not self._zero_loss_noted and abs(logged.get("loss", 1.0)) < 1e-6
+        if (self.needs_rewards and not self._zero_loss_noted and abs(logged.get("loss", 1.0)) < 1e-6
                 and logged.get("grad_norm", 0) > 0):
             self.log.info(ZERO_LOSS_NOTE)
             self._zero_loss_noted = True
@@ -409,7 +414,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         self._window, self._batch = MetricWindow(), None
         self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model),
-                                       self.reward_names)
+                                       self.reward_names, self.teacher_model)
         if path is None:
             self._notes = [runs.claim_output_dir(self.accelerator, self.args)]
             run_state.seed_everything(self.args.seed)

@@ -84,15 +84,20 @@ def peft_record(model) -> dict[str, dict[str, Any]] | None:
             for adapter, config in configs.items()}
 
 
-def run_record(args, model, reward_names: list[str] | tuple = ()) -> dict[str, Any]:
-    """The config of this run as JSON values, plus what a Python caller passed outside the config: the model,
-    its LoRA settings (`_peft`, when it has adapters) and the reward functions."""
-    record = json.loads(json.dumps(to_dict(args), default=str))
+def _model_record(model) -> dict[str, Any]:
     config = getattr(model, "config", None)
+    return {"class": type(model).__name__, "name_or_path": str(getattr(config, "_name_or_path", "")),
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def run_record(args, model, reward_names: list[str] | tuple = (), teacher=None) -> dict[str, Any]:
+    """The config of this run as JSON values, plus what a Python caller passed outside the config: the model,
+    its LoRA settings (`_peft`, when it has adapters), the reward functions and a distillation teacher."""
+    record = json.loads(json.dumps(to_dict(args), default=str))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    record["_model"] = {"class": type(model).__name__,
-                        "name_or_path": str(getattr(config, "_name_or_path", "")),
-                        "parameters": sum(p.numel() for p in model.parameters()), "trainable": trainable}
+    record["_model"] = {**_model_record(model), "trainable": trainable}
+    if teacher is not None:  # (a ZeRO-3 engine wraps it)
+        record["_teacher"] = _model_record(getattr(teacher, "module", teacher))
     peft = peft_record(model)
     if peft is not None:
         record["_peft"] = peft

@@ -83,6 +83,8 @@ class PolicyUpdater:
     """The policy's optimiser step on a RolloutBatch: `scorer` (rlft/train/scorer.py) for the forwards,
     `optim` (rlft/train/optimization.py) for the guarded step."""
 
+    uses_old_logps = True  # the importance ratio's denominator when a rollout feeds several steps
+
     def __init__(self, scorer, optim, args, accelerator, loss_options: LossOptions, throughput,
                  router_aux_loss_coef: float = 0.0):
         self.scorer, self.optim, self.args, self.accelerator = scorer, optim, args, accelerator
