@@ -55,9 +55,14 @@ def reward(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> Reward
 def distill(model_dir: str, out: Path, lora: bool, dtype: str = "auto") -> DistillationTrainer:
     from rlft.tiny import make_tiny_model_dir
 
-    teacher = out.parent / f"teacher-{os.environ.get('RANK', '0')}"  # each process builds the same one
+    teacher = out.parent / "teacher"  # one folder (the run records it): the first process to finish building wins
     if not teacher.exists():
-        make_tiny_model_dir(teacher, kind="causal", arch="llama", hidden_size=48, seed=3)
+        built = make_tiny_model_dir(out.parent / f"teacher-{os.environ.get('RANK', '0')}", kind="causal",
+                                    arch="llama", hidden_size=48, seed=3)
+        try:
+            os.rename(built, teacher)  # atomic; the other process's rename then fails and it uses this one
+        except OSError:
+            pass
     cfg = DistillationConfig(model_init_kwargs={"dtype": dtype}, output_dir=str(out), per_device_train_batch_size=4,
                              gradient_accumulation_steps=2 // world(), max_completion_length=8, beta=0.5, **COMMON)
     trainer = DistillationTrainer(model_dir, str(teacher), cfg, addition_rows(16),
