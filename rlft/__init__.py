@@ -1,4 +1,5 @@
-"""rlft: reinforcement-learning fine-tuning of language models (GRPO and reward models).
+"""rlft: reinforcement-learning fine-tuning of language models (GRPO, on-policy distillation and reward
+models).
 
 The names a TRL script imports from `trl` are importable from `rlft` (docs/migration.md).
 """

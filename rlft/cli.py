@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--task", choices=["addition", "calculator"], default="addition",
                       help="calculator: the policy calls an add tool (multi-turn rollouts, docs/agents.md)")
     demo.add_argument("--steps", type=int, default=None,
-                      help="optimizer steps (default 1500 for addition: about 3 minutes on 2 CPU cores; 300 "
+                      help="optimizer steps (default 1000 for addition: about 2 minutes on 2 CPU cores; 300 "
                       "for calculator)")
     demo.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     demo.add_argument("--seed", type=int, default=0)

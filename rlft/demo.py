@@ -17,7 +17,7 @@ from rlft.config import GRPOConfig
 from rlft.data.addition import rows, split_problems
 from rlft.models import shipped_policy_path
 
-DEMO_STEPS = 1500
+DEMO_STEPS = 1000
 HELDOUT_KEY = "eval_rewards/exact_match_reward/mean"
 EVAL_EVERY = 100
 CALCULATOR_STEPS, CALCULATOR_EVAL_EVERY = 300, 50

@@ -60,3 +60,20 @@ def test_an_example_config_runs_from_any_folder(tmp_path, monkeypatch):
     run("grpo", "--config", str(ROOT / "examples" / "configs" / "cpu-grpo-lora.yaml"), "--output_dir",
         str(tmp_path / "out"), "--max_steps", "1", "--eval_strategy", "no", "--save_steps", "1")
     assert (tmp_path / "out" / "adapter_config.json").exists()
+
+
+def test_the_distillation_demo_runs_and_writes_its_figure(tmp_path, tiny_causal_dir):
+    """examples/distillation_demo.py (docs/distillation.md's figure), cut to 2 steps with a ready teacher."""
+    import json
+    import subprocess
+    import sys
+
+    figure = tmp_path / "distillation.png"
+    result = subprocess.run([sys.executable, "examples/distillation_demo.py", "--teacher", str(tiny_causal_dir),
+                             "--steps", "2", "--eval_every", "1", "--output_dir", str(tmp_path / "run"),
+                             "--out", str(figure)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    numbers = json.loads(figure.with_suffix(".json").read_text())
+    assert figure.stat().st_size > 0 and [step for step, _ in numbers["curve"]] == [0, 1, 2]
+    assert 0 <= numbers["teacher_accuracy"] <= 1 and "student held-out accuracy" in result.stdout
