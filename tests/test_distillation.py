@@ -40,9 +40,9 @@ def config(tmp_path, name="run", **overrides) -> DistillationConfig:
     return DistillationConfig(**values)
 
 
-def reference_loss(student, teacher, rollout, beta: float, temperature: float) -> torch.Tensor:
+def reference_loss(student, teacher, rollout, beta: float, temperature: float, trained=None) -> torch.Tensor:
     """The definition from [B, T, V] logits of both models (float64 softmaxes): sum of D over every trained
-    completion token / their number."""
+    completion token (`trained`, default the rollout's loss mask) / their number."""
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -59,7 +59,7 @@ def reference_loss(student, teacher, rollout, beta: float, temperature: float) -
     else:
         m = (1 - beta) * p_s + beta * p_t
         d = beta * (p_t * (p_t / m).log()).sum(-1) + (1 - beta) * (p_s * (p_s / m).log()).sum(-1)
-    trained = rollout.loss_mask.double()
+    trained = (rollout.loss_mask if trained is None else trained).double()
     return (d * trained).sum() / trained.sum()
 
 
@@ -280,3 +280,30 @@ def test_a_teacher_without_its_coefficient_and_the_reverse_are_named(tmp_path, s
             config(tmp_path, **{name: value})
     with pytest.raises(ConfigError, match="GRPOTrainer takes a GRPO-family config, not a DistillationConfig"):
         GRPOTrainer(str(shipped_policy_dir), [correct_answer], config(tmp_path), addition_rows(16))
+
+
+def test_tool_results_are_not_distilled(tmp_path, tiny_tool_dir):
+    """With tools=, the tool's output inside a completion is neither scored nor trained: one SGD step moves the
+    weights by the definition's gradient over the policy's own tokens (loss_mask), which differs from the one
+    over every completion token."""
+    from tests.test_tools_trainer import calculator_script, scripted
+    from tests.tools_helpers import add
+
+    cfg = config(tmp_path, optim="sgd", learning_rate=1.0, max_grad_norm=1e9, max_completion_length=96,
+                 per_device_train_batch_size=4)
+    trainer = scripted(DistillationTrainer(str(tiny_tool_dir), perturbed(tiny_tool_dir), cfg, addition_rows(8),
+                                           tools=[add]), calculator_script)
+    batch = trainer._make_rollout(0)
+    rollout = batch.rollout
+    assert (rollout.loss_mask < rollout.completion_mask).any()  # tool output exists and is masked
+    student = trainer.model
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    grads, losses = {}, {}
+    for name, mask in (("own", rollout.loss_mask), ("all", rollout.completion_mask)):
+        want = reference_loss(student, trainer.teacher_model, rollout, 1.0, 1.0, mask)
+        grads[name], losses[name] = torch.autograd.grad(want, list(student.parameters())), want.item()
+    metrics = trainer.updater.step(batch)
+    assert metrics["loss"] == pytest.approx(losses["own"], rel=1e-5)
+    for (name, p), g in zip(student.named_parameters(), grads["own"]):
+        assert torch.allclose(before[name] - p.detach(), g.float(), atol=2e-6, rtol=1e-4), name
+    assert max((a - b).abs().max().item() for a, b in zip(grads["own"], grads["all"])) > 1e-5
