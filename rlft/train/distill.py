@@ -1,4 +1,4 @@
-"""On-policy distillation's parts (DistillationTrainer, rlft/trainer/distillation_trainer.py): the teacher as
+"""On-policy distillation's parts (DistillationTrainer: rlft/train/distillation.py): the teacher as
 it is loaded, and the policy update whose loss is each completion token's divergence from the teacher.
 
 The loss of one optimiser step (TRL 1.16's DistillationTrainer's): the sum over every trained completion
