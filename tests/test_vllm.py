@@ -435,3 +435,23 @@ def test_truncated_sampling_on_vllm_is_replayed_so_an_on_policy_ratio_is_one(tmp
     assert rollout.sampling_kept is None and biased.mean().item() < 0.95
     print(f"\nvllm {mode} top_p 0.8 top_k 20: ratio mean {ratio.mean().item():.4f} with the replay, "
           f"{biased.mean().item():.4f} without")
+
+
+def test_distillation_samples_with_a_colocated_engine_synced_to_the_student(tmp_path, shipped_policy_dir):
+    """DistillationTrainer(use_vllm=True): the student's completions come from vLLM, whose weights follow the
+    student's adapter every step (the engine's log-probs match the trainer's afterwards), and the loss falls."""
+    from rlft import DistillationConfig, DistillationTrainer
+    from tests.test_distillation import perturbed
+
+    cfg = DistillationConfig(output_dir=str(tmp_path / "run"), use_vllm=True, max_steps=3, learning_rate=1e-2,
+                             per_device_train_batch_size=8, max_completion_length=8, logging_steps=1,
+                             report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=False, beta=0.5)
+    trainer = DistillationTrainer(str(shipped_policy_dir), perturbed(shipped_policy_dir, 0.1), cfg,
+                                  addition_rows(32), peft_config=lora())
+    assert trainer.generator.lora_mode == "adapter"
+    trainer.train()
+    assert trainer.generator.syncs == 3
+    losses = [r["loss"] for r in trainer.state.log_history if "distill/loss" in r]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert parity(trainer) < 1e-4
+    release(trainer)
