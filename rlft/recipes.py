@@ -112,15 +112,21 @@ def parse_run(
     return (*parsed, notes)
 
 
-def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
-    """TRL's scripts' model_init_kwargs: revision, attention, dtype from ModelConfig, then training_args'."""
+def _loading_kwargs(model_args: ModelConfig) -> dict[str, Any]:
+    """Attention and dtype from ModelConfig, as TRL's scripts pass them to both models."""
     kwargs: dict[str, Any] = {}
-    if model_args.model_revision != "main":
-        kwargs["revision"] = model_args.model_revision
     if model_args.attn_implementation is not None:
         kwargs["attn_implementation"] = model_args.attn_implementation
     if model_args.dtype not in (None, "auto"):
         kwargs["dtype"] = model_args.dtype
+    return kwargs
+
+
+def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
+    """TRL's scripts' model_init_kwargs: revision, attention, dtype from ModelConfig, then training_args'."""
+    kwargs = _loading_kwargs(model_args)
+    if model_args.model_revision != "main":
+        kwargs["revision"] = model_args.model_revision
     kwargs.update(training_args.model_init_kwargs or {})
     return kwargs or None
 
@@ -128,12 +134,7 @@ def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
 def teacher_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
     """`trl distillation`'s teacher kwargs: attention and dtype from ModelConfig, then
     teacher_model_init_kwargs (the revision is teacher_model_revision's)."""
-    kwargs: dict[str, Any] = {}
-    if model_args.attn_implementation is not None:
-        kwargs["attn_implementation"] = model_args.attn_implementation
-    if model_args.dtype not in (None, "auto"):
-        kwargs["dtype"] = model_args.dtype
-    kwargs.update(training_args.teacher_model_init_kwargs or {})
+    kwargs = {**_loading_kwargs(model_args), **(training_args.teacher_model_init_kwargs or {})}
     return kwargs or None
 
 

@@ -18,7 +18,7 @@ from rlft.tracking import read_metrics
 from rlft.train.checkpoint import latest_checkpoint
 from tests.dist.grpo_step import FixedGenerator
 from tests.helpers import addition_rows, write_jsonl
-from tests.test_grpo_resume import comparable
+from tests.test_grpo_resume import assert_same_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,15 +111,6 @@ def test_training_lowers_the_divergence_and_logs_trls_metrics(tmp_path, shipped_
     assert latest_checkpoint(tmp_path / "run").name == "checkpoint-6"
 
 
-def run(tmp_path, name, model_dir, teacher_dir, steps, resume=None, **overrides):
-    cfg = config(tmp_path, name, max_steps=4, save_steps=2, **overrides)
-    trainer = DistillationTrainer(str(model_dir), str(teacher_dir), cfg, addition_rows(32))
-    if steps < 4:
-        trainer.total_steps = steps  # stop right after the checkpoint, as a killed job would
-    trainer.train(resume_from_checkpoint=resume)
-    return trainer
-
-
 def test_two_plus_two_steps_equal_four_with_lora(tmp_path, shipped_policy_dir, teacher_dir):
     from peft import LoraConfig
 
@@ -135,12 +126,7 @@ def test_two_plus_two_steps_equal_four_with_lora(tmp_path, shipped_policy_dir, t
     resumed = DistillationTrainer(str(shipped_policy_dir), str(teacher_dir),
                                   config(tmp_path, "split", max_steps=4, save_steps=2), addition_rows(32), **lora)
     resumed.train(resume_from_checkpoint=True)
-    a, b = comparable(read_metrics(tmp_path / "straight")), comparable(read_metrics(tmp_path / "split"))
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for row_a, row_b in zip(a, b):
-        assert row_a.keys() == row_b.keys()
-        for key in row_a:
-            assert row_a[key] == pytest.approx(row_b[key], abs=1e-6), key
+    assert_same_rows(tmp_path / "straight", tmp_path / "split", 4)
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
     assert (tmp_path / "straight" / "checkpoint-4" / "adapter_model.safetensors").exists()

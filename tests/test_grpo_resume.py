@@ -20,6 +20,16 @@ def comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
+def assert_same_rows(straight, split, steps: int) -> None:
+    """Every logged row of the resumed run (steps 1..`steps`) equals the straight run's, timings aside."""
+    a, b = comparable(read_metrics(straight)), comparable(read_metrics(split))
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    for row_a, row_b in zip(a, b):
+        assert row_a.keys() == row_b.keys()
+        for key in row_a:
+            assert row_a[key] == pytest.approx(row_b[key], abs=1e-6), key
+
+
 def run(tmp_path, name, shipped, steps, resume=None, full=False, **overrides):
     args = tiny_grpo_config(tmp_path, output_dir=str(tmp_path / name), max_steps=6, save_steps=3, **overrides)
     trainer = GRPOTrainer(str(shipped), [correct_answer, has_answer_tags], args, addition_rows(32),
@@ -36,12 +46,7 @@ def straight_and_resumed(tmp_path, shipped, **overrides):  # full=True: no LoRA
     run(tmp_path, "split", shipped, 3, **overrides)
     assert latest_checkpoint(tmp_path / "split").name == "checkpoint-3"
     resumed = run(tmp_path, "split", shipped, 6, resume=True, **overrides)
-    a, b = comparable(read_metrics(tmp_path / "straight")), comparable(read_metrics(tmp_path / "split"))
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
-    for row_a, row_b in zip(a, b):
-        assert row_a.keys() == row_b.keys()
-        for key in row_a:
-            assert row_a[key] == pytest.approx(row_b[key], abs=1e-6), key
+    assert_same_rows(tmp_path / "straight", tmp_path / "split", 6)
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
     return straight, resumed
