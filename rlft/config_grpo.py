@@ -213,6 +213,18 @@ class _GRPOFields(_BaseConfig):
     teacher_coef: float = field(
         default=0.0, metadata={"help": "GRPO with a teacher: the weight of the token-mean reverse KL(policy "
                                        "|| teacher) added to the policy loss (0: no teacher term)"})
+    teacher_model_server_url: str | None = field(
+        default=None, metadata={"help": "a teacher served by `rlft vllm-serve` (e.g. http://127.0.0.1:8001) "
+                                        "instead of a local one: the divergence uses its top-k log-probs "
+                                        "(docs/distillation.md); needs temperature 1"})
+    loss_top_k: int = field(
+        default=20, metadata={"help": "served teacher: the teacher's most likely tokens per position the "
+                                      "divergence sees (plus the sampled one); TRL's experimental default "
+                                      "is 1 (docs/migration.md)"})
+    loss_add_tail: bool = field(
+        default=True, metadata={"help": "served teacher: the rest of the vocabulary as one more bucket (a "
+                                        "lower bound of the exact divergence); false: renormalise over the "
+                                        "top-k"})
     max_prompt_length: int | None = field(
         default=None, metadata={"help": "longest prompt in tokens; a longer one is an error naming its row"})
     kl_estimator: str = field(default="k3", metadata={"help": "k1, k2, or k3 (Schulman's estimators)"})

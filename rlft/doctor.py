@@ -68,7 +68,8 @@ def detect_kind(config_path: str | None) -> str:
     if reward_only & set(values) or values.get("lora_task_type") == "SEQ_CLS":
         return "reward"
     # a teacher without GRPO's teacher term or reward functions: a distillation recipe
-    distills = values.get("teacher_model_name_or_path") and not values.get("teacher_coef")
+    teacher = values.get("teacher_model_name_or_path") or values.get("teacher_model_server_url")
+    distills = teacher and not values.get("teacher_coef")
     return "distillation" if distills and not values.get("reward_funcs") else "grpo"
 
 

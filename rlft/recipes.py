@@ -133,7 +133,9 @@ def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
 
 def teacher_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
     """`trl distillation`'s teacher kwargs: attention and dtype from ModelConfig, then
-    teacher_model_init_kwargs (the revision is teacher_model_revision's)."""
+    teacher_model_init_kwargs (the revision is teacher_model_revision's); a served teacher loads none."""
+    if training_args.teacher_model_server_url:
+        return training_args.teacher_model_init_kwargs
     kwargs = {**_loading_kwargs(model_args), **(training_args.teacher_model_init_kwargs or {})}
     return kwargs or None
 

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlft.core.distill import Head, tiled_divergence
 from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
+from rlft.core.sparse_distill import sparse_divergence
 from rlft.packing import Packed, install, pack_rows, packed_forward
 
 
@@ -51,13 +52,17 @@ class Score:
 
 @dataclass
 class TeacherStates:
-    """A teacher's view of the scored positions: its last hidden states [n, H_t] (no gradient), in the
-    order the student's are read (the completion mask's), its LM head, and the divergence's beta
-    (rlft/core/distill.py)."""
+    """A teacher's view of the scored positions, in the order the student's are read (the completion
+    mask's), and the divergence's beta: a local teacher's last hidden states [n, H_t] (no gradient) and LM
+    head (rlft/core/distill.py), or a served teacher's support ids and log-probs [n, K] (-1 padding) and
+    whether the rest of the vocabulary is one more bucket (rlft/core/sparse_distill.py)."""
 
-    hidden: torch.Tensor
-    head: Head
+    hidden: torch.Tensor | None
+    head: Head | None
     beta: float
+    ids: torch.Tensor | None = None
+    logps: torch.Tensor | None = None
+    tail: bool = True
 
 
 @dataclass
@@ -181,7 +186,7 @@ def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float,
 
 def _divergence(head, hidden, score: Score, scale: float, softcap: float | None):
     """(D [n], the student's entropy [n], the teacher's [n]) to the teacher's states, tile by tile
-    (rlft/core/distill.py)."""
+    (rlft/core/distill.py; a served teacher's: rlft/core/sparse_distill.py)."""
     plain = _plain_weight(head, sharded=True)
     if plain is None:
         raise ValueError("distillation reads the student's LM head as a weight; an LM head adapted by peft "
@@ -189,6 +194,9 @@ def _divergence(head, hidden, score: Score, scale: float, softcap: float | None)
     weight, bias = plain
     teacher = score.teacher
     student = Head(weight, bias, scale, softcap, _gathered(weight, bias))
+    if teacher.ids is not None:  # a served teacher: its top-k log-probs
+        return sparse_divergence(hidden.to(weight.dtype), student, teacher.ids, teacher.logps, teacher.beta,
+                                 score.temperature, teacher.tail, score.tile)
     return tiled_divergence(hidden.to(weight.dtype), teacher.hidden, student, teacher.head, teacher.beta,
                             score.temperature, score.tile)
 
@@ -263,9 +271,9 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     up to `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every
     row cost a forward pass and change nothing. `packing` "rows" / "prompts": the rows packed into one
     sequence without padding, prompts shared by rows held once with "prompts" (rlft/packing.py). With a
-    `teacher` model (same vocabulary): `Scored.divergence` [b, c], each token's divergence from the teacher
-    at `beta` (rlft/core/distill.py), and the student's entropy, instead of log-probs (as well, with
-    `with_logps`); padded."""
+    `teacher` model (same vocabulary) or served teacher (its `support`): `Scored.divergence` [b, c], each
+    token's divergence from the teacher at `beta` (rlft/core/distill.py), and the student's entropy, instead
+    of log-probs (as well, with `with_logps`); padded."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
     if packing is not None and teacher is None:
@@ -285,8 +293,11 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     kept = rollout.sampling_kept
     score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile,
                   None if kept is None else kept[rows, :width])
-    if teacher is not None:
+    if teacher is not None and not isinstance(teacher, torch.nn.Module):  # rollout/teacher_server.py
+        score.teacher = TeacherStates(None, None, beta, *teacher.support(rollout, rows, width), teacher.tail)
+    elif teacher is not None:
         score.teacher = teacher_states(teacher, ids, mask, position_ids, completion_mask[:, :width], beta)
+    if teacher is not None:
         score.logps = with_logps
     scored = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
     scored.tokens = ids.numel()

@@ -455,3 +455,51 @@ def test_distillation_samples_with_a_colocated_engine_synced_to_the_student(tmp_
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert parity(trainer) < 1e-4
     release(trainer)
+
+
+def test_a_teacher_served_by_rlft_vllm_serve_answers_its_top_k_and_distils(tmp_path, shipped_policy_dir):
+    """A teacher behind `rlft vllm-serve` (teacher_model_server_url): at every completion position its answer
+    is the local teacher's top k (log-probs within float32 rounding), with the whole vocabulary asked for the
+    step's loss is the local teacher's exact one, and with k=20 three steps lower it."""
+    from rlft import DistillationConfig, DistillationTrainer
+    from tests.test_distillation import perturbed, reference_loss
+
+    teacher = perturbed(shipped_policy_dir, 0.2).eval()
+    teacher.save_pretrained(tmp_path / "teacher")
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(shipped_policy_dir).save_pretrained(tmp_path / "teacher")
+    port, vocab = free_port(), teacher.config.vocab_size
+
+    def trainer_with(k: int, name: str, steps: int = 1):
+        cfg = DistillationConfig(output_dir=str(tmp_path / name), max_steps=steps, learning_rate=1e-2,
+                                 per_device_train_batch_size=8, max_completion_length=8, logging_steps=1,
+                                 report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=False,
+                                 beta=0.5, teacher_model_server_url=f"http://127.0.0.1:{port}", loss_top_k=k,
+                                 vllm_server_timeout=240)
+        return DistillationTrainer(str(shipped_policy_dir), None, cfg, addition_rows(32), peft_config=lora())
+
+    with serving(tmp_path, tmp_path / "teacher", port):
+        trainer = trainer_with(vocab, "whole")
+        batch = trainer._make_rollout(0)
+        ids, logps = trainer.teacher_model._fetch(batch.rollout)
+        seq = torch.cat([batch.rollout.prompt_ids, batch.rollout.completion_ids], dim=1)
+        mask = torch.cat([batch.rollout.prompt_mask, batch.rollout.completion_mask], dim=1)
+        width = batch.rollout.completion_ids.shape[1]
+        with torch.no_grad():
+            local = torch.log_softmax(teacher(input_ids=seq, attention_mask=mask,
+                                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+                                      .logits[:, -(width + 1):-1].float(), dim=-1)
+        real = batch.rollout.completion_mask.bool()
+        served = ids[real]  # [n, V + 1]: every token once (the sampled one among them)
+        assert bool((served[:, :vocab] >= 0).all())
+        error = (local[real].gather(-1, served[:, :vocab]) - logps[real][:, :vocab]).abs().max().item()
+        print(f"\nserved teacher: max |log-prob - local| {error:.2g} over {int(real.sum())} positions")
+        assert error < 1e-4
+        exact = reference_loss(trainer.model, teacher, batch.rollout, 0.5, 1.0)
+        assert trainer.updater.step(batch)["loss"] == pytest.approx(exact.item(), rel=1e-4)
+
+        trainer = trainer_with(20, "k20", steps=3)
+        trainer.train()
+        losses = [r["loss"] for r in trainer.state.log_history if "distill/loss" in r]
+        assert len(losses) == 3 and losses[-1] < losses[0]

@@ -9,11 +9,14 @@ policy's own completion tokens up to and including the first EOS; tool results a
 (the rollout's loss mask).
 
 The teacher is frozen and scored under no_grad, only its backbone (its [B, T, V] logits never exist): it is
-prepared like a reference model (whole on every process; a ZeRO-3 inference engine under ZeRO-3).
+prepared like a reference model (whole on every process; a ZeRO-3 inference engine under ZeRO-3). Or it is
+served (`teacher_model_server_url`: `rlft vllm-serve`), and the divergence is taken on its top-k log-probs
+(rlft/rollout/teacher_server.py, rlft/core/sparse_distill.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,33 +33,66 @@ def _vocabulary(model) -> int:
     return vocabulary_rows(model.get_output_embeddings().weight)
 
 
+@dataclass(frozen=True)
+class TeacherServer:
+    """A teacher behind `rlft vllm-serve` at `url` (the config's teacher_model_server_url)."""
+    url: str
+
+
 def teacher_source(teacher_model, args, required: bool):
     """What the teacher is loaded from (the trainer's teacher_model, else the config's
-    teacher_model_name_or_path), or None for a run without one. `required`: distillation's; otherwise GRPO's
-    teacher term, there exactly when teacher_coef > 0."""
+    teacher_model_name_or_path, or a TeacherServer for teacher_model_server_url), or None for a run without
+    one. `required`: distillation's; otherwise GRPO's teacher term, there exactly when teacher_coef > 0."""
     teacher = args.teacher_model_name_or_path if teacher_model is None else teacher_model
+    if args.teacher_model_server_url:
+        teacher = _served_source(teacher, args)
     if required:
         if teacher is None:
             raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model= (a hub id, a folder "
-                              "or a loaded model) or set teacher_model_name_or_path in the config")
+                              "or a loaded model), or set teacher_model_name_or_path (or "
+                              "teacher_model_server_url) in the config")
         return teacher
     if args.teacher_coef == 0:
         if teacher is not None:
-            raise ConfigError("a teacher is given (teacher_model / teacher_model_name_or_path) but "
+            raise ConfigError("a teacher is given (teacher_model / teacher_model_name_or_path / "
+                              "teacher_model_server_url) but "
                               "teacher_coef is 0, so it would be loaded and never used: set teacher_coef > 0 "
                               "to add its reverse KL to the loss, or leave the teacher out")
         return None
     if teacher is None:
         raise ConfigError(f"teacher_coef={args.teacher_coef} needs a teacher: pass teacher_model= to the "
-                          "trainer or set teacher_model_name_or_path")
+                          "trainer or set teacher_model_name_or_path (or teacher_model_server_url)")
     return teacher
 
 
-def load_teacher(teacher, args, dtype: torch.dtype, student) -> torch.nn.Module | None:
+def _served_source(local, args) -> TeacherServer:
+    if local is not None:
+        raise ConfigError("both a local teacher (teacher_model / teacher_model_name_or_path) and "
+                          f"teacher_model_server_url={args.teacher_model_server_url!r} are given: keep one")
+    if args.temperature != 1.0:
+        raise ConfigError(f"a served teacher answers its log-probs at temperature 1 (vLLM applies no "
+                          f"sampling setting to prompt log-probs), but temperature={args.temperature}: the "
+                          "divergence would compare the student at that temperature with the teacher at 1. "
+                          "Set temperature: 1.0, or load the teacher locally (teacher_model_name_or_path)")
+    return TeacherServer(args.teacher_model_server_url)
+
+
+def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
     """The teacher from a hub id or folder (with teacher_model_init_kwargs and teacher_model_revision) or a
-    loaded model, frozen, in eval mode, checked against the student (`student`: the policy as loaded)."""
+    loaded model, frozen, in eval mode, checked against the student (`student`: the policy as loaded); for
+    a TeacherServer, the ServedTeacher client (checked against the student's `tokenizer`)."""
     if teacher is None:
         return None
+    _plain_student_head(student)
+    if isinstance(teacher, TeacherServer):
+        from rlft.rollout.teacher_server import ServedTeacher
+
+        if args.teacher_model_init_kwargs or args.teacher_model_revision:
+            raise ConfigError("teacher_model_init_kwargs / teacher_model_revision load a local teacher; the "
+                              "served teacher (teacher_model_server_url) is loaded by its server: leave them "
+                              "unset")
+        return ServedTeacher(teacher.url, args.vllm_server_timeout, args.loss_top_k, args.loss_add_tail,
+                             tokenizer)
     kwargs = dict(args.teacher_model_init_kwargs or {})
     if isinstance(teacher, torch.nn.Module):
         if kwargs:
@@ -68,9 +104,6 @@ def load_teacher(teacher, args, dtype: torch.dtype, student) -> torch.nn.Module 
                            args.trust_remote_code)
     install_scoring(model)
     inner = student.get_base_model() if hasattr(student, "get_base_model") else student
-    if type(inner.get_output_embeddings()) is not torch.nn.Linear:
-        raise ConfigError("distillation reads the student's LM head as a weight, but peft adapts it: leave "
-                          "lm_head out of the LoRA target_modules (and modules_to_save)")
     student_vocab, teacher_vocab = _vocabulary(inner), _vocabulary(model)
     if student_vocab != teacher_vocab:
         name = teacher if isinstance(teacher, str | Path) else type(teacher).__name__
@@ -78,6 +111,13 @@ def load_teacher(teacher, args, dtype: torch.dtype, student) -> torch.nn.Module 
                           f"{teacher_vocab}) differ: distillation compares their next-token distributions "
                           "token by token, so both must use the same tokenizer")
     return model.eval().requires_grad_(False)
+
+
+def _plain_student_head(student) -> None:
+    inner = student.get_base_model() if hasattr(student, "get_base_model") else student
+    if type(inner.get_output_embeddings()) is not torch.nn.Linear:
+        raise ConfigError("distillation reads the student's LM head as a weight, but peft adapts it: leave "
+                          "lm_head out of the LoRA target_modules (and modules_to_save)")
 
 
 class DistillationUpdater(PolicyUpdater):

@@ -174,8 +174,10 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         args = self.args
         policy = load_policy(model, source, args, self.engine, self.accelerator.device, peft_config,
                              quantization_config, self._tag_names)
-        teacher = load_teacher(teacher, args, training_dtype(args, self.accelerator.device), policy.model)
-        self.teacher_model = None if teacher is None else self.engine.prepare_reference(teacher)
+        teacher = load_teacher(teacher, args, training_dtype(args, self.accelerator.device), policy.model,
+                               self.tokenizer)
+        local = isinstance(teacher, torch.nn.Module)  # (else None, or served: rlft/rollout/teacher_server.py)
+        self.teacher_model = self.engine.prepare_reference(teacher) if local else teacher
         self._setup_notes += policy.notes
         self.is_peft, self.param_summary = policy.is_peft, policy.param_summary
         self.router_aux_loss_coef = policy.router_aux_loss_coef

@@ -96,7 +96,9 @@ def run_record(args, model, reward_names: list[str] | tuple = (), teacher=None) 
     record = json.loads(json.dumps(to_dict(args), default=str))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     record["_model"] = {**_model_record(model), "trainable": trainable}
-    if teacher is not None:  # (a ZeRO-3 engine wraps it)
+    if hasattr(teacher, "record"):  # a served teacher
+        record["_teacher"] = teacher.record()
+    elif teacher is not None:  # (a ZeRO-3 engine wraps it)
         record["_teacher"] = _model_record(getattr(teacher, "module", teacher))
     peft = peft_record(model)
     if peft is not None:

@@ -1,0 +1,123 @@
+"""A distillation teacher served by `rlft vllm-serve` (`teacher_model_server_url`): its top-k log-probs at
+every completion position, read from vLLM's OpenAI server, instead of a second model in the trainer.
+
+Each completion is sent back as a prompt (its prompt's tokens then its own) to `POST /v1/completions` with
+`prompt_logprobs=loss_top_k` and one token to generate: vLLM scores every position of a prompt in one
+forward and answers, per position, the teacher's k most likely tokens and the token that is there (the
+sampled one), with their log-probs. Those are raw log-probs (temperature 1: vLLM applies no sampling
+setting to a prompt's tokens), so a served teacher needs `temperature=1`. The divergence is then computed on
+that support plus one tail bucket (rlft/core/sparse_distill.py: a lower bound of the exact one that tightens
+with k; measured in docs/distillation.md).
+
+The teacher's answers for a rollout are fetched once, on its first micro-batch (every row of this process,
+requests in parallel, which the server batches) and kept until the next rollout. The teacher server is its
+own vLLM server (another port than a student's `vllm_mode="server"`); it never receives weights.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rlft.errors import ConfigError
+from rlft.rollout.base import Rollout
+from rlft.rollout.vllm_server import ServerClient, VLLMServerError
+
+PROBE = "Distil 12 + 34 = 46, naïve café — 日本語 <tool_call>{\"x\": 1}</tool_call>\n"
+
+
+class ServedTeacher:
+    """The teacher behind `url`: `support(rollout, rows, width)` -> (ids, log-probs) [n, K] at the rows'
+    real completion positions (-1 padding), in the order the student's scored positions are read."""
+
+    def __init__(self, url: str, timeout: float, top_k: int, tail: bool, tokenizer):
+        self.url, self.top_k, self.tail = url.rstrip("/"), int(top_k), bool(tail)
+        self.client = ServerClient(self.url, timeout)
+        self.client.wait_healthy()
+        self.served = self.client.request("/v1/models")["data"][0]["id"]
+        self._check_limits()
+        self._check_tokenizer(tokenizer)
+        self._held: tuple[Rollout, torch.Tensor, torch.Tensor] | None = None
+
+    def record(self) -> dict:
+        """What a resume must find the same (the run record's `_teacher`)."""
+        return {"class": "ServedTeacher", "url": self.url, "model": self.served, "loss_top_k": self.top_k,
+                "loss_add_tail": self.tail}
+
+    def _check_limits(self) -> None:
+        try:
+            info = self.client.request("/server_info?config_format=json", timeout=30) or {}
+        except VLLMServerError:
+            return  # (no vLLM development routes: the request itself will say)
+        limit = ((info.get("vllm_config") or {}).get("model_config") or {}).get("max_logprobs")
+        if isinstance(limit, int) and 0 <= limit < self.top_k:
+            raise ConfigError(f"loss_top_k={self.top_k} but the teacher server at {self.url} returns at most "
+                              f"{limit} log-probs per position: lower loss_top_k or restart it with "
+                              f"`rlft vllm-serve ... --max-logprobs {self.top_k}`")
+
+    def _check_tokenizer(self, tokenizer) -> None:
+        """The served teacher's tokenizer must be the student's: distillation compares next-token
+        distributions token id by token id."""
+        try:
+            served = self.client.request("/tokenize", {"model": self.served, "prompt": PROBE,
+                                                       "add_special_tokens": False}, timeout=30)["tokens"]
+        except (VLLMServerError, KeyError, TypeError):
+            return  # (no /tokenize route: its answers' ids are still checked against the vocabulary)
+        own = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+        if list(served) != list(own):
+            raise ConfigError(f"the teacher served at {self.url} ({self.served}) tokenizes text differently "
+                              "from the student: distillation compares their next-token distributions token "
+                              "by token, so both must use the same tokenizer")
+
+    # ---- a rollout's answers -------------------------------------------------------------------------
+    def support(self, rollout: Rollout, rows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [n, K] long, the teacher's log-probs there [n, K] float32) at the real completion positions of
+        `rows` within the first `width` columns (completion_mask order)."""
+        if self._held is None or self._held[0] is not rollout:
+            self._held = (rollout, *self._fetch(rollout))
+        _, ids, logps = self._held
+        mask = rollout.completion_mask[rows, :width].bool()
+        return ids[rows, :width][mask], logps[rows, :width][mask]
+
+    def _fetch(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, C, K] ids and log-probs for every row (K = loss_top_k + 1: the sampled token may be outside the
+        top k)."""
+        rows, width = rollout.completion_ids.shape
+        ids = torch.full((rows, width, self.top_k + 1), -1, dtype=torch.long)
+        logps = torch.zeros(ids.shape, dtype=torch.float32)
+        sequences = [self._sequence(rollout, b) for b in range(rows)]
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            answers = list(pool.map(self._ask, [s for s, _ in sequences]))
+        for b, ((sequence, columns), answer) in enumerate(zip(sequences, answers)):
+            start = len(sequence) - len(columns)  # the first completion token's place in the sequence
+            for place, column in enumerate(columns):
+                entries = _entries(answer, start + place, self.url, self.top_k + 1)
+                ids[b, column, :len(entries)] = torch.tensor([token for token, _ in entries])
+                logps[b, column, :len(entries)] = torch.tensor([value for _, value in entries])
+        device = rollout.completion_ids.device
+        return ids.to(device), logps.to(device)
+
+    @staticmethod
+    def _sequence(rollout: Rollout, b: int) -> tuple[list[int], list[int]]:
+        """Row b as the student scores it: its real prompt tokens then its real completion tokens, and the
+        completion columns those are."""
+        prompt = rollout.prompt_ids[b][rollout.prompt_mask[b].bool()].tolist()
+        columns = rollout.completion_mask[b].nonzero().flatten().tolist()
+        return prompt + rollout.completion_ids[b, columns].tolist(), columns
+
+    def _ask(self, sequence: list[int]) -> list:
+        body = {"model": self.served, "prompt": sequence, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": self.top_k}
+        return self.client.request("/v1/completions", body)["choices"][0].get("prompt_logprobs") or []
+
+
+def _entries(answer: list, place: int, url: str, limit: int) -> list[tuple[int, float]]:
+    """[(token id, log-prob)] at one place of a prompt_logprobs answer, most likely first (at most
+    `limit`)."""
+    found = answer[place] if place < len(answer) else None
+    if not found:
+        raise VLLMServerError(f"the teacher server at {url} answered no prompt log-probs at position "
+                              f"{place}: is it a vLLM server started by `rlft vllm-serve`?")
+    ranked = sorted(found.items(), key=lambda item: item[1].get("rank") or 0)
+    return [(int(token), float(entry["logprob"])) for token, entry in ranked][:limit]
