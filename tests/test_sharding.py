@@ -21,6 +21,12 @@ from rlft.tracking import read_metrics
 from tests.test_distributed import ROOT, launch
 
 ENGINES = ["fsdp2", "zero2", "zero3"]
+SLOW = pytest.mark.slow  # (CI time: each engine keeps a variant of each test in the default suite)
+
+
+def some_slow(cases: list, slow: set) -> list:
+    """`cases` for parametrize with those in `slow` marked slow (run them with -m slow)."""
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=SLOW) if c in slow else c for c in cases]
 
 
 def needs(engine: str) -> None:
@@ -48,7 +54,7 @@ def one_process_step(tmp_path_factory, tiny_causal_dir):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", some_slow(ENGINES, {"zero2"}))  # (ZeRO-2 steps: the resume test below)
 def test_one_step_equals_one_process_for_every_loss_type(engine, tmp_path, tiny_causal_dir, one_process_step):
     """SGD at learning rate 1: the parameter change is the gradient. Full fine-tuning, beta > 0 (under ZeRO-3 the
     reference is its own sharded engine), 4 micro-batches on 1 process vs 2 x 2: one optimiser step either way."""
@@ -94,8 +100,10 @@ def one_process_runs(tmp_path_factory, tiny_causal_dir, tiny_rm_dir):
 TOLERANCE = {"lora": 1e-5, "full": 1e-4, "reward-lora": 1e-5, "reward-full": 1e-4}
 
 
-@pytest.mark.parametrize("mode", list(TOLERANCE))
-@pytest.mark.parametrize("engine", ["ddp", *ENGINES])
+@pytest.mark.parametrize("engine, mode", some_slow(
+    [(e, m) for e in ["ddp", *ENGINES] for m in TOLERANCE],
+    {("ddp", "full"), ("ddp", "reward-full"), ("zero2", "full"), ("zero2", "reward-full"), ("zero3", "reward-full"),
+     ("fsdp2", "reward-lora")}))
 def test_train_checkpoint_resume_save_equals_one_process(engine, mode, tmp_path, tiny_causal_dir, tiny_rm_dir,
                                                          one_process_runs):
     """DDP (accelerate's MULTI_GPU config, gloo on CPUs) and the sharded engines: 4 AdamW steps on a linear
@@ -226,8 +234,9 @@ def one_process_sync(tmp_path_factory, tiny_causal_dir):
     return run
 
 
-@pytest.mark.parametrize("mode", ["lora", "full", "buckets", "adapter"])
-@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+@pytest.mark.parametrize("engine, mode", some_slow(
+    [(e, m) for e in ["fsdp2", "zero3"] for m in ["lora", "full", "buckets", "adapter"]],
+    {("fsdp2", "lora"), ("fsdp2", "full"), ("zero3", "buckets"), ("zero3", "adapter")}))
 def test_a_vllm_weight_sync_reads_whole_merged_weights_on_every_process(engine, mode, tmp_path, tiny_causal_dir,
                                                                          one_process_sync):
     """What a vLLM engine is pushed after 3 sharded steps (each process: its own colocated engine; rank 0: the
@@ -267,7 +276,8 @@ def async_on_ddp(tmp_path_factory, shipped_policy_dir):
     return run
 
 
-@pytest.mark.parametrize("engine, mode", [("fsdp2", "lora"), ("zero3", "lora"), ("zero3", "full")])
+@pytest.mark.parametrize("engine, mode", some_slow([("fsdp2", "lora"), ("zero3", "lora"), ("zero3", "full")],
+                                                   {("zero3", "full")}))
 def test_async_grpo_under_a_sharded_engine_equals_ddp(engine, mode, tmp_path, shipped_policy_dir, async_on_ddp):
     """Each process's producer starts from the gathered base weights and takes gathered pushes (the adapters, or
     every weight): the run samples and trains as under DDP (to 1e-5 after 4 steps) and resumes from its step-2

@@ -368,6 +368,7 @@ def test_doctor_starts_the_engine_and_checks_the_weight_sync(tmp_path, shipped_p
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # ~7 minutes: `pytest -m "vllm and slow"` (CI runs the vLLM tests that are not slow)
 def test_the_demo_learns_as_well_with_vllm_as_with_generate(tmp_path):
     """The README's demo (1000 LoRA steps) with the vLLM engine: at least 85% among the last three evaluations
     (HF generate, same config and seed: 29.0% -> 92.0%; the engines draw differently from the same seeds). 300
