@@ -186,6 +186,15 @@ class RewardConfig(_BaseConfig):
     truncation: str = field(
         default="keep_start", metadata={"help": "reward model: keep_start, keep_end, or error when a pair "
                                                 "exceeds max_length"})
+    padding_free: bool | None = field(
+        default=None, metadata={"help": "score each micro-batch's chosen and rejected sequences packed into "
+                                        "one sequence, no padding (null: where that computes at most half "
+                                        "the tokens a padded batch would and, where attention loops over the "
+                                        "sequences (a CPU), they average 32 tokens or more; true: always; "
+                                        "false: never); used once a check shows it exact for the model"})
+    shared_prefix_scoring: bool = field(
+        default=True, metadata={"help": "packed pair scoring holds the tokens a pair's two sequences begin "
+                                        "with (the prompt) once, both attending to them (false: each whole)"})
 
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)

@@ -165,8 +165,8 @@ def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
     config = tmp_path / "rm.yaml"
     config.write_text(f"model_name_or_path: {tiny_rm_dir}\ntrain_dataset: {data}\noutput_dir: {out}\n"
                       "per_device_train_batch_size: 8\nmax_length: 64\nlogging_steps: 1\nsave_steps: 3\n"
-                      "learning_rate: 3e-3\nreport_to: [none]\ndisable_tqdm: true\n")
-    cli_on_two_processes("reward", "--config", str(config), "--max_steps", "3")
+                      "learning_rate: 3e-3\nreport_to: [none]\ndisable_tqdm: true\npadding_free: true\n")
+    cli_on_two_processes("reward", "--config", str(config), "--max_steps", "3")  # pairs packed under DDP
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert [r["learning_rate"] for r in read_metrics(out)] == pytest.approx([3e-3, 2e-3, 1e-3])  # as on 1 process
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
