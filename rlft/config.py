@@ -261,6 +261,7 @@ RLFT_FIELDS = frozenset(
         "tool_call_timeout",
         "truncation",
         "token_budget",
+        "mlp_chunk_size",
         "advantage_estimator",
         "dynamic_sampling",
         "max_num_gen_batches",

@@ -275,7 +275,7 @@ def check_grpo(cfg, errors: list[str]) -> None:
         "sapo_temperature_pos",
         "sapo_temperature_neg",
         "tool_call_timeout",
-        "reward_timeout", "loss_top_k",
+        "reward_timeout", "loss_top_k", "mlp_chunk_size",
     )
     _positive(
         errors,

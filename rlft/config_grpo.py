@@ -234,6 +234,10 @@ class _GRPOFields(_BaseConfig):
         default=None, metadata={"help": "positions per tile of the fused LM head (float32 logits of one "
                                         "tile at a time); null: sized to the vocabulary (~16M logits per "
                                         "tile)"})
+    mlp_chunk_size: int | None = field(
+        default=None, metadata={"help": "run each decoder layer's MLP over this many positions at a time in "
+                                        "training forwards, each chunk recomputed in the backward: bounds "
+                                        "the MLP's activations for long sequences (null: whole)"})
     token_budget: int | None = field(
         default=None, metadata={"help": "fill micro-batches by prompt + completion tokens (at most this "
                                         "many each; a longer row alone) instead of "

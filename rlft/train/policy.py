@@ -23,6 +23,7 @@ from rlft.models import (
     training_dtype,
 )
 from rlft.scoring import install_scoring
+from rlft.train.chunked_mlp import chunk_mlps
 
 
 @dataclass
@@ -66,6 +67,8 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
     _check(model, args, is_peft)
     if args.gradient_checkpointing:
         enable_checkpointing(model, args.gradient_checkpointing_kwargs)
+    if args.mlp_chunk_size:  # the sequence dimension in chunks (rlft/train/chunked_mlp.py)
+        chunk_mlps(model, args.mlp_chunk_size)
     summary = parameter_summary(model)
     if summary["trainable"] == 0:
         raise GradientFlowError("the model has no trainable parameters (all requires_grad=False); unfreeze "

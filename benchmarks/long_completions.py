@@ -1,0 +1,102 @@
+"""Peak memory of a long-completion scoring step against completion length, with each decoder layer's MLP
+whole or in chunks (`mlp_chunk_size`), gradient checkpointing on.
+
+One scoring forward + backward (the policy's per-token log-probs through rlft's fused LM head, the loss
+their sum) of 2 completions of L tokens behind a 64-token prompt, padded (both rows full length), on a
+Qwen2-shaped model with Qwen2.5-0.5B's proportions at a CPU's size: hidden 512, intermediate 2,816 (5.5x), 4
+layers, 8 heads, 2 kv heads, vocabulary 32k, random weights, float32, full fine-tuning. Each (L, setting) in
+its own process; memory is the peak resident set above the process's resident set once the model is
+built; time is the step's wall time.
+
+    python benchmarks/long_completions.py                    # L = 2k, 4k, 8k, 16k; ~10 minutes on 2 cores
+    python benchmarks/long_completions.py --lengths 512 1024 --out /tmp/long.json    # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {"whole": None, "chunked 1024": 1024}
+
+
+def worker(length: int, chunk: int | None) -> dict:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlft.rollout.base import Rollout
+    from rlft.scoring import install_scoring, score_rows
+    from rlft.train.chunked_mlp import chunk_mlps
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=2816, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=length + 128,
+                         attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    install_scoring(model)
+    if chunk:
+        chunk_mlps(model, chunk)
+    rows, prompt = 2, 64
+    g = torch.Generator().manual_seed(1)
+    rollout = Rollout(prompt_ids=torch.randint(16, 32000, (rows, prompt), generator=g),
+                      prompt_mask=torch.ones(rows, prompt, dtype=torch.long),
+                      completion_ids=torch.randint(16, 32000, (rows, length), generator=g),
+                      completion_mask=torch.ones(rows, length, dtype=torch.long),
+                      truncated=torch.zeros(rows, dtype=torch.bool))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    scored = score_rows(model, rollout, torch.arange(rows))
+    scored.logps.sum().backward()
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"length": length, "chunk": chunk, "seconds": seconds, "step_peak_mb": (peak - before) / 1024,
+            "logp_sum": float(scored.logps.detach().sum())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--worker", type=int, nargs=2)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results-long-completions.json"))
+    args = parser.parse_args()
+    if args.worker:
+        length, chunk = args.worker
+        print(json.dumps(worker(length, chunk or None)))
+        return
+    results = {"date": str(date.today()), "machine": f"{platform.machine()}, 2 CPU threads", "runs": []}
+    for length in args.lengths:
+        for name, chunk in SETTINGS.items():
+            out = subprocess.run([sys.executable, __file__, "--worker", str(length), str(chunk or 0)],
+                                 capture_output=True, text=True, cwd=ROOT)
+            if out.returncode:
+                raise SystemExit(out.stderr[-3000:])
+            run = {"setting": name, **json.loads(out.stdout.strip().splitlines()[-1])}
+            results["runs"].append(run)
+            print(json.dumps(run), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print("| completion tokens (2 rows) | " + " | ".join(f"{n}: step peak MB / s" for n in SETTINGS) + " |")
+    print("| --- |" + " --- |" * len(SETTINGS))
+    for length in args.lengths:
+        cells = [next(r for r in results["runs"] if r["length"] == length and r["setting"] == n)
+                 for n in SETTINGS]
+        print(f"| 2 x {length:,} | " + " | ".join(f"{c['step_peak_mb']:,.0f} / {c['seconds']:.1f}" for c in cells)
+              + " |")
+    for name in SETTINGS:
+        runs = [r for r in results["runs"] if r["setting"] == name]
+        slope = (runs[-1]["step_peak_mb"] - runs[0]["step_peak_mb"]) / (2 * (runs[-1]["length"] - runs[0]["length"]))
+        print(f"{name}: {1000 * slope:.1f} MB per 1,000 completion tokens")
+
+
+if __name__ == "__main__":
+    main()
