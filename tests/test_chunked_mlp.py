@@ -58,6 +58,20 @@ def test_a_grpo_step_with_chunked_mlps_is_the_same_step(tmp_path, tiny_causal_di
         assert torch.allclose(weight, reference[name], atol=1e-6), name
 
 
+def test_a_deep_copy_such_as_a_reference_runs_its_own_weights():
+    import copy
+
+    model = build_causal_lm(build_tokenizer(0, vocab_size=384), arch="qwen2", hidden_size=64)
+    chunk_mlps(model, 2)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in copied.model.layers[0].mlp.parameters():
+            p.zero_()
+    hidden = torch.randn(1, 5, 64, requires_grad=True)
+    assert not torch.allclose(copied.model.layers[0].mlp(hidden), model.model.layers[0].mlp(hidden))
+    assert torch.count_nonzero(copied.model.layers[0].mlp(hidden)) == 0
+
+
 def test_a_moe_block_and_a_bad_size_are_refused_by_name(tmp_path):
     moe = build_causal_lm(build_tokenizer(0, vocab_size=384), arch="qwen2_moe", hidden_size=64)
     with pytest.raises(ConfigError, match="Mixture-of-Experts"):

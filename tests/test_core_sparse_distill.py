@@ -131,6 +131,10 @@ def test_float32_model_tiles_and_bad_support():
     torch.testing.assert_close(one, whole)
     torch.testing.assert_close(one.double(), sparse_divergence(hidden, Head(weight, bias), ids, logps, 0.5).value,
                                rtol=1e-4, atol=1e-6)
+    unplaced = ids.clone()
+    unplaced[0, 0] = -1  # padding in column 0: no answer at that position
+    with pytest.raises(ValueError, match="no teacher token"):
+        sparse_divergence(hidden, Head(weight, bias), unplaced, logps)
     with pytest.raises(ValueError, match="vocabulary has 40 tokens"):
         sparse_divergence(hidden, Head(weight, bias), ids + V, logps)
     with pytest.raises(ValueError, match="must agree"):

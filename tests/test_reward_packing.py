@@ -100,7 +100,9 @@ def test_packing_only_where_it_pays_and_a_model_it_cannot_take(tmp_path, tiny_rm
                                                                 per_device_train_batch_size=4),
                             train_dataset=short)
     trainer._optimizer_step(0)
-    assert trainer.packing.checked is None  # short pairs: padding is cheaper on a CPU, never packed
+    batch = trainer.train_pairs.batch([0, 1, 2, 3], trainer.tokenizer.pad_token_id)
+    assert trainer.packing.checked  # checked at the first batch (on every process alike) ...
+    assert trainer.packing.plan(trainer.model, batch) is None  # ... but short pairs are cheaper padded on a CPU
     eager = dict(model_init_kwargs={"attn_implementation": "eager"})
     trainer, _, _ = one_step(tmp_path, tiny_rm_dir, "eager", None, **eager)
     assert trainer.packing.checked is False and "packed pair scoring is off" in caplog.text

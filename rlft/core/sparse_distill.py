@@ -61,11 +61,14 @@ def bucketed_logprobs(log_ps: torch.Tensor, ids: torch.Tensor, teacher: torch.Te
     return torch.where(valid, a, PAD), torch.where(valid, q, PAD)
 
 
-def _tile(z: torch.Tensor, ids, teacher, beta: float, tail: bool):
-    """(D [t], the student's entropy [t], the teacher's over the buckets [t]) from one tile's logits."""
+def _tile(z: torch.Tensor, ids, teacher, beta: float, tail: bool, entropies: bool = True):
+    """(D [t], the student's entropy [t], the teacher's over the buckets [t]) from one tile's logits (D alone
+    without `entropies`)."""
     log_ps = z - torch.logsumexp(z, dim=-1, keepdim=True)
     a, q = bucketed_logprobs(log_ps, ids, teacher, tail)
     d = divergence_from_logprobs(a, q, beta)
+    if not entropies:
+        return d
     entropy = -(log_ps.exp() * log_ps).sum(-1)
     return d, entropy, -(q.exp() * q).sum(-1)
 
@@ -100,7 +103,7 @@ class _SparseDivergence(torch.autograd.Function):
                                       student.softcap, temperature)
                 with torch.enable_grad():
                     z = z.detach().requires_grad_(True)
-                    d = _tile(z, ids[rows], teacher_logps[rows], beta, tail)[0]
+                    d = _tile(z, ids[rows], teacher_logps[rows], beta, tail, entropies=False)
                     (grad_z,) = torch.autograd.grad(d, z, grad_d[rows].to(d.dtype))
                 grads.add(rows, grad_z, squashed, student.scale / temperature)
             return (*grads.result(), None, None, None, None, None, None, None)
@@ -119,9 +122,12 @@ def sparse_divergence(hidden: torch.Tensor, student: Head, ids: torch.Tensor, te
         raise ValueError(f"support ids {tuple(ids.shape)}, teacher log-probs {tuple(teacher_logps.shape)} "
                          f"and hidden states {tuple(hidden.shape)} must agree on positions and columns")
     vocab = vocabulary_rows(student.weight)
-    if ids.numel() and (int(ids.max()) >= vocab or bool((ids[:, 0] < 0).any())):
-        raise ValueError(f"the teacher's support names token {int(ids.max())} (or none at a position) but "
-                         f"the student's vocabulary has {vocab} tokens: both must use the same tokenizer")
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise ValueError(f"the teacher's support names token {int(ids.max())} but the student's vocabulary "
+                         f"has {vocab} tokens: both must use the same tokenizer")
+    if ids.numel() and bool((ids[:, 0] < 0).any()):
+        raise ValueError("a position has no teacher token (its support's column 0 is padding): the answers "
+                         "were not placed at the scored positions")
     if hidden.shape[0] == 0:
         empty = hidden.sum(-1).float()
         return Divergence(empty, empty.detach(), empty.detach())

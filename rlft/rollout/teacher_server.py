@@ -9,8 +9,9 @@ setting to a prompt's tokens), so a served teacher needs `temperature=1`. The di
 that support plus one tail bucket (rlft/core/sparse_distill.py: a lower bound of the exact one that tightens
 with k; measured in docs/distillation.md).
 
-The teacher's answers for a rollout are fetched once, on its first micro-batch (every row of this process,
-requests in parallel, which the server batches) and kept until the next rollout. The teacher server is its
+The teacher's answers for a rollout are fetched on its first micro-batch (every row of this process, requests
+in parallel, which the server batches); a row is asked once, however many micro-batches and optimiser steps
+(`num_iterations`) use it. The teacher server is its
 own vLLM server (another port than a student's `vllm_mode="server"`); it never receives weights.
 """
 
@@ -34,15 +35,24 @@ class ServedTeacher:
     def __init__(self, url: str, timeout: float, top_k: int, tail: bool, tokenizer):
         self.url, self.top_k, self.tail = url.rstrip("/"), int(top_k), bool(tail)
         self.client = ServerClient(self.url, timeout)
-        self.client.wait_healthy()
+        try:
+            self.client.wait_healthy()
+        except VLLMServerError as err:
+            raise VLLMServerError(f"no teacher server answered at {self.url} within {timeout} s "
+                                  "(vllm_server_timeout): start it with `rlft vllm-serve --model TEACHER "
+                                  "--port PORT` or fix teacher_model_server_url") from err
         self.served = self.client.request("/v1/models")["data"][0]["id"]
         self._check_limits()
         self._check_tokenizer(tokenizer)
         self._held: tuple[Rollout, torch.Tensor, torch.Tensor] | None = None
+        # each sequence's answers [its completion tokens, K] (ids, log-probs), by (sequence, completion
+        # length): the trainer hands each optimiser step a new selection of the same rows
+        self._rows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def record(self) -> dict:
-        """What a resume must find the same (the run record's `_teacher`)."""
-        return {"class": "ServedTeacher", "url": self.url, "model": self.served, "loss_top_k": self.top_k,
+        """What a resume must find the same (the run record's `_teacher`): the served model and the support,
+        not where it is served (a teacher moved to another host resumes)."""
+        return {"class": "ServedTeacher", "model": self.served, "loss_top_k": self.top_k,
                 "loss_add_tail": self.tail}
 
     def _check_limits(self) -> None:
@@ -82,21 +92,37 @@ class ServedTeacher:
 
     def _fetch(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, C, K] ids and log-probs for every row (K = loss_top_k + 1: the sampled token may be outside the
-        top k)."""
+        top k); rows already answered (the same tokens in another selection of a rollout) are not asked
+        again."""
         rows, width = rollout.completion_ids.shape
+        sequences = [self._sequence(rollout, b) for b in range(rows)]
+        keys = [(tuple(sequence), len(columns)) for sequence, columns in sequences]
+        if len(self._rows) > 4 * rows:  # answers of earlier rollouts: not asked for again
+            self._rows = {key: self._rows[key] for key in keys if key in self._rows}
+        for key in keys:
+            if key[1] == 0:  # no completion token: nothing to ask
+                self._rows[key] = self._parse([], 0, 0)
+        missing = list(dict.fromkeys(key for key in keys if key not in self._rows))
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            answers = list(pool.map(self._ask, [list(sequence) for sequence, _ in missing]))
+        for (sequence, count), answer in zip(missing, answers):
+            self._rows[(sequence, count)] = self._parse(answer, len(sequence) - count, count)
         ids = torch.full((rows, width, self.top_k + 1), -1, dtype=torch.long)
         logps = torch.zeros(ids.shape, dtype=torch.float32)
-        sequences = [self._sequence(rollout, b) for b in range(rows)]
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            answers = list(pool.map(self._ask, [s for s, _ in sequences]))
-        for b, ((sequence, columns), answer) in enumerate(zip(sequences, answers)):
-            start = len(sequence) - len(columns)  # the first completion token's place in the sequence
-            for place, column in enumerate(columns):
-                entries = _entries(answer, start + place, self.url, self.top_k + 1)
-                ids[b, column, :len(entries)] = torch.tensor([token for token, _ in entries])
-                logps[b, column, :len(entries)] = torch.tensor([value for _, value in entries])
+        for b, (key, (_, columns)) in enumerate(zip(keys, sequences)):
+            ids[b, columns], logps[b, columns] = self._rows[key]
         device = rollout.completion_ids.device
         return ids.to(device), logps.to(device)
+
+    def _parse(self, answer: list, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[count, K] ids (-1 padding) and log-probs at the `count` places from `start` of an answer."""
+        ids = torch.full((count, self.top_k + 1), -1, dtype=torch.long)
+        logps = torch.zeros(ids.shape, dtype=torch.float32)
+        for place in range(count):
+            entries = _entries(answer, start + place, self.url, self.top_k + 1)
+            ids[place, :len(entries)] = torch.tensor([token for token, _ in entries])
+            logps[place, :len(entries)] = torch.tensor([value for _, value in entries])
+        return ids, logps
 
     @staticmethod
     def _sequence(rollout: Rollout, b: int) -> tuple[list[int], list[int]]:

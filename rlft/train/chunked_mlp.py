@@ -48,22 +48,22 @@ def chunk_mlps(model, chunk: int) -> int:
             raise ConfigError(f"mlp_chunk_size={chunk}: {name} is a Mixture-of-Experts block (its router "
                               "reads all positions together); leave mlp_chunk_size unset for this model")
         if getattr(mlp, "_rlft_chunk", None) is None:
-            own = mlp.forward
-            mlp.forward = types.MethodType(_chunked(own), mlp)
+            mlp.forward = types.MethodType(_chunked_forward, mlp)
         mlp._rlft_chunk = chunk
     return len(mlps)
 
 
-def _chunked(own):
-    def forward(self, hidden: torch.Tensor, *args, **kwargs):
-        chunk = self._rlft_chunk
-        if not torch.is_grad_enabled() or hidden.shape[-2] <= chunk or args or kwargs:
-            return own(hidden, *args, **kwargs)
-        parts = [checkpoint(own, piece, use_reentrant=False) for piece in hidden.split(chunk, dim=-2)]
-        if not all(isinstance(p, torch.Tensor) and p.shape == q.shape for p, q in
-                   zip(parts, hidden.split(chunk, dim=-2))):
-            raise ConfigError(f"mlp_chunk_size: {type(self).__name__} does not map hidden states to hidden "
-                              "states of the same shape, so its positions cannot be split; leave "
-                              "mlp_chunk_size unset")
-        return torch.cat(parts, dim=-2)
-    return forward
+def _chunked_forward(self, hidden: torch.Tensor, *args, **kwargs):
+    """The module's class forward over `_rlft_chunk` positions at a time (the class's, not a bound method
+    kept in a closure: a deep copy of the model, such as a reference, must run its own weights)."""
+    own = type(self).forward.__get__(self)
+    chunk = self._rlft_chunk
+    if not torch.is_grad_enabled() or hidden.shape[-2] <= chunk or args or kwargs:
+        return own(hidden, *args, **kwargs)
+    pieces = hidden.split(chunk, dim=-2)
+    parts = [checkpoint(own, piece, use_reentrant=False) for piece in pieces]
+    if not all(isinstance(p, torch.Tensor) and p.shape == q.shape for p, q in zip(parts, pieces)):
+        raise ConfigError(f"mlp_chunk_size: {type(self).__name__} does not map hidden states to hidden "
+                          "states of the same shape, so its positions cannot be split; leave mlp_chunk_size "
+                          "unset")
+    return torch.cat(parts, dim=-2)

@@ -110,7 +110,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             self.model, self.optimizer, self.scheduler, self.engine, self.accelerator, self.flow,
             self.messages, max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
             counter="nonfinite_skipped", stop_message=self._stop_message)
-        self.packing = PairPacking(args, self.tokenizer.pad_token_id, self.messages)
+        self.packing = PairPacking(args, self.tokenizer.pad_token_id, self.messages, self.accelerator)
         self.flow.fire("on_init_end")
 
     def _setup_model(self, model, peft_config, optimizers, quantization_config=None) -> None:
@@ -196,8 +196,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         autocast = torch.autocast(self.accelerator.device.type, dtype=self.autocast_dtype) \
             if self.autocast_dtype is not None else contextlib.nullcontext()
-        packed = self.packing.plan(self.model, batch)
         with autocast:
+            packed = self.packing.plan(self.model, batch, self.autocast_dtype)
             scores = run_packed(self.model, packed) if packed is not None else \
                 self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         scores = scores.float().squeeze(-1)  # [2B], float32 whatever the model dtype

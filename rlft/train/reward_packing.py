@@ -7,8 +7,8 @@ keeps every sequence from seeing another.
 Each sequence's score is the score head at the hidden state of the token the model's own forward pools:
 the last token that is not the pad token (transformers' sequence classifiers), the same token here. So the
 scores and their gradients are those of the padded batch, to float rounding; the first packed batch of a run
-is checked against the padded one (eval mode, random state untouched) and padding stays, said once, where
-they differ (an error with `padding_free: true`).
+is checked against the padded one (eval mode, random state untouched; on every process, which share the
+verdict) and padding stays, said once, where they differ (an error with `padding_free: true`).
 
 Pairs of one short prompt and two answers of different lengths pad to the longest of the micro-batch; a long
 shared prompt is computed twice per pair padded, once packed.
@@ -125,27 +125,42 @@ def install_pair_scoring(model) -> None:
 
 class PairPacking:
     """Whether and how the reward trainer packs a batch: `padding_free` None (where it pays), True
-    (always), False (never); checked exact for the model at its first packed batch."""
+    (always), False (never); checked exact for the model at the first batch, on every process alike (a
+    sharded engine's forwards gather on all of them), the verdict the same everywhere."""
 
-    def __init__(self, args, pad_id: int | None, messages=None):
-        self.args, self.pad_id, self.messages = args, pad_id, messages
+    def __init__(self, args, pad_id: int | None, messages=None, accelerator=None):
+        self.args, self.pad_id, self.messages, self.accelerator = args, pad_id, messages, accelerator
         self.checked: bool | None = None  # packed == padded for this model (None: not checked yet)
+        self.gap = 0.0
 
-    def plan(self, model, batch: dict) -> PackedPairs | None:
+    def plan(self, model, batch: dict, dtype: torch.dtype | None = None) -> PackedPairs | None:
+        """The packed batch, or None to pad; `dtype`: what the forward computes in (autocast's, else the
+        weights')."""
         if self.args.padding_free is False or self.checked is False:
             return None
         packed = pack_pairs(batch["input_ids"], batch["attention_mask"], self.pad_id,
                             self.args.shared_prefix_scoring)
-        if self.args.padding_free is None:
-            weight = next(model.parameters())
-            if not packing_pays(packed, segments.one_call(weight.device, weight.dtype)):
-                return None
+        weight = next(model.parameters())
+        dtype = dtype or weight.dtype
         if self.checked is None:
-            self.checked = self._check(model, batch, packed)
-        return packed if self.checked else None
+            self.checked = self._settle(self._check(model, batch, packed, dtype))
+            if not self.checked:
+                return None
+        if self.args.padding_free is None:
+            if not packing_pays(packed, segments.one_call(weight.device, dtype)):
+                return None
+        return packed
+
+    def _agreed(self, ok: bool) -> bool:
+        acc = self.accelerator
+        if acc is None or acc.num_processes == 1:
+            return ok
+        return bool(acc.reduce(torch.tensor(float(ok), device=acc.device), "min").item())
 
     @torch.no_grad()
-    def _check(self, model, batch: dict, packed: PackedPairs) -> bool:
+    def _check(self, model, batch: dict, packed: PackedPairs, dtype: torch.dtype) -> str | None:
+        """None when the packed scores of this batch are the padded ones (to the dtype's rounding), else
+        why not."""
         error, training, device = None, model.training, batch["input_ids"].device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model.eval()
@@ -159,14 +174,21 @@ class PairPacking:
                 gap, scale, error = float("inf"), 1.0, err
             finally:
                 model.train(training)
-        half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
-        if gap <= (0.05 if half else 1e-4) * scale:
+        if gap <= (0.05 if dtype in (torch.float16, torch.bfloat16) else 1e-4) * scale:
+            self.gap = gap
+            return None
+        return f"packing failed: {error}" if error is not None else \
+            f"packed and padded scores differ by {gap:.3g}"
+
+    def _settle(self, why: str | None) -> bool:
+        """The verdict every process shares, said once (an error when padding_free is true)."""
+        ok = self._agreed(why is None)
+        if ok:
             if self.messages is not None:
-                self.messages.info(f"packed pair scoring checked (scores within {gap:.2g} of padded); "
+                self.messages.info(f"packed pair scoring checked (scores within {self.gap:.2g} of padded); "
                                    f"attention kernel: {segments.LAST_KERNEL}")
             return True
-        why = f"packing failed: {error}" if error is not None else \
-            f"packed and padded scores differ by {gap:.3g}"
+        why = why or "another process's check failed"
         if self.args.padding_free:
             raise ConfigError(f"padding_free=True: {why} for this model; set padding_free: false")
         if self.messages is not None:
