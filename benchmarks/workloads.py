@@ -3,6 +3,9 @@
 a: the shipped 0.54M demo policy on its addition task (8 prompts x 8 completions, 8 tokens)
 b: a ~25M-parameter Qwen2 (random weights), 1 prompt x 8 completions of 128 tokens, LoRA
 c: a ~100M-parameter Qwen2 with a 32k vocabulary, same batch: log-prob memory starts to matter
+d: Qwen's vocabulary (151,936): a Qwen2 of hidden 512 x 4 layers (~84M parameters, 78M of them the tied
+   embedding), 1 prompt x 16 completions of 512 tokens, LoRA, gradient checkpointing on (both libraries'
+   default): the LM head dominates generation and scoring
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Spec:
     max_completion_length: int = 128
     temperature: float = 1.0
     learning_rate: float = 1e-4
+    gradient_checkpointing: bool = False
     lora: dict = field(default_factory=lambda: dict(r=16, lora_alpha=32, lora_dropout=0.0,
                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
 
@@ -46,7 +50,8 @@ class Spec:
                     per_device_train_batch_size=self.num_generations * self.prompts_per_step,
                     gradient_accumulation_steps=1, max_completion_length=self.max_completion_length,
                     temperature=self.temperature, top_p=1.0, learning_rate=self.learning_rate, epsilon=0.2,
-                    scale_rewards="group", num_iterations=1, max_grad_norm=1.0, gradient_checkpointing=False)
+                    scale_rewards="group", num_iterations=1, max_grad_norm=1.0,
+                    gradient_checkpointing=self.gradient_checkpointing)
 
 
 WORKLOADS = {
@@ -55,6 +60,9 @@ WORKLOADS = {
     "b": Spec("Qwen2 25M, 1x8, 128 tokens", hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536),
     "c": Spec("Qwen2 100M, vocab 32k, 1x8, 128 tokens", hidden=768, layers=10, heads=12, kv_heads=4,
               intermediate=2048, vocab=32000),
+    "d": Spec("Qwen2 84M, vocab 151,936, 1x16, 512 tokens", hidden=512, layers=4, heads=8, kv_heads=2,
+              intermediate=1536, vocab=151936, num_generations=16, max_completion_length=512,
+              gradient_checkpointing=True),
 }
 
 
@@ -79,7 +87,8 @@ def build(spec: Spec) -> Work:
         tokenizer.add_tokens([f"<tok{i}>" for i in range(spec.vocab - len(tokenizer))])
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=spec.hidden, num_hidden_layers=spec.layers,
                          num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                         intermediate_size=spec.intermediate, max_position_embeddings=512, tie_word_embeddings=True,
+                         intermediate_size=spec.intermediate,
+                         max_position_embeddings=max(512, spec.max_completion_length + 128), tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
