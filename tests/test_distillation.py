@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
-    """A Llama teacher (hidden 48) for the shipped Qwen2 student (hidden 128): same tokenizer, other model."""
+    """A Llama teacher (hidden 48) for the shipped Qwen2 student (hidden 128): the same vocabulary size (its own
+    tokenizer of that size: the loss compares token ids), another model."""
     from rlft.tiny import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("teacher"), kind="causal", arch="llama", hidden_size=48,
@@ -199,13 +200,21 @@ def test_a_trl_style_script_and_the_command_line_train_and_save(tmp_path, shippe
 
 def test_two_processes_take_the_step_one_process_takes(tmp_path, shipped_policy_dir, teacher_dir):
     """The loss is normalised by the trained tokens of the whole step on every process: one step on 2 processes
-    (and in 4 micro-batches) equals one process in one batch, for each beta and with LoRA."""
+    (and in 4 micro-batches) equals one process in one batch, for each beta, with LoRA and with the teacher
+    served (each process asking for its own rows)."""
+    from transformers import AutoTokenizer
+
+    from tests.teacher_stub import serve_teacher
     from tests.test_distributed import launch
 
-    for processes in (1, 2):
-        result = launch(["tests/dist/distill_step.py", str(shipped_policy_dir), str(teacher_dir),
-                         str(tmp_path / f"{processes}.pt")], processes)
-        assert result.returncode == 0, result.stderr[-3000:]
+    served = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    # (the fixture's teacher shares the student's vocabulary size, not its tokenizer: the stand-in server
+    # tokenizes with the student's so that the served teacher's tokenizer check passes)
+    with serve_teacher(served, AutoTokenizer.from_pretrained(shipped_policy_dir)) as (url, _):
+        for processes in (1, 2):
+            result = launch(["tests/dist/distill_step.py", str(shipped_policy_dir), str(teacher_dir),
+                             str(tmp_path / f"{processes}.pt"), url], processes)
+            assert result.returncode == 0, result.stderr[-3000:]
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     for name in one:
         assert one[name]["metrics"]["loss"] > 0

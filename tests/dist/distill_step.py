@@ -2,7 +2,9 @@
 completions of tests/dist/grpo_step.py's stand-in generator; writes the trained parameters and the step's
 metrics to OUT (main process only).
 
-    torchrun --nproc_per_node 2 --standalone tests/dist/distill_step.py STUDENT_DIR TEACHER_DIR OUT
+    torchrun --nproc_per_node 2 --standalone tests/dist/distill_step.py STUDENT_DIR TEACHER_DIR OUT [URL]
+
+With URL (a teacher served there: tests/teacher_stub.py), also a step with the served teacher (k = 5).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ RUNS = {"forward_kl": dict(beta=0.0), "jsd": dict(beta=0.5), "reverse_kl": dict(
 
 def main() -> None:
     student, teacher, out = sys.argv[1:4]
+    runs = dict(RUNS)
+    if len(sys.argv) > 4:
+        runs["served"] = dict(beta=0.5, teacher_model_server_url=sys.argv[4], loss_top_k=5)
     world, results, trainer = int(os.environ.get("WORLD_SIZE", "1")), {}, None
-    for name, fields in RUNS.items():
+    for name, fields in runs.items():
         values = dict(per_device_train_batch_size=8 // world, gradient_accumulation_steps=1, **fields)
         if name == "micro_batches":  # 8 rows in 4 micro-batches of 2 over the processes
             values.update(per_device_train_batch_size=2, gradient_accumulation_steps=4 // world)
@@ -38,7 +43,8 @@ def main() -> None:
 
             peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
                               init_lora_weights=False)  # B != 0: the step is not at the base model
-        trainer = DistillationTrainer(student, teacher, cfg, addition_rows(8), peft_config=peft)
+        trainer = DistillationTrainer(student, None if name == "served" else teacher, cfg, addition_rows(8),
+                                      peft_config=peft)
         trainer.generator = FixedGenerator(trainer.tokenizer)
         batch = trainer._make_rollout(0)
         metrics = {}
