@@ -2,7 +2,6 @@
 both distributions coarse-grained to the teacher's support plus one tail bucket, the generalized JSD between
 them, its gradients; the data-processing bound D(k) <= D(k') <= D(full vocabulary)."""
 
-import math
 
 import pytest
 import torch
@@ -11,20 +10,6 @@ from rlft.core.distill import Head, divergence_from_logprobs
 from rlft.core.sparse_distill import sparse_divergence
 
 V, H, N = 40, 12, 9
-
-
-def kl(p: list[float], q: list[float]) -> float:
-    return sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, q) if a > 0)
-
-
-def gkd(ps: list[float], pt: list[float], beta: float) -> float:
-    """The paper's divergence between two discrete distributions, written out."""
-    if beta == 0:
-        return kl(pt, ps)
-    if beta == 1:
-        return kl(ps, pt)
-    m = [(1 - beta) * s + beta * t for s, t in zip(ps, pt)]
-    return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
 
 
 def problem(seed: int = 0, temperature: float = 1.0):
@@ -63,21 +48,22 @@ def reference(hidden, weight, bias, ids, teacher_full, beta, temperature, tail=T
         else:
             s = [x / sum(s) for x in s]
             t = [x / sum(t) for x in t]
-        out.append(_gkd_tensor(s, t, beta))
+        out.append(gkd(s, t, beta))
     return torch.stack(out)
 
 
-def _gkd_tensor(s: list, t: list[float], beta: float) -> torch.Tensor:
-    """gkd() with the student's masses as tensors (so autograd gives the definition's gradient)."""
-    def kl_t(p, q):
+def gkd(s: list, t: list[float], beta: float) -> torch.Tensor:
+    """The paper's divergence between two discrete distributions, written out: the student's masses `s` as
+    tensors (so autograd gives the definition's gradient), the teacher's `t` as numbers."""
+    def kl(p, q):
         return sum(a * (torch.log(a) - torch.log(b)) for a, b in zip(p, q) if bool(a.detach() > 0))
     ts = [torch.tensor(x, dtype=torch.float64) for x in t]
     if beta == 0:
-        return kl_t(ts, s)
+        return kl(ts, s)
     if beta == 1:
-        return kl_t(s, ts)
+        return kl(s, ts)
     m = [(1 - beta) * a + beta * b for a, b in zip(s, ts)]
-    return beta * kl_t(ts, m) + (1 - beta) * kl_t(s, m)
+    return beta * kl(ts, m) + (1 - beta) * kl(s, m)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])

@@ -26,8 +26,7 @@ from rlft.core import segments
 from rlft.core.segments import Block
 from rlft.errors import ConfigError
 from rlft.packing import install, packed_forward
-
-MIN_BLOCK_TOKENS = 32  # where attention loops over the blocks (a CPU), shorter blocks cost more than padding
+from rlft.train.scorer import MIN_BLOCK_TOKENS  # GRPO's rule: shorter blocks cost more in calls than padding
 
 
 @dataclass
