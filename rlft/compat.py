@@ -84,7 +84,6 @@ NO_EFFECT: dict[str, str] = {
     "transformers_continuous_batching_config": _GENERATE,
     "use_transformers_paged": _GENERATE,
     "dataset_num_proc": "rlft tokenizes pairs in the main process",
-    "activation_offloading": "activations stay on the device; use gradient_checkpointing to save memory",
 }
 
 REFUSED: dict[str, str] = {

@@ -181,7 +181,9 @@ class RewardConfig(_BaseConfig):
     center_rewards_coefficient: float | None = field(
         default=None, metadata={"help": "add coef * (r_chosen + r_rejected)^2 to keep scores centred"})
     activation_offloading: bool = field(
-        default=False, metadata={"help": "no effect in rlft (activations stay on the device)"})
+        default=False, metadata={"help": "move the activations a training forward saves to pinned host "
+                                         "memory and back in the backward (a CUDA device; a CPU has nothing "
+                                         "to move)"})
     # rlft's own (RLFT_FIELDS)
     truncation: str = field(
         default="keep_start", metadata={"help": "reward model: keep_start, keep_end, or error when a pair "
@@ -262,6 +264,7 @@ RLFT_FIELDS = frozenset(
         "truncation",
         "token_budget",
         "mlp_chunk_size",
+        "activation_offloading",
         "advantage_estimator",
         "dynamic_sampling",
         "max_num_gen_batches",

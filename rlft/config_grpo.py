@@ -238,6 +238,10 @@ class _GRPOFields(_BaseConfig):
         default=None, metadata={"help": "run each decoder layer's MLP over this many positions at a time in "
                                         "training forwards, each chunk recomputed in the backward: bounds "
                                         "the MLP's activations for long sequences (null: whole)"})
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "move the activations a training forward saves to pinned host "
+                                         "memory and back in the backward (a CUDA device; a CPU has nothing "
+                                         "to move)"})
     token_budget: int | None = field(
         default=None, metadata={"help": "fill micro-batches by prompt + completion tokens (at most this "
                                         "many each; a longer row alone) instead of "

@@ -24,6 +24,7 @@ from rlft.models import (
 )
 from rlft.scoring import install_scoring
 from rlft.train.chunked_mlp import chunk_mlps
+from rlft.train.offload import offload_activations, offload_note
 
 
 @dataclass
@@ -69,6 +70,9 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
         enable_checkpointing(model, args.gradient_checkpointing_kwargs)
     if args.mlp_chunk_size:  # the sequence dimension in chunks (rlft/train/chunked_mlp.py)
         chunk_mlps(model, args.mlp_chunk_size)
+    if args.activation_offloading:  # saved activations to host memory (rlft/train/offload.py)
+        offload_activations(model)
+        notes += [n for n in [offload_note(device)] if n]
     summary = parameter_summary(model)
     if summary["trainable"] == 0:
         raise GradientFlowError("the model has no trainable parameters (all requires_grad=False); unfreeze "

@@ -37,6 +37,7 @@ from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.loop import TrainLoop
 from rlft.train.metrics import MetricWindow
+from rlft.train.offload import offload_activations, offload_note
 from rlft.train.optimization import GuardedOptimizer
 from rlft.train.reward_packing import PairPacking, run_packed
 from rlft.train.surface import TrainerSurface
@@ -138,6 +139,10 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             self.autocast_dtype = torch.float16
         if args.gradient_checkpointing:
             enable_checkpointing(model, args.gradient_checkpointing_kwargs)
+        if args.activation_offloading:  # saved activations to host memory (rlft/train/offload.py)
+            offload_activations(model)
+            if note := offload_note(self.accelerator.device):
+                self.messages.warn(note)
         self.param_summary = parameter_summary(model)
         optimizer, scheduler = optimizers
         optimizer = optimizer or run_state.build_optimizer(model, args)
