@@ -45,7 +45,8 @@ def test_packing_bench_runs_at_its_tiny_cpu_shape(tmp_path):
     """benchmarks/gpu/packing.py end to end on a CPU: every variant scores the padded log-probs."""
     out = tmp_path / "packing.md"
     command = [sys.executable, str(BENCH.parent / "packing.py"), "--device", "cpu", "--shape", "tiny",
-               "--scale", "64", "--sweep", "32", "64", "--repeats", "1", "--vocab", "500", "--out", str(out)]
+               "--scale", "64", "--sweep", "32", "64", "--offload-sweep", "4096", "--repeats", "1", "--vocab", "500",
+               "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith('{"workload"')]
@@ -53,3 +54,21 @@ def test_packing_bench_runs_at_its_tiny_cpu_shape(tmp_path):
     assert all(r["max_logp_diff_vs_padded"] < 1e-5 for r in rows)
     skewed = {r["variant"]: r["computed_tokens"] for r in rows if r["workload"] == "skewed"}
     assert skewed["prompts"] < skewed["rows"] == rows[1]["real_tokens"] < skewed["padded"]
+    offloads = [json.loads(line) for line in out.read_text().splitlines() if line.startswith('{"offload_length"')]
+    assert [(r["offload_length"], r["variant"]) for r in offloads] == [
+        (64, "packed"), (64, "offload"), (64, "offload+mlp-chunks")]
+    norms = [r["grad_norm"] for r in offloads]  # the same gradient whichever option holds memory
+    assert norms[1] == norms[0] and math.isclose(norms[2], norms[0], rel_tol=1e-6)
+    assert "| 64 | offload | " in out.read_text()
+
+
+def test_profile_script_runs_at_its_tiny_cpu_shape(tmp_path):
+    """benchmarks/gpu/profile_scoring.py end to end on a CPU: a table of operators per library."""
+    out = tmp_path / "profile.md"
+    command = [sys.executable, str(BENCH.parent / "profile_scoring.py"), "--device", "cpu", "--shape", "tiny",
+               "--length", "16", "--rows", "2", "--vocab", "500", "--libs", "rlft", "--rows-shown", "5",
+               "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    report = out.read_text()
+    assert report.startswith("# Scoring profile on CPU") and "## rlft" in report and "aten::" in report

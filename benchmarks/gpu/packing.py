@@ -23,6 +23,7 @@ over real tokens; bfloat16 rounding) and the embedding gradient's norm.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shlex
 import statistics
@@ -39,11 +40,13 @@ from benchmarks.gpu.bench import COMMON, FIELDS, SHAPES, VOCAB  # noqa: E402
 WORKLOADS = {"skewed": (64, [2048] + [96] * 15), "shared": (3072, [64] * 8), "long": (64, [8192] * 2)}
 # name: (packing, attention kernel); "sdpa" hides torch's varlen flash attention from rlft (one SDPA call per
 # block, what a CPU runs), "auto" lets rlft choose (varlen flash on a GPU where torch has it)
+# the long-completion memory options: name -> (activation_offloading, mlp_chunk_size)
+OFFLOAD = {"packed": (False, None), "offload": (True, None), "offload+mlp-chunks": (True, 4096)}
 VARIANTS = {"padded": (None, "auto"), "rows": ("rows", "auto"), "prompts": ("prompts", "auto"),
             "rows-sdpa": ("rows", "sdpa"), "prompts-sdpa": ("prompts", "sdpa")}
 
 
-def build_model(args, longest: int):
+def build_model(args, longest: int, head: str = "rlft"):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -57,7 +60,12 @@ def build_model(args, longest: int):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    install_scoring(model)
+    if head == "trl":  # TRL 1.16's GRPO forward: its fused LM head over the padded batch
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model)
+    else:
+        install_scoring(model)
     return model
 
 
@@ -113,10 +121,15 @@ def _call(args, model, batch, packing):
     return seconds, peak, scored.logps.detach().float(), float(grad.double().norm()), scored.tokens
 
 
-def workload(args, model, name: str) -> list[dict]:
+def shape_of(args, name: str) -> tuple[int, list[int]]:
     prompt, lengths = WORKLOADS[name]
     if args.scale > 1:
         prompt, lengths = max(prompt // args.scale, 2), [max(n // args.scale, 2) for n in lengths]
+    return prompt, lengths
+
+
+def workload(args, model, name: str) -> list[dict]:
+    prompt, lengths = shape_of(args, name)
     batch = rollout(args, prompt, lengths)
     rows, times, results = {}, {v: [] for v in VARIANTS}, {}
     for turn in range(args.repeats + 1):
@@ -147,6 +160,94 @@ def sweep(args, model) -> list[dict]:
     return out
 
 
+def trl_call(args, model, batch):
+    """TRL 1.16's scoring of a padded micro-batch (what its GRPO update forwards): (seconds, peak GiB,
+    completion log-probs, embedding-gradient norm, computed tokens)."""
+    import torch
+
+    cuda = args.device.startswith("cuda")
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :batch.prompt_ids.shape[1]] = -100  # the completion only, as GRPO scores
+    model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    logps = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+    logps = logps[:, batch.prompt_ids.shape[1] - 1:]  # TRL's position t holds the log-prob of token t + 1
+    (logps * batch.completion_mask).sum().backward()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    grad = model.get_input_embeddings().weight.grad
+    return seconds, peak, logps.detach().float(), float(grad.double().norm()), ids.numel()
+
+
+def trl_rows(args, model, rlft_rows: list[dict]) -> list[dict]:
+    """TRL on each workload and sweep length rlft ran (median of --repeats after a warm-up), with the largest
+    log-prob difference from rlft's padded scoring of the same batch where rlft kept it."""
+    out = []
+    shapes = [(name, *shape_of(args, name)) for name in args.workloads]
+    shapes += [("sweep", max(64 // args.scale, 2), [n, n]) for n in offload_lengths(args)]
+    for name, prompt, lengths in shapes:
+        batch = rollout(args, prompt, lengths)
+        try:
+            runs = [trl_call(args, model, batch) for _ in range(args.repeats + 1)]
+        except Exception as err:  # noqa: BLE001 - out of memory at a length: the row says so, the rest go on
+            out.append({"workload": name, "lib": "trl", "lengths": lengths, "error": str(err)[:200]})
+            continue
+        seconds = statistics.median(r[0] for r in runs[1:])
+        out.append({"workload": name, "lib": "trl", "prompt": prompt, "lengths": lengths,
+                    "computed_tokens": runs[-1][4], "seconds": round(seconds, 4),
+                    "peak_gb": round(max(r[1] for r in runs), 3), "grad_norm": runs[-1][3]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def memory_options(model, offload: bool, chunk: int | None) -> None:
+    """Turn rlft's activation_offloading and mlp_chunk_size on or off on the built model."""
+    from rlft.train.chunked_mlp import _mlps, chunk_mlps
+    from rlft.train.offload import offload_activations
+
+    backbone = model.model
+    if offload:
+        offload_activations(model)
+    elif getattr(backbone, "_rlft_offload", False):
+        del backbone.forward  # the class's forward again
+        backbone._rlft_offload = False
+    if chunk:
+        chunk_mlps(model, chunk)
+    for mlp in _mlps(model) if not chunk else []:
+        if getattr(mlp, "_rlft_chunk", None) is not None:
+            mlp._rlft_chunk = 1 << 62  # whole
+
+
+def offload_lengths(args) -> list[int]:
+    return [max(n // args.scale, 2) for n in args.offload_sweep]
+
+
+def offload_sweep(args, model) -> list[dict]:
+    """Two completions of each --offload-sweep length behind a 64-token prompt, packed: as GRPO scores them,
+    with activation_offloading, and with it plus mlp_chunk_size. Peak, seconds (median of --repeats after a
+    warm-up), and the bytes the last forward moved to host memory."""
+    out = []
+    for length in offload_lengths(args):
+        batch = rollout(args, max(64 // args.scale, 2), [length, length])
+        for name, (on, chunk) in OFFLOAD.items():
+            memory_options(model, on, chunk and max(chunk // args.scale, 2))
+            runs = [call(args, model, batch, "prompts") for _ in range(args.repeats + 1)]
+            out.append({"offload_length": length, "variant": name, "rows": 2,
+                        "peak_gb": round(max(r[1] for r in runs), 3),
+                        "seconds": round(statistics.median(r[0] for r in runs[1:]), 4),
+                        "moved_gb": round(getattr(model.model, "_rlft_offloaded_bytes", 0) / 2**30, 3)
+                        if on else 0.0, "grad_norm": runs[-1][3], "kernel": runs[-1][5]})
+    memory_options(model, False, None)
+    return out
+
+
 def slope(points: list[dict]) -> float:
     """Least-squares growth of the peak (GiB) per 1,000 completion tokens (both rows counted)."""
     xs = [2 * p["sweep_length"] / 1000 for p in points]
@@ -155,7 +256,8 @@ def slope(points: list[dict]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def report(args, device: str, rows: list[dict], points: list[dict]) -> str:
+def report(args, device: str, rows: list[dict], points: list[dict], offloads: list[dict],
+           trl: list[dict]) -> str:
     import torch
     import transformers
 
@@ -178,7 +280,51 @@ def report(args, device: str, rows: list[dict], points: list[dict]) -> str:
                   "| completion tokens per row | peak GiB | seconds |", "| --- | --- | --- |"]
         lines += [f"| {p['sweep_length']:,} | {p['peak_gb']:.2f} | {p['seconds']:.3f} |" for p in points]
         lines += ["", f"Growth: {slope(points):.3f} GiB per 1,000 completion tokens (least squares)."]
-    return "\n".join(lines + ["", "```jsonl", *(json.dumps(r) for r in rows + points), "```", ""])
+    lines += offload_table(offloads) + trl_table(rows, offloads, trl)
+    return "\n".join(lines + ["", "```jsonl", *(json.dumps(r) for r in rows + points + offloads + trl), "```",
+                              ""])
+
+
+def offload_table(offloads: list[dict]) -> list[str]:
+    if not offloads:
+        return []
+    lines = ["", "Long completions: two completions behind a 64-token prompt, packed, gradient checkpointing; "
+             f"then activation_offloading; then also mlp_chunk_size {OFFLOAD['offload+mlp-chunks'][1]}:", "",
+             "| completion tokens per row | variant | peak GiB | seconds | moved to host GiB | vs packed "
+             "(memory, time) |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in offloads:
+        base = next(b for b in offloads if b["offload_length"] == r["offload_length"] and b["variant"] == "packed")
+        lines.append(f"| {r['offload_length']:,} | {r['variant']} | {r['peak_gb']:.2f} | {r['seconds']:.3f} | "
+                     f"{r['moved_gb']:.2f} | {r['peak_gb'] / base['peak_gb']:.2f}x, "
+                     f"{r['seconds'] / base['seconds']:.2f}x |")
+    return lines
+
+
+def trl_table(rows: list[dict], offloads: list[dict], trl: list[dict]) -> list[str]:
+    """rlft's default (packed, shared prompt; for the long sweep also its memory options) against TRL's
+    padded scoring of the same batch."""
+    if not trl:
+        return []
+    lines = ["", "rlft against TRL 1.16 (TRL: the padded micro-batch through its fused LM head, as its GRPO "
+             "update scores it; same model shape, seed and tokens):", "",
+             "| workload | rlft | TRL computed tokens | TRL peak GiB | TRL seconds | rlft peak GiB | rlft seconds "
+             "| rlft vs TRL (memory, time) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for t in trl:
+        if "error" in t:
+            lines.append(f"| {t['workload']} {t['lengths'][0]:,} | - | TRL: {t['error'][:60]} | | | | | |")
+            continue
+        if t["workload"] == "sweep":
+            mine = [(f"2 x {t['lengths'][0]:,}: {r['variant']}", r) for r in offloads
+                    if r["offload_length"] == t["lengths"][0]]
+        else:  # what padding_free: null picks: packed where that at least halves the computed tokens
+            by = {r["variant"]: r for r in rows if r["workload"] == t["workload"]}
+            pick = "prompts" if 2 * by["prompts"]["computed_tokens"] <= by["padded"]["computed_tokens"] else "padded"
+            mine = [(f"{t['workload']}: {pick} (rlft's default)", by[pick])]
+        for label, r in mine:
+            lines.append(f"| {label.split(':')[0]} | {label.split(': ')[1]} | {t['computed_tokens']:,} | "
+                         f"{t['peak_gb']:.2f} | {t['seconds']:.3f} | {r['peak_gb']:.2f} | {r['seconds']:.3f} | "
+                         f"{r['peak_gb'] / t['peak_gb']:.2f}x, {r['seconds'] / t['seconds']:.2f}x |")
+    return lines
 
 
 def main() -> None:
@@ -190,11 +336,14 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=1, help="divide every length by this (CPU smoke run)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--offload-sweep", nargs="*", type=int, default=[8192, 16384, 32768],
+                        help="completion lengths (2 rows) for the activation_offloading / mlp_chunk_size table")
+    parser.add_argument("--trl", action="store_true", help="also score each shape as TRL 1.16 does (padded)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch
 
-    longest = max([p + max(n) for p, n in WORKLOADS.values()] + [64 + s for s in args.sweep])
+    longest = max([p + max(n) for p, n in WORKLOADS.values()] + [64 + s for s in args.sweep + args.offload_sweep])
     model = build_model(args, longest)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     rows = []
@@ -202,7 +351,15 @@ def main() -> None:
         rows += workload(args, model, name)
         print("\n".join(json.dumps(r) for r in rows[-len(VARIANTS):]), flush=True)
     points = sweep(args, model)
-    text = report(args, device, rows, points)
+    offloads = offload_sweep(args, model)
+    print("\n".join(json.dumps(r) for r in offloads), flush=True)
+    trl = []
+    if args.trl:  # after rlft's model is gone, so each library's peak holds its own weights only
+        del model
+        gc.collect()  # the patched forwards hold the model in reference cycles
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+        trl = trl_rows(args, build_model(args, longest, head="trl"), rows)
+    text = report(args, device, rows, points, offloads, trl)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
