@@ -265,6 +265,7 @@ RLFT_FIELDS = frozenset(
         "token_budget",
         "mlp_chunk_size",
         "activation_offloading",
+        "recompute_attention",
         "advantage_estimator",
         "dynamic_sampling",
         "max_num_gen_batches",

@@ -238,6 +238,11 @@ class _GRPOFields(_BaseConfig):
         default=None, metadata={"help": "run each decoder layer's MLP over this many positions at a time in "
                                         "training forwards, each chunk recomputed in the backward: bounds "
                                         "the MLP's activations for long sequences (null: whole)"})
+    recompute_attention: bool = field(
+        default=True, metadata={"help": "with gradient checkpointing, run each layer's attention again in "
+                                        "the backward (false: keep its output from the forward, about "
+                                        "hidden_size x 2 bytes a token and layer, and skip the attention's "
+                                        "recomputation; fused attention kernels only)"})
     activation_offloading: bool = field(
         default=False, metadata={"help": "move the activations a training forward saves to pinned host "
                                          "memory and back in the backward (a CUDA device; a CPU has nothing "
@@ -301,3 +306,11 @@ class _GRPOFields(_BaseConfig):
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         check_grpo(self, errors)
+        if not self.recompute_attention and not self.gradient_checkpointing:
+            errors.append("recompute_attention=False keeps attention outputs through gradient "
+                          "checkpointing, which is off (nothing is recomputed without it): set "
+                          "gradient_checkpointing: true, or leave recompute_attention at true")
+        if not self.recompute_attention and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            errors.append("recompute_attention=False needs non-reentrant checkpointing (torch's selective "
+                          "checkpointing): drop use_reentrant: true from gradient_checkpointing_kwargs, or "
+                          "leave recompute_attention at true")

@@ -48,6 +48,23 @@ class Block:
     prefix_start: int = 0  # tokens each query of the block sees in full (a shared prompt): 0 tokens = none
     prefix_length: int = 0
 
+    def __post_init__(self):
+        if self.prefix_length:  # its mask made with the block, outside the forward (see _lower_right)
+            _lower_right(self.length, self.prefix_length + self.length)
+
+
+_MASKS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _lower_right(length: int, total: int) -> torch.Tensor:
+    """torch's lower-right causal mask object for `length` queries over `total` keys (no [L, S] tensor is
+    built), one per shape, made when a Block needs it: it is a tensor subclass, which cannot be created inside
+    a region under selective checkpointing's dispatch mode (recompute_attention: false)."""
+    mask = _MASKS.get((length, total))
+    if mask is None:
+        mask = _MASKS[length, total] = causal_lower_right(length, total)
+    return mask
+
 
 def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                       dropout: float = 0.0, scaling: float | None = None,
@@ -80,7 +97,7 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
             if gqa:  # the lower-right kernels take as many kv heads as query heads
                 groups = query.shape[1] // key.shape[1]
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            mask = causal_lower_right(block.length, block.prefix_length + block.length)
+            mask = _lower_right(block.length, block.prefix_length + block.length)
             part = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
         out[:, own] = part.transpose(1, 2)
     return out, None

@@ -5,6 +5,7 @@ LoRA's base with the adapters off; otherwise a frozen copy, loaded again under Z
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from rlft.models import (
 from rlft.scoring import install_scoring
 from rlft.train.chunked_mlp import chunk_mlps
 from rlft.train.offload import offload_activations, offload_note
+from rlft.train.selective_checkpoint import attention_keeper, checkpointing_kwargs
 
 
 @dataclass
@@ -66,8 +68,9 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
                      "show it although the weights match. Set disable_dropout: true for vLLM runs")
     is_peft = isinstance(model, PeftModel)
     _check(model, args, is_peft)
-    if args.gradient_checkpointing:
-        enable_checkpointing(model, args.gradient_checkpointing_kwargs)
+    if args.gradient_checkpointing:  # recompute_attention: false keeps attention outputs
+        keeper = attention_keeper(args, logging.getLogger("rlft").warning)
+        enable_checkpointing(model, checkpointing_kwargs(args, keeper))
     if args.mlp_chunk_size:  # the sequence dimension in chunks (rlft/train/chunked_mlp.py)
         chunk_mlps(model, args.mlp_chunk_size)
     if args.activation_offloading:  # saved activations to host memory (rlft/train/offload.py)

@@ -1,0 +1,110 @@
+"""recompute_attention: false (rlft/train/selective_checkpoint.py): with gradient checkpointing, each layer's
+attention output is kept from the forward and the backward's recomputation skips the attention kernel; the
+log-probs and gradients are full recomputation's (padded and packed, Qwen2 and Llama, LoRA and full, with the
+MLP in chunks), a model without a fused attention kernel is told, and bad combinations are named."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlft import GRPOConfig, GRPOTrainer
+from rlft.errors import ConfigError
+from rlft.models import enable_checkpointing
+from rlft.scoring import install_scoring
+from rlft.tiny import build_causal_lm, build_tokenizer
+from rlft.train.chunked_mlp import chunk_mlps
+from rlft.train.selective_checkpoint import AttentionKeeper, checkpointing_kwargs
+from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+from tests.test_packing import rollout, scores_and_grads
+
+
+class AttentionCalls(TorchDispatchMode):
+    """Counts calls of the fused attention kernels (forward), whoever makes them."""
+
+    def __init__(self, keeper: AttentionKeeper):
+        super().__init__()
+        self.kernels, self.calls = keeper.kernels, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in self.kernels
+        return func(*args, **(kwargs or {}))
+
+
+def model_with(arch: str, lora: bool, keeper: AttentionKeeper | None, attn: str = "sdpa"):
+    torch.manual_seed(0)
+    model = build_causal_lm(build_tokenizer(0, vocab_size=384), arch=arch, hidden_size=64)
+    model.config._attn_implementation = attn
+    model.train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    args = GRPOConfig(output_dir="unused", gradient_checkpointing=True, recompute_attention=keeper is None)
+    enable_checkpointing(model, checkpointing_kwargs(args, keeper))
+    install_scoring(model)
+    return model
+
+
+@pytest.mark.parametrize("arch,lora,chunk", [("qwen2", False, None), ("llama", True, None), ("qwen2", True, 3)])
+@pytest.mark.parametrize("packing", [None, "prompts"])
+def test_kept_attention_gives_full_recomputations_values_without_running_attention_again(arch, lora, chunk, packing):
+    r = rollout(384)
+    full = model_with(arch, lora, None)
+    keeper = AttentionKeeper()
+    kept = model_with(arch, lora, keeper)
+    if chunk:
+        chunk_mlps(full, chunk)
+        chunk_mlps(kept, chunk)
+    logps, entropy, grads = scores_and_grads(full, r, packing)
+    kept_logps, kept_entropy, kept_grads = scores_and_grads(kept, r, packing)
+    assert keeper.kept > 0
+    with AttentionCalls(keeper) as calls_full:  # (packed: the blocks' masks exist already, made above)
+        scores_and_grads(full, r, packing)
+    with AttentionCalls(keeper) as calls_kept:
+        scores_and_grads(kept, r, packing)
+    layers = full.config.num_hidden_layers
+    assert calls_full.calls == 2 * calls_kept.calls and calls_kept.calls % layers == 0  # no re-run in the backward
+    assert keeper.kept == 2 * calls_kept.calls
+    torch.testing.assert_close(kept_logps, logps, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kept_entropy, entropy, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == kept_grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(kept_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_model_without_a_fused_attention_kernel_is_told_once(caplog):
+    told = []
+    keeper = AttentionKeeper(told.append)
+    model = model_with("qwen2", False, keeper, attn="eager")
+    r = rollout(384)
+    scores_and_grads(model, r, None)
+    scores_and_grads(model, r, None)
+    assert keeper.kept == 0 and len(told) == 1 and "kept no attention output" in told[0]
+
+
+def test_bad_combinations_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="recompute_attention=False keeps attention outputs through gradient"):
+        GRPOConfig(output_dir=str(tmp_path), recompute_attention=False, gradient_checkpointing=False)
+    with pytest.raises(ConfigError, match="needs non-reentrant checkpointing"):
+        GRPOConfig(output_dir=str(tmp_path), recompute_attention=False, gradient_checkpointing=True,
+                   gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_a_grpo_step_keeping_attention_is_the_same_step(tmp_path, tiny_causal_dir, caplog):
+    trainers = []
+    for name, recompute in (("full", True), ("kept", False)):
+        cfg = tiny_grpo_config(tmp_path / name, max_steps=1, gradient_checkpointing=True,
+                               recompute_attention=recompute)
+        trainers.append(GRPOTrainer(str(tiny_causal_dir), [correct_answer], cfg, addition_rows(8)))
+        with caplog.at_level(logging.WARNING, logger="rlft"):
+            trainers[-1].train()
+    assert "kept no attention output" not in caplog.text
+    full, kept = (t.state.log_history[0] for t in trainers)
+    assert kept["loss"] == pytest.approx(full["loss"], abs=1e-6)
+    reference = dict(trainers[0].model.named_parameters())
+    for name, weight in trainers[1].model.named_parameters():
+        assert torch.allclose(weight, reference[name], atol=1e-6), name
