@@ -1,5 +1,7 @@
-"""Peak memory of a long-completion scoring step against completion length, with each decoder layer's MLP
-whole or in chunks (`mlp_chunk_size`), gradient checkpointing on.
+"""Peak memory and time of a long-completion scoring step against completion length, gradient checkpointing
+on: each decoder layer's MLP whole or in chunks (`mlp_chunk_size`), the attention recomputed in the backward
+or its output kept from the forward (`recompute_attention: false`), and TRL 1.16's scoring of the same batch
+(its fused LM head, `add_fused_lm_head`, as its GRPO update forwards it; needs trl).
 
 One scoring forward + backward (the policy's per-token log-probs through rlft's fused LM head, the loss
 their sum) of 2 completions of L tokens behind a 64-token prompt, padded (both rows full length), on a
@@ -10,6 +12,8 @@ built; time is the step's wall time.
 
     python benchmarks/long_completions.py                    # L = 2k, 4k, 8k, 16k; ~10 minutes on 2 cores
     python benchmarks/long_completions.py --lengths 512 1024 --out /tmp/long.json    # quick
+    .venv-bench/bin/python benchmarks/long_completions.py --lengths 8192 \
+        --settings whole "attention kept" trl --out benchmarks/results-long-attention.json
 """
 
 from __future__ import annotations
@@ -25,16 +29,23 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"whole": None, "chunked 1024": 1024}
+# name: (mlp_chunk_size, keep attention outputs, library)
+SETTINGS = {"whole": (None, False, "rlft"), "chunked 1024": (1024, False, "rlft"),
+            "attention kept": (None, True, "rlft"), "kept + chunked 1024": (1024, True, "rlft"),
+            "trl": (None, False, "trl")}
+DEFAULT = ("whole", "chunked 1024")
 
 
-def worker(length: int, chunk: int | None) -> dict:
+def worker(length: int, setting: str) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlft.rollout.base import Rollout
     from rlft.scoring import install_scoring, score_rows
     from rlft.train.chunked_mlp import chunk_mlps
+    from rlft.train.selective_checkpoint import AttentionKeeper
+
+    chunk, keep, lib = SETTINGS[setting]
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -42,9 +53,16 @@ def worker(length: int, chunk: int | None) -> dict:
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=length + 128,
                          attn_implementation="sdpa")
     model = Qwen2ForCausalLM(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    keeper = AttentionKeeper() if keep else None
+    kwargs = {"use_reentrant": False, **({"context_fn": keeper.context_fn} if keeper else {})}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
-    install_scoring(model)
+    if lib == "trl":
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model)
+    else:
+        install_scoring(model)
     if chunk:
         chunk_mlps(model, chunk)
     rows, prompt = 2, 64
@@ -56,28 +74,37 @@ def worker(length: int, chunk: int | None) -> dict:
                       truncated=torch.zeros(rows, dtype=torch.bool))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    scored = score_rows(model, rollout, torch.arange(rows))
-    scored.logps.sum().backward()
+    if lib == "trl":
+        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+        labels = ids.clone()
+        labels[:, :prompt] = -100  # the completion only, as GRPO scores
+        logps = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels,
+                      fused_lm_head=True).log_probs[:, prompt - 1:]
+    else:
+        logps = score_rows(model, rollout, torch.arange(rows)).logps
+    logps.sum().backward()
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"length": length, "chunk": chunk, "seconds": seconds, "step_peak_mb": (peak - before) / 1024,
-            "logp_sum": float(scored.logps.detach().sum())}
+    return {"length": length, "chunk": chunk, "keep_attention": keep, "library": lib, "seconds": seconds,
+            "step_peak_mb": (peak - before) / 1024, "logp_sum": float(logps.detach().sum()),
+            "kept_attention_outputs": keeper.kept if keeper else 0}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--worker", type=int, nargs=2)
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(DEFAULT))
+    parser.add_argument("--worker", nargs=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results-long-completions.json"))
     args = parser.parse_args()
     if args.worker:
-        length, chunk = args.worker
-        print(json.dumps(worker(length, chunk or None)))
+        print(json.dumps(worker(int(args.worker[0]), args.worker[1])))
         return
     results = {"date": str(date.today()), "machine": f"{platform.machine()}, 2 CPU threads", "runs": []}
+    names = args.settings
     for length in args.lengths:
-        for name, chunk in SETTINGS.items():
-            out = subprocess.run([sys.executable, __file__, "--worker", str(length), str(chunk or 0)],
+        for name in names:
+            out = subprocess.run([sys.executable, __file__, "--worker", str(length), name],
                                  capture_output=True, text=True, cwd=ROOT)
             if out.returncode:
                 raise SystemExit(out.stderr[-3000:])
@@ -85,14 +112,14 @@ def main() -> None:
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print("| completion tokens (2 rows) | " + " | ".join(f"{n}: step peak MB / s" for n in SETTINGS) + " |")
-    print("| --- |" + " --- |" * len(SETTINGS))
+    print("| completion tokens (2 rows) | " + " | ".join(f"{n}: step peak MB / s" for n in names) + " |")
+    print("| --- |" + " --- |" * len(names))
     for length in args.lengths:
         cells = [next(r for r in results["runs"] if r["length"] == length and r["setting"] == n)
-                 for n in SETTINGS]
+                 for n in names]
         print(f"| 2 x {length:,} | " + " | ".join(f"{c['step_peak_mb']:,.0f} / {c['seconds']:.1f}" for c in cells)
               + " |")
-    for name in SETTINGS:
+    for name in names if len(args.lengths) > 1 else []:
         runs = [r for r in results["runs"] if r["setting"] == name]
         slope = (runs[-1]["step_peak_mb"] - runs[0]["step_peak_mb"]) / (2 * (runs[-1]["length"] - runs[0]["length"]))
         print(f"{name}: {1000 * slope:.1f} MB per 1,000 completion tokens")
