@@ -306,11 +306,15 @@ class _GRPOFields(_BaseConfig):
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         check_grpo(self, errors)
-        if not self.recompute_attention and not self.gradient_checkpointing:
+        # transformers 5's activation_checkpointing* win over gradient_checkpointing* (config_base.py)
+        on, kwargs = self.activation_checkpointing, self.activation_checkpointing_kwargs
+        on = self.gradient_checkpointing if on is None else on
+        kwargs = self.gradient_checkpointing_kwargs if kwargs is None else kwargs
+        if not self.recompute_attention and not on:
             errors.append("recompute_attention=False keeps attention outputs through gradient "
                           "checkpointing, which is off (nothing is recomputed without it): set "
                           "gradient_checkpointing: true, or leave recompute_attention at true")
-        if not self.recompute_attention and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        if not self.recompute_attention and (kwargs or {}).get("use_reentrant"):
             errors.append("recompute_attention=False needs non-reentrant checkpointing (torch's selective "
                           "checkpointing): drop use_reentrant: true from gradient_checkpointing_kwargs, or "
                           "leave recompute_attention at true")

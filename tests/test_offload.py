@@ -22,12 +22,16 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the copies to h
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a trainer on a CUDA machine runs on CUDA")
 
 
-def test_selected_takes_activations_not_parameters_their_views_or_small_tensors():
+def test_selected_takes_activations_not_weights_expanded_views_or_small_tensors():
     big = torch.nn.Parameter(torch.zeros(1024, 512))  # 2 MiB
     assert not selected(big) and not selected(big.t()) and not selected(big[:600])
-    assert selected(torch.zeros(1024, 512)) and selected(torch.zeros(1024, 512).t())
-    assert not selected(torch.zeros(16, 16))  # under MIN_BYTES
-    assert not selected(torch.zeros(1024, 512).to_sparse())
+    assert not selected(big.to(torch.bfloat16))  # autocast's copy of a trained weight
+    x = torch.zeros(1024, 512, requires_grad=True)
+    assert selected(x) and selected(x.t()) and selected(x * 2) and selected(big * 2)
+    assert not selected(torch.zeros(1024, 512))  # off the gradient's path (a mask, an index)
+    assert not selected(torch.zeros(16, 16, requires_grad=True))  # under MIN_BYTES
+    assert not selected(torch.zeros(1, 1, 512, requires_grad=True).expand(4, 1024, 512))  # one row, repeated
+    assert not selected(torch.zeros(1024, 512).to_sparse().requires_grad_())
 
 
 def test_with_checkpointing_the_backbone_saves_little_more_than_each_layers_input():

@@ -34,6 +34,20 @@ class AttentionCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def counted(model, r, packing, keeper: AttentionKeeper) -> int:
+    """Fused attention kernel calls of one forward + backward, counted from the backbone's forward on (the
+    packing before it makes tensor subclasses, which a dispatch mode does not allow)."""
+    calls = AttentionCalls(keeper)
+    backbone = (model.get_base_model() if hasattr(model, "get_base_model") else model).model
+    handle = backbone.register_forward_pre_hook(lambda *args: calls.__enter__() and None)
+    try:
+        scores_and_grads(model, r, packing)
+    finally:
+        handle.remove()
+        calls.__exit__(None, None, None)
+    return calls.calls
+
+
 def model_with(arch: str, lora: bool, keeper: AttentionKeeper | None, attn: str = "sdpa"):
     torch.manual_seed(0)
     model = build_causal_lm(build_tokenizer(0, vocab_size=384), arch=arch, hidden_size=64)
@@ -62,13 +76,10 @@ def test_kept_attention_gives_full_recomputations_values_without_running_attenti
     logps, entropy, grads = scores_and_grads(full, r, packing)
     kept_logps, kept_entropy, kept_grads = scores_and_grads(kept, r, packing)
     assert keeper.kept > 0
-    with AttentionCalls(keeper) as calls_full:  # (packed: the blocks' masks exist already, made above)
-        scores_and_grads(full, r, packing)
-    with AttentionCalls(keeper) as calls_kept:
-        scores_and_grads(kept, r, packing)
+    calls_full, calls_kept = counted(full, r, packing, keeper), counted(kept, r, packing, keeper)
     layers = full.config.num_hidden_layers
-    assert calls_full.calls == 2 * calls_kept.calls and calls_kept.calls % layers == 0  # no re-run in the backward
-    assert keeper.kept == 2 * calls_kept.calls
+    assert calls_full == 2 * calls_kept and calls_kept % layers == 0  # no attention re-run in the backward
+    assert keeper.kept == 2 * calls_kept
     torch.testing.assert_close(kept_logps, logps, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(kept_entropy, entropy, atol=1e-6, rtol=1e-6)
     assert grads.keys() == kept_grads.keys() and grads
@@ -86,12 +97,32 @@ def test_a_model_without_a_fused_attention_kernel_is_told_once(caplog):
     assert keeper.kept == 0 and len(told) == 1 and "kept no attention output" in told[0]
 
 
+def test_an_attention_kernel_with_dropout_is_recomputed_not_kept():
+    """Kept, a kernel that draws dropout would leave the recomputation's RNG behind, and the layer's later
+    random ops would draw other masks: it is recomputed (and said) and the gradients stay the full ones."""
+    grads, told = [], []
+    for keeper in (None, AttentionKeeper(told.append)):
+        model = model_with("qwen2", False, keeper)
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.2
+        torch.manual_seed(5)
+        grads.append(scores_and_grads(model, rollout(384), None)[2])
+    assert keeper.kept == 0 and len(told) == 1
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_bad_combinations_are_named(tmp_path):
     with pytest.raises(ConfigError, match="recompute_attention=False keeps attention outputs through gradient"):
         GRPOConfig(output_dir=str(tmp_path), recompute_attention=False, gradient_checkpointing=False)
     with pytest.raises(ConfigError, match="needs non-reentrant checkpointing"):
         GRPOConfig(output_dir=str(tmp_path), recompute_attention=False, gradient_checkpointing=True,
                    gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ConfigError, match="through gradient"):  # transformers 5's names count the same
+        GRPOConfig(output_dir=str(tmp_path), recompute_attention=False, activation_checkpointing=False)
+    with pytest.raises(ConfigError, match="needs non-reentrant checkpointing"):
+        GRPOConfig(output_dir=str(tmp_path), recompute_attention=False,
+                   activation_checkpointing_kwargs={"use_reentrant": True})
 
 
 def test_a_grpo_step_keeping_attention_is_the_same_step(tmp_path, tiny_causal_dir, caplog):

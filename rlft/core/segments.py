@@ -26,8 +26,9 @@ Two kernels compute it (`kernel()` says which one a tensor gets):
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,23 +48,15 @@ class Block:
     length: int
     prefix_start: int = 0  # tokens each query of the block sees in full (a shared prompt): 0 tokens = none
     prefix_length: int = 0
+    # torch's lower-right causal mask object for a block with a prefix (no [L, S] tensor is built), made with
+    # the block, outside the forward: it is a tensor subclass, which cannot be created inside a region under
+    # selective checkpointing's dispatch mode (recompute_attention: false)
+    mask: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.prefix_length:  # its mask made with the block, outside the forward (see _lower_right)
-            _lower_right(self.length, self.prefix_length + self.length)
-
-
-_MASKS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _lower_right(length: int, total: int) -> torch.Tensor:
-    """torch's lower-right causal mask object for `length` queries over `total` keys (no [L, S] tensor is
-    built), one per shape, made when a Block needs it: it is a tensor subclass, which cannot be created inside
-    a region under selective checkpointing's dispatch mode (recompute_attention: false)."""
-    mask = _MASKS.get((length, total))
-    if mask is None:
-        mask = _MASKS[length, total] = causal_lower_right(length, total)
-    return mask
+        if self.prefix_length and self.mask is None:
+            mask = causal_lower_right(self.length, self.prefix_length + self.length)
+            object.__setattr__(self, "mask", mask)
 
 
 def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -97,8 +90,8 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
             if gqa:  # the lower-right kernels take as many kv heads as query heads
                 groups = query.shape[1] // key.shape[1]
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            mask = _lower_right(block.length, block.prefix_length + block.length)
-            part = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+            part = F.scaled_dot_product_attention(q, k, v, attn_mask=block.mask, dropout_p=dropout,
+                                                  scale=scaling)
         out[:, own] = part.transpose(1, 2)
     return out, None
 

@@ -3,8 +3,9 @@ its backward are moved to pinned host memory as they are saved and brought back 
 them, so the accelerator holds a layer's worth of them at a time instead of every layer's.
 
 How (torch.autograd.graph.saved_tensors_hooks around the decoder backbone's forward when gradients are
-on): each saved tensor that lives on a CUDA device, is at least `MIN_BYTES` and is not a parameter (or a view
-of one: a weight saved for a matmul stays where it is) is copied to pinned host memory on a side stream
+on): each saved tensor that lives on a CUDA device, is at least `MIN_BYTES`, lies on the gradient's path and
+is not a weight (a parameter, a view of one, autocast's copy of one: a weight saved for a matmul stays where
+it is) nor an expanded view (`selected`) is copied to pinned host memory on a side stream
 (the copy overlaps the next layer's compute; the device tensor is freed once the copy is done) and copied
 back on the compute stream when the backward unpacks it. With gradient checkpointing (non-reentrant, rlft's
 default) the only tensors the backbone saves outside the checkpointed layers are each layer's input (torch
@@ -15,8 +16,9 @@ outside the backbone stay on the device.
 
 Values and gradients are exactly the ones without offloading (the same tensors, copied and copied back).
 The price is the copies' time where the compute does not hide them (host memory bandwidth: about 1 GB per
-20-50 ms on a PCIe 4/5 link) and pinned host memory the size of what was moved. On a CPU there is nothing
-to move (activations are in host memory already): the option is a said no-op there.
+20-50 ms on a PCIe 4/5 link) and pinned host memory: what was moved, rounded up by torch's pinned-memory
+allocator (to a power of two), which keeps freed blocks for reuse rather than giving them back. On a CPU
+there is nothing to move (activations are in host memory already): the option is a said no-op there.
 
 Learned from torchtune's OffloadActivations (which TRL 1.16 uses): side stream, parameter skipping, a size
 floor; written here for rlft's forwards (no prefetch in the backward: each copy back waits on the stream).
@@ -34,13 +36,21 @@ MIN_BYTES = 1 << 20  # smaller saved tensors stay: their copies would cost more 
 
 
 def selected(tensor: torch.Tensor) -> bool:
-    """Whether a saved tensor is an activation worth moving: strided, at least MIN_BYTES, and neither a
-    parameter nor a view of one (on any device; `_Offload.pack` moves only those on an accelerator)."""
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.is_sparse:
+    """Whether a saved tensor is an activation worth moving (on any device; `_Offload.pack` moves only those
+    on an accelerator): a plain dense tensor (not a subclass such as DTensor or a quantised weight, not an
+    expanded view whose elements share memory), at least MIN_BYTES, part of the gradient's path, and not a
+    weight: neither a parameter, a view of one, nor autocast's copy of a trained one."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or not tensor.requires_grad:
         return False
     if tensor.numel() * tensor.element_size() < MIN_BYTES:
         return False
-    return not (isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter))
+    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape)):
+        return False  # expanded: a copy would hold every repeat
+    if isinstance(tensor._base, torch.nn.Parameter):
+        return False
+    cast = tensor.grad_fn
+    return not (cast is not None and type(cast).__name__ == "ToCopyBackward0" and any(
+        type(f).__name__ == "AccumulateGrad" for f, _ in cast.next_functions if f is not None))
 
 
 @dataclass
@@ -57,16 +67,20 @@ class _Offload:
 
     def __init__(self):
         self.moved_bytes = 0
-        self.seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # a tensor saved by several ops moves once
+        # a tensor saved by several ops moves once (keyed by its version too: one changed in place is new)
+        self.seen: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
 
     def pack(self, tensor: torch.Tensor):
         if not (tensor.is_cuda and selected(tensor)):
             return tensor
-        ref, held_ref = self.seen.get(id(tensor), (None, None))
+        key = (id(tensor), tensor._version)
+        ref, held_ref = self.seen.get(key, (None, None))
         held = held_ref() if held_ref is not None else None
         if held is not None and ref() is tensor:
             return held
-        side = self.streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
+        side = self.streams.get(tensor.device)
+        if side is None:
+            side = self.streams[tensor.device] = torch.cuda.Stream(tensor.device)
         side.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is computed before the copy
         with torch.cuda.stream(side):
             host = torch.empty_like(tensor, device="cpu", pin_memory=True)
@@ -74,7 +88,7 @@ class _Offload:
         tensor.record_stream(side)  # its memory is not reused before the copy has read it
         self.moved_bytes += host.numel() * host.element_size()
         held = _Held(host, tensor.device)
-        self.seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(held))
+        self.seen[key] = (weakref.ref(tensor), weakref.ref(held))
         return held
 
     def unpack(self, held):

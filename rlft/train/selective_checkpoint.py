@@ -33,7 +33,10 @@ _KERNELS = (
     ("aten", "_flash_attention_forward"),
     ("aten", "_efficient_attention_forward"),
     ("torch_attn", "_varlen_attn"),  # torch.nn.attention.varlen (rlft's packed attention on a GPU)
+    ("flash_attn", "_flash_attn_forward"),  # the flash-attn package (attn_implementation flash_attention_2)
+    ("flash_attn", "_flash_attn_varlen_forward"),
 )
+_DROPOUT_ARGUMENTS = ("dropout_p", "p_dropout")
 
 
 class AttentionKeeper:
@@ -54,20 +57,22 @@ class AttentionKeeper:
         return frozenset(found)
 
     def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in self.kernels:
+        if op in self.kernels and not _dropout(op, args, kwargs):  # dropout: kept, the recomputation's RNG
+            # would not advance past it and later random ops of the layer would draw other masks
             if not ctx.is_recompute:
                 self.kept += 1
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def context_fn(self):
-        self.regions += 1
+        self.regions += torch.is_grad_enabled()
         if self.regions > 1 and not self.kept and not self.told:
             self.told = True
             if self.say is not None:
                 self.say("recompute_attention: false kept no attention output: the model's attention ran no "
-                         "fused kernel (eager attention, or SDPA's math path), so the backward recomputes it "
-                         "as with recompute_attention: true")
+                         "fused kernel rlft knows, or ran one with dropout (eager attention, SDPA's math "
+                         "path, attention_dropout > 0), so the backward recomputes it as with "
+                         "recompute_attention: true")
         return create_selective_checkpoint_contexts(self.policy)
 
 
@@ -83,3 +88,12 @@ def checkpointing_kwargs(args, keeper: AttentionKeeper | None) -> dict | None:
 def attention_keeper(args, say=None) -> AttentionKeeper | None:
     """An AttentionKeeper where the config asks to keep attention outputs (recompute_attention: false)."""
     return None if getattr(args, "recompute_attention", True) else AttentionKeeper(say)
+
+
+def _dropout(op, args: tuple, kwargs: dict) -> float:
+    """The dropout probability an attention kernel's call asks for (0 where its schema has none)."""
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.name in _DROPOUT_ARGUMENTS:
+            value = kwargs.get(argument.name, args[index] if index < len(args) else 0.0)
+            return float(value or 0.0)
+    return 0.0
