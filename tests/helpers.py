@@ -98,3 +98,28 @@ def stop_after(step: int, save: bool = False):
             return control
 
     return StopAfter()
+
+
+def one_step_each(tmp_path, model_dir, field: str, values: tuple, **overrides) -> list:
+    """One GRPO step on the addition task (gradient checkpointing on) for each value of config `field`, each its
+    own trainer and output folder: the trainers, in the order of `values`."""
+    from rlft import GRPOTrainer
+
+    trainers = []
+    for value in values:
+        cfg = tiny_grpo_config(tmp_path / f"{field}-{value}", max_steps=1, gradient_checkpointing=True,
+                               **{field: value}, **overrides)
+        trainers.append(GRPOTrainer(str(model_dir), [correct_answer], cfg, addition_rows(8)))
+        trainers[-1].train()
+    return trainers
+
+
+def assert_same_step(first, second, atol: float = 1e-6) -> None:
+    """Two trainers took the same step: their first logged loss and every weight agree within `atol`."""
+    import pytest
+    import torch
+
+    assert second.state.log_history[0]["loss"] == pytest.approx(first.state.log_history[0]["loss"], abs=atol)
+    reference = dict(first.model.named_parameters())
+    for name, weight in second.model.named_parameters():
+        assert torch.allclose(weight, reference[name], atol=atol), name

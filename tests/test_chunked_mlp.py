@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlft import GRPOTrainer
 from rlft.errors import ConfigError
 from rlft.scoring import score_rows
 from rlft.tiny import build_causal_lm, build_tokenizer
 from rlft.train.chunked_mlp import chunk_mlps
-from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+from tests.helpers import assert_same_step, one_step_each, tiny_grpo_config
 from tests.test_packing import rollout, scores_and_grads, tiny
 
 
@@ -45,17 +44,7 @@ def test_chunked_scores_and_gradients_are_the_whole_ones(arch, lora, checkpointi
 
 
 def test_a_grpo_step_with_chunked_mlps_is_the_same_step(tmp_path, tiny_causal_dir):
-    trainers = []
-    for name, chunk in (("whole", None), ("chunked", 4)):
-        cfg = tiny_grpo_config(tmp_path / name, max_steps=1, mlp_chunk_size=chunk, gradient_checkpointing=True)
-        trainer = GRPOTrainer(str(tiny_causal_dir), [correct_answer], cfg, addition_rows(8))
-        trainer.train()
-        trainers.append(trainer)
-    whole, chunked = (t.state.log_history[0] for t in trainers)
-    assert chunked["loss"] == pytest.approx(whole["loss"], abs=1e-6)
-    reference = dict(trainers[0].model.named_parameters())
-    for name, weight in trainers[1].model.named_parameters():
-        assert torch.allclose(weight, reference[name], atol=1e-6), name
+    assert_same_step(*one_step_each(tmp_path, tiny_causal_dir, "mlp_chunk_size", (None, 4)))
 
 
 def test_a_deep_copy_such_as_a_reference_runs_its_own_weights():

@@ -11,11 +11,11 @@ import logging
 import pytest
 import torch
 
-from rlft import GRPOTrainer, RewardTrainer
+from rlft import RewardTrainer
 from rlft.scoring import score_rows
 from rlft.tiny import build_causal_lm, build_tokenizer
 from rlft.train.offload import offload_activations, selected
-from tests.helpers import addition_rows, correct_answer, preference_rows, tiny_grpo_config, tiny_reward_config
+from tests.helpers import one_step_each, preference_rows, tiny_reward_config
 from tests.test_packing import rollout, scores_and_grads, tiny
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the copies to host memory need a CUDA device")
@@ -75,11 +75,7 @@ def test_the_offloaded_backbone_scores_and_differentiates_as_before(lora, checkp
 
 @cpu_only
 def test_a_grpo_run_on_a_cpu_is_told_offloading_moves_nothing_and_takes_the_same_step(tmp_path, tiny_causal_dir):
-    trainers = []
-    for name, on in (("plain", False), ("offloaded", True)):
-        cfg = tiny_grpo_config(tmp_path / name, max_steps=1, activation_offloading=on, gradient_checkpointing=True)
-        trainers.append(GRPOTrainer(str(tiny_causal_dir), [correct_answer], cfg, addition_rows(8)))
-        trainers[-1].train()
+    trainers = one_step_each(tmp_path, tiny_causal_dir, "activation_offloading", (False, True))
     assert any("activation_offloading: no effect on cpu" in n for n in trainers[1]._setup_notes)
     assert not any("activation_offloading" in n for n in trainers[0]._setup_notes)
     plain, offloaded = (t.state.log_history[0] for t in trainers)
@@ -149,12 +145,7 @@ def test_on_cuda_offloading_keeps_the_values_and_frees_the_layer_activations(lor
 
 @cuda
 def test_on_cuda_a_step_with_offloading_is_the_same_step(tmp_path, tiny_causal_dir):
-    trainers = []
-    for name, on in (("plain", False), ("offloaded", True)):
-        cfg = tiny_grpo_config(tmp_path / name, max_steps=1, activation_offloading=on, gradient_checkpointing=True)
-        trainers.append(GRPOTrainer(str(tiny_causal_dir), [correct_answer], cfg, addition_rows(8)))
-        trainers[-1].train()
-    assert trainers[1].accelerator.device.type == "cuda"
-    assert not any("activation_offloading" in n for n in trainers[1]._setup_notes)
-    plain, offloaded = (t.state.log_history[0] for t in trainers)
-    assert offloaded["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+    plain, offloaded = one_step_each(tmp_path, tiny_causal_dir, "activation_offloading", (False, True))
+    assert offloaded.accelerator.device.type == "cuda"
+    assert not any("activation_offloading" in n for n in offloaded._setup_notes)
+    assert offloaded.state.log_history[0]["loss"] == pytest.approx(plain.state.log_history[0]["loss"], abs=1e-6)

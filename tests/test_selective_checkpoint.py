@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlft import GRPOConfig, GRPOTrainer
+from rlft import GRPOConfig
 from rlft.errors import ConfigError
 from rlft.models import enable_checkpointing
 from rlft.scoring import install_scoring
 from rlft.tiny import build_causal_lm, build_tokenizer
 from rlft.train.chunked_mlp import chunk_mlps
 from rlft.train.selective_checkpoint import AttentionKeeper, checkpointing_kwargs
-from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+from tests.helpers import assert_same_step, one_step_each
 from tests.test_packing import rollout, scores_and_grads
 
 
@@ -126,16 +126,7 @@ def test_bad_combinations_are_named(tmp_path):
 
 
 def test_a_grpo_step_keeping_attention_is_the_same_step(tmp_path, tiny_causal_dir, caplog):
-    trainers = []
-    for name, recompute in (("full", True), ("kept", False)):
-        cfg = tiny_grpo_config(tmp_path / name, max_steps=1, gradient_checkpointing=True,
-                               recompute_attention=recompute)
-        trainers.append(GRPOTrainer(str(tiny_causal_dir), [correct_answer], cfg, addition_rows(8)))
-        with caplog.at_level(logging.WARNING, logger="rlft"):
-            trainers[-1].train()
+    with caplog.at_level(logging.WARNING, logger="rlft"):
+        full, kept = one_step_each(tmp_path, tiny_causal_dir, "recompute_attention", (True, False))
     assert "kept no attention output" not in caplog.text
-    full, kept = (t.state.log_history[0] for t in trainers)
-    assert kept["loss"] == pytest.approx(full["loss"], abs=1e-6)
-    reference = dict(trainers[0].model.named_parameters())
-    for name, weight in trainers[1].model.named_parameters():
-        assert torch.allclose(weight, reference[name], atol=1e-6), name
+    assert_same_step(full, kept)

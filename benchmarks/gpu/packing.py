@@ -186,9 +186,9 @@ def trl_call(args, model, batch):
     return seconds, peak, logps.detach().float(), float(grad.double().norm()), ids.numel()
 
 
-def trl_rows(args, model, rlft_rows: list[dict]) -> list[dict]:
-    """TRL on each workload and sweep length rlft ran (median of --repeats after a warm-up), with the largest
-    log-prob difference from rlft's padded scoring of the same batch where rlft kept it."""
+def trl_rows(args, model) -> list[dict]:
+    """TRL on each workload and sweep length rlft ran (median of --repeats after a warm-up); its gradient norm
+    is in each row to hold beside rlft's."""
     out = []
     shapes = [(name, *shape_of(args, name)) for name in args.workloads]
     shapes += [("sweep", max(64 // args.scale, 2), [n, n]) for n in offload_lengths(args)]
@@ -358,7 +358,7 @@ def main() -> None:
         del model
         gc.collect()  # the patched forwards hold the model in reference cycles
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
-        trl = trl_rows(args, build_model(args, longest, head="trl"), rows)
+        trl = trl_rows(args, build_model(args, longest, head="trl"))
     text = report(args, device, rows, points, offloads, trl)
     print(text)
     if args.out:

@@ -57,7 +57,6 @@ def selected(tensor: torch.Tensor) -> bool:
 class _Held:
     host: torch.Tensor
     device: torch.device
-    back: weakref.ref | None = None  # the device copy the backward made, while it lives (one per tensor)
 
 
 class _Offload:
@@ -94,13 +93,8 @@ class _Offload:
     def unpack(self, held):
         if not isinstance(held, _Held):
             return held
-        back = held.back() if held.back is not None else None
-        if back is None:
-            current = torch.cuda.current_stream(held.device)
-            current.wait_stream(self.streams[held.device])  # the copy to the host has finished
-            back = held.host.to(held.device, non_blocking=True)
-            held.back = weakref.ref(back)
-        return back
+        torch.cuda.current_stream(held.device).wait_stream(self.streams[held.device])  # the copy out is done
+        return held.host.to(held.device, non_blocking=True)
 
 
 def offload_activations(model) -> int:

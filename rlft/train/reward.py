@@ -18,7 +18,7 @@ from rlft.config import RewardConfig, validate
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
-from rlft.errors import ConfigError, NonFiniteLossError, RlftError  # noqa: F401 (NonFiniteLossError: old path)
+from rlft.errors import ConfigError, NonFiniteLossError, RlftError  # noqa: F401 (re-exported: old path)
 from rlft.models import (
     apply_lora,
     disable_dropout,
