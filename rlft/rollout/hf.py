@@ -13,12 +13,14 @@ import torch
 from transformers import DynamicCache
 
 from rlft.core.logprobs import finite_ids
+from rlft.core.sampling import inverse_cdf_sample
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 
-__all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "cache_keyword", "check_generation_kwargs",
-           "completion_mask_from", "eos_token_ids", "sampling_warpers", "shared_prompt_cache"]
+__all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "TokenSampler", "cache_keyword",
+           "check_generation_kwargs", "completion_mask_from", "draws_itself", "effective_sampling",
+           "eos_token_ids", "sampling_warpers", "shared_prompt_cache"]
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -92,26 +94,64 @@ def check_generation_kwargs(kwargs: dict | None) -> dict:
     return kwargs
 
 
-def sampling_warpers(sampling: dict) -> list:
-    """transformers' own temperature / top-k / top-p / min-p warpers for `sampling` (generate's keywords), in
-    the order generate applies them, for a chain rlft places itself (so that a recorder can follow them)."""
-    from transformers.generation.logits_process import (
-        MinPLogitsWarper,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
+WARPER_FIELDS = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
+                 "eta_cutoff")
+# generate() arguments and GenerationConfig fields under which generate does more than draw one token per row
+# from the processed scores: with any of them set it samples itself
+OWN_SAMPLING = ("assistant_model", "prompt_lookup_num_tokens", "custom_generate", "penalty_alpha",
+                "dola_layers", "assistant_early_exit", "watermarking_config")
 
-    temperature, top_k = sampling.get("temperature"), sampling.get("top_k")
-    top_p, min_p = sampling.get("top_p"), sampling.get("min_p")
-    warpers = [TemperatureLogitsWarper(temperature)] if temperature not in (None, 1.0) else []
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
-    if top_p is not None and top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
-    if min_p is not None:
-        warpers.append(MinPLogitsWarper(min_p=min_p, min_tokens_to_keep=1))
+
+def sampling_warpers(settings: dict, device="cpu") -> list:
+    """transformers' own warpers for `settings` (generate's keywords over the model's generation config), in
+    the order generate applies them, for a chain rlft places itself (so that a recorder can follow them, and
+    a sampler after that)."""
+    from transformers.generation import logits_process as lp
+
+    get, warpers = settings.get, []
+    if get("temperature") not in (None, 1.0):
+        warpers.append(lp.TemperatureLogitsWarper(get("temperature")))
+    if get("top_h") is not None:
+        warpers.append(lp.TopHLogitsWarper(top_h=get("top_h")))
+    if get("top_k"):
+        warpers.append(lp.TopKLogitsWarper(top_k=get("top_k"), min_tokens_to_keep=1))
+    if get("top_p") is not None and get("top_p") < 1.0:
+        warpers.append(lp.TopPLogitsWarper(top_p=get("top_p"), min_tokens_to_keep=1))
+    if get("min_p") is not None:
+        warpers.append(lp.MinPLogitsWarper(min_p=get("min_p"), min_tokens_to_keep=1))
+    if get("typical_p") is not None and get("typical_p") < 1.0:
+        warpers.append(lp.TypicalLogitsWarper(mass=get("typical_p"), min_tokens_to_keep=1))
+    if 0.0 < (get("epsilon_cutoff") or 0.0) < 1.0:
+        warpers.append(lp.EpsilonLogitsWarper(epsilon=get("epsilon_cutoff"), min_tokens_to_keep=1))
+    if 0.0 < (get("eta_cutoff") or 0.0) < 1.0:
+        warpers.append(lp.EtaLogitsWarper(epsilon=get("eta_cutoff"), min_tokens_to_keep=1, device=device))
     return warpers
+
+
+def effective_sampling(model, sampling: dict) -> dict:
+    """The generation settings generate would use: `sampling` over the model's generation config."""
+    config = getattr(model, "generation_config", None)
+    return {**(config.to_dict() if config is not None else {}), **sampling}
+
+
+def draws_itself(settings: dict) -> bool:
+    """Whether rlft's TokenSampler can draw the tokens for these settings: one token per row from the
+    processed scores (no beams, no assisted or contrastive decoding, no watermark, no custom decoding
+    loop)."""
+    return (settings.get("num_beams") or 1) == 1 and not any(settings.get(key) for key in OWN_SAMPLING)
+
+
+class TokenSampler:
+    """The last logits processor of a sampled generate run that rlft makes with do_sample=False: it draws
+    each row's next token from the processed scores by inversion (rlft/core/sampling.py: the distribution
+    torch.multinomial draws from, without one exponential per vocabulary entry) and leaves that token the
+    row's only finite score, so generate's argmax takes it."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float(), dim=-1)
+        uniforms = torch.rand(scores.shape[0], dtype=torch.float64, device=scores.device)
+        ids = inverse_cdf_sample(probs, uniforms)
+        return torch.full_like(scores, float("-inf")).scatter_(1, ids[:, None], 0.0)
 
 
 class SamplerRecorder:
@@ -164,14 +204,18 @@ class HFGenerator:
     (`shared_prompt_prefill`); `cache_implementation` is passed to generate as in TRL. With `synced` (FSDP2,
     ZeRO-3) generate runs with synced_gpus, as every sharded forward needs every process. `replay_mask`: each
     completion token comes with the ids the sampler kept (rlft/rollout/truncation.py); `return_logps` (a
-    rollout producer): with its log-prob under the distribution it was sampled from."""
+    rollout producer): with its log-prob under the distribution it was sampled from. Sampled tokens are drawn
+    by rlft's TokenSampler (`draw_tokens`; False: generate's torch.multinomial, the same distribution)."""
 
     def __init__(self, tokenizer, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int | None = None, repetition_penalty: float = 1.0,
                  cache_implementation: str | None = None, shared_prompt_prefill: bool = True,
                  min_p: float | None = None, generation_kwargs: dict | None = None, synced: bool = False,
-                 replay_mask: bool = False):
-        self.tokenizer = tokenizer
+                 replay_mask: bool = False, draw_tokens: bool = True):
+        from transformers import GenerationConfig
+
+        self.tokenizer, self.draw_tokens = tokenizer, draw_tokens
+        self.fields = set(GenerationConfig().to_dict())
         self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k or 0, repetition_penalty=repetition_penalty)
         if min_p is not None:
@@ -196,18 +240,25 @@ class HFGenerator:
     def close(self) -> None:
         pass
 
-    def _settings(self, greedy: bool) -> tuple[dict, SamplerRecorder | None]:
-        """generate's keywords; when it records, rlft's own warper chain with the recorder after it (the
-        same warpers generate would apply, which then applies none of its own)."""
+    def _settings(self, model, greedy: bool) -> tuple[dict, SamplerRecorder | None]:
+        """generate's keywords. Sampled: rlft's own chain after the user's processors (the warpers generate
+        would apply, a recorder when it records, and the TokenSampler that draws the token, generate then
+        taking it with do_sample=False); where generate must sample itself (beams, assisted decoding, a
+        watermark) and nothing records, generate's own sampling."""
+        unset = {key: None for key in WARPER_FIELDS if key in self.fields}
         if greedy:
-            return dict(self.sampling, do_sample=False, temperature=None, top_p=None, top_k=None,
-                        min_p=None), None
+            return dict(self.sampling, do_sample=False, **unset), None
         sampling = dict(self.sampling, do_sample=True)
-        if not (self.return_logps or self.replay_mask):
+        settings = effective_sampling(model, sampling)
+        fast = self.draw_tokens and draws_itself(settings)
+        recorder = SamplerRecorder(logps=self.return_logps, kept=self.replay_mask) \
+            if self.return_logps or self.replay_mask else None
+        if not fast and recorder is None:
             return sampling, None
-        recorder = SamplerRecorder(logps=self.return_logps, kept=self.replay_mask)
-        chain = [*sampling.get("logits_processor", []), *sampling_warpers(sampling), recorder]
-        sampling.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None, logits_processor=chain)
+        device = next(model.parameters()).device
+        chain = [*sampling.get("logits_processor", []), *sampling_warpers(settings, device),
+                 *([recorder] if recorder else []), *([TokenSampler()] if fast else [])]
+        sampling.update(unset, do_sample=not fast, logits_processor=chain)
         return sampling, recorder
 
     @torch.no_grad()
@@ -220,7 +271,7 @@ class HFGenerator:
         eos_ids = eos_token_ids(model, self.tokenizer)
         was_training = model.training
         model.eval()
-        sampling, recorder = self._settings(greedy)
+        sampling, recorder = self._settings(model, greedy)
         if max_new_tokens is not None:  # a later turn of a multi-turn rollout: what is left of the budget
             sampling["max_new_tokens"] = max_new_tokens
         cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \
