@@ -16,6 +16,7 @@ from rlft.core.logprobs import finite_ids
 from rlft.core.sampling import inverse_cdf_sample
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
+from rlft.host_memory import generation_heap
 from rlft.rollout.base import Rollout
 
 __all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "TokenSampler", "cache_keyword",
@@ -148,10 +149,12 @@ class TokenSampler:
     row's only finite score, so generate's argmax takes it."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float(), dim=-1)
+        # in place (generate reads only what the chain returns): no [rows, vocab] block allocated per token
+        probs = scores.float()
+        probs = probs.sub_(probs.amax(-1, keepdim=True)).exp_()  # unnormalised: the sampler takes any scale
         uniforms = torch.rand(scores.shape[0], dtype=torch.float64, device=scores.device)
         ids = inverse_cdf_sample(probs, uniforms)
-        return torch.full_like(scores, float("-inf")).scatter_(1, ids[:, None], 0.0)
+        return probs.fill_(float("-inf")).scatter_(1, ids[:, None], 0.0)
 
 
 class SamplerRecorder:
@@ -278,8 +281,9 @@ class HFGenerator:
             if self.shared_prompt_prefill and num_generations > 1 else None
         if cache is not None:
             sampling[cache_keyword(model)] = cache
-        out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
-                             eos_token_id=eos_ids, use_cache=True, **sampling)
+        with generation_heap():  # a CPU run's per-token blocks from the heap (rlft/host_memory.py)
+            out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
+                                 eos_token_id=eos_ids, use_cache=True, **sampling)
         model.train(was_training)
         completion_ids = out[:, ids.shape[1]:]
         completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
