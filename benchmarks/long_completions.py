@@ -8,7 +8,8 @@ their sum) of 2 completions of L tokens behind a 64-token prompt, padded (both r
 Qwen2-shaped model with Qwen2.5-0.5B's proportions at a CPU's size: hidden 512, intermediate 2,816 (5.5x), 4
 layers, 8 heads, 2 kv heads, vocabulary 32k, random weights, float32, full fine-tuning. Each (L, setting) in
 its own process; memory is the peak resident set above the process's resident set once the model is
-built; time is the step's wall time.
+built; time is the step's wall time. rlft's settings run with glibc's mmap threshold fixed, as rlft's trainers
+set it on a CPU (rlft/host_memory.py); TRL's with glibc's defaults.
 
     python benchmarks/long_completions.py                    # L = 2k, 4k, 8k, 16k; ~10 minutes on 2 cores
     python benchmarks/long_completions.py --lengths 512 1024 --out /tmp/long.json    # quick
@@ -22,6 +23,7 @@ import argparse
 import json
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # name: (mlp_chunk_size, keep attention outputs, library)
 SETTINGS = {"whole": (None, False, "rlft"), "chunked 1024": (1024, False, "rlft"),
             "attention kept": (None, True, "rlft"), "kept + chunked 1024": (1024, True, "rlft"),
+            "kept + chunked 4096": (4096, True, "rlft"),
             "trl": (None, False, "trl")}
 DEFAULT = ("whole", "chunked 1024")
 
@@ -40,6 +43,7 @@ def worker(length: int, setting: str) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from rlft.host_memory import return_freed_host_memory
     from rlft.rollout.base import Rollout
     from rlft.scoring import install_scoring, score_rows
     from rlft.train.chunked_mlp import chunk_mlps
@@ -48,6 +52,8 @@ def worker(length: int, setting: str) -> dict:
     chunk, keep, lib = SETTINGS[setting]
 
     torch.set_num_threads(2)
+    if lib == "rlft":  # as rlft's trainers do on a CPU (rlft/host_memory.py)
+        return_freed_host_memory(torch.device("cpu"))
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=2816, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=length + 128,
@@ -90,10 +96,16 @@ def worker(length: int, setting: str) -> dict:
             "kept_attention_outputs": keeper.kept if keeper else 0}
 
 
+def _median(runs: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in runs) for key in ("step_peak_mb", "seconds")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(DEFAULT))
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each (length, setting), alternating; "
+                        "the table shows medians")
     parser.add_argument("--worker", nargs=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results-long-completions.json"))
     args = parser.parse_args()
@@ -103,19 +115,20 @@ def main() -> None:
     results = {"date": str(date.today()), "machine": f"{platform.machine()}, 2 CPU threads", "runs": []}
     names = args.settings
     for length in args.lengths:
-        for name in names:
-            out = subprocess.run([sys.executable, __file__, "--worker", str(length), name],
-                                 capture_output=True, text=True, cwd=ROOT)
-            if out.returncode:
-                raise SystemExit(out.stderr[-3000:])
-            run = {"setting": name, **json.loads(out.stdout.strip().splitlines()[-1])}
-            results["runs"].append(run)
-            print(json.dumps(run), flush=True)
+        for repeat in range(args.repeats):
+            for name in names:
+                out = subprocess.run([sys.executable, __file__, "--worker", str(length), name],
+                                     capture_output=True, text=True, cwd=ROOT)
+                if out.returncode:
+                    raise SystemExit(out.stderr[-3000:])
+                run = {"setting": name, "repeat": repeat, **json.loads(out.stdout.strip().splitlines()[-1])}
+                results["runs"].append(run)
+                print(json.dumps(run), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print("| completion tokens (2 rows) | " + " | ".join(f"{n}: step peak MB / s" for n in names) + " |")
     print("| --- |" + " --- |" * len(names))
     for length in args.lengths:
-        cells = [next(r for r in results["runs"] if r["length"] == length and r["setting"] == n)
+        cells = [_median([r for r in results["runs"] if r["length"] == length and r["setting"] == n])
                  for n in names]
         print(f"| 2 x {length:,} | " + " | ".join(f"{c['step_peak_mb']:,.0f} / {c['seconds']:.1f}" for c in cells)
               + " |")
