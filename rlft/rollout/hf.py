@@ -21,7 +21,7 @@ from rlft.rollout.base import Rollout
 
 __all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "TokenSampler", "cache_keyword",
            "check_generation_kwargs", "completion_mask_from", "draws_itself", "effective_sampling",
-           "eos_token_ids", "sampling_warpers", "shared_prompt_cache"]
+           "eos_token_ids", "sampling_warpers", "shared_prompt_cache", "vocabulary_size"]
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -142,6 +142,18 @@ def draws_itself(settings: dict) -> bool:
     return (settings.get("num_beams") or 1) == 1 and not any(settings.get(key) for key in OWN_SAMPLING)
 
 
+# From this many vocabulary entries rlft draws sampled tokens itself: torch.multinomial's one exponential per
+# entry then costs more than a millisecond a token for 16 rows on a CPU (54 ms at 151,936;
+# benchmarks/sampling.py). Below, generate samples as in transformers and TRL (a seed gives their samples).
+DRAW_FROM_VOCABULARY = 4096
+
+
+def vocabulary_size(model) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(getattr(model.config, "vocab_size", 0) or 0)
+
+
 class TokenSampler:
     """The last logits processor of a sampled generate run that rlft makes with do_sample=False: it draws
     each row's next token from the processed scores by inversion (rlft/core/sampling.py: the distribution
@@ -208,13 +220,14 @@ class HFGenerator:
     ZeRO-3) generate runs with synced_gpus, as every sharded forward needs every process. `replay_mask`: each
     completion token comes with the ids the sampler kept (rlft/rollout/truncation.py); `return_logps` (a
     rollout producer): with its log-prob under the distribution it was sampled from. Sampled tokens are drawn
-    by rlft's TokenSampler (`draw_tokens`; False: generate's torch.multinomial, the same distribution)."""
+    by rlft's TokenSampler where the vocabulary is large (`draw_tokens`: None decides by
+    `DRAW_FROM_VOCABULARY`; True always; False never: generate's torch.multinomial, the same distribution)."""
 
     def __init__(self, tokenizer, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int | None = None, repetition_penalty: float = 1.0,
                  cache_implementation: str | None = None, shared_prompt_prefill: bool = True,
                  min_p: float | None = None, generation_kwargs: dict | None = None, synced: bool = False,
-                 replay_mask: bool = False, draw_tokens: bool = True):
+                 replay_mask: bool = False, draw_tokens: bool | None = None):
         from transformers import GenerationConfig
 
         self.tokenizer, self.draw_tokens = tokenizer, draw_tokens
@@ -253,7 +266,8 @@ class HFGenerator:
             return dict(self.sampling, do_sample=False, **unset), None
         sampling = dict(self.sampling, do_sample=True)
         settings = effective_sampling(model, sampling)
-        fast = self.draw_tokens and draws_itself(settings)
+        fast = draws_itself(settings) and (self.draw_tokens if self.draw_tokens is not None else
+                                           vocabulary_size(model) >= DRAW_FROM_VOCABULARY)
         recorder = SamplerRecorder(logps=self.return_logps, kept=self.replay_mask) \
             if self.return_logps or self.replay_mask else None
         if not fast and recorder is None:
