@@ -8,8 +8,8 @@ their sum) of 2 completions of L tokens behind a 64-token prompt, padded (both r
 Qwen2-shaped model with Qwen2.5-0.5B's proportions at a CPU's size: hidden 512, intermediate 2,816 (5.5x), 4
 layers, 8 heads, 2 kv heads, vocabulary 32k, random weights, float32, full fine-tuning. Each (L, setting) in
 its own process; memory is the peak resident set above the process's resident set once the model is
-built; time is the step's wall time. rlft's settings run with glibc's mmap threshold fixed, as rlft's trainers
-set it on a CPU (rlft/host_memory.py); TRL's with glibc's defaults.
+built; time is the step's wall time. `--rlft-mmap-threshold N` starts rlft's workers with
+MALLOC_MMAP_THRESHOLD_=N (glibc's threshold fixed; docs/troubleshooting.md), TRL's with glibc's defaults.
 
     python benchmarks/long_completions.py                    # L = 2k, 4k, 8k, 16k; ~10 minutes on 2 cores
     python benchmarks/long_completions.py --lengths 512 1024 --out /tmp/long.json    # quick
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -43,7 +44,6 @@ def worker(length: int, setting: str) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlft.host_memory import return_freed_host_memory
     from rlft.rollout.base import Rollout
     from rlft.scoring import install_scoring, score_rows
     from rlft.train.chunked_mlp import chunk_mlps
@@ -52,8 +52,6 @@ def worker(length: int, setting: str) -> dict:
     chunk, keep, lib = SETTINGS[setting]
 
     torch.set_num_threads(2)
-    if lib == "rlft":  # as rlft's trainers do on a CPU (rlft/host_memory.py)
-        return_freed_host_memory(torch.device("cpu"))
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=2816, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=length + 128,
@@ -106,6 +104,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(DEFAULT))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each (length, setting), alternating; "
                         "the table shows medians")
+    parser.add_argument("--rlft-mmap-threshold", type=int, default=None)
     parser.add_argument("--worker", nargs=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results-long-completions.json"))
     args = parser.parse_args()
@@ -117,8 +116,11 @@ def main() -> None:
     for length in args.lengths:
         for repeat in range(args.repeats):
             for name in names:
+                env = dict(os.environ)
+                if args.rlft_mmap_threshold and SETTINGS[name][2] == "rlft":
+                    env["MALLOC_MMAP_THRESHOLD_"] = str(args.rlft_mmap_threshold)
                 out = subprocess.run([sys.executable, __file__, "--worker", str(length), name],
-                                     capture_output=True, text=True, cwd=ROOT)
+                                     capture_output=True, text=True, cwd=ROOT, env=env)
                 if out.returncode:
                     raise SystemExit(out.stderr[-3000:])
                 run = {"setting": name, "repeat": repeat, **json.loads(out.stdout.strip().splitlines()[-1])}

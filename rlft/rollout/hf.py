@@ -16,7 +16,6 @@ from rlft.core.logprobs import finite_ids
 from rlft.core.sampling import inverse_cdf_sample
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
-from rlft.host_memory import generation_heap
 from rlft.rollout.base import Rollout
 
 __all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "TokenSampler", "cache_keyword",
@@ -295,9 +294,8 @@ class HFGenerator:
             if self.shared_prompt_prefill and num_generations > 1 else None
         if cache is not None:
             sampling[cache_keyword(model)] = cache
-        with generation_heap():  # a CPU run's per-token blocks from the heap (rlft/host_memory.py)
-            out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
-                                 eos_token_id=eos_ids, use_cache=True, **sampling)
+        out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
+                             eos_token_id=eos_ids, use_cache=True, **sampling)
         model.train(was_training)
         completion_ids = out[:, ids.shape[1]:]
         completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)

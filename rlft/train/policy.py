@@ -12,7 +12,6 @@ import torch
 from peft import PeftModel
 
 from rlft.errors import ConfigError
-from rlft.host_memory import return_freed_host_memory
 from rlft.models import (
     GradientFlowError,
     apply_lora,
@@ -50,8 +49,6 @@ def add_model_tags(model, tags: list[str]) -> None:
 def load_policy(model, source, args, engine, device, peft_config, quantization_config, tags) -> Policy:
     """The policy (and its reference) from a hub id, a folder or a loaded model, for `engine.prepare`."""
     dtype = training_dtype(args, device)
-    if note := return_freed_host_memory(device):  # on a CPU (rlft/host_memory.py)
-        logging.getLogger("rlft").info(note)
     engine.before_loading(dtype)
     quantization = {} if quantization_config is None else {"quantization_config": quantization_config}
     init_kwargs = {**(args.model_init_kwargs or {}), **quantization}

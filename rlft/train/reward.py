@@ -19,7 +19,6 @@ from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
 from rlft.errors import ConfigError, NonFiniteLossError, RlftError  # noqa: F401 (re-exported: old path)
-from rlft.host_memory import return_freed_host_memory
 from rlft.models import (
     apply_lora,
     disable_dropout,
@@ -118,8 +117,6 @@ class RewardTrainer(TrainLoop, TrainerSurface):
     def _setup_model(self, model, peft_config, optimizers, quantization_config=None) -> None:
         args = self.args
         dtype = training_dtype(args, self.accelerator.device)
-        if note := return_freed_host_memory(self.accelerator.device):  # on a CPU (rlft/host_memory.py)
-            self.messages.info(note)
         self.engine.before_loading(dtype)
         init_kwargs = {**(args.model_init_kwargs or {}),
                        **({"quantization_config": quantization_config}
