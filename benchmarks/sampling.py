@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -76,4 +77,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # benchmarks.workloads
     main()
