@@ -92,14 +92,14 @@ def test_generate_samples_itself_where_it_must_and_every_configured_warper_is_ap
     model, tokenizer, prompts = _engine_and_prompts(shipped_policy_dir)
     model.generation_config.typical_p, model.generation_config.min_p = 0.9, 0.05
     sampling, _ = HFGenerator(tokenizer, 4, temperature=0.8, top_p=0.9, draw_tokens=True)._settings(
-        model, greedy=False)
+        model, greedy=False, device=torch.device("cpu"))
     assert sampling["do_sample"] is False and sampling["typical_p"] is None
     assert [type(p) for p in sampling["logits_processor"]] == [
         lp.TemperatureLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper, lp.TypicalLogitsWarper, TokenSampler]
     beams, _ = HFGenerator(tokenizer, 4, generation_kwargs={"num_beams": 2}, draw_tokens=True)._settings(
-        model, greedy=False)
+        model, greedy=False, device=torch.device("cpu"))
     assert beams["do_sample"] is True and "logits_processor" not in beams
-    greedy, _ = HFGenerator(tokenizer, 4)._settings(model, greedy=True)
+    greedy, _ = HFGenerator(tokenizer, 4)._settings(model, greedy=True, device=torch.device("cpu"))
     assert greedy["do_sample"] is False and "logits_processor" not in greedy
     rollout = HFGenerator(tokenizer, 4, temperature=0.8, top_p=0.9, draw_tokens=True)(model, prompts, 3)
     assert rollout.completion_ids.shape[0] == 6
@@ -110,10 +110,10 @@ def test_rlft_draws_tokens_itself_from_a_large_vocabulary_and_leaves_a_small_one
     policy's 386 are below: generate's own torch.multinomial, so a seed gives transformers' and TRL's samples)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlft.rollout.hf import DRAW_FROM_VOCABULARY, HFGenerator, TokenSampler
+    from rlft.rollout.hf import DRAW_FROM_VOCABULARY, HFGenerator, TokenSampler, vocabulary_size
 
     model, tokenizer, prompts = _engine_and_prompts(shipped_policy_dir, 1)
-    small, _ = HFGenerator(tokenizer, 4)._settings(model, greedy=False)
+    small, _ = HFGenerator(tokenizer, 4)._settings(model, greedy=False, device=torch.device("cpu"))
     assert small["do_sample"] is True and "logits_processor" not in small
     torch.manual_seed(1)
     ours = HFGenerator(tokenizer, 6)(model, prompts, 4).completion_ids
@@ -124,5 +124,8 @@ def test_rlft_draws_tokens_itself_from_a_large_vocabulary_and_leaves_a_small_one
     assert torch.equal(ours[:, :4], theirs[:, ids.shape[1]:][:, :4])
     large = Qwen2ForCausalLM(Qwen2Config(vocab_size=DRAW_FROM_VOCABULARY, hidden_size=16, intermediate_size=32,
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    sampling, _ = HFGenerator(tokenizer, 4)._settings(large, greedy=False)
+    sampling, _ = HFGenerator(tokenizer, 4)._settings(large, greedy=False, device=torch.device("cpu"))
     assert sampling["do_sample"] is False and isinstance(sampling["logits_processor"][-1], TokenSampler)
+    head = large.get_output_embeddings().weight  # as ZeRO-3 leaves it outside a gather: empty, shape aside
+    head.data, head.ds_shape = torch.empty(0), head.shape
+    assert vocabulary_size(large) == DRAW_FROM_VOCABULARY

@@ -12,6 +12,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from rlft.core.fused_head import vocabulary_rows
 from rlft.core.logprobs import finite_ids
 from rlft.core.sampling import inverse_cdf_sample
 from rlft.data.prompts import left_pad
@@ -148,9 +149,10 @@ DRAW_FROM_VOCABULARY = 4096
 
 
 def vocabulary_size(model) -> int:
+    """The LM head's rows (also while ZeRO-3 partitions it), else the config's vocab_size."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
-    return int(weight.shape[0]) if weight is not None else int(getattr(model.config, "vocab_size", 0) or 0)
+    return vocabulary_rows(weight) if weight is not None else int(getattr(model.config, "vocab_size", 0) or 0)
 
 
 class TokenSampler:
@@ -230,7 +232,8 @@ class HFGenerator:
         from transformers import GenerationConfig
 
         self.tokenizer, self.draw_tokens = tokenizer, draw_tokens
-        self.fields = set(GenerationConfig().to_dict())
+        fields = GenerationConfig().to_dict()  # this transformers' fields: top_h is newer than some
+        self.unset_warpers = {key: None for key in WARPER_FIELDS if key in fields}
         self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k or 0, repetition_penalty=repetition_penalty)
         if min_p is not None:
@@ -255,12 +258,12 @@ class HFGenerator:
     def close(self) -> None:
         pass
 
-    def _settings(self, model, greedy: bool) -> tuple[dict, SamplerRecorder | None]:
+    def _settings(self, model, greedy: bool, device) -> tuple[dict, SamplerRecorder | None]:
         """generate's keywords. Sampled: rlft's own chain after the user's processors (the warpers generate
         would apply, a recorder when it records, and the TokenSampler that draws the token, generate then
         taking it with do_sample=False); where generate must sample itself (beams, assisted decoding, a
         watermark) and nothing records, generate's own sampling."""
-        unset = {key: None for key in WARPER_FIELDS if key in self.fields}
+        unset = self.unset_warpers
         if greedy:
             return dict(self.sampling, do_sample=False, **unset), None
         sampling = dict(self.sampling, do_sample=True)
@@ -271,7 +274,6 @@ class HFGenerator:
             if self.return_logps or self.replay_mask else None
         if not fast and recorder is None:
             return sampling, None
-        device = next(model.parameters()).device
         chain = [*sampling.get("logits_processor", []), *sampling_warpers(settings, device),
                  *([recorder] if recorder else []), *([TokenSampler()] if fast else [])]
         sampling.update(unset, do_sample=not fast, logits_processor=chain)
@@ -287,7 +289,7 @@ class HFGenerator:
         eos_ids = eos_token_ids(model, self.tokenizer)
         was_training = model.training
         model.eval()
-        sampling, recorder = self._settings(model, greedy)
+        sampling, recorder = self._settings(model, greedy, device)
         if max_new_tokens is not None:  # a later turn of a multi-turn rollout: what is left of the budget
             sampling["max_new_tokens"] = max_new_tokens
         cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \
