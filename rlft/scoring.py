@@ -48,6 +48,7 @@ class Score:
     # False)
     teacher: TeacherStates | None = None
     logps: bool = True
+    entropy_grad: bool = False  # the entropy's gradient will be asked for (an entropy bonus)
 
 
 @dataclass
@@ -180,7 +181,8 @@ def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float,
     if plain is not None:
         weight, bias = plain
         return fused_kept_logprobs(hidden.to(weight.dtype), weight, targets, kept, bias, score.temperature,
-                                   scale, softcap, score.entropy, score.tile, _gathered(weight, bias))
+                                   scale, softcap, score.entropy, score.tile, _gathered(weight, bias),
+                                   score.entropy_grad)
     return _module_scores(head, hidden, targets, kept, score, scale, softcap)
 
 
@@ -264,7 +266,7 @@ def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
 def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = False,
                router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None,
                packing: str | None = None, teacher=None, beta: float = 1.0,
-               with_logps: bool = False) -> Scored:
+               with_logps: bool = False, entropy_grad: bool = False) -> Scored:
     """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index tensor),
     from a model with `install_scoring`; renormalised over the sampler's kept tokens where the rollout
     carries them (`sampling_kept`). Padded, the batch is cut to its own longest completion (c <= C, rounded
@@ -273,7 +275,8 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     sequence without padding, prompts shared by rows held once with "prompts" (rlft/packing.py). With a
     `teacher` model (same vocabulary) or served teacher (its `support`): `Scored.divergence` [b, c], each
     token's divergence from the teacher at `beta` (rlft/core/distill.py), and the student's entropy, instead
-    of log-probs (as well, with `with_logps`); padded."""
+    of log-probs (as well, with `with_logps`); padded. `entropy_grad`: the entropy's gradient will be asked
+    for (an entropy bonus; rlft/core/fused_head.py)."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
     if packing is not None and teacher is None:
@@ -281,7 +284,7 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
         packed = pack_rows(rollout, listed, packing == "prompts")
         if packed.targets.numel():  # (no token to score: the padded forward keeps the graph connected)
             return _score_packed(model, rollout, listed, width, packed, temperature, entropy, router_loss,
-                                 tile)
+                                 tile, entropy_grad)
     if isinstance(pad_to_multiple_of, int):
         width = min(-(-width // pad_to_multiple_of) * pad_to_multiple_of, completion_mask.shape[1])
     prompt_mask = rollout.prompt_mask[rows]
@@ -292,7 +295,7 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
     kept = rollout.sampling_kept
     score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile,
-                  None if kept is None else kept[rows, :width])
+                  None if kept is None else kept[rows, :width], entropy_grad=entropy_grad)
     if teacher is not None and not isinstance(teacher, torch.nn.Module):  # rollout/teacher_server.py
         score.teacher = TeacherStates(None, None, beta, *teacher.support(rollout, rows, width), teacher.tail)
     elif teacher is not None:
@@ -311,10 +314,10 @@ def _row_list(rows, total: int) -> list[int]:
 
 
 def _score_packed(model, rollout, rows: list[int], width: int, packed: Packed, temperature: float,
-                  entropy: bool, router_loss: bool, tile: int | None) -> Scored:
+                  entropy: bool, router_loss: bool, tile: int | None, entropy_grad: bool = False) -> Scored:
     index = torch.tensor(rows, dtype=torch.long, device=rollout.completion_ids.device)
     score = Score(rollout.completion_ids[index, :width], rollout.completion_mask[index, :width], temperature,
-                  entropy, router_loss, tile, packed=packed)
+                  entropy, router_loss, tile, packed=packed, entropy_grad=entropy_grad)
     install(_scoring_model(model))
     with packed_forward():
         scored = model(input_ids=packed.input_ids, position_ids=packed.position_ids, rlft_score=score,

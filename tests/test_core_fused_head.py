@@ -107,3 +107,97 @@ def test_tiles_are_sized_to_the_vocabulary():
     assert tile_positions(151_936) == (1 << 24) // 151_936
     assert tile_positions(10) == (1 << 24) // 10 and tile_positions(1 << 30) == 1
     assert tile_positions(151_936, device="cuda") == (1 << 26) // 151_936  # larger tiles fill a GPU
+
+
+def kept_reference(hidden, weight, bias, targets, kept, temperature, scale, softcap):
+    """log p_K(y): the log-softmax over each row's kept ids where its target is among them, else the full one."""
+    z = (hidden @ weight.T + (0 if bias is None else bias)) * scale
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    full = torch.log_softmax(z, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    inside = (kept >= 0) & (kept == targets[:, None]).any(-1, keepdim=True)  # [N, K]
+    renormalised = z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(
+        z.gather(-1, kept.clamp(min=0)).masked_fill(~inside, float("-inf")), dim=-1)
+    return torch.where(inside.any(-1), renormalised, full)
+
+
+class Tiles:
+    """Counts the tiles of logits formed (rlft.core.fused_head._logits) and the tiles whose dL/dh a forward
+    forms (HeadGrads.add)."""
+
+    def __init__(self, monkeypatch):
+        from rlft.core import fused_head
+
+        self.logits = self.bases = 0
+        logits, add = fused_head._logits, fused_head.HeadGrads.add
+
+        def counted_logits(*args, **kwargs):
+            self.logits += 1
+            return logits(*args, **kwargs)
+
+        def counted_add(grads, *args, **kwargs):
+            self.bases += 1
+            return add(grads, *args, **kwargs)
+
+        monkeypatch.setattr(fused_head, "_logits", counted_logits)
+        monkeypatch.setattr(fused_head.HeadGrads, "add", counted_add)
+
+
+@pytest.mark.parametrize("temperature,scale,softcap,tile,bias,truncated", [
+    (1.0, 1.0, None, 4, False, False), (0.7, 1.0, None, 1, True, True), (1.3, 0.5, 2.5, 3, True, False),
+    (0.9, 2.0, 30.0, 100, False, True)])
+def test_a_frozen_head_forms_dh_in_the_forward_and_its_backward_recomputes_no_logits(
+        monkeypatch, temperature, scale, softcap, tile, bias, truncated):
+    """LoRA's case: W and b take no gradient, so dL/dh = g ([j = y] - p) W dz/du is formed per unit g in the
+    forward; the backward only scales it. Exact against the float64 definition, logged entropy unused."""
+    from rlft.core.fused_head import fused_kept_logprobs
+
+    hidden, weight, b, targets = inputs(n=9, h=6, v=13, bias=bias)
+    weight, b = weight.detach(), None if b is None else b.detach()
+    g = torch.Generator().manual_seed(3)
+    kept = None
+    if truncated:  # 4 kept ids per row (-1 padding in some), the target among them in most rows
+        kept = torch.stack([torch.randperm(13, generator=g)[:4] for _ in targets])
+        kept[::2, 0] = targets[::2]
+        kept[1::3, 3] = -1
+    tiles = Tiles(monkeypatch)
+    logps, entropy, _ = fused_kept_logprobs(hidden, weight, targets, kept, b, temperature, scale, softcap,
+                                            True, tile)
+    n_tiles = -(-len(targets) // tile)
+    assert tiles.logits == n_tiles and tiles.bases == n_tiles  # each tile formed once, its dL/dh with it
+    up = torch.randn(len(targets), dtype=torch.float64, generator=g)
+    (got,) = torch.autograd.grad((logps * up).sum() + 0 * entropy.detach().sum(), hidden)
+    assert tiles.logits == n_tiles  # the backward formed no logits
+    want_logps = kept_reference(hidden, weight, b, targets, kept if truncated else torch.full_like(
+        targets[:, None], -1), temperature, scale, softcap)
+    torch.testing.assert_close(logps, want_logps, rtol=0, atol=1e-12)
+    (want,) = torch.autograd.grad((want_logps * up).sum(), hidden)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_a_frozen_heads_entropy_gradient_is_exact_announced_or_not(monkeypatch):
+    hidden, weight, b, targets = inputs(n=7, h=5, v=11)
+    weight, b = weight.detach(), b.detach()
+    want_logps, want_entropy = reference(hidden, weight, b, targets, 0.8, 1.0, None)
+    up, ue = torch.linspace(-1, 1, 7, dtype=torch.float64), torch.linspace(2, 0.5, 7, dtype=torch.float64)
+    (want,) = torch.autograd.grad((want_logps * up).sum() + (want_entropy * ue).sum(), hidden)
+    for announced in (True, False):
+        tiles = Tiles(monkeypatch)
+        logps, entropy = fused_token_logprobs(hidden, weight, targets, b, 0.8, entropy=True, tile=3,
+                                              entropy_grad=announced)
+        assert tiles.bases == (0 if announced else 3)  # announced: no dL/dh basis formed in the forward
+        (got,) = torch.autograd.grad((logps * up).sum() + (entropy * ue).sum(), hidden)
+        assert tiles.logits == 6  # the backward recomputed each tile for the entropy's term
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_no_basis_without_gradient_or_when_the_head_trains(monkeypatch):
+    hidden, weight, _, targets = inputs()
+    tiles = Tiles(monkeypatch)
+    with torch.no_grad():  # old-policy and reference scoring
+        fused_token_logprobs(hidden, weight.detach(), targets, tile=4)
+    logps, _ = fused_token_logprobs(hidden, weight, targets, tile=4)  # full fine-tuning: W's gradient too
+    assert tiles.bases == 0
+    logps.sum().backward()
+    assert tiles.bases == 3 and weight.grad is not None  # the backward's tiles, as before

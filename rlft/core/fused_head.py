@@ -24,6 +24,13 @@ is that distribution's (no ids at a position, or y not among them: the full one)
     log m      = logsumexp_{j in K} z_j - logsumexp(z)      the log of the mass the sampler kept
     dL/dz_j    = g ([j = y] - p_K,j [j in K]) - ...         (the entropy term stays the full distribution's)
 
+A frozen head (LoRA: W and b take no gradient) needs dL/dh only, and that is linear in g: dL/dh = g a with
+a = dz/du ([j = y] - p) W, which the forward forms from its own tile of logits (one more matmul there) and
+keeps ([N, H], the size of h). The backward then scales a by g and recomputes nothing: two passes over the
+vocabulary instead of three. Not when the entropy's gradient is asked for (`entropy_grad`, an entropy bonus):
+that term's basis is another matmul, so the backward recomputes the tiles as before (as it does when an
+entropy gradient arrives unannounced).
+
 Logits are float32 whatever the model's dtype (a bf16/fp16 matmul, then float32 from there on). This is the
 selective log-softmax of rlft/core/logprobs.py without ever holding a [B, T, V] tensor: the memory of a
 scoring pass is one tile of logits, not a sequence's (Liger-Kernel's fused linear cross-entropy and TRL 1.15's
@@ -135,32 +142,65 @@ class HeadGrads:
                 None if self.b is None else self.b.to(self.bias.dtype))
 
 
+def _logp_grad_(z: torch.Tensor, lse: torch.Tensor, used: torch.Tensor, targets: torch.Tensor,
+                kept: torch.Tensor | None, g: torch.Tensor, e: torch.Tensor | None = None,
+                entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """dL/dz [t, V] of one tile, in z's memory (z [t, V] is consumed), for g = dL/dlog p [t, 1] and, when
+    given, e = dL/dH [t, 1] (entropy [t]): g ([j = y] - p_j) - e p_j (z_j - lse + H), with p renormalised
+    over the kept ids on rows whose target is among them. lse, used [t]: full and renormalising lse."""
+    ent = None if e is None else z + (entropy - lse)[:, None]  # e p (z - lse + H), p filled in below
+    if kept is not None:
+        ids, renormalised = kept.clamp(min=0).long(), used != lse
+        picked = z.gather(-1, ids).masked_fill(kept < 0, float("-inf"))  # [t, K]
+    grad_z = z.sub_(lse[:, None]).exp_()  # p [t, V], in z's memory
+    if ent is not None:
+        ent *= grad_z
+        ent *= e
+    grad_z *= -g
+    if kept is not None:  # rows renormalised over their kept tokens: p_K there, 0 elsewhere
+        grad_z.masked_fill_(renormalised[:, None], 0.0)
+        kept_grad = -torch.exp(picked - used[:, None]) * g * renormalised[:, None]  # [t, K]
+        grad_z.scatter_add_(-1, ids, kept_grad)
+    grad_z.scatter_add_(-1, targets[:, None], g)  # + g [j = y]
+    if ent is not None:
+        grad_z -= ent
+    return grad_z
+
+
 class _TiledLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, kept, temperature, scale, softcap, tile, with_entropy,
-                whole):
+                whole, basis):
+        ctx.set_materialize_grads(False)  # an output the loss leaves out (the logged entropy): None, no work
         with whole():
             return _TiledLogProbs._forward(ctx, hidden, weight, bias, targets, kept, temperature, scale,
-                                           softcap, tile, with_entropy, whole)
+                                           softcap, tile, with_entropy, whole, basis)
 
     @staticmethod
     def _forward(ctx, hidden, weight, bias, targets, kept, temperature, scale, softcap, tile, with_entropy,
-                 whole):
+                 whole, basis):
         n = hidden.shape[0]
         work = torch.promote_types(hidden.dtype, torch.float32)
         logps = torch.empty(n, dtype=work, device=hidden.device)  # [N]
         lses, used = torch.empty_like(logps), torch.empty_like(logps)  # [N] full and renormalising lse
         entropy = torch.empty_like(logps) if with_entropy else None  # [N]
+        frozen = HeadGrads(hidden, weight, bias, (True, False, False)) if basis else None  # a [N, H]
+        ones = torch.ones(min(tile, n), 1, dtype=work, device=hidden.device) if basis else None
         for start in range(0, n, tile):
             rows = slice(start, start + tile)
-            z, _ = _logits(hidden[rows], weight, bias, scale, softcap, temperature)  # [t, V]
+            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature)  # [t, V]
             lse = torch.logsumexp(z, dim=-1)  # [t]
             lses[rows] = lse
             used[rows] = lse if kept is None else kept_lse(z, kept[rows], targets[rows], lse)
             logps[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - used[rows]
             if with_entropy:
                 entropy[rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, kept, lses, used, entropy)
+            if frozen is not None:  # dL/dh per unit dL/dlog p, while the tile's logits are here
+                grad_z = _logp_grad_(z, lse, used[rows], targets[rows],
+                                     None if kept is None else kept[rows], ones[:z.shape[0]])
+                frozen.add(rows, grad_z, squashed, scale / temperature)
+        ctx.save_for_backward(hidden, weight, bias, targets, kept, lses, used, entropy,
+                              None if frozen is None else frozen.h)
         ctx.settings = (temperature, scale, softcap, tile, whole)
         logmass = used - lses  # [N] log of the kept mass, 0 where nothing was kept
         ctx.mark_non_differentiable(logmass)
@@ -168,7 +208,12 @@ class _TiledLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy, grad_logmass):
-        hidden, weight, bias, targets, kept, lses, used, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, kept, lses, used, entropy, basis = ctx.saved_tensors
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(lses)
+        nothing = (None,) * 11  # W, b and the settings
+        if basis is not None and grad_entropy is None:  # a frozen head: dL/dh = g a, nothing recomputed
+            return ((basis.to(grad_logps.dtype) * grad_logps[:, None]).to(hidden.dtype), *nothing)
         with ctx.settings[4]():
             return _TiledLogProbs._backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets,
                                             kept, lses, used, entropy)
@@ -177,45 +222,31 @@ class _TiledLogProbs(torch.autograd.Function):
     def _backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets, kept, lses, used, entropy):
         temperature, scale, softcap, tile, _ = ctx.settings
         grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3])
-        chain = scale / temperature
         for start in range(0, hidden.shape[0], tile):
             rows = slice(start, start + tile)
             z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature)  # [t, V]
-            g = grad_logps[rows, None].to(z.dtype)
-            ent = None
-            if grad_entropy is not None:  # e p (z - lse + H), p filled in below
-                ent = z + (entropy[rows] - lses[rows])[:, None]
-            if kept is not None:
-                ids, renormalised = kept[rows].clamp(min=0).long(), used[rows] != lses[rows]
-                picked = z.gather(-1, ids).masked_fill(kept[rows] < 0, float("-inf"))  # [t, K]
-            grad_z = z.sub_(lses[rows, None]).exp_()  # p [t, V], in z's memory
-            if ent is not None:
-                ent *= grad_z
-                ent *= grad_entropy[rows, None].to(z.dtype)
-            grad_z *= -g
-            if kept is not None:  # rows renormalised over their kept tokens: p_K there, 0 elsewhere
-                grad_z.masked_fill_(renormalised[:, None], 0.0)
-                kept_grad = -torch.exp(picked - used[rows, None]) * g * renormalised[:, None]  # [t, K]
-                grad_z.scatter_add_(-1, ids, kept_grad)
-            grad_z.scatter_add_(-1, targets[rows, None], g)  # + g [j = y]
-            if ent is not None:
-                grad_z -= ent
-            grads.add(rows, grad_z, squashed, chain)
-        return (*grads.result(), None, None, None, None, None, None, None, None)
+            e = None if grad_entropy is None else grad_entropy[rows, None].to(z.dtype)
+            grad_z = _logp_grad_(z, lses[rows], used[rows], targets[rows],
+                                 None if kept is None else kept[rows], grad_logps[rows, None].to(z.dtype), e,
+                                 None if e is None else entropy[rows])
+            grads.add(rows, grad_z, squashed, scale / temperature)
+        return (*grads.result(), None, None, None, None, None, None, None, None, None)
 
 
 def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          bias: torch.Tensor | None = None, temperature: float = 1.0, logit_scale: float = 1.0,
                          softcap: float | None = None, entropy: bool = False, tile: int | None = None,
                          whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [N] (float32) and, with `entropy`, the entropy [N] of each position's next-token
     distribution, from hidden states [N, H] and an LM head weight [V, H] (bias [V]). Differentiable in hidden,
     weight and bias; the entropy only when it is used in the loss (its gradient is exact too). Never allocates
     [N, V]. `whole()`: a context in which the weight is whole, entered around the forward and the backward
-    tile loops (a partitioned weight gathered for them)."""
+    tile loops (a partitioned weight gathered for them). `entropy_grad`: the entropy's gradient will be asked
+    for (an entropy bonus; otherwise a frozen head's backward takes dL/dh from the forward, module
+    docstring)."""
     logps, ent, _ = fused_kept_logprobs(hidden, weight, targets, None, bias, temperature, logit_scale,
-                                        softcap, entropy, tile, whole)
+                                        softcap, entropy, tile, whole, entropy_grad)
     return logps, ent
 
 
@@ -224,12 +255,14 @@ def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
                         logit_scale: float = 1.0, softcap: float | None = None, entropy: bool = False,
                         tile: int | None = None,
                         whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                        entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`fused_token_logprobs` renormalised over each position's kept token ids (`kept` [N, K], -1 padding;
     None: the full vocabulary), and the log of the kept mass [N] (0 where nothing was kept; no gradient)."""
     if hidden.shape[0] == 0:
         empty = hidden.sum(-1).float()  # [0], still connected to the graph
         return empty, (empty if entropy else None), empty.detach()
     tile = tile or tile_positions(vocabulary_rows(weight), device=hidden.device)
+    frozen = (torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+              and not (bias is not None and bias.requires_grad) and not (entropy and entropy_grad))
     return _TiledLogProbs.apply(hidden, weight, bias, targets, kept, float(temperature), float(logit_scale),
-                                softcap, int(tile), bool(entropy), whole)
+                                softcap, int(tile), bool(entropy), whole, frozen)

@@ -55,7 +55,8 @@ class PolicyScorer:
         packing = None if teacher else self.packing(model, rollout, rows, router_loss)
         scored = score_rows(model, rollout, rows, self.args.temperature, entropy, router_loss,
                             self.args.logprob_chunk_size, self.args.pad_to_multiple_of, packing,
-                            teacher=self.teacher if teacher else None, beta=1.0, with_logps=True)
+                            teacher=self.teacher if teacher else None, beta=1.0, with_logps=True,
+                            entropy_grad=entropy and entropy_grad)
         real = int(rollout.prompt_mask[rows].sum()) + int(rollout.completion_mask[rows].sum())
         for key, value in (("computed", scored.tokens), ("real", real), ("packed", packing is not None),
                            ("forwards", 1)):
