@@ -184,6 +184,10 @@ class RewardConfig(_BaseConfig):
         default=False, metadata={"help": "move the activations a training forward saves to pinned host "
                                          "memory and back in the backward (a CUDA device; a CPU has nothing "
                                          "to move)"})
+    trim_host_memory: bool = field(
+        default=True, metadata={"help": "training on a CPU with glibc: between decoder layers, give the "
+                                        "heap memory glibc holds free (256 MiB or more) back to the system, "
+                                        "which bounds a step's peak resident memory (no effect on a GPU)"})
     # rlft's own (RLFT_FIELDS)
     truncation: str = field(
         default="keep_start", metadata={"help": "reward model: keep_start, keep_end, or error when a pair "
@@ -266,6 +270,7 @@ RLFT_FIELDS = frozenset(
         "mlp_chunk_size",
         "activation_offloading",
         "recompute_attention",
+        "trim_host_memory",
         "advantage_estimator",
         "dynamic_sampling",
         "max_num_gen_batches",

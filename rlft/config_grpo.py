@@ -247,6 +247,10 @@ class _GRPOFields(_BaseConfig):
         default=False, metadata={"help": "move the activations a training forward saves to pinned host "
                                          "memory and back in the backward (a CUDA device; a CPU has nothing "
                                          "to move)"})
+    trim_host_memory: bool = field(
+        default=True, metadata={"help": "training on a CPU with glibc: between decoder layers, give the "
+                                        "heap memory glibc holds free (256 MiB or more) back to the system, "
+                                        "which bounds a step's peak resident memory (no effect on a GPU)"})
     token_budget: int | None = field(
         default=None, metadata={"help": "fill micro-batches by prompt + completion tokens (at most this "
                                         "many each; a longer row alone) instead of "

@@ -25,6 +25,7 @@ from rlft.models import (
 )
 from rlft.scoring import install_scoring
 from rlft.train.chunked_mlp import chunk_mlps
+from rlft.train.host_memory import trim_between_layers
 from rlft.train.offload import offload_activations, offload_note
 from rlft.train.selective_checkpoint import attention_keeper, checkpointing_kwargs
 
@@ -76,6 +77,8 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
     if args.activation_offloading:  # saved activations to host memory (rlft/train/offload.py)
         offload_activations(model)
         notes += [n for n in [offload_note(device)] if n]
+    if args.trim_host_memory:  # freed heap memory back to the system between layers (host_memory.py)
+        trim_between_layers(model)
     summary = parameter_summary(model)
     if summary["trainable"] == 0:
         raise GradientFlowError("the model has no trainable parameters (all requires_grad=False); unfreeze "

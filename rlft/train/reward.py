@@ -35,6 +35,7 @@ from rlft.train import state as run_state
 from rlft.train.checkpoint import PartState
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
+from rlft.train.host_memory import trim_between_layers
 from rlft.train.loop import TrainLoop
 from rlft.train.metrics import MetricWindow
 from rlft.train.offload import offload_activations, offload_note
@@ -143,6 +144,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             offload_activations(model)
             if note := offload_note(self.accelerator.device):
                 self.messages.warn(note)
+        if args.trim_host_memory:  # freed heap memory back to the system between layers (host_memory.py)
+            trim_between_layers(model)
         self.param_summary = parameter_summary(model)
         optimizer, scheduler = optimizers
         optimizer = optimizer or run_state.build_optimizer(model, args)

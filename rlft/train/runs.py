@@ -39,6 +39,7 @@ MAY_CHANGE = frozenset({
     "max_nonfinite_steps", "zero_signal_warning_steps", "dataloader_num_workers", "max_steps",
     "num_train_epochs", "learning_rate", "logprob_chunk_size", "token_budget", "padding_free",
     "mlp_chunk_size", "activation_offloading", "recompute_attention", "teacher_model_server_url",
+    "trim_host_memory",
     "shared_prefix_scoring", "push_to_hub", "hub_model_id",
     "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision", "do_train", "do_eval",
     "do_predict", "local_rank", "project", "tf32", "vllm_sync_bucket_mb", "producer_restarts", *NO_EFFECT,

@@ -1,0 +1,118 @@
+"""`trim_host_memory`: on a CPU, give the heap memory glibc holds free back to the system between decoder
+layers of a training forward and backward.
+
+glibc's allocator raises its mmap threshold (up to 32 MiB) as the program frees large blocks, then serves
+blocks below it from its heap. A training forward with gradient checkpointing keeps one block per layer (the
+layer's input) and frees the layer's temporaries; the heap cannot shrink below the newest kept block, so the
+freed pages stay resident and, when the next layer's blocks do not fit the holes, the heap grows past them.
+At workload d's shape (vocabulary 151,936, 16 x 552 tokens, LoRA, checkpointing) that held the scoring
+step's peak at 1,775 MB above the model for a 245 MB working set (benchmarks/cpu_allocator.py,
+docs/benchmarks.md).
+
+`malloc_trim(0)` returns every whole free page of the heap to the system (glibc >= 2.8 releases the
+middle of the heap too, not only its top) without changing how later blocks are allocated: unlike
+MALLOC_MMAP_THRESHOLD_, which makes every block above it a fresh mapping for the whole process, it costs one
+page fault per released page that is used again, once per layer at most. Called at the start of each decoder
+layer's grad-enabled forward and before its backward (when its output's gradient is formed), and trims
+only when glibc holds at least `THRESHOLD` bytes free: a small model, whose heap never holds that much, pays
+one `mallinfo2` a layer and nothing else. No effect on a GPU (its activations are in device
+memory), on a C library without `malloc_trim` / `mallinfo2` (musl, macOS), or in forwards without gradient
+(generation, old-policy and reference scoring).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+import torch
+
+THRESHOLD = 256 << 20  # free bytes glibc holds before a layer's forward gives them back
+_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+           "keepcost")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _FIELDS]
+
+
+@functools.cache
+def _libc():
+    """glibc's malloc_trim and mallinfo2 (glibc >= 2.33), or None where the C library lacks them."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim, info = libc.malloc_trim, libc.mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    info.argtypes, info.restype = [], _MallInfo2
+    return libc
+
+
+def held_free() -> int | None:
+    """Bytes glibc's heaps hold free (mallinfo2's fordblks), None without glibc."""
+    libc = _libc()
+    return None if libc is None else int(libc.mallinfo2().fordblks)
+
+
+class HostMemoryTrimmer:
+    """Hooks of decoder layers; `checks` and `trims` count its calls since construction.
+    `threshold`: free bytes glibc must hold for a trim (None: THRESHOLD)."""
+
+    def __init__(self, threshold: int | None = None):
+        self.threshold = THRESHOLD if threshold is None else threshold
+        self.checks = self.trims = 0
+
+    def give_back(self) -> bool:
+        """malloc_trim(0) when glibc holds at least `threshold` bytes free; whether it trimmed."""
+        libc = _libc()
+        if libc is None:
+            return False
+        self.checks += 1
+        if libc.mallinfo2().fordblks < self.threshold:
+            return False
+        libc.malloc_trim(0)
+        self.trims += 1
+        return True
+
+    def before_forward(self, module, args, kwargs) -> None:
+        """Forward pre-hook: before a layer's grad-enabled forward on a CPU."""
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.device.type == "cpu":
+            self.give_back()
+
+    def after_forward(self, module, args, kwargs, output) -> None:
+        """Forward hook: once the layer's output has its gradient, before the layer's backward (and, under
+        checkpointing, its recomputation) begins, give back what the later layers' backward freed."""
+        hidden = output[0] if isinstance(output, tuple | list) else output
+        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad \
+                and hidden.device.type == "cpu":
+            hidden.register_hook(self._before_backward)
+
+    def _before_backward(self, grad: torch.Tensor) -> None:
+        self.give_back()
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of `model` (peft-wrapped or not): transformers' GradientCheckpointingLayer
+    modules, the regions gradient checkpointing recomputes."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def trim_between_layers(model, threshold: int | None = None) -> HostMemoryTrimmer | None:
+    """Install a trimmer on every decoder layer of `model` not yet given one (each layer's `_rlft_trimmer`);
+    None where the C library has no malloc_trim / mallinfo2 or the model has no decoder layers
+    transformers marks."""
+    layers = [layer for layer in decoder_layers(model) if getattr(layer, "_rlft_trimmer", None) is None]
+    if _libc() is None or not layers:
+        return None
+    trimmer = HostMemoryTrimmer(threshold)
+    for layer in layers:
+        layer.register_forward_pre_hook(trimmer.before_forward, with_kwargs=True)
+        layer.register_forward_hook(trimmer.after_forward, with_kwargs=True)
+        layer._rlft_trimmer = trimmer
+    return trimmer
