@@ -470,3 +470,32 @@ def test_reward_timeout_stops_a_run_whose_reward_never_returns(tmp_path, shipped
         assert time.monotonic() - started < 30
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("where", [0, "last", "middle"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_save_time_finite_check_finds_any_bad_value_and_holds_one_chunk_at_a_time(where, bad):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlft.train.safe_files import FINITE_CHUNK, CheckpointError, check_finite, finite
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in inputs:  # not a view
+                Largest.largest = max(Largest.largest, out.numel())
+            return out
+
+    weight = torch.zeros(3 * FINITE_CHUNK // 1000 + 7, 1000)  # three chunks and a partial one
+    assert finite(weight) and finite(weight.t()) and finite(weight.bfloat16())
+    with Largest():
+        assert finite(weight)
+    assert Largest.largest <= FINITE_CHUNK < weight.numel()  # never a temporary of the weight's size
+    index = {0: 0, "last": weight.numel() - 1, "middle": 2 * FINITE_CHUNK + 5}[where]
+    weight.view(-1)[index] = bad
+    assert not finite(weight) and not finite(weight.t())
+    with pytest.raises(CheckpointError, match="refusing to save: 1 parameter tensors hold inf/NaN"):
+        check_finite({"ok": torch.ones(3), "model.embed_tokens.weight": weight})

@@ -64,12 +64,22 @@ def writing(file: Path, what: str | None = None):
                                    file, reason) from err
 
 
+FINITE_CHUNK = 1 << 22  # elements tested at a time: torch.isfinite(t) holds an |t| copy and masks of t's size
+
+
+def finite(tensor: torch.Tensor) -> bool:
+    """No inf/NaN in `tensor`, tested FINITE_CHUNK elements at a time: whole, the test's temporaries were
+    about twice a float32 tensor's size (520 MB for a 151,936 x 512 embedding, at every checkpoint)."""
+    flat = tensor.detach().reshape(-1)  # a view of a contiguous tensor
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(FINITE_CHUNK))
+
+
 def check_finite(model_or_state_dict) -> None:
     """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model). Takes a
     model or a (gathered) state dict."""
     named = model_or_state_dict.items() if isinstance(model_or_state_dict, dict) else \
         model_or_state_dict.named_parameters()
-    bad = [name for name, p in named if p.is_floating_point() and not torch.isfinite(p).all()]
+    bad = [name for name, p in named if p.is_floating_point() and not finite(p)]
     if bad:
         raise CheckpointError(f"refusing to save: {len(bad)} parameter tensors hold inf/NaN (e.g. {bad[:3]})")
 
