@@ -5,10 +5,12 @@ gradient checkpointing; 16 completions of 512 tokens behind a 40-token prompt), 
 glibc's default allocator settings and with MALLOC_MMAP_THRESHOLD_=65536 (every allocation over 64 KiB its
 own mapping, given back to the system when freed: glibc otherwise raises that threshold to up to 32 MiB as
 the program frees large blocks, and serves them from a heap that a long-lived block above them keeps from
-shrinking). Reports peak RSS above the built model, the seconds of the two passes, and the log-prob sum
-(the same computation on both sides).
+shrinking), and rlft once more with glibc's defaults and `trim_host_memory` (rlft/train/host_memory.py:
+malloc_trim between decoder layers; the trainers install it by default, this worker builds the model by
+hand, so it installs it itself). Reports peak RSS above the built model, the seconds of the two passes,
+and the log-prob sum (the same computation on both sides).
 
-    .venv-bench/bin/python benchmarks/cpu_allocator.py      # needs trl==1.16.0; ~8 minutes on 2 cores
+    .venv-bench/bin/python benchmarks/cpu_allocator.py      # needs trl==1.16.0; ~10 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ALLOCATORS = {"glibc default": {}, "MALLOC_MMAP_THRESHOLD_=65536": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+ALLOCATORS = {"glibc default": {}, "MALLOC_MMAP_THRESHOLD_=65536": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+              "glibc default, trim_host_memory": {"RLFT_BENCH_TRIM": "1"}}
 
 
 def worker(lib: str) -> dict:
@@ -56,6 +59,10 @@ def worker(lib: str) -> dict:
         from rlft.scoring import install_scoring, score_rows
 
         install_scoring(model)
+        if os.environ.get("RLFT_BENCH_TRIM"):
+            from rlft.train.host_memory import trim_between_layers
+
+            trim_between_layers(model)
         rollout = Rollout(prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids),
                           torch.zeros(rows, dtype=torch.bool))
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -81,7 +88,7 @@ def main() -> None:
         return
     results = {"date": str(date.today()), "machine": f"{platform.machine()}, 2 CPU threads", "runs": []}
     for name, extra in ALLOCATORS.items():
-        for lib in ("rlft", "trl"):
+        for lib in ("rlft",) if "RLFT_BENCH_TRIM" in extra else ("rlft", "trl"):
             env = {**os.environ, "PYTHONPATH": str(ROOT), **extra}
             out = subprocess.run([sys.executable, __file__, "--worker", lib], capture_output=True, text=True,
                                  cwd=ROOT, env=env)
@@ -93,9 +100,10 @@ def main() -> None:
     Path(ROOT / "benchmarks" / "results-cpu-allocator.json").write_text(json.dumps(results, indent=1) + "\n")
     print("| allocator | rlft: step peak MB / s | TRL: step peak MB / s | rlft vs TRL, whole process peak |")
     print("| --- | --- | --- | --- |")
-    for name in ALLOCATORS:
-        mine, theirs = (next(r for r in results["runs"] if r["allocator"] == name and r["library"] == lib)
-                        for lib in ("rlft", "trl"))
+    for name, extra in ALLOCATORS.items():
+        against = "glibc default" if "RLFT_BENCH_TRIM" in extra else name  # TRL has no trimmer
+        mine, theirs = (next(r for r in results["runs"] if r["allocator"] == key and r["library"] == lib)
+                        for key, lib in ((name, "rlft"), (against, "trl")))
         ratio = (mine["built_mb"] + mine["step_peak_mb"]) / (theirs["built_mb"] + theirs["step_peak_mb"])
         print(f"| {name} | {mine['step_peak_mb']:,.0f} / {mine['seconds']:.1f} | "
               f"{theirs['step_peak_mb']:,.0f} / {theirs['seconds']:.1f} | {ratio:.2f}x |")

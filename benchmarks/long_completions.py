@@ -9,7 +9,9 @@ Qwen2-shaped model with Qwen2.5-0.5B's proportions at a CPU's size: hidden 512, 
 layers, 8 heads, 2 kv heads, vocabulary 32k, random weights, float32, full fine-tuning. Each (L, setting) in
 its own process; memory is the peak resident set above the process's resident set once the model is
 built; time is the step's wall time. `--rlft-mmap-threshold N` starts rlft's workers with
-MALLOC_MMAP_THRESHOLD_=N (glibc's threshold fixed; docs/troubleshooting.md), TRL's with glibc's defaults.
+MALLOC_MMAP_THRESHOLD_=N (glibc's threshold fixed; docs/troubleshooting.md), TRL's with glibc's defaults;
+`--rlft-trim` gives rlft's workers `trim_host_memory`, as its trainers install it by default
+(rlft/train/host_memory.py: freed heap memory back to the system between decoder layers).
 
     python benchmarks/long_completions.py                    # L = 2k, 4k, 8k, 16k; ~10 minutes on 2 cores
     python benchmarks/long_completions.py --lengths 512 1024 --out /tmp/long.json    # quick
@@ -69,6 +71,10 @@ def worker(length: int, setting: str) -> dict:
         install_scoring(model)
     if chunk:
         chunk_mlps(model, chunk)
+    if lib == "rlft" and os.environ.get("RLFT_BENCH_TRIM"):
+        from rlft.train.host_memory import trim_between_layers
+
+        trim_between_layers(model)
     rows, prompt = 2, 64
     g = torch.Generator().manual_seed(1)
     rollout = Rollout(prompt_ids=torch.randint(16, 32000, (rows, prompt), generator=g),
@@ -105,6 +111,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each (length, setting), alternating; "
                         "the table shows medians")
     parser.add_argument("--rlft-mmap-threshold", type=int, default=None)
+    parser.add_argument("--rlft-trim", action="store_true", help="trim_host_memory in rlft's workers")
     parser.add_argument("--worker", nargs=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results-long-completions.json"))
     args = parser.parse_args()
@@ -119,6 +126,8 @@ def main() -> None:
                 env = dict(os.environ)
                 if args.rlft_mmap_threshold and SETTINGS[name][2] == "rlft":
                     env["MALLOC_MMAP_THRESHOLD_"] = str(args.rlft_mmap_threshold)
+                if args.rlft_trim and SETTINGS[name][2] == "rlft":
+                    env["RLFT_BENCH_TRIM"] = "1"
                 out = subprocess.run([sys.executable, __file__, "--worker", str(length), name],
                                      capture_output=True, text=True, cwd=ROOT, env=env)
                 if out.returncode:

@@ -186,8 +186,9 @@ class RewardConfig(_BaseConfig):
                                          "to move)"})
     trim_host_memory: bool = field(
         default=True, metadata={"help": "training on a CPU with glibc: between decoder layers, give the "
-                                        "heap memory glibc holds free (256 MiB or more) back to the system, "
-                                        "which bounds a step's peak resident memory (no effect on a GPU)"})
+                                        "heap memory glibc holds free back to the system once the resident "
+                                        "set grew by 256 MiB, which bounds a step's peak resident memory "
+                                        "(no effect on a GPU)"})
     # rlft's own (RLFT_FIELDS)
     truncation: str = field(
         default="keep_start", metadata={"help": "reward model: keep_start, keep_end, or error when a pair "

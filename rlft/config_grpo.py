@@ -249,8 +249,9 @@ class _GRPOFields(_BaseConfig):
                                          "to move)"})
     trim_host_memory: bool = field(
         default=True, metadata={"help": "training on a CPU with glibc: between decoder layers, give the "
-                                        "heap memory glibc holds free (256 MiB or more) back to the system, "
-                                        "which bounds a step's peak resident memory (no effect on a GPU)"})
+                                        "heap memory glibc holds free back to the system once the resident "
+                                        "set grew by 256 MiB, which bounds a step's peak resident memory "
+                                        "(no effect on a GPU)"})
     token_budget: int | None = field(
         default=None, metadata={"help": "fill micro-batches by prompt + completion tokens (at most this "
                                         "many each; a longer row alone) instead of "

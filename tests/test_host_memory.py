@@ -34,20 +34,24 @@ def test_freed_heap_memory_held_by_glibc_goes_back_to_the_system():
             with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
+        high, low = HostMemoryTrimmer(threshold=1 << 40), HostMemoryTrimmer(threshold=256 << 20)
+        baseline = low.give_back(), high.give_back()  # the resident set they measure growth from
         blocks = [torch.ones(25_000) for _ in range(4_000)]
         kept = blocks[::8]
         del blocks
         before, free = resident_mb(), held_free()
-        high, low = HostMemoryTrimmer(threshold=free + 1), HostMemoryTrimmer(threshold=256 << 20)
         print(json.dumps({"free": free, "untouched": high.give_back(), "trimmed": low.give_back(),
-                          "before": before, "after": resident_mb(), "kept": len(kept)}))
+                          "baseline": baseline, "before": before, "after": resident_mb(),
+                          "again": low.give_back(), "kept": len(kept)}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     run = json.loads(out.stdout.strip().splitlines()[-1])
     assert run["free"] > 300 << 20
+    assert run["baseline"] == [False, False]  # no growth yet
     assert run["untouched"] is False  # below its threshold a trimmer does nothing
     assert run["trimmed"] is True
     assert run["before"] - run["after"] > 250, run  # MB: the freed 7/8 of 400 MB left the resident set
+    assert run["again"] is False  # glibc still holds them free, but the resident set has not grown since
 
 
 @needs_glibc

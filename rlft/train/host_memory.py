@@ -6,16 +6,18 @@ blocks below it from its heap. A training forward with gradient checkpointing ke
 layer's input) and frees the layer's temporaries; the heap cannot shrink below the newest kept block, so the
 freed pages stay resident and, when the next layer's blocks do not fit the holes, the heap grows past them.
 At workload d's shape (vocabulary 151,936, 16 x 552 tokens, LoRA, checkpointing) that held the scoring
-step's peak at 1,775 MB above the model for a 245 MB working set (benchmarks/cpu_allocator.py,
-docs/benchmarks.md).
+step's peak at 1,789 MB above the model for a 245 MB working set; trimmed, 663 MB for 6% more time
+(benchmarks/cpu_allocator.py, docs/benchmarks.md).
 
 `malloc_trim(0)` returns every whole free page of the heap to the system (glibc >= 2.8 releases the
 middle of the heap too, not only its top) without changing how later blocks are allocated: unlike
 MALLOC_MMAP_THRESHOLD_, which makes every block above it a fresh mapping for the whole process, it costs one
 page fault per released page that is used again, once per layer at most. Called at the start of each decoder
-layer's grad-enabled forward and before its backward (when its output's gradient is formed), and trims
-only when glibc holds at least `THRESHOLD` bytes free: a small model, whose heap never holds that much, pays
-one `mallinfo2` a layer and nothing else. No effect on a GPU (its activations are in device
+layer's grad-enabled forward and before its backward (when its output's gradient is formed), it trims only
+when the resident set has grown by `THRESHOLD` bytes since the last trim and glibc holds that much free:
+where the next layer reuses what the last one freed (workload b: a trim there released 40-110 MB that the
+next layer faulted back in, and made the backward ~0.3 s slower) the resident set stays level and nothing is
+trimmed; a check is one read of /proc/self/statm. No effect on a GPU (its activations are in device
 memory), on a C library without `malloc_trim` / `mallinfo2` (musl, macOS), or in forwards without gradient
 (generation, old-policy and reference scoring).
 """
@@ -25,10 +27,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 import torch
 
-THRESHOLD = 256 << 20  # free bytes glibc holds before a layer's forward gives them back
+THRESHOLD = 256 << 20  # resident growth since the last trim, and free bytes glibc holds, before a trim
 _FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
            "keepcost")
 
@@ -57,24 +60,44 @@ def held_free() -> int | None:
     return None if libc is None else int(libc.mallinfo2().fordblks)
 
 
+def resident_bytes() -> int | None:
+    """The process's resident set in bytes (/proc/self/statm), None where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class HostMemoryTrimmer:
-    """Hooks of decoder layers; `checks` and `trims` count its calls since construction.
-    `threshold`: free bytes glibc must hold for a trim (None: THRESHOLD)."""
+    """Hooks of decoder layers; `checks` and `trims` count its calls since construction. `threshold`
+    (None: THRESHOLD): a trim needs the resident set grown by that many bytes since the last trim (or the
+    first check) and glibc holding that many free. Growth is what tells pages that pile up (holes later
+    blocks do not fit, d's case) from pages the next layer reuses (a steady resident set, where a trim would
+    only cost faults)."""
 
     def __init__(self, threshold: int | None = None):
         self.threshold = THRESHOLD if threshold is None else threshold
         self.checks = self.trims = 0
+        self.low: int | None = None  # the resident set after the last trim (the lowest seen since)
 
     def give_back(self) -> bool:
-        """malloc_trim(0) when glibc holds at least `threshold` bytes free; whether it trimmed."""
+        """malloc_trim(0) when the resident set grew by `threshold` bytes since the last trim and glibc holds
+        at least `threshold` bytes free; whether it trimmed."""
         libc = _libc()
         if libc is None:
             return False
         self.checks += 1
+        resident = resident_bytes()
+        if resident is not None:
+            self.low = resident if self.low is None else min(self.low, resident)
+            if resident - self.low < self.threshold:
+                return False
         if libc.mallinfo2().fordblks < self.threshold:
             return False
         libc.malloc_trim(0)
         self.trims += 1
+        self.low = resident_bytes()
         return True
 
     def before_forward(self, module, args, kwargs) -> None:
