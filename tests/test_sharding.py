@@ -100,6 +100,14 @@ def one_process_runs(tmp_path_factory, tiny_causal_dir, tiny_rm_dir):
 TOLERANCE = {"lora": 1e-5, "full": 1e-4, "reward-lora": 1e-5, "reward-full": 1e-4}
 
 
+def tolerance(engine: str, mode: str) -> float:
+    """TOLERANCE, except GRPO LoRA under FSDP2: there the LM head is FSDP's subclass of nn.Linear, scored through
+    checkpointed module tiles, while one process takes the fused head, whose frozen-head dL/dh (formed in the
+    forward) rounds differently. Four Adam steps put the two 5.5e-5 apart, as they put one process's fused head
+    with and without that path (2026-11-26), so those runs are held to full fine-tuning's bound."""
+    return TOLERANCE["full"] if engine == "fsdp2" and mode == "lora" else TOLERANCE[mode]
+
+
 @pytest.mark.parametrize("engine, mode", some_slow(
     [(e, m) for e in ["ddp", *ENGINES] for m in TOLERANCE],
     {("ddp", "full"), ("ddp", "reward-full"), ("zero2", "full"), ("zero2", "reward-full"), ("zero3", "reward-full"),
@@ -122,7 +130,7 @@ def test_train_checkpoint_resume_save_equals_one_process(engine, mode, tmp_path,
     assert sorted(straight) == sorted(one) and straight
     for name, value in one.items():
         assert torch.equal(straight[name], resumed[name]), name
-        assert torch.allclose(straight[name], value, atol=TOLERANCE[mode], rtol=0), (name, mode)
+        assert torch.allclose(straight[name], value, atol=tolerance(engine, mode), rtol=0), (name, mode)
     checkpoint = tmp_path / "run" / "checkpoint-4"
     if engine == "ddp":  # the whole optimizer state on every process: one file, read back with weights_only
         assert [p.name for p in checkpoint.rglob("*.pt")] == ["optimizer.pt"]
@@ -258,8 +266,8 @@ def test_a_vllm_weight_sync_reads_whole_merged_weights_on_every_process(engine, 
     for name, value in one.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
         assert ranks[0][name].shape == value.shape, name
-        tolerance = TOLERANCE[{"buckets": "full", "adapter": "lora"}.get(mode, mode)]
-        assert torch.allclose(ranks[0][name], value, atol=tolerance, rtol=0), name
+        bound = tolerance(engine, {"buckets": "full", "adapter": "lora"}.get(mode, mode))
+        assert torch.allclose(ranks[0][name], value, atol=bound, rtol=0), name
 
 
 @pytest.fixture(scope="module")
