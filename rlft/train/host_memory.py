@@ -6,8 +6,8 @@ blocks below it from its heap. A training forward with gradient checkpointing ke
 layer's input) and frees the layer's temporaries; the heap cannot shrink below the newest kept block, so the
 freed pages stay resident and, when the next layer's blocks do not fit the holes, the heap grows past them.
 At workload d's shape (vocabulary 151,936, 16 x 552 tokens, LoRA, checkpointing) that held the scoring
-step's peak at 1,789 MB above the model for a 245 MB working set; trimmed, 663 MB for 6% more time
-(benchmarks/cpu_allocator.py, docs/benchmarks.md).
+step's peak at 1,789 MB above the model for a 245 MB working set; trimmed (this module's first gate, free
+bytes alone), 663 MB for 6% more time (benchmarks/cpu_allocator.py, docs/benchmarks.md).
 
 `malloc_trim(0)` returns every whole free page of the heap to the system (glibc >= 2.8 releases the
 middle of the heap too, not only its top) without changing how later blocks are allocated: unlike
