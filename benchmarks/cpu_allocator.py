@@ -62,7 +62,7 @@ def worker(lib: str) -> dict:
         if os.environ.get("RLFT_BENCH_TRIM"):
             from rlft.train.host_memory import trim_between_layers
 
-            trim_between_layers(model)
+            trim_between_layers(model, "cpu")
         rollout = Rollout(prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids),
                           torch.zeros(rows, dtype=torch.bool))
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

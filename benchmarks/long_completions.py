@@ -74,7 +74,7 @@ def worker(length: int, setting: str) -> dict:
     if lib == "rlft" and os.environ.get("RLFT_BENCH_TRIM"):
         from rlft.train.host_memory import trim_between_layers
 
-        trim_between_layers(model)
+        trim_between_layers(model, "cpu")
     rows, prompt = 2, 64
     g = torch.Generator().manual_seed(1)
     rollout = Rollout(prompt_ids=torch.randint(16, 32000, (rows, prompt), generator=g),

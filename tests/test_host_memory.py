@@ -61,9 +61,11 @@ def test_the_trimmer_runs_before_each_layers_forward_and_backward_and_changes_no
     r = rollout(384)
     logps, entropy, grads = scores_and_grads(model, r, None)
     layers = decoder_layers(model)
-    trimmer = trim_between_layers(model, threshold=0)  # trims at every call
+    assert trim_between_layers(model, "cuda", threshold=0) is None  # training elsewhere: no hook at all
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+    trimmer = trim_between_layers(model, "cpu", threshold=0)  # trims at every call
     assert len(layers) == 2 and all(layer._rlft_trimmer is trimmer for layer in layers)
-    assert trim_between_layers(model) is None  # installed once
+    assert trim_between_layers(model, "cpu") is None  # installed once
     trimmed_logps, trimmed_entropy, trimmed_grads = scores_and_grads(model, r, None)
     assert trimmer.checks == trimmer.trims == 2 * len(layers)  # before each layer's forward and backward
     assert torch.equal(trimmed_logps, logps) and torch.equal(trimmed_entropy, entropy)
@@ -77,13 +79,13 @@ def test_the_trimmer_runs_before_each_layers_forward_and_backward_and_changes_no
 @needs_glibc
 def test_below_the_threshold_the_trimmer_only_checks():
     model = tiny("llama", False, checkpointing=False)
-    trimmer = trim_between_layers(model, threshold=1 << 60)
+    trimmer = trim_between_layers(model, "cpu", threshold=1 << 60)
     scores_and_grads(model, rollout(384), "prompts")
     assert trimmer.checks == 2 * len(decoder_layers(model)) and trimmer.trims == 0
     assert HostMemoryTrimmer().threshold == host_memory.THRESHOLD
 
 
-def test_a_grpo_step_trims_by_default_and_is_the_same_step(tmp_path, tiny_causal_dir):
+def test_a_grpo_step_installs_the_trimmer_by_default_and_is_the_same_step(tmp_path, tiny_causal_dir):
     off, on = one_step_each(tmp_path, tiny_causal_dir, "trim_host_memory", (False, True))
     assert_same_step(off, on)
     assert not any(hasattr(layer, "_rlft_trimmer") for layer in decoder_layers(off.model))

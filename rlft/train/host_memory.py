@@ -126,12 +126,16 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def trim_between_layers(model, threshold: int | None = None) -> HostMemoryTrimmer | None:
-    """Install a trimmer on every decoder layer of `model` not yet given one (each layer's `_rlft_trimmer`);
-    None where the C library has no malloc_trim / mallinfo2 or the model has no decoder layers
-    transformers marks."""
+def trim_between_layers(model, device: torch.device | str, threshold: int | None = None,
+                        ) -> HostMemoryTrimmer | None:
+    """Install a trimmer on every decoder layer of `model` not yet given one (each layer's `_rlft_trimmer`)
+    where it trains on a CPU (`device`: the training device; the model may not be there yet). None on
+    another device (no hook on its layers' forwards), where the C library has no malloc_trim / mallinfo2,
+    or where the model has no decoder layers transformers marks."""
+    if torch.device(device).type != "cpu" or _libc() is None:
+        return None
     layers = [layer for layer in decoder_layers(model) if getattr(layer, "_rlft_trimmer", None) is None]
-    if _libc() is None or not layers:
+    if not layers:
         return None
     trimmer = HostMemoryTrimmer(threshold)
     for layer in layers:

@@ -78,7 +78,7 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
         offload_activations(model)
         notes += [n for n in [offload_note(device)] if n]
     if args.trim_host_memory:  # freed heap memory back to the system between layers (host_memory.py)
-        trim_between_layers(model)
+        trim_between_layers(model, device)
     summary = parameter_summary(model)
     if summary["trainable"] == 0:
         raise GradientFlowError("the model has no trainable parameters (all requires_grad=False); unfreeze "

@@ -145,7 +145,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             if note := offload_note(self.accelerator.device):
                 self.messages.warn(note)
         if args.trim_host_memory:  # freed heap memory back to the system between layers (host_memory.py)
-            trim_between_layers(model)
+            trim_between_layers(model, self.accelerator.device)
         self.param_summary = parameter_summary(model)
         optimizer, scheduler = optimizers
         optimizer = optimizer or run_state.build_optimizer(model, args)
