@@ -17,6 +17,7 @@ import contextlib
 import functools
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,9 @@ class Score:
     teacher: TeacherStates | None = None
     logps: bool = True
     entropy_grad: bool = False  # the entropy's gradient will be asked for (an entropy bonus)
+    # log-probs [b, c] -> the loss's dL/dlog p [b, c], for a loss whose gradient at a token reads that token's
+    # log-prob alone: a trainable LM head then forms its gradients in the forward (rlft/core/fused_head.py)
+    loss_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -127,6 +131,10 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
         return full.masked_scatter(mask, values) if packed is None else \
             full.index_put((packed.rows, packed.cols), values)
 
+    def predict(values):  # [n] -> the loss's dL/dlog p [n], read back where `place` put them
+        grad = score.loss_grad(place(values))
+        return grad[mask] if packed is None else grad[packed.rows, packed.cols]
+
     divergence = teacher_entropy = None
     if score.teacher is not None:
         divergence, entropy, teacher_entropy = _divergence(head, hidden, score, scale, softcap)  # [n] each
@@ -135,7 +143,8 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
             entropy = place(entropy).detach()
             return Scored(torch.zeros_like(entropy), entropy, None, divergence=divergence,
                           teacher_entropy=teacher_entropy)
-    logps, entropy, logmass = _head_scores(model, head, hidden, targets, kept, score, scale, softcap)  # [n]
+    logps, entropy, logmass = _head_scores(model, head, hidden, targets, kept, score, scale, softcap,
+                                           None if score.loss_grad is None else predict)  # [n] each
     logps = place(logps)
     if entropy is not None:
         entropy = place(entropy)
@@ -175,14 +184,16 @@ def _gathered(*params):
     return whole
 
 
-def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float, softcap: float | None):
-    """(log-probs [n], entropy [n] or None, log kept mass [n])."""
+def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float, softcap: float | None,
+                 predict=None):
+    """(log-probs [n], entropy [n] or None, log kept mass [n]). `predict`: [n] log-probs -> the loss's
+    dL/dlog p [n] (Score.loss_grad)."""
     plain = _plain_weight(head)
     if plain is not None:
         weight, bias = plain
         return fused_kept_logprobs(hidden.to(weight.dtype), weight, targets, kept, bias, score.temperature,
                                    scale, softcap, score.entropy, score.tile, _gathered(weight, bias),
-                                   score.entropy_grad)
+                                   score.entropy_grad, predict)
     return _module_scores(head, hidden, targets, kept, score, scale, softcap)
 
 
@@ -266,7 +277,8 @@ def _router_loss(model, outputs, attention_mask) -> torch.Tensor:
 def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = False,
                router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None,
                packing: str | None = None, teacher=None, beta: float = 1.0,
-               with_logps: bool = False, entropy_grad: bool = False) -> Scored:
+               with_logps: bool = False, entropy_grad: bool = False,
+               loss_grad: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Scored:
     """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index tensor),
     from a model with `install_scoring`; renormalised over the sampler's kept tokens where the rollout
     carries them (`sampling_kept`). Padded, the batch is cut to its own longest completion (c <= C, rounded
@@ -276,7 +288,8 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     `teacher` model (same vocabulary) or served teacher (its `support`): `Scored.divergence` [b, c], each
     token's divergence from the teacher at `beta` (rlft/core/distill.py), and the student's entropy, instead
     of log-probs (as well, with `with_logps`); padded. `entropy_grad`: the entropy's gradient will be asked
-    for (an entropy bonus; rlft/core/fused_head.py)."""
+    for (an entropy bonus; rlft/core/fused_head.py). `loss_grad`: the loss's dL/dlog p as a function of the
+    log-probs [b, c], for a token-separable loss (Score.loss_grad)."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
     if packing is not None and teacher is None:
@@ -284,7 +297,7 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
         packed = pack_rows(rollout, listed, packing == "prompts")
         if packed.targets.numel():  # (no token to score: the padded forward keeps the graph connected)
             return _score_packed(model, rollout, listed, width, packed, temperature, entropy, router_loss,
-                                 tile, entropy_grad)
+                                 tile, entropy_grad, loss_grad)
     if isinstance(pad_to_multiple_of, int):
         width = min(-(-width // pad_to_multiple_of) * pad_to_multiple_of, completion_mask.shape[1])
     prompt_mask = rollout.prompt_mask[rows]
@@ -295,7 +308,8 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
     kept = rollout.sampling_kept
     score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile,
-                  None if kept is None else kept[rows, :width], entropy_grad=entropy_grad)
+                  None if kept is None else kept[rows, :width], entropy_grad=entropy_grad,
+                  loss_grad=loss_grad)
     if teacher is not None and not isinstance(teacher, torch.nn.Module):  # rollout/teacher_server.py
         score.teacher = TeacherStates(None, None, beta, *teacher.support(rollout, rows, width), teacher.tail)
     elif teacher is not None:
@@ -314,10 +328,11 @@ def _row_list(rows, total: int) -> list[int]:
 
 
 def _score_packed(model, rollout, rows: list[int], width: int, packed: Packed, temperature: float,
-                  entropy: bool, router_loss: bool, tile: int | None, entropy_grad: bool = False) -> Scored:
+                  entropy: bool, router_loss: bool, tile: int | None, entropy_grad: bool = False,
+                  loss_grad=None) -> Scored:
     index = torch.tensor(rows, dtype=torch.long, device=rollout.completion_ids.device)
     score = Score(rollout.completion_ids[index, :width], rollout.completion_mask[index, :width], temperature,
-                  entropy, router_loss, tile, packed=packed, entropy_grad=entropy_grad)
+                  entropy, router_loss, tile, packed=packed, entropy_grad=entropy_grad, loss_grad=loss_grad)
     install(_scoring_model(model))
     with packed_forward():
         scored = model(input_ids=packed.input_ids, position_ids=packed.position_ids, rlft_score=score,

@@ -201,3 +201,95 @@ def test_no_basis_without_gradient_or_when_the_head_trains(monkeypatch):
     assert tiles.bases == 0
     logps.sum().backward()
     assert tiles.bases == 3 and weight.grad is not None  # the backward's tiles, as before
+
+
+def clipped_token_loss(logps, old, advantages, weights, epsilon=0.2):
+    """A GRPO-style loss whose gradient at each token depends on that token's log-prob alone: the clipped
+    surrogate -min(r A, clip(r) A) with constant per-token weights (a normaliser)."""
+    ratio = torch.exp(logps - old)
+    return -(torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon) * advantages)
+             * weights).sum()
+
+
+def predictor(loss_of):
+    def predict(logps):  # the loss's dL/dlog p at these log-probs
+        with torch.enable_grad():
+            x = logps.detach().requires_grad_()
+            return torch.autograd.grad(loss_of(x), x)[0]
+    return predict
+
+
+@pytest.mark.parametrize("temperature,scale,softcap,tile,bias,truncated,c", [
+    (1.0, 1.0, None, 4, True, False, 1.0), (0.7, 1.0, None, 1, False, True, 2.0),
+    (1.3, 0.5, 2.5, 3, True, True, 0.25), (0.9, 2.0, 30.0, 100, True, False, 3.0)])
+def test_a_trainable_heads_gradients_come_from_the_forward_with_a_predicted_loss_gradient(
+        monkeypatch, temperature, scale, softcap, tile, bias, truncated, c):
+    """Full fine-tuning with a token-separable loss: the forward forms dL/dh, dL/dW, dL/db from the loss's
+    predicted g; the backward recomputes no logits and scales them by c (here the loss times c, as gradient
+    accumulation or a process count scales it). Exact against the float64 definition."""
+    from rlft.core.fused_head import fused_kept_logprobs
+
+    hidden, weight, b, targets = inputs(n=9, h=6, v=13, bias=bias)
+    g = torch.Generator().manual_seed(5)
+    kept = None
+    if truncated:
+        kept = torch.stack([torch.randperm(13, generator=g)[:4] for _ in targets])
+        kept[::2, 0] = targets[::2]
+    old = kept_reference(hidden, weight, b, targets, kept if truncated else torch.full_like(targets[:, None], -1),
+                         temperature, scale, softcap).detach() + 0.3 * torch.randn(9, dtype=torch.float64,
+                                                                                   generator=g)
+    advantages = torch.randn(9, dtype=torch.float64, generator=g)
+    weights = torch.rand(9, dtype=torch.float64, generator=g)
+
+    def loss_of(x):
+        return clipped_token_loss(x, old, advantages, weights)
+
+    tiles = Tiles(monkeypatch)
+    logps, _, _ = fused_kept_logprobs(hidden, weight, targets, kept, b, temperature, scale, softcap, True, tile,
+                                      predict=predictor(loss_of))
+    n_tiles = -(-len(targets) // tile)
+    assert tiles.logits == n_tiles and tiles.bases == n_tiles
+    params = (hidden, weight) + ((b,) if bias else ())
+    got = torch.autograd.grad(c * loss_of(logps), params)
+    assert tiles.logits == n_tiles  # the backward formed no logits
+    want_logps = kept_reference(hidden, weight, b, targets, kept if truncated else torch.full_like(
+        targets[:, None], -1), temperature, scale, softcap)
+    torch.testing.assert_close(logps, want_logps, rtol=0, atol=1e-12)
+    want = torch.autograd.grad(c * loss_of(want_logps), params)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=0, atol=1e-10)
+
+
+def test_a_loss_gradient_other_than_the_predicted_one_is_recomputed_exactly(monkeypatch):
+    """A loss that is not token-separable (a sequence-level ratio: each token's gradient reads the others'
+    log-probs) predicts the wrong g in the forward; the backward sees it, says so, and recomputes."""
+    hidden, weight, b, targets = inputs(n=8, h=5, v=11)
+    old = torch.zeros(8, dtype=torch.float64)
+
+    def sequence_loss(x):  # GSPO-like: one ratio from the mean log-ratio of all tokens
+        return -torch.exp((x - old).mean()) * 1.5
+
+    tiles = Tiles(monkeypatch)
+    logps, _ = fused_token_logprobs(hidden, weight, targets, b, tile=3, predict=predictor(sequence_loss))
+    with pytest.warns(UserWarning, match="not token-separable"):
+        got = torch.autograd.grad(sequence_loss(logps), (hidden, weight, b))
+    assert tiles.logits == 6  # the forward's 3 tiles, then the backward's 3
+    want_logps, _ = reference(hidden, weight, b, targets, 1.0, 1.0, None)
+    want = torch.autograd.grad(sequence_loss(want_logps), (hidden, weight, b))
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=0, atol=1e-10)
+
+
+def test_a_predicted_loss_is_unused_for_a_frozen_head_or_without_gradient(monkeypatch):
+    hidden, weight, _, targets = inputs()
+    calls = []
+
+    def predict(logps):
+        calls.append(1)
+        return torch.ones_like(logps)
+
+    with torch.no_grad():
+        fused_token_logprobs(hidden, weight, targets, tile=4, predict=predict)
+    logps, _ = fused_token_logprobs(hidden, weight.detach(), targets, tile=4, predict=predict)
+    logps.sum().backward()
+    assert not calls and hidden.grad is not None  # the frozen head's basis instead

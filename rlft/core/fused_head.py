@@ -31,6 +31,15 @@ vocabulary instead of three. Not when the entropy's gradient is asked for (`entr
 that term's basis is another matmul, so the backward recomputes the tiles as before (as it does when an
 entropy gradient arrives unannounced).
 
+A head that trains (full fine-tuning) needs dL/dW, which is not linear in a per-token basis; but a loss whose
+gradient at each token depends on that token's log-prob alone (GRPO's clipped token terms, with their
+constant normalisers) can say g while the tile's logits are still there (`predict`: log-probs -> dL/dlog p,
+the loss's own code run on them). The forward then forms dL/dh, dL/dW and dL/db itself, three passes over
+the vocabulary and no recomputation, and keeps them. The backward checks that the g it is given is the
+predicted one times one scalar c (gradient accumulation, a process count) and returns the kept gradients
+times c; any other g (a loss that was not token-separable after all) gets the recomputing backward, so the
+result is exact either way.
+
 Logits are float32 whatever the model's dtype (a bf16/fp16 matmul, then float32 from there on). This is the
 selective log-softmax of rlft/core/logprobs.py without ever holding a [B, T, V] tensor: the memory of a
 scoring pass is one tile of logits, not a sequence's (Liger-Kernel's fused linear cross-entropy and TRL 1.15's
@@ -40,6 +49,7 @@ fused LM head are the same idea). Shapes in comments: N positions, H hidden size
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -167,25 +177,61 @@ def _logp_grad_(z: torch.Tensor, lse: torch.Tensor, used: torch.Tensor, targets:
     return grad_z
 
 
+# |g - c g_predicted| allowed per token: float32 rounding of the two ways of computing the same product
+SCALE_RTOL, SCALE_ATOL = 1e-5, 1e-6
+
+
+class FusedLoss:
+    """A trainable head's gradients formed in the forward from the loss's predicted dL/dlog p (`predicted`
+    [N]), and whether the g the backward is given is that one times a scalar."""
+
+    def __init__(self, grads: HeadGrads, predicted: torch.Tensor):
+        self.grads, self.predicted = grads, predicted
+
+    def scale(self, actual: torch.Tensor | None) -> float | None:
+        """c with actual = c x predicted (within float32 rounding), or None when there is none."""
+        if actual is None:  # the loss does not use the log-probs: its gradient is 0
+            return 0.0
+        want, have = actual.double(), self.predicted.double()
+        norm = float((have * have).sum())
+        c = float((want * have).sum()) / norm if norm > 0 else 0.0
+        bound = SCALE_RTOL * want.abs() + SCALE_ATOL * float(want.abs().max())
+        return c if bool(((want - c * have).abs() <= bound).all()) else None
+
+    def result(self, actual: torch.Tensor | None) -> tuple | None:
+        """(dL/dh, dL/dW, dL/db) for the backward's g, or None when it is not a multiple of the predicted."""
+        c = self.scale(actual)
+        if c is None:
+            return None
+        grads = self.grads
+        if c != 1.0:
+            for part in (grads.h, grads.w, grads.b):
+                if part is not None:
+                    part *= c
+        return grads.result()
+
+
 class _TiledLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, kept, temperature, scale, softcap, tile, with_entropy,
-                whole, basis):
+                whole, basis, predict):
         ctx.set_materialize_grads(False)  # an output the loss leaves out (the logged entropy): None, no work
         with whole():
             return _TiledLogProbs._forward(ctx, hidden, weight, bias, targets, kept, temperature, scale,
-                                           softcap, tile, with_entropy, whole, basis)
+                                           softcap, tile, with_entropy, whole, basis, predict)
 
     @staticmethod
     def _forward(ctx, hidden, weight, bias, targets, kept, temperature, scale, softcap, tile, with_entropy,
-                 whole, basis):
+                 whole, basis, predict):
         n = hidden.shape[0]
         work = torch.promote_types(hidden.dtype, torch.float32)
-        logps = torch.empty(n, dtype=work, device=hidden.device)  # [N]
+        logps = torch.zeros(n, dtype=work, device=hidden.device)  # [N] (zeros: what `predict` reads ahead)
         lses, used = torch.empty_like(logps), torch.empty_like(logps)  # [N] full and renormalising lse
         entropy = torch.empty_like(logps) if with_entropy else None  # [N]
         frozen = HeadGrads(hidden, weight, bias, (True, False, False)) if basis else None  # a [N, H]
         ones = torch.ones(min(tile, n), 1, dtype=work, device=hidden.device) if basis else None
+        fused = None if predict is None else \
+            FusedLoss(HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3]), torch.empty_like(logps))
         for start in range(0, n, tile):
             rows = slice(start, start + tile)
             z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature)  # [t, V]
@@ -199,9 +245,14 @@ class _TiledLogProbs(torch.autograd.Function):
                 grad_z = _logp_grad_(z, lse, used[rows], targets[rows],
                                      None if kept is None else kept[rows], ones[:z.shape[0]])
                 frozen.add(rows, grad_z, squashed, scale / temperature)
+            elif fused is not None:  # the loss's dL/dlog p for this tile, and the head's gradients from it
+                g = fused.predicted[rows] = predict(logps)[rows]
+                grad_z = _logp_grad_(z, lse, used[rows], targets[rows],
+                                     None if kept is None else kept[rows], g[:, None].to(z.dtype))
+                fused.grads.add(rows, grad_z, squashed, scale / temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, kept, lses, used, entropy,
                               None if frozen is None else frozen.h)
-        ctx.settings = (temperature, scale, softcap, tile, whole)
+        ctx.settings, ctx.fused = (temperature, scale, softcap, tile, whole), fused
         logmass = used - lses  # [N] log of the kept mass, 0 where nothing was kept
         ctx.mark_non_differentiable(logmass)
         return logps, entropy, logmass
@@ -211,9 +262,18 @@ class _TiledLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, kept, lses, used, entropy, basis = ctx.saved_tensors
         if grad_logps is None:
             grad_logps = torch.zeros_like(lses)
-        nothing = (None,) * 11  # W, b and the settings
+        nothing = (None,) * 12  # W, b and the settings
         if basis is not None and grad_entropy is None:  # a frozen head: dL/dh = g a, nothing recomputed
             return ((basis.to(grad_logps.dtype) * grad_logps[:, None]).to(hidden.dtype), *nothing)
+        fused, ctx.fused = ctx.fused, None
+        if fused is not None:
+            grads = fused.result(grad_logps) if grad_entropy is None else None
+            if grads is not None:  # the g the loss predicted, times c: the forward's gradients, times c
+                return (*grads, *nothing[2:])
+            warnings.warn("the LM head's gradient formed in the forward from the loss's predicted dL/dlog p "
+                          "does not match the loss's gradient (a loss that is not token-separable, or an "
+                          "entropy term): recomputed exactly, at the cost of the forward's extra passes",
+                          stacklevel=2)
         with ctx.settings[4]():
             return _TiledLogProbs._backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets,
                                             kept, lses, used, entropy)
@@ -230,23 +290,25 @@ class _TiledLogProbs(torch.autograd.Function):
                                  None if kept is None else kept[rows], grad_logps[rows, None].to(z.dtype), e,
                                  None if e is None else entropy[rows])
             grads.add(rows, grad_z, squashed, scale / temperature)
-        return (*grads.result(), None, None, None, None, None, None, None, None, None)
+        return (*grads.result(), None, None, None, None, None, None, None, None, None, None)
 
 
 def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          bias: torch.Tensor | None = None, temperature: float = 1.0, logit_scale: float = 1.0,
                          softcap: float | None = None, entropy: bool = False, tile: int | None = None,
                          whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         entropy_grad: bool = False, predict: Callable | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [N] (float32) and, with `entropy`, the entropy [N] of each position's next-token
     distribution, from hidden states [N, H] and an LM head weight [V, H] (bias [V]). Differentiable in hidden,
     weight and bias; the entropy only when it is used in the loss (its gradient is exact too). Never allocates
     [N, V]. `whole()`: a context in which the weight is whole, entered around the forward and the backward
     tile loops (a partitioned weight gathered for them). `entropy_grad`: the entropy's gradient will be asked
     for (an entropy bonus; otherwise a frozen head's backward takes dL/dh from the forward, module
-    docstring)."""
+    docstring). `predict`: log-probs [N] -> the loss's dL/dlog p [N], for a loss whose gradient at a token
+    depends on that token's log-prob alone (a trainable head then forms its gradients in the forward)."""
     logps, ent, _ = fused_kept_logprobs(hidden, weight, targets, None, bias, temperature, logit_scale,
-                                        softcap, entropy, tile, whole, entropy_grad)
+                                        softcap, entropy, tile, whole, entropy_grad, predict)
     return logps, ent
 
 
@@ -255,14 +317,17 @@ def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
                         logit_scale: float = 1.0, softcap: float | None = None, entropy: bool = False,
                         tile: int | None = None,
                         whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                        entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                        entropy_grad: bool = False, predict: Callable | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`fused_token_logprobs` renormalised over each position's kept token ids (`kept` [N, K], -1 padding;
     None: the full vocabulary), and the log of the kept mass [N] (0 where nothing was kept; no gradient)."""
     if hidden.shape[0] == 0:
         empty = hidden.sum(-1).float()  # [0], still connected to the graph
         return empty, (empty if entropy else None), empty.detach()
     tile = tile or tile_positions(vocabulary_rows(weight), device=hidden.device)
-    frozen = (torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
-              and not (bias is not None and bias.requires_grad) and not (entropy and entropy_grad))
+    grad = torch.is_grad_enabled() and not (entropy and entropy_grad)
+    trains = weight.requires_grad or (bias is not None and bias.requires_grad)
+    frozen = grad and hidden.requires_grad and not trains
+    predict = predict if grad and trains else None  # a frozen head's basis needs no prediction
     return _TiledLogProbs.apply(hidden, weight, bias, targets, kept, float(temperature), float(logit_scale),
-                                softcap, int(tile), bool(entropy), whole, frozen)
+                                softcap, int(tile), bool(entropy), whole, frozen, predict)

@@ -302,7 +302,7 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
                 ref_logps: torch.Tensor | None = None, num_items: float | torch.Tensor | None = None,
                 num_sequences: float | torch.Tensor | None = None,
                 rollout_is_weights: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-                **option_values) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                with_metrics: bool = True, **option_values) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss for one micro-batch, scaled so that micro-batch losses SUM to the step loss.
 
     logps, old_logps, ref_logps, completion_mask: [B, L]; advantages: [B]. `options` (LossOptions, built once
@@ -315,7 +315,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     another engine (rlft/core/importance.py); they multiply the policy term, not the KL term (TRL's order);
     under vespo they enter the sequence weight w instead. keep: [B, 1] or [B, L] 0/1 multiplying the
     policy term (`off_policy_sequence_mask`).
-    Returns (loss, metrics) with metrics as detached masked means over this micro-batch.
+    Returns (loss, metrics) with metrics as detached masked means over this micro-batch ({} without
+    `with_metrics`: the loss alone, as a prediction of its gradient needs it).
     """
     if loss_type not in LOSSES:
         raise ValueError(f"loss_type={loss_type!r}: choose one of {sorted(LOSSES)}")
@@ -347,6 +348,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     n_seq = logps.shape[0] if num_sequences is None else num_sequences
     max_len = logps.shape[1] if opts.max_completion_length is None else opts.max_completion_length
     loss = spec.aggregate(per_token, mask, n_seq, n_tok, max_len)
+    if not with_metrics:
+        return loss, {}
     metrics = {**_metrics(ratio.expand_as(logps).detach(), adv, mask, opts, kl), **extra_metrics}
     if kl is not None:  # the KL share of `loss`, aggregated the same way (policy part = loss - kl_loss)
         metrics["kl_loss"] = spec.aggregate(opts.beta * kl.detach(), mask, n_seq, n_tok, max_len)

@@ -45,18 +45,19 @@ class PolicyScorer:
         self._tally = dict.fromkeys(("computed", "real", "packed", "forwards"), 0)
 
     def forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
-                router_loss: bool = False, teacher: bool = False) -> Forward:
+                router_loss: bool = False, teacher: bool = False, loss_grad=None) -> Forward:
         """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; a MoE policy's
         router load-balancing loss, the model's own `aux_loss`; the log of the mass the sampler kept [b, c]
         where the rollout carries its kept ids; with `teacher`, each token's reverse KL to the teacher, from
         the same forward) for `rows` (a slice or an index tensor), cut to the rows' longest completion and
         prompt (rlft/scoring.py: score_rows). With kept ids the log-probs are renormalised over them: the
-        distribution the sampler drew from (rlft/rollout/truncation.py)."""
+        distribution the sampler drew from (rlft/rollout/truncation.py). `loss_grad`: the loss's dL/dlog p as
+        a function of the log-probs [b, c], for a token-separable loss (rlft/scoring.py: Score.loss_grad)."""
         packing = None if teacher else self.packing(model, rollout, rows, router_loss)
         scored = score_rows(model, rollout, rows, self.args.temperature, entropy, router_loss,
                             self.args.logprob_chunk_size, self.args.pad_to_multiple_of, packing,
                             teacher=self.teacher if teacher else None, beta=1.0, with_logps=True,
-                            entropy_grad=entropy and entropy_grad)
+                            entropy_grad=entropy and entropy_grad, loss_grad=loss_grad)
         real = int(rollout.prompt_mask[rows].sum()) + int(rollout.completion_mask[rows].sum())
         for key, value in (("computed", scored.tokens), ("real", real), ("packed", packing is not None),
                            ("forwards", 1)):

@@ -73,6 +73,16 @@ def option_notes(args) -> list[str]:
     return notes
 
 
+def _gradient_of(policy_part):
+    """log-probs [b, c] -> dL/dlog p [b, c] of `policy_part(logps) -> (loss, ...)`, the loss's own code."""
+    def gradient(logps: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            x = logps.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(policy_part(x)[0], x, allow_unused=True)
+        return torch.zeros_like(x) if grad is None else grad
+    return gradient
+
+
 def nonfinite_reason(args, loss: float, grad_norm: float | None) -> str:
     return (f"the loss ({loss}) or gradient norm ({grad_norm}) is not finite. Likely causes: a learning "
             f"rate too high (now {args.learning_rate}), rewards so large they overflow, or float16 "
@@ -211,13 +221,36 @@ class PolicyUpdater:
         return {"entropy_coef": counters.entropy_coef}
 
     def _micro_loss(self, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list, keep=None):
-        """One micro-batch's share of the step loss. Completions sampled by another engine (vLLM) are
-        weighted by pi_old / pi_sampler (`vllm_importance_sampling_*`, rlft/core/importance.py)."""
-        args, rollout = self.args, batch.rollout
+        """One micro-batch's share of the step loss. For a token-separable policy term the scorer is given its
+        gradient as a function of the log-probs, so a trainable LM head forms its gradients in the forward
+        (rlft/core/fused_head.py)."""
+        args = self.args
         teacher = self.scorer.teacher is not None and args.teacher_coef > 0
+
+        def policy_part(logps, record=None):
+            return self._policy_loss(batch, rows, logps, num_items, num_sequences, keep, record)
+
         logps, entropy, router, logmass, divergence = self.scorer.forward(
-            self.scorer.model, rollout, rows, entropy=True, entropy_grad=self.entropy_bonus_on,
-            router_loss=self.router_aux_loss_coef != 0.0, teacher=teacher)
+            self.scorer.model, batch.rollout, rows, entropy=True, entropy_grad=self.entropy_bonus_on,
+            router_loss=self.router_aux_loss_coef != 0.0, teacher=teacher,
+            loss_grad=_gradient_of(policy_part) if self._token_separable(batch) else None)
+        loss, metrics, mask = policy_part(logps, corrections)
+        if logmass is not None:  # the mass the sampler kept, under the policy now (per trained token)
+            metrics["sampling/kept_mass/mean"] = (logmass.exp() * mask).sum() / mask.sum().clamp(min=1)
+        loss = self._extra_terms(loss, metrics, entropy, router, mask, num_items)
+        if divergence is not None:  # GRPO with a teacher: + coef x token-mean reverse KL to it
+            share = args.teacher_coef * (divergence * mask).sum() / num_items
+            loss = loss + share
+            metrics["teacher_loss"] = share.detach()
+            metrics["teacher/reverse_kl"] = (divergence * mask).sum() / mask.sum().clamp(min=1)
+        return loss, metrics, None if entropy is None else entropy.detach(), mask
+
+    def _policy_loss(self, batch: RolloutBatch, rows, logps, num_items, num_sequences, keep, corrections):
+        """The policy term of a micro-batch's loss from its log-probs [b, c], its metrics and the trained
+        mask. Completions sampled by another engine (vLLM) are weighted by pi_old / pi_sampler
+        (`vllm_importance_sampling_*`, rlft/core/importance.py), their statistics appended to `corrections`
+        (None: a prediction of the gradient, nothing recorded, no metrics)."""
+        args, rollout = self.args, batch.rollout
         width = logps.shape[1]
         mask = (rollout.loss_mask if keep is None else keep)[rows, :width]
         old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
@@ -228,7 +261,8 @@ class PolicyUpdater:
                                           args.vllm_importance_sampling_clip_min,
                                           args.vllm_importance_sampling_cap
                                           or args.vllm_importance_sampling_clip_max)
-            corrections.append(correction_stats(old, sampler, mask, weights))
+            if corrections is not None:
+                corrections.append(correction_stats(old, sampler, mask, weights))
         advantages = batch.advantages[rows]  # [b], or [b, C] per token (REINFORCE++)
         advantages = advantages if advantages.ndim == 1 else advantages[:, :width]
         off_policy = None
@@ -238,18 +272,24 @@ class PolicyUpdater:
         loss, metrics = policy_loss(
             logps, old, advantages, mask, loss_type=args.loss_type, options=self.loss_options,
             ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], num_items=num_items,
-            num_sequences=num_sequences, rollout_is_weights=weights, keep=off_policy)
-        if off_policy is not None:
+            num_sequences=num_sequences, rollout_is_weights=weights, keep=off_policy,
+            with_metrics=corrections is not None)
+        if off_policy is not None and corrections is not None:
             metrics["off_policy/masked_fraction"] = 1.0 - off_policy.mean()
-        if logmass is not None:  # the mass the sampler kept, under the policy now (per trained token)
-            metrics["sampling/kept_mass/mean"] = (logmass.exp() * mask).sum() / mask.sum().clamp(min=1)
-        loss = self._extra_terms(loss, metrics, entropy, router, mask, num_items)
-        if divergence is not None:  # GRPO with a teacher: + coef x token-mean reverse KL to it
-            share = args.teacher_coef * (divergence * mask).sum() / num_items
-            loss = loss + share
-            metrics["teacher_loss"] = share.detach()
-            metrics["teacher/reverse_kl"] = (divergence * mask).sum() / mask.sum().clamp(min=1)
-        return loss, metrics, None if entropy is None else entropy.detach(), mask
+        return loss, metrics, mask
+
+    def _token_separable(self, batch: RolloutBatch) -> bool:
+        """The policy term's gradient at a token reads that token's log-prob alone: a token-level ratio, a
+        loss without a sequence-level preparation, no off-policy sequence mask, no sequence-level sampling
+        weights computed from the log-probs themselves, and no entropy bonus (its gradient is the entropy's).
+        (Where this is wrong the head's backward sees it and recomputes: exact either way.)"""
+        args = self.args
+        sequence_weights = (batch.rollout.sampling_logps is not None and batch.old_logps is None
+                            and args.vllm_importance_sampling_correction
+                            and args.vllm_importance_sampling_mode.startswith("sequence"))
+        return (LOSSES[args.loss_type].prepare is None and args.importance_sampling_level == "token"
+                and args.off_policy_mask_threshold is None and not self.entropy_bonus_on
+                and not sequence_weights)
 
     def _extra_terms(self, loss, metrics: dict, entropy, router, mask, num_items):
         """The entropy bonus and a MoE router's load-balancing loss, added to a micro-batch's share."""
