@@ -67,3 +67,98 @@ def test_a_moe_block_and_a_bad_size_are_refused_by_name(tmp_path):
         chunk_mlps(moe, 16)
     with pytest.raises(ConfigError, match="mlp_chunk_size=0"):
         tiny_grpo_config(tmp_path, mlp_chunk_size=0)
+
+
+def _count_forwards(model):
+    """{'gate': n, 'down': n} forward calls of every layer's MLP projections, and the dtypes gate returned."""
+    calls, dtypes = {"gate": 0, "down": 0}, []
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in inner.model.layers:
+        def gate(module, args, out):
+            calls["gate"] += 1
+            dtypes.append(out.dtype)
+
+        layer.mlp.gate_proj.register_forward_hook(gate)
+        layer.mlp.down_proj.register_forward_hook(lambda *a: calls.__setitem__("down", calls["down"] + 1))
+    return calls, dtypes
+
+
+def test_a_checkpointed_layers_recomputation_stops_before_the_chunked_mlp():
+    """The layer's recomputation ends at the MLP's input (nothing after the MLP saves a tensor), so each
+    chunk's MLP runs twice in all: the forward and the chunk's own recomputation, as unchunked."""
+    model = tiny("qwen2", False, True)
+    r = rollout(384)
+    chunk_mlps(model, 4)
+    calls, _ = _count_forwards(model)
+    scored = score_rows(model, r, torch.arange(5), packing="rows")
+    tokens, layers = scored.tokens, len(model.model.layers)
+    chunks = -(-tokens // 4)
+    assert chunks > 2 and calls == {"gate": chunks * layers, "down": chunks * layers}
+    scored.logps.sum().backward()
+    assert calls == {"gate": 2 * chunks * layers, "down": 2 * chunks * layers}
+
+
+def test_a_layer_that_normalises_the_mlps_output_recomputes_it_and_is_exact():
+    """Gemma 2's post-feed-forward norm saves the MLP's output, so the layer's recomputation runs the
+    chunks too; values and gradients stay the unchunked ones."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from rlft.scoring import install_scoring
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=384, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                           head_dim=32, max_position_embeddings=64, attn_implementation="eager"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    install_scoring(model)
+    r = rollout(384)
+    logps, entropy, grads = scores_and_grads(model, r, None)
+    chunk_mlps(model, 3)
+    chunked_logps, chunked_entropy, chunked_grads = scores_and_grads(model, r, None)
+    torch.testing.assert_close(chunked_logps, logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_entropy, entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_an_mlp_whose_input_takes_no_gradient_still_trains_its_adapters():
+    """LoRA on the MLP alone: the first layer's MLP input takes no gradient, its adapters do."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlft.scoring import install_scoring
+
+    model = build_causal_lm(build_tokenizer(0, vocab_size=384), arch="llama", hidden_size=64)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj",
+                                                                                "down_proj"]))
+    install_scoring(model)
+    with torch.no_grad():  # B = 0 at initialisation: make the adapters do something
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    r = rollout(384)
+    _, _, grads = scores_and_grads(model, r, None)
+    chunk_mlps(model, 3)
+    _, _, chunked_grads = scores_and_grads(model, r, None)
+    assert grads.keys() == chunked_grads.keys() and any("layers.0.mlp" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_backward_recomputes_under_the_forwards_autocast():
+    model = tiny("qwen2", False, True)
+    r = rollout(384)
+    chunk_mlps(model, 4)
+    calls, dtypes = _count_forwards(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scored = score_rows(model, r, torch.arange(5), packing="rows")
+    forward = len(dtypes)
+    scored.logps.float().sum().backward()
+    assert len(dtypes) == 2 * forward and set(dtypes) == {torch.bfloat16}
+
+
+def test_an_mlp_with_dropout_is_refused():
+    model = build_causal_lm(build_tokenizer(0, vocab_size=384), arch="llama", hidden_size=64)
+    model.model.layers[1].mlp.dropout = torch.nn.Dropout(0.1)
+    with pytest.raises(ConfigError, match="dropout"):
+        chunk_mlps(model, 4)

@@ -1,27 +1,37 @@
 """The sequence dimension in chunks where a layer allows it: each decoder layer's MLP (position-wise, so any
 split of the positions computes the same values) run over `mlp_chunk_size` positions at a time in a
-training forward, each chunk checkpointed (torch.utils.checkpoint, non-reentrant): the forward keeps no
-intermediate of the MLP, and the backward recomputes one chunk's at a time.
+training forward. The forward keeps no intermediate of the MLP, only its input; the backward recomputes one
+chunk's MLP at a time and differentiates it before the next.
 
 What it bounds: with gradient checkpointing a layer's backward holds that layer's activations for every
 position of the micro-batch at once, and the MLP's (gate, up, their product: about 4 x intermediate_size
 floats per position, 3-5 times the hidden size) are most of them. Chunked, the MLP holds
-`mlp_chunk_size` positions' worth. The price: each chunk's MLP forward runs once more in the backward.
-Values and gradients are the unchunked ones (the same operations on the same positions; float sums of a
-parameter's gradient over chunks may round differently). Forwards without gradient (old-policy, reference,
-generation) run unchanged; so does a forward of fewer positions than a chunk.
+`mlp_chunk_size` positions' worth.
+
+What it costs: nothing in the usual layer. The MLP's input is saved first, by an autograd function of its
+own (`_Anchor`), and the chunks run in a second one that saves nothing (`_Chunks`), so a checkpointed
+layer's recomputation, which stops once every tensor the layer saved is back (torch's early stop), stops at
+the MLP's input when nothing after the MLP saves a tensor (Llama, Qwen2/3, Mistral: the residual add): the
+MLP's forward runs twice in all, as unchunked (the chunk's down projection once more). A layer that
+normalises the MLP's output (Gemma 2/3's post-feed-forward norm) saves it, so its recomputation runs the
+chunks too, one MLP forward more. Values and gradients are the unchunked ones (the same operations on the
+same positions; float sums of a parameter's gradient over chunks may round differently). The parameters'
+gradients are the autograd function's outputs, so they reach the parameters once per layer (DDP's and
+ZeRO's gradient hooks as usual). Forwards without gradient (old-policy, reference, generation) run
+unchanged; so does a forward of fewer positions than a chunk.
 
 Applies to a model whose decoder layers have an `mlp` module that maps hidden states [..., T, H] to a tensor
 of the same shape (Llama, Qwen2/3, Mistral, Gemma, Phi-3, ...); a Mixture-of-Experts block (its router
-reads all positions together, and returns router logits) is refused, naming the field.
+reads all positions together, and returns router logits) and an MLP with dropout (the recomputation would
+draw other masks) are refused, naming the field.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from rlft.errors import ConfigError
 
@@ -47,6 +57,9 @@ def chunk_mlps(model, chunk: int) -> int:
         if any(hasattr(mlp, attr) for attr in ("gate", "router", "experts")) or "moe" in name.lower():
             raise ConfigError(f"mlp_chunk_size={chunk}: {name} is a Mixture-of-Experts block (its router "
                               "reads all positions together); leave mlp_chunk_size unset for this model")
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in mlp.modules()):
+            raise ConfigError(f"mlp_chunk_size={chunk}: {name} has dropout, which its recomputation in the "
+                              "backward would draw again differently; leave mlp_chunk_size unset")
         if getattr(mlp, "_rlft_chunk", None) is None:
             mlp.forward = types.MethodType(_chunked_forward, mlp)
         mlp._rlft_chunk = chunk
@@ -60,10 +73,64 @@ def _chunked_forward(self, hidden: torch.Tensor, *args, **kwargs):
     chunk = self._rlft_chunk
     if not torch.is_grad_enabled() or hidden.shape[-2] <= chunk or args or kwargs:
         return own(hidden, *args, **kwargs)
-    pieces = hidden.split(chunk, dim=-2)
-    parts = [checkpoint(own, piece, use_reentrant=False) for piece in pieces]
-    if not all(isinstance(p, torch.Tensor) and p.shape == q.shape for p, q in zip(parts, pieces)):
-        raise ConfigError(f"mlp_chunk_size: {type(self).__name__} does not map hidden states to hidden "
-                          "states of the same shape, so its positions cannot be split; leave mlp_chunk_size "
-                          "unset")
-    return torch.cat(parts, dim=-2)
+    params = [p for p in self.parameters() if p.requires_grad]
+    anchored = _Anchor.apply(hidden)
+    return _Chunks.apply(anchored, own, chunk, type(self).__name__, *params)
+
+
+class _Anchor(torch.autograd.Function):
+    """The identity, saving its input: the MLP's input for `_Chunks`'s backward, saved before the MLP runs (a
+    checkpointed layer's recomputation can stop here)."""
+
+    @staticmethod
+    def forward(ctx, hidden):
+        ctx.save_for_backward(hidden)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Chunks(torch.autograd.Function):
+    """The MLP over chunks of positions, saving nothing: the forward without gradient; the backward reads
+    the input `_Anchor` saved, and for each chunk recomputes the MLP with gradient and differentiates it, the
+    parameters' gradients summed over chunks."""
+
+    @staticmethod
+    def forward(ctx, anchored, own, chunk, name, *params):
+        ctx.own, ctx.chunk, ctx.params, ctx.anchor = own, chunk, params, anchored.grad_fn
+        if ctx.anchor is None:  # the input takes no gradient (only the MLP's parameters do): saved here
+            ctx.save_for_backward(anchored)
+        ctx.amp = [(device, torch.get_autocast_dtype(device)) for device in ("cuda", "cpu", "xpu")
+                   if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)]
+        with torch.no_grad():
+            parts = [own(piece) for piece in anchored.split(chunk, dim=-2)]
+        pieces = anchored.split(chunk, dim=-2)
+        if not all(isinstance(p, torch.Tensor) and p.shape == q.shape for p, q in zip(parts, pieces)):
+            raise ConfigError(f"mlp_chunk_size: {name} does not map hidden states to hidden states of the "
+                              "same shape, so its positions cannot be split; leave mlp_chunk_size unset")
+        return torch.cat(parts, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (hidden,) = ctx.saved_tensors if ctx.anchor is None else ctx.anchor.saved_tensors
+        params, wants = ctx.params, ctx.needs_input_grad[0]
+        grad_hidden = torch.empty_like(hidden) if wants else None
+        grad_params = [None] * len(params)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            for device, dtype in ctx.amp:  # the forward's autocast, as checkpointing restores it
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            start = 0
+            for piece, up in zip(hidden.split(ctx.chunk, dim=-2), grad.split(ctx.chunk, dim=-2)):
+                x = piece.detach().requires_grad_(wants)
+                inputs = ([x] if wants else []) + list(params)
+                got = torch.autograd.grad(ctx.own(x), inputs, up, allow_unused=True)
+                if wants:
+                    grad_hidden.narrow(-2, start, piece.shape[-2]).copy_(got[0])
+                for k, g in enumerate(got[1:] if wants else got):
+                    if g is not None:
+                        grad_params[k] = g if grad_params[k] is None else grad_params[k].add_(g)
+                start += piece.shape[-2]
+        return (grad_hidden, None, None, None, *grad_params)
