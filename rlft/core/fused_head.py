@@ -78,13 +78,19 @@ def tile_positions(vocab: int, tile_elements: int | None = None, device: torch.d
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
-            softcap: float | None, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+            softcap: float | None, temperature: float, out: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """z [t, V] float32 and, with softcapping, tanh(c u / k) [t, V] (for the backward). In place where it
-    can be: one [t, V] float32 tensor, not one per step (a factor of 1 is skipped: it changes no bit)."""
-    raw = hidden @ weight.t()  # [t, V] in the model's dtype
+    can be: one [t, V] float32 tensor, not one per step (a factor of 1 is skipped: it changes no bit); in
+    `out` ([>= t, V] float32, a Workspace's) when given."""
+    work = torch.promote_types(weight.dtype, torch.float32)  # float32 (float64 stays float64)
+    if out is not None and weight.dtype == work:
+        raw = torch.mm(hidden, weight.t(), out=out[:hidden.shape[0]])  # [t, V]
+    else:
+        raw = hidden @ weight.t()  # [t, V] in the model's dtype
     if bias is not None:
         raw += bias
-    z = raw.to(torch.promote_types(raw.dtype, torch.float32))  # float32 (float64 stays float64)
+    z = raw if raw.dtype == work else (raw.to(work) if out is None else out[:raw.shape[0]].copy_(raw))
     if scale != 1:
         z *= scale
     squashed = None
@@ -94,6 +100,29 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if temperature != 1:
         z /= temperature
     return z, squashed
+
+
+class Workspace:
+    """Two [tile, V] buffers a tile loop reuses: the logits and their exponentials. A fresh [tile, V] block
+    per tile is, on a CPU, a fresh mapping whose page faults cost about a third of the tile's matmul (64 MiB
+    is above glibc's largest mmap threshold); on a GPU it saves the allocator's work."""
+
+    def __init__(self, rows: int, weight: torch.Tensor, device: torch.device):
+        work = torch.promote_types(weight.dtype, torch.float32)
+        self.z = torch.empty(rows, vocabulary_rows(weight), dtype=work, device=device)
+        self.e = torch.empty_like(self.z)
+
+    def exp(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logsumexp [t], exp(z - max) [t, V] in the second buffer, its row sums [t]) of z [t, V], without
+        allocating a [t, V] tensor (torch.logsumexp allocates two)."""
+        top = z.amax(-1, keepdim=True)  # [t, 1]
+        e = torch.sub(z, top, out=self.e[:z.shape[0]]).exp_()
+        total = e.sum(-1)  # [t]
+        return top.squeeze(-1) + total.log(), e, total
+
+    def probabilities(self, z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """softmax(z) [t, V] = exp(z - lse), in the second buffer (z is left as it was)."""
+        return torch.sub(z, lse[:, None], out=self.e[:z.shape[0]]).exp_()
 
 
 def _accumulate(total: torch.Tensor, grad_u: torch.Tensor, low: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -152,21 +181,20 @@ class HeadGrads:
                 None if self.b is None else self.b.to(self.bias.dtype))
 
 
-def _logp_grad_(z: torch.Tensor, lse: torch.Tensor, used: torch.Tensor, targets: torch.Tensor,
-                kept: torch.Tensor | None, g: torch.Tensor, e: torch.Tensor | None = None,
-                entropy: torch.Tensor | None = None) -> torch.Tensor:
-    """dL/dz [t, V] of one tile, in z's memory (z [t, V] is consumed), for g = dL/dlog p [t, 1] and, when
-    given, e = dL/dH [t, 1] (entropy [t]): g ([j = y] - p_j) - e p_j (z_j - lse + H), with p renormalised
-    over the kept ids on rows whose target is among them. lse, used [t]: full and renormalising lse."""
-    ent = None if e is None else z + (entropy - lse)[:, None]  # e p (z - lse + H), p filled in below
+def _logp_grad_(z: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, used: torch.Tensor,
+                targets: torch.Tensor, kept: torch.Tensor | None, g: torch.Tensor,
+                e: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """dL/dz [t, V] of one tile, in p's memory (p = softmax(z) [t, V] is consumed; z [t, V] too when e is
+    given), for g = dL/dlog p [t, 1] and, when given, e = dL/dH [t, 1] (entropy [t]):
+    g ([j = y] - p_j) - e p_j (z_j - lse + H), with p renormalised over the kept ids on rows whose target is
+    among them. lse, used [t]: full and renormalising lse."""
     if kept is not None:
         ids, renormalised = kept.clamp(min=0).long(), used != lse
         picked = z.gather(-1, ids).masked_fill(kept < 0, float("-inf"))  # [t, K]
-    grad_z = z.sub_(lse[:, None]).exp_()  # p [t, V], in z's memory
-    if ent is not None:
-        ent *= grad_z
-        ent *= e
-    grad_z *= -g
+    ent = None
+    if e is not None:  # e p (z - lse + H), in z's memory
+        ent = z.add_((entropy - lse)[:, None]).mul_(p).mul_(e)
+    grad_z = p.mul_(-g)
     if kept is not None:  # rows renormalised over their kept tokens: p_K there, 0 elsewhere
         grad_z.masked_fill_(renormalised[:, None], 0.0)
         kept_grad = -torch.exp(picked - used[:, None]) * g * renormalised[:, None]  # [t, K]
@@ -232,24 +260,27 @@ class _TiledLogProbs(torch.autograd.Function):
         ones = torch.ones(min(tile, n), 1, dtype=work, device=hidden.device) if basis else None
         fused = None if predict is None else \
             FusedLoss(HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3]), torch.empty_like(logps))
+        space = Workspace(min(tile, n), weight, hidden.device)
         for start in range(0, n, tile):
             rows = slice(start, start + tile)
-            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature)  # [t, V]
-            lse = torch.logsumexp(z, dim=-1)  # [t]
+            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature, space.z)  # [t, V]
+            lse, e, total = space.exp(z)  # [t], exp(z - max) [t, V], [t]
             lses[rows] = lse
             used[rows] = lse if kept is None else kept_lse(z, kept[rows], targets[rows], lse)
             logps[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - used[rows]
-            if with_entropy:
-                entropy[rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if with_entropy:  # H = lse - sum_j p_j z_j, the sum as one dot product per row
+                entropy[rows] = lse - torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) / total
+            head = frozen if frozen is not None else None if fused is None else fused.grads
+            if head is None:
+                continue
             if frozen is not None:  # dL/dh per unit dL/dlog p, while the tile's logits are here
-                grad_z = _logp_grad_(z, lse, used[rows], targets[rows],
-                                     None if kept is None else kept[rows], ones[:z.shape[0]])
-                frozen.add(rows, grad_z, squashed, scale / temperature)
-            elif fused is not None:  # the loss's dL/dlog p for this tile, and the head's gradients from it
+                g = ones[:z.shape[0]]
+            else:  # the loss's dL/dlog p for this tile, and the head's gradients from it
                 g = fused.predicted[rows] = predict(logps)[rows]
-                grad_z = _logp_grad_(z, lse, used[rows], targets[rows],
-                                     None if kept is None else kept[rows], g[:, None].to(z.dtype))
-                fused.grads.add(rows, grad_z, squashed, scale / temperature)
+                g = g[:, None].to(z.dtype)
+            grad_z = _logp_grad_(z, e.div_(total[:, None]), lse, used[rows], targets[rows],
+                                 None if kept is None else kept[rows], g)
+            head.add(rows, grad_z, squashed, scale / temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, kept, lses, used, entropy,
                               None if frozen is None else frozen.h)
         ctx.settings, ctx.fused = (temperature, scale, softcap, tile, whole), fused
@@ -282,11 +313,13 @@ class _TiledLogProbs(torch.autograd.Function):
     def _backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets, kept, lses, used, entropy):
         temperature, scale, softcap, tile, _ = ctx.settings
         grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3])
+        space = Workspace(min(tile, hidden.shape[0]), weight, hidden.device)
         for start in range(0, hidden.shape[0], tile):
             rows = slice(start, start + tile)
-            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature)  # [t, V]
+            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature, space.z)  # [t, V]
             e = None if grad_entropy is None else grad_entropy[rows, None].to(z.dtype)
-            grad_z = _logp_grad_(z, lses[rows], used[rows], targets[rows],
+            p = space.probabilities(z, lses[rows])  # [t, V]
+            grad_z = _logp_grad_(z, p, lses[rows], used[rows], targets[rows],
                                  None if kept is None else kept[rows], grad_logps[rows, None].to(z.dtype), e,
                                  None if e is None else entropy[rows])
             grads.add(rows, grad_z, squashed, scale / temperature)
