@@ -83,19 +83,42 @@ def _count_forwards(model):
     return calls, dtypes
 
 
-def test_a_checkpointed_layers_recomputation_stops_before_the_chunked_mlp():
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_checkpointed_layers_recomputation_stops_before_the_chunked_mlp(lora):
     """The layer's recomputation ends at the MLP's input (nothing after the MLP saves a tensor), so each
-    chunk's MLP runs twice in all: the forward and the chunk's own recomputation, as unchunked."""
-    model = tiny("qwen2", False, True)
+    chunk's MLP runs twice in all: the forward and the chunk's own recomputation, as unchunked. A plain
+    down projection (full fine-tuning) is not run again at all: its backward is written out."""
+    model = tiny("qwen2", lora, True)
     r = rollout(384)
     chunk_mlps(model, 4)
     calls, _ = _count_forwards(model)
     scored = score_rows(model, r, torch.arange(5), packing="rows")
-    tokens, layers = scored.tokens, len(model.model.layers)
+    tokens, layers = scored.tokens, len((model.get_base_model() if lora else model).model.layers)
     chunks = -(-tokens // 4)
     assert chunks > 2 and calls == {"gate": chunks * layers, "down": chunks * layers}
     scored.logps.sum().backward()
-    assert calls == {"gate": 2 * chunks * layers, "down": 2 * chunks * layers}
+    assert calls == {"gate": 2 * chunks * layers, "down": (2 if lora else 1) * chunks * layers}
+
+
+def test_a_down_projection_with_a_bias_gets_its_gradients_written_out():
+    from transformers import AutoModelForCausalLM
+
+    from rlft.scoring import install_scoring
+    from rlft.tiny import _config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama", build_tokenizer(0, vocab_size=384), 64, 2,
+                                                     mlp_bias=True))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    install_scoring(model)
+    r = rollout(384)
+    _, _, grads = scores_and_grads(model, r, "rows")
+    chunk_mlps(model, 3)
+    _, _, chunked_grads = scores_and_grads(model, r, "rows")
+    assert "model.layers.0.mlp.down_proj.bias" in chunked_grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_a_layer_that_normalises_the_mlps_output_recomputes_it_and_is_exact():

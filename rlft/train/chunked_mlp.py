@@ -12,7 +12,11 @@ What it costs: nothing in the usual layer. The MLP's input is saved first, by an
 own (`_Anchor`), and the chunks run in a second one that saves nothing (`_Chunks`), so a checkpointed
 layer's recomputation, which stops once every tensor the layer saved is back (torch's early stop), stops at
 the MLP's input when nothing after the MLP saves a tensor (Llama, Qwen2/3, Mistral: the residual add): the
-MLP's forward runs twice in all, as unchunked (the chunk's down projection once more). A layer that
+MLP's forward runs twice in all, as unchunked. Unchunked, torch's early stop also spares the down
+projection's forward (nothing saved comes after it); chunked, the same holds where the down projection is a
+plain linear layer whose output the MLP returns (full fine-tuning): the chunk's recomputation stops at its
+input and its backward is written out. Elsewhere (a peft-adapted down projection) it runs once more per
+chunk, a third of the MLP's matmuls. A layer that
 normalises the MLP's output (Gemma 2/3's post-feed-forward norm) saves it, so its recomputation runs the
 chunks too, one MLP forward more. Values and gradients are the unchunked ones (the same operations on the
 same positions; float sums of a parameter's gradient over chunks may round differently). The parameters'
@@ -104,8 +108,15 @@ class _Chunks(torch.autograd.Function):
             ctx.save_for_backward(anchored)
         ctx.amp = [(device, torch.get_autocast_dtype(device)) for device in ("cuda", "cpu", "xpu")
                    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)]
+        down, outputs = _plain_down(own.__self__, anchored.dtype) if not ctx.amp else None, []
+        watch = None if down is None else down.register_forward_hook(lambda m, a, out: outputs.append(out))
         with torch.no_grad():
             parts = [own(piece) for piece in anchored.split(chunk, dim=-2)]
+        if watch is not None:
+            watch.remove()
+        # the MLP returns its down projection's output as it is: the backward can stop at that input
+        last = down is not None and all(p is o for p, o in zip(parts, outputs)) and len(outputs) == len(parts)
+        ctx.down = down if last else None
         pieces = anchored.split(chunk, dim=-2)
         if not all(isinstance(p, torch.Tensor) and p.shape == q.shape for p, q in zip(parts, pieces)):
             raise ConfigError(f"mlp_chunk_size: {name} does not map hidden states to hidden states of the "
@@ -126,7 +137,7 @@ class _Chunks(torch.autograd.Function):
             for piece, up in zip(hidden.split(ctx.chunk, dim=-2), grad.split(ctx.chunk, dim=-2)):
                 x = piece.detach().requires_grad_(wants)
                 inputs = ([x] if wants else []) + list(params)
-                got = torch.autograd.grad(ctx.own(x), inputs, up, allow_unused=True)
+                got = _chunk_grads(ctx, x, inputs, up)
                 if wants:
                     grad_hidden.narrow(-2, start, piece.shape[-2]).copy_(got[0])
                 for k, g in enumerate(got[1:] if wants else got):
@@ -134,3 +145,52 @@ class _Chunks(torch.autograd.Function):
                         grad_params[k] = g if grad_params[k] is None else grad_params[k].add_(g)
                 start += piece.shape[-2]
         return (grad_hidden, None, None, None, *grad_params)
+
+
+class _Stop(Exception):
+    """Raised by a forward pre-hook to end a forward at a module's input (`value`)."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = value
+
+
+def _plain_down(mlp, dtype: torch.dtype) -> torch.nn.Linear | None:
+    """The MLP's `down_proj` where it is a plain linear layer in the activations' dtype (full fine-tuning;
+    not a peft layer, not quantised, not partitioned by ZeRO-3, whose hooks must see its forward end), else
+    None."""
+    down = getattr(mlp, "down_proj", None)
+    if type(down) is not torch.nn.Linear or hasattr(down.weight, "ds_id"):
+        return None
+    return down if down.weight.dtype == dtype else None
+
+
+def _chunk_grads(ctx, x: torch.Tensor, inputs: list, up: torch.Tensor) -> list:
+    """The chunk's gradients for `inputs` given the output's gradient `up`. With a plain `down_proj` whose
+    output the MLP returns, the recomputation stops at its input a and its backward is written out
+    (dL/da = g W, dL/dW = g^T a, dL/db = sum g): its forward, a third of the MLP's matmuls, is not run
+    again."""
+    down = ctx.down
+    slots = {id(t): k for k, t in enumerate(inputs)}
+    wanted = [p for p in (down.weight, down.bias) if p is not None and p.requires_grad] if down else []
+    if down is None or any(id(p) not in slots for p in wanted):
+        return list(torch.autograd.grad(ctx.own(x), inputs, up, allow_unused=True))
+    handle = down.register_forward_pre_hook(_stop_here)
+    try:
+        ctx.own(x)
+        raise RuntimeError("mlp_chunk_size: the MLP's recomputation did not reach its down_proj")
+    except _Stop as stopped:
+        a = stopped.value
+    finally:
+        handle.remove()
+    flat_up, flat_a = up.reshape(-1, up.shape[-1]), a.detach().reshape(-1, a.shape[-1])
+    got = list(torch.autograd.grad(a, inputs, (flat_up @ down.weight).view_as(a), allow_unused=True))
+    if down.weight.requires_grad:
+        got[slots[id(down.weight)]] = flat_up.t() @ flat_a
+    if down.bias is not None and down.bias.requires_grad:
+        got[slots[id(down.bias)]] = flat_up.sum(0)
+    return got
+
+
+def _stop_here(module, args):
+    raise _Stop(args[0])
