@@ -4,14 +4,17 @@ or its output kept from the forward (`recompute_attention: false`), and TRL 1.16
 (its fused LM head, `add_fused_lm_head`, as its GRPO update forwards it; needs trl).
 
 One scoring forward + backward (the policy's per-token log-probs through rlft's fused LM head, the loss
-their sum) of 2 completions of L tokens behind a 64-token prompt, padded (both rows full length), on a
+GRPO's clipped token mean on-policy with advantages +1 and -1, `grpo_loss`; before 2026-11-27 the loss was
+the log-probs' sum, which costs the same) of 2 completions of L tokens behind a 64-token prompt, padded (both rows full length), on a
 Qwen2-shaped model with Qwen2.5-0.5B's proportions at a CPU's size: hidden 512, intermediate 2,816 (5.5x), 4
 layers, 8 heads, 2 kv heads, vocabulary 32k, random weights, float32, full fine-tuning. Each (L, setting) in
 its own process; memory is the peak resident set above the process's resident set once the model is
 built; time is the step's wall time. `--rlft-mmap-threshold N` starts rlft's workers with
 MALLOC_MMAP_THRESHOLD_=N (glibc's threshold fixed; docs/troubleshooting.md), TRL's with glibc's defaults;
 `--rlft-trim` gives rlft's workers `trim_host_memory`, as its trainers install it by default
-(rlft/train/host_memory.py: freed heap memory back to the system between decoder layers).
+(rlft/train/host_memory.py: freed heap memory back to the system between decoder layers). A "fused loss"
+setting gives rlft's head the loss's gradient as a function of the log-probs, as its GRPO trainer does for a
+token-separable loss (rlft/core/fused_head.py: the trainable head's gradients formed in the forward).
 
     python benchmarks/long_completions.py                    # L = 2k, 4k, 8k, 16k; ~10 minutes on 2 cores
     python benchmarks/long_completions.py --lengths 512 1024 --out /tmp/long.json    # quick
@@ -34,12 +37,37 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# name: (mlp_chunk_size, keep attention outputs, library)
-SETTINGS = {"whole": (None, False, "rlft"), "chunked 1024": (1024, False, "rlft"),
-            "attention kept": (None, True, "rlft"), "kept + chunked 1024": (1024, True, "rlft"),
-            "kept + chunked 4096": (4096, True, "rlft"),
-            "trl": (None, False, "trl")}
+# name: (mlp_chunk_size, keep attention outputs, library, the loss's gradient given to the head)
+SETTINGS = {"whole": (None, False, "rlft", False), "chunked 1024": (1024, False, "rlft", False),
+            "attention kept": (None, True, "rlft", False), "kept + chunked 1024": (1024, True, "rlft", False),
+            "kept + chunked 4096": (4096, True, "rlft", False),
+            "fused loss": (None, False, "rlft", True), "kept + fused loss": (None, True, "rlft", True),
+            "kept + chunked 4096 + fused loss": (4096, True, "rlft", True),
+            "kept + chunked 2048 + fused loss": (2048, True, "rlft", True),
+            "kept + chunked 1024 + fused loss": (1024, True, "rlft", True),
+            "trl": (None, False, "trl", False)}
 DEFAULT = ("whole", "chunked 1024")
+
+
+def grpo_loss(logps, advantages, epsilon: float = 0.2):
+    """GRPO's clipped surrogate, token mean, on-policy (old = the log-probs themselves: ratio 1): logps [2, L],
+    advantages [2, 1]. The same function for both libraries."""
+    import torch
+
+    ratio = torch.exp(logps - logps.detach())
+    per_token = -torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon) * advantages)
+    return per_token.mean()
+
+
+def loss_gradient(advantages):
+    """log-probs -> dL/dlog p of `grpo_loss` (what rlft's trainer gives the head for such a loss)."""
+    import torch
+
+    def gradient(logps):
+        with torch.enable_grad():
+            x = logps.detach().requires_grad_()
+            return torch.autograd.grad(grpo_loss(x, advantages), x)[0]
+    return gradient
 
 
 def worker(length: int, setting: str) -> dict:
@@ -51,7 +79,7 @@ def worker(length: int, setting: str) -> dict:
     from rlft.train.chunked_mlp import chunk_mlps
     from rlft.train.selective_checkpoint import AttentionKeeper
 
-    chunk, keep, lib = SETTINGS[setting]
+    chunk, keep, lib, fused = SETTINGS[setting]
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -82,6 +110,7 @@ def worker(length: int, setting: str) -> dict:
                       completion_ids=torch.randint(16, 32000, (rows, length), generator=g),
                       completion_mask=torch.ones(rows, length, dtype=torch.long),
                       truncated=torch.zeros(rows, dtype=torch.bool))
+    advantages = torch.tensor([[1.0], [-1.0]])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     if lib == "trl":
@@ -91,11 +120,13 @@ def worker(length: int, setting: str) -> dict:
         logps = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels,
                       fused_lm_head=True).log_probs[:, prompt - 1:]
     else:
-        logps = score_rows(model, rollout, torch.arange(rows)).logps
-    logps.sum().backward()
+        logps = score_rows(model, rollout, torch.arange(rows),
+                           loss_grad=loss_gradient(advantages) if fused else None).logps
+    grpo_loss(logps, advantages).backward()
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"length": length, "chunk": chunk, "keep_attention": keep, "library": lib, "seconds": seconds,
+    return {"length": length, "chunk": chunk, "keep_attention": keep, "fused_loss": fused, "library": lib,
+            "seconds": seconds,
             "step_peak_mb": (peak - before) / 1024, "logp_sum": float(logps.detach().sum()),
             "kept_attention_outputs": keeper.kept if keeper else 0}
 
