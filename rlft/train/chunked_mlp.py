@@ -37,7 +37,7 @@ import types
 
 import torch
 
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, RlftError
 
 
 def _mlps(model) -> list[torch.nn.Module]:
@@ -147,8 +147,9 @@ class _Chunks(torch.autograd.Function):
         return (grad_hidden, None, None, None, *grad_params)
 
 
-class _Stop(Exception):
-    """Raised by a forward pre-hook to end a forward at a module's input (`value`)."""
+class _Stop(RlftError):
+    """Raised by a forward pre-hook to end a forward at a module's input (`value`); caught where it is raised
+    for, never seen outside this module."""
 
     def __init__(self, value: torch.Tensor):
         super().__init__()
