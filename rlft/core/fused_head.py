@@ -205,6 +205,9 @@ def _logp_grad_(z: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, used: torch
     return grad_z
 
 
+MISPREDICTED = ("the LM head's gradient formed in the forward from the loss's predicted dL/dlog p does not "
+                "match the loss's gradient (a loss that is not token-separable, or an entropy term): "
+                "recomputed exactly, at the cost of the forward's extra passes")
 # |g - c g_predicted| allowed per token: float32 rounding of the two ways of computing the same product
 SCALE_RTOL, SCALE_ATOL = 1e-5, 1e-6
 
@@ -301,10 +304,8 @@ class _TiledLogProbs(torch.autograd.Function):
             grads = fused.result(grad_logps) if grad_entropy is None else None
             if grads is not None:  # the g the loss predicted, times c: the forward's gradients, times c
                 return (*grads, *nothing[2:])
-            warnings.warn("the LM head's gradient formed in the forward from the loss's predicted dL/dlog p "
-                          "does not match the loss's gradient (a loss that is not token-separable, or an "
-                          "entropy term): recomputed exactly, at the cost of the forward's extra passes",
-                          stacklevel=2)
+            if bool(torch.isfinite(grad_logps).all()):  # (a non-finite step is skipped: nothing to say)
+                warnings.warn(MISPREDICTED, stacklevel=2)
         with ctx.settings[4]():
             return _TiledLogProbs._backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets,
                                             kept, lses, used, entropy)
