@@ -185,3 +185,18 @@ def test_an_mlp_with_dropout_is_refused():
     model.model.layers[1].mlp.dropout = torch.nn.Dropout(0.1)
     with pytest.raises(ConfigError, match="dropout"):
         chunk_mlps(model, 4)
+
+
+def test_only_the_down_projections_training_still_get_their_gradients():
+    """Full fine-tuning of the down projections alone: the chunk's recomputation stops at their input, which
+    takes no gradient; their own gradients are written out."""
+    model = tiny("llama", False, False)  # (checkpointing would make every layer's input take a gradient)
+    for name, p in model.named_parameters():
+        p.requires_grad_("down_proj" in name)
+    r = rollout(384)
+    _, _, grads = scores_and_grads(model, r, "rows")
+    chunk_mlps(model, 3)
+    _, _, chunked_grads = scores_and_grads(model, r, "rows")
+    assert grads.keys() == chunked_grads.keys() and all("down_proj" in n for n in grads) and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -185,7 +185,9 @@ def _chunk_grads(ctx, x: torch.Tensor, inputs: list, up: torch.Tensor) -> list:
     finally:
         handle.remove()
     flat_up, flat_a = up.reshape(-1, up.shape[-1]), a.detach().reshape(-1, a.shape[-1])
-    got = list(torch.autograd.grad(a, inputs, (flat_up @ down.weight).view_as(a), allow_unused=True))
+    got = [None] * len(inputs)  # (a takes no gradient where only the down projection trains)
+    if a.requires_grad:
+        got = list(torch.autograd.grad(a, inputs, (flat_up @ down.weight).view_as(a), allow_unused=True))
     if down.weight.requires_grad:
         got[slots[id(down.weight)]] = flat_up.t() @ flat_a
     if down.bias is not None and down.bias.requires_grad:
