@@ -38,7 +38,8 @@ the loss's own code run on them). The forward then forms dL/dh, dL/dW and dL/db 
 the vocabulary and no recomputation, and keeps them. The backward checks that the g it is given is the
 predicted one times one scalar c (gradient accumulation, a process count) and returns the kept gradients
 times c; any other g (a loss that was not token-separable after all) gets the recomputing backward, so the
-result is exact either way.
+result is exact either way. On a CPU only: on a GPU the prediction (the loss's code once per tile) costs
+about what the saved pass saves (benchmarks/gpu/long-fused-h100.md).
 
 Logits are float32 whatever the model's dtype (a bf16/fp16 matmul, then float32 from there on). This is the
 selective log-softmax of rlft/core/logprobs.py without ever holding a [B, T, V] tensor: the memory of a
@@ -362,6 +363,9 @@ def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     grad = torch.is_grad_enabled() and not (entropy and entropy_grad)
     trains = weight.requires_grad or (bias is not None and bias.requires_grad)
     frozen = grad and hidden.requires_grad and not trains
-    predict = predict if grad and trains else None  # a frozen head's basis needs no prediction
+    # a frozen head's basis needs no prediction; on a GPU the prediction's per-tile kernels and syncs cost
+    # what the saved pass saves (H100, Qwen2.5-0.5B: 131 vs 129 ms for the head, a 16% slower 2 x 8,192
+    # step; benchmarks/gpu/long-fused-h100.md), so only a CPU uses it
+    predict = predict if grad and trains and hidden.device.type == "cpu" else None
     return _TiledLogProbs.apply(hidden, weight, bias, targets, kept, float(temperature), float(logit_scale),
                                 softcap, int(tile), bool(entropy), whole, frozen, predict)
