@@ -72,3 +72,18 @@ def test_profile_script_runs_at_its_tiny_cpu_shape(tmp_path):
     assert done.returncode == 0, done.stderr
     report = out.read_text()
     assert report.startswith("# Scoring profile on CPU") and "## rlft" in report and "aten::" in report
+
+
+def test_long_fused_script_runs_at_its_tiny_cpu_shape(tmp_path):
+    """benchmarks/gpu/long_fused.py end to end on a CPU: the head's two backwards give the same gradients
+    (on a CPU the second takes the loss's gradient in the forward), and every setting the same log-probs."""
+    out = tmp_path / "long.md"
+    command = [sys.executable, str(BENCH.parent / "long_fused.py"), "--device", "cpu", "--shape", "tiny",
+               "--lengths", "48", "--positions", "64", "--repeats", "1", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    report = out.read_text()
+    difference = float(report.split("dL/dh and dL/dW: ")[1].split()[0])
+    assert difference < 1e-5
+    rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| 48 |")]
+    assert len(rows) == 5 and len({row[4] for row in rows}) == 1  # the log-prob sums
