@@ -17,32 +17,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-SHAPES = {"0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2), "tiny": dict(hidden_size=64, intermediate_size=256,
-                                                            num_hidden_layers=2, num_attention_heads=4,
-                                                            num_key_value_heads=2)}
-VOCAB = 151936
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: `benchmarks` (and, uninstalled, `rlft`) come from this tree
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu.bench import COMMON, FIELDS, SHAPES, VOCAB  # noqa: E402
+from benchmarks.long_completions import grpo_loss  # noqa: E402 (the CPU benchmark's loss, the same here)
+from benchmarks.long_completions import loss_gradient as gradient_of  # noqa: E402
+
 SETTINGS = {"checkpointing": (False, False, None, False), "attention kept": (True, False, None, False),
             "kept + loss gradient": (True, True, None, False),
             "kept + loss gradient + chunks 4096": (True, True, 4096, False),
             "kept + loss gradient + chunks 4096 + offload": (True, True, 4096, True)}
-
-
-def grpo_loss(logps, advantages, epsilon=0.2):
-    ratio = torch.exp(logps - logps.detach())
-    return -torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon) * advantages).mean()
-
-
-def gradient_of(advantages):
-    def gradient(logps):
-        with torch.enable_grad():
-            x = logps.detach().requires_grad_()
-            return torch.autograd.grad(grpo_loss(x, advantages), x)[0]
-    return gradient
 
 
 def sync(device):
@@ -100,8 +92,8 @@ def model_part(args, length, setting):
     keep, fused, chunk, offload = SETTINGS[setting]
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    config = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=length + 128, tie_word_embeddings=True,
-                         attn_implementation="sdpa", **SHAPES[args.shape])
+    config = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=length + 128, attn_implementation="sdpa",
+                         **dict(zip(FIELDS, SHAPES[args.shape])), **COMMON)
     with torch.device(args.device):  # initialised where it runs (a 0.5B model's CPU init takes seconds)
         model = Qwen2ForCausalLM(config).to(dtype)
     keeper = AttentionKeeper() if keep else None
@@ -157,7 +149,7 @@ def main() -> None:
              f"{args.repeats} after a warm-up.", "",
              f"## The head alone: {args.positions:,} positions, trainable head, entropy logged", "",
              "| backward | ms (forward + backward) | peak GiB |", "| --- | --- | --- |"]
-    rows, diff = head_part(args, SHAPES[args.shape]["hidden_size"])
+    rows, diff = head_part(args, SHAPES[args.shape][0])
     lines += rows + ["", f"Largest relative difference of the two's dL/dh and dL/dW: {diff:.2e}", "",
                      "## Scoring forward + backward, 2 completions of L tokens, gradient checkpointing", "",
                      "| L | setting | peak GiB above the model | s | log-prob sum | embedding grad norm |",
