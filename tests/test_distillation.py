@@ -133,6 +133,33 @@ def test_two_plus_two_steps_equal_four_with_lora(tmp_path, shipped_policy_dir, t
     assert (tmp_path / "straight" / "checkpoint-4" / "adapter_model.safetensors").exists()
 
 
+def test_self_distillation_trains_at_loss_zero_and_a_wiring_fault_is_still_named(tmp_path, shipped_policy_dir):
+    """The teacher is the student's own checkpoint: every divergence is 0, so is every gradient, and that is the
+    loss at its minimum, not a fault (TRL trains it at loss 0). A trainable parameter outside the graph is
+    still named once the two differ."""
+    from rlft.models import GradientFlowError
+
+    trainer = DistillationTrainer(str(shipped_policy_dir), str(shipped_policy_dir),
+                                  config(tmp_path, "self", max_steps=2, weight_decay=0.0), addition_rows(16))
+    trainer.train()
+    steps = [r for r in read_metrics(tmp_path / "self") if "loss" in r and "step_time" in r]
+    assert [r["loss"] for r in steps] == [0.0, 0.0] and [r["grad_norm"] for r in steps] == [0.0, 0.0]
+    assert not trainer.updater.counters.flow_checked  # no step with a signal yet: nothing to check
+
+    model = AutoModelForCausalLM.from_pretrained(shipped_policy_dir)
+    model.register_parameter("orphan", torch.nn.Parameter(torch.zeros(3)))  # trainable, not in the graph
+    with pytest.raises(GradientFlowError, match=r"got no gradient at all \(e.g. \['orphan'\]\)"):
+        DistillationTrainer(model, str(teacher_of(tmp_path, shipped_policy_dir)), config(tmp_path, "orphan"),
+                            addition_rows(16)).train()
+
+
+def teacher_of(tmp_path, model_dir):
+    """The student's own model with seeded noise (perturbed), saved as a folder."""
+    folder = tmp_path / "perturbed"
+    perturbed(model_dir).save_pretrained(folder)
+    return folder
+
+
 def test_bad_teachers_and_configs_are_named(tmp_path, shipped_policy_dir, teacher_dir):
     from peft import LoraConfig
 

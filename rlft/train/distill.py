@@ -125,11 +125,22 @@ class DistillationUpdater(PolicyUpdater):
     holds the teacher."""
 
     uses_old_logps = False  # the divergence needs no ratio to the sampling policy
+    _apart = False  # some trained token of this step has a nonzero divergence (on this process)
 
     def _has_signal(self, batch: RolloutBatch) -> bool:
-        return True  # every trained token pulls toward the teacher
+        return True  # known after the backward: _weighted
+
+    def _weighted(self, corrections: list) -> bool:
+        """Some trained token on some process has a nonzero divergence. A student equal to its teacher
+        (self-distillation, at the first step) has none: the loss is at its minimum and a zero gradient is
+        right, not a wiring fault; the gradient-flow check waits for a step where they differ."""
+        apart = torch.tensor(float(self._apart), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            apart = self.accelerator.reduce(apart, "max")
+        return bool(apart.item() > 0) and super()._weighted(corrections)
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
+        self._apart = False
         metrics = super().step(batch)
         metrics.pop("policy_loss", None)
         if "loss" in metrics:
@@ -143,6 +154,7 @@ class DistillationUpdater(PolicyUpdater):
         width = divergence.shape[1]
         mask = (rollout.loss_mask if keep is None else keep)[rows, :width].to(divergence.dtype)
         loss = (divergence * mask).sum() / num_items
+        self._apart = self._apart or bool((divergence.detach() * mask).ne(0).any())
         metrics = {"distill/teacher_entropy": (teacher_entropy * mask).sum() / mask.sum().clamp(min=1)}
         return loss, metrics, entropy, mask
 
