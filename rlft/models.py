@@ -92,9 +92,9 @@ def training_dtype(args, device: torch.device | None = None) -> torch.dtype:
     if isinstance(asked, torch.dtype):
         return asked
     if asked not in (None, "auto"):
-        if asked not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"model_init_kwargs dtype={asked!r}: "
-                              "use 'auto', 'float32', 'bfloat16' or 'float16'")
+        if asked not in ("float32", "bfloat16", "float16", "float64"):
+            raise ConfigError(f"model_init_kwargs dtype={asked!r}: use 'auto', 'float32', 'bfloat16' or "
+                              "'float16' ('float64' for runs that check arithmetic, slowly)")
         return getattr(torch, asked)
     return resolve_dtype("auto", args.bf16, args.fp16, device)
 

@@ -251,7 +251,8 @@ def _module_scores(head, hidden, targets, kept, score: Score, scale: float, soft
 
 
 def _tile_scores(head, hidden, targets, kept, temperature, scale, softcap, entropy):
-    z = head(hidden).float() * scale  # [t, V]
+    z = head(hidden)
+    z = z.to(torch.promote_types(z.dtype, torch.float32)) * scale  # [t, V] float32 (float64 stays)
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     z = z / temperature

@@ -123,3 +123,39 @@ def assert_same_step(first, second, atol: float = 1e-6) -> None:
     reference = dict(first.model.named_parameters())
     for name, weight in second.model.named_parameters():
         assert torch.allclose(weight, reference[name], atol=atol), name
+
+
+# ---- two computations of one training step ---------------------------------------------------------------
+# Tests that compare two ways of computing one step that differ only in the order they sum in (process counts,
+# micro-batch splits, packing, training engines) run the models in float64 (`model_init_kwargs=FLOAT64`), so
+# that a green run on one CPU is green on the next: in float32 the order alone moved an embedding's change by
+# 1.2e-6 with AVX2 kernels and 2.4e-7 with AVX-512 ones (tests/test_distillation.py, 2026-11-28).
+FLOAT64 = {"dtype": "float64"}
+# In float64 two orders agree to rounding: a parameter's change (SGD at lr 1: its gradient) is a sum of at most
+# ~10^4 terms of at most ~10^2 (the largest change seen is 16), which reordering moves by at most about
+# 2 x 10^4 x 2^-53 x 10^2 = 2e-10 (seen: 4e-16). A wrong normaliser, a term counted once per micro-batch or a
+# missing reduction moves it by 1e-4 of itself or more.
+SAME_STEP = 1e-9
+# transformers' RMSNorm computes in float32 even in a float64 model. Where one order sums a gradient before
+# that rounding and the other after it (a prompt held once for its group of G completions, or scored with
+# each), the two differ by up to G x 2^-24 of the gradient: 4 x 6e-8 x 16 = 4e-6 here (seen: 4.6e-9).
+SHARED_PROMPT = 1e-5
+
+
+def float32_step_bound(change: float, value: float, terms: int = 256) -> float:
+    """How far a float32 run of a step may be from its float64 run (for an engine that trains float32 only):
+    each summed gradient element is off by at most `terms` x 2^-24 of its largest change `change` (Higham's
+    n u bound, n the accumulations that round: tiles, micro-batches, processes, layers), plus the rounding of
+    the float32 parameter after the step, at most half its unit in the last place: 2^-24 x |value|, doubled
+    (a layer norm's weight near 1 with a change of 7e-4 was off by 5.9e-8, that half unit)."""
+    return 2.0 ** -24 * (terms * change + 2 * value)
+
+
+def assert_params_close(got: dict, want: dict, bound, label="") -> None:
+    """Every tensor of `got` is within `bound` of `want`'s (a number, or name -> number)."""
+
+    assert sorted(got) == sorted(want), label
+    for name, value in got.items():
+        allowed = bound(name) if callable(bound) else bound
+        gap = (value.double() - want[name].double()).abs().max().item() if value.numel() else 0.0
+        assert gap <= allowed, (label, name, gap, allowed)

@@ -17,7 +17,7 @@ from rlft.errors import ConfigError
 from rlft.tracking import read_metrics
 from rlft.train.checkpoint import latest_checkpoint
 from tests.dist.grpo_step import FixedGenerator
-from tests.helpers import addition_rows, write_jsonl
+from tests.helpers import SAME_STEP, addition_rows, assert_params_close, write_jsonl
 from tests.test_grpo_resume import assert_same_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,14 +243,13 @@ def test_two_processes_take_the_step_one_process_takes(tmp_path, shipped_policy_
                              str(tmp_path / f"{processes}.pt"), url], processes)
             assert result.returncode == 0, result.stderr[-3000:]
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
-    for name in one:
+    for name in one:  # float64 runs, equal to its rounding (tests/helpers.py: SAME_STEP)
         assert one[name]["metrics"]["loss"] > 0
         for key, value in one[name]["metrics"].items():
-            assert value == pytest.approx(two[name]["metrics"][key], rel=1e-5, abs=1e-6), (name, key)
-        for key, param in one[name]["params"].items():
-            assert torch.allclose(param, two[name]["params"][key], atol=1e-6, rtol=0), (name, key)
-    for key, param in one["reverse_kl"]["params"].items():  # micro-batches: the same step in four parts
-        assert torch.allclose(param, one["micro_batches"]["params"][key], atol=1e-6, rtol=0), key
+            assert value == pytest.approx(two[name]["metrics"][key], abs=SAME_STEP), (name, key)
+        assert_params_close(two[name]["params"], one[name]["params"], SAME_STEP, name)
+    # micro-batches: the same step in four parts (in float32 the order alone moved the embedding by 1.2e-6)
+    assert_params_close(one["micro_batches"]["params"], one["reverse_kl"]["params"], SAME_STEP)
 
 
 def test_grpo_with_a_teacher_term_adds_coef_times_the_token_mean_reverse_kl(tmp_path, shipped_policy_dir, teacher_dir):

@@ -21,10 +21,11 @@ def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tenso
                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """chosen_scores, rejected_scores, margin: [B] -> (loss, {accuracy, margin, ...}); `margin` in the metrics
     is TRL's: the mean score difference chosen - rejected (not the margin column)."""
-    chosen = chosen_scores.float().reshape(-1)  # [B]
-    rejected = rejected_scores.float().reshape(-1)  # [B]
+    work = torch.promote_types(chosen_scores.dtype, torch.float32)  # float32 (float64 stays float64)
+    chosen = chosen_scores.to(work).reshape(-1)  # [B]
+    rejected = rejected_scores.to(work).reshape(-1)  # [B]
     diff = chosen - rejected
-    shifted = diff if margin is None else diff - margin.float().reshape(-1)
+    shifted = diff if margin is None else diff - margin.to(work).reshape(-1)
     loss = -F.logsigmoid(shifted).mean()
     if center_rewards_coefficient:
         loss = loss + center_rewards_coefficient * ((chosen + rejected) ** 2).mean()

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from rlft.data.prompts import left_pad
+from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import completion_mask_from, eos_token_ids
 from rlft.rollout.truncation import kept_of, kept_tensor, replay_plan, truncation
@@ -66,6 +67,9 @@ def import_vllm():
 
 
 def engine_dtype(name: str, trainer_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto" and trainer_dtype == torch.float64:
+        raise ConfigError("the model trains in float64, which vLLM does not run: set vllm_dtype "
+                          "(float32 samples closest to it), or generate without vLLM (use_vllm: false)")
     return trainer_dtype if name == "auto" else getattr(torch, name)
 
 

@@ -208,7 +208,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             packed = self.packing.plan(self.model, batch, self.autocast_dtype)
             scores = run_packed(self.model, packed) if packed is not None else \
                 self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        scores = scores.float().squeeze(-1)  # [2B], float32 whatever the model dtype
+        # [2B], float32 whatever the model's half dtype (a float64 model keeps float64)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).squeeze(-1)
         half = scores.shape[0] // 2
         return scores[:half], scores[half:]
 

@@ -160,20 +160,26 @@ class PolicyScorer:
     @torch.no_grad()
     def logps(self, model, rollout: Rollout) -> torch.Tensor:
         """[N, C] log-probs of every completion token under `model`, no gradient."""
-        out = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)  # [N, C]
+        shape, out = rollout.completion_ids.shape, None  # out: float32, float64 for a float64 model
         for rows in self.micro_batches(rollout):
             logps = self.forward(model, rollout, rows)[0]
-            out[rows, :logps.shape[1]] = logps.float()
-        return out
+            if out is None:
+                out = rollout.completion_ids.new_zeros(shape, dtype=_at_least_32(logps))  # [N, C]
+            out[rows, :logps.shape[1]] = logps
+        return out if out is not None else rollout.completion_ids.new_zeros(shape, dtype=torch.float32)
 
     @torch.no_grad()
     def entropies(self, rollout: Rollout) -> torch.Tensor:
         """[N, C] the policy's entropy at every completion position, no gradient."""
-        entropies = torch.zeros(rollout.completion_mask.shape, device=rollout.completion_mask.device)
+        entropies = None  # [N, C] in the entropies' dtype (as logps)
         for rows in self.micro_batches(rollout):
             ent = self.forward(self.model, rollout, rows, entropy=True)[1]
-            entropies[rows, :ent.shape[1]] = ent.float()
-        return entropies
+            if entropies is None:
+                entropies = rollout.completion_mask.new_zeros(rollout.completion_mask.shape,
+                                                              dtype=_at_least_32(ent))
+            entropies[rows, :ent.shape[1]] = ent
+        return entropies if entropies is not None else rollout.completion_mask.new_zeros(
+            rollout.completion_mask.shape, dtype=torch.float32)
 
     def policy_logps(self, rollout: Rollout) -> torch.Tensor:
         """The policy's log-probs of the rollout's tokens as it sampled them: computed once per rollout."""
@@ -208,6 +214,11 @@ class PolicyScorer:
         if self.args.mask_truncated_completions:
             mask = mask * (~rollout.truncated).float()[:, None]
         return mask
+
+
+def _at_least_32(values: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision values, their own dtype otherwise (a float64 model keeps float64)."""
+    return torch.promote_types(values.dtype, torch.float32)
 
 
 # Below this many tokens per block on average, the loop over blocks (one SDPA call per block and layer) costs

@@ -36,7 +36,8 @@ def main() -> None:
             values.update(per_device_train_batch_size=2, gradient_accumulation_steps=4 // world)
         cfg = DistillationConfig(output_dir=f"{out}-run", optim="sgd", learning_rate=1.0, max_grad_norm=1e9, seed=0,
                                  max_steps=1, max_completion_length=8, report_to=["none"], disable_tqdm=True,
-                                 gradient_checkpointing=False, **values)
+                                 gradient_checkpointing=False, model_init_kwargs={"dtype": "float64"},
+                                 **values)  # compared to rounding: tests/helpers.py SAME_STEP
         peft = None
         if name == "lora":
             from peft import LoraConfig

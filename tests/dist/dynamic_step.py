@@ -47,7 +47,8 @@ def main() -> None:
                      num_generations=GROUP, per_device_train_batch_size=PER_DEVICE,
                      gradient_accumulation_steps=GLOBAL_ACCUMULATION // world, max_steps=2, beta=0.04,
                      max_completion_length=8, report_to=["none"], disable_tqdm=True, scale_rewards="batch",
-                     gradient_checkpointing=False, dynamic_sampling=True, max_num_gen_batches=6)
+                     gradient_checkpointing=False, dynamic_sampling=True, max_num_gen_batches=6,
+                     model_init_kwargs={"dtype": "float64"})  # compared to rounding: tests/helpers.py SAME_STEP
     trainer = GRPOTrainer(model_dir, [even_answers_spread], cfg, addition_rows(32))
     trainer.generator = FixedGenerator(trainer.tokenizer)
     steps, rows = [], []

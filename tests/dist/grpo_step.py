@@ -4,9 +4,10 @@ processes (torchrun).
 Generation is replaced by a deterministic stand-in so every launch sees the same
 completions for the same prompt; everything after it (rewards, gathered advantages, global
 normalisers, DDP, the optimiser) is the library's own path. Writes the trained parameters
-and the logged step metrics of each loss_type to OUT (main process only).
+and the logged step metrics of each loss_type to OUT (main process only). The model trains in DTYPE, float64
+unless given (tests/helpers.py: SAME_STEP); DeepSpeed's engines train float32 only.
 
-    torchrun --nproc_per_node 2 --standalone tests/dist/grpo_step.py MODEL_DIR OUT GLOBAL_ACCUMULATION
+    torchrun --nproc_per_node 2 --standalone tests/dist/grpo_step.py MODEL_DIR OUT GLOBAL_ACCUMULATION [DTYPE]
     accelerate launch --config_file ENGINE.yaml tests/dist/grpo_step.py ...   (FSDP2, ZeRO-2, ZeRO-3)
 """
 
@@ -93,6 +94,7 @@ def token_sum_reward(completion_ids, **kwargs):
 
 def main() -> None:
     model_dir, out, global_accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "float64"
     results = {}
     runs = {loss_type: dict(loss_type=loss_type) for loss_type in LOSS_TYPES} | OPTIONS
     for name, fields in runs.items():
@@ -102,7 +104,8 @@ def main() -> None:
                          num_generations=GROUP, per_device_train_batch_size=PER_DEVICE,
                          gradient_accumulation_steps=global_accumulation // world, max_steps=1, beta=0.04,
                          max_completion_length=8, report_to=["none"], disable_tqdm=True,
-                         scale_rewards="batch", gradient_checkpointing=False, **{"loss_type": "grpo", **fields})
+                         scale_rewards="batch", gradient_checkpointing=False, model_init_kwargs={"dtype": dtype},
+                         **{"loss_type": "grpo", **fields})
         trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(PROMPTS))
         trainer.generator = FixedGenerator(trainer.tokenizer, kept=fields.get("top_p", 1.0) < 1.0)
         batch = trainer._make_rollout(0)

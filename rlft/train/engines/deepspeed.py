@@ -18,6 +18,8 @@ from rlft.errors import ConfigError
 from rlft.train.engines.base import GatheringEngine, State
 
 FLOAT16 = "float16 weights under DeepSpeed: rlft trains bfloat16 or float32 (dtype: bfloat16)"
+FLOAT64 = ("float64 weights under DeepSpeed: its engines train bfloat16, float16 or float32 and would "
+           "cast the model to float32 without a word (dtype: float32, or train float64 under DDP or FSDP2)")
 
 
 class DeepSpeedEngine(GatheringEngine):
@@ -48,8 +50,8 @@ class DeepSpeedEngine(GatheringEngine):
         """The config's bf16 follows the dtype asked for, before any model is loaded: under ZeRO-3
         transformers builds the model inside zero.Init, which casts every weight to the config's dtype
         (float32 unless bf16 is enabled there: a bfloat16 run trained and saved float32 weights, measured)."""
-        if dtype == torch.float16:
-            raise ConfigError(FLOAT16)
+        if dtype in (torch.float16, torch.float64):
+            raise ConfigError(FLOAT16 if dtype == torch.float16 else FLOAT64)
         self._plugin.deepspeed_config["bf16"] = {"enabled": dtype == torch.bfloat16}
         if self._plugin.zero3_init_flag:  # transformers' zero.Init reads the copy registered here
             self._plugin.set_deepspeed_weakref()
@@ -74,9 +76,10 @@ class DeepSpeedEngine(GatheringEngine):
             raise ConfigError(f"the DeepSpeed config's gradient_accumulation_steps={accumulation}: rlft "
                               "accumulates itself (gradient_accumulation_steps in the rlft config); set it "
                               "to 1 or auto there")
-        bf16 = next(model.parameters()).dtype == torch.bfloat16
-        if next(model.parameters()).dtype == torch.float16:
-            raise ConfigError(FLOAT16)
+        dtype = next(model.parameters()).dtype
+        if dtype in (torch.float16, torch.float64):  # a loaded model passed in
+            raise ConfigError(FLOAT16 if dtype == torch.float16 else FLOAT64)
+        bf16 = dtype == torch.bfloat16
         config.update({"gradient_clipping": clip, "gradient_accumulation_steps": 1,
                        "train_micro_batch_size_per_gpu": 1, "managed_gradient_accumulation": False,
                        "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16},
