@@ -1,33 +1,48 @@
 """rlft: reinforcement-learning fine-tuning of language models (GRPO, on-policy distillation and reward
 models).
 
-The names a TRL script imports from `trl` are importable from `rlft` (docs/migration.md).
+The names a TRL script imports from `trl` are importable from `rlft` (docs/migration.md). Every name loads on
+first use (as TRL's lazy module does), so `import rlft` and `rlft --help` load neither torch nor transformers.
 """
 
 import logging
 
-from rlft.config import AsyncGRPOConfig, DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
-from rlft.model_config import ModelConfig, get_kbit_device_map, get_peft_config, get_quantization_config
-from rlft.script_args import DatasetConfig, DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
+from rlft import paths as _paths
+from rlft.kinds import KINDS as _KINDS
 
 # a library logs; the application configures handlers
 logging.getLogger("rlft").addHandler(logging.NullHandler())
+_paths.install()  # rlft.trainer.grpo_trainer, rlft.experimental.async_grpo, ... (TRL's module paths)
 
-__all__ = ["GRPOConfig", "RewardConfig", "SFTConfig", "RLOOConfig", "GRPOTrainer", "RewardTrainer",
-           "RLOOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer", "ModelConfig", "ScriptArguments",
-           "DatasetConfig", "DatasetMixtureConfig", "TrlParser", "get_dataset", "get_peft_config",
-           "get_quantization_config", "get_kbit_device_map", "DistillationConfig", "DistillationTrainer"]
 __version__ = "0.2.0"
 
-_LAZY = {"GRPOTrainer": "rlft.train.grpo", "RewardTrainer": "rlft.train.reward",
-         "RLOOTrainer": "rlft.train.rloo", "AsyncGRPOTrainer": "rlft.train.async_grpo",
-         "DistillationTrainer": "rlft.train.distillation"}
+_LAZY = {
+    "SFTConfig": "rlft.config:SFTConfig",
+    "ModelConfig": "rlft.model_config:ModelConfig",
+    "get_peft_config": "rlft.model_config:get_peft_config",
+    "get_quantization_config": "rlft.model_config:get_quantization_config",
+    "get_kbit_device_map": "rlft.model_config:get_kbit_device_map",
+    "ScriptArguments": "rlft.script_args:ScriptArguments",
+    "DatasetConfig": "rlft.script_args:DatasetConfig",
+    "DatasetMixtureConfig": "rlft.script_args:DatasetMixtureConfig",
+    "TrlParser": "rlft.script_args:TrlParser",
+    "get_dataset": "rlft.script_args:get_dataset",
+}
+for _kind in _KINDS.values():
+    _LAZY.update({_kind.config_name: _kind.config, _kind.trainer_name: _kind.trainer})
+
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
-    # Trainers import peft and the training loop; load them only when asked for.
     if name in _LAZY:
-        import importlib
+        from rlft.kinds import load
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = load(_LAZY[name])
+        globals()[name] = value  # later lookups skip this function
+        return value
     raise AttributeError(f"module 'rlft' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

@@ -1,4 +1,5 @@
-"""The `rlft` command: grpo | rloo | reward | distillation | demo | doctor | plot | vllm-serve.
+"""The `rlft` command: grpo | rloo | reward | distillation (the kinds of rlft/kinds.py) | demo | doctor |
+plot | vllm-serve.
 
 Training subcommands take `--config run.yaml` plus `--field value` overrides for any
 config field (`rlft grpo --config run.yaml --learning_rate 1e-5`).
@@ -10,6 +11,7 @@ import argparse
 import sys
 
 from rlft.errors import ConfigError, OutputDirBusyError
+from rlft.kinds import KINDS, command_kinds
 
 
 def train_command(kind: str, argv: list[str]) -> int:
@@ -21,7 +23,7 @@ def train_command(kind: str, argv: list[str]) -> int:
 
     argv = [a for a in argv if a != "--verbose"]
     if "-h" in argv or "--help" in argv:
-        parser = make_parser(kind, prog=f"rlft {kind}", description=HELP[kind], allow_abbrev=False,
+        parser = make_parser(kind, prog=f"rlft {kind}", description=KINDS[kind].help, allow_abbrev=False,
                              usage=f"rlft {kind} [--config run.yaml] [--field value ...]")
         parser.add_argument("--config",
                             help="YAML file of fields of any of the groups below (TRL's recipe format)")
@@ -60,22 +62,7 @@ def train_command(kind: str, argv: list[str]) -> int:
     return 0
 
 
-HELP = {"grpo": "GRPO training. Fields of every group below can be in the --config YAML or given here "
-                "(options win over the YAML); TRL's `trl grpo` arguments are accepted; examples/configs/ "
-                "holds runnable configs.",
-        "rloo": "RLOO training (TRL's RLOOTrainer: leave-one-out baseline, KL in the reward). Fields of "
-                "every group below can be in the --config YAML or given here; TRL's `trl rloo` arguments "
-                "are accepted.",
-        "distillation": "On-policy distillation (TRL's DistillationTrainer: the student samples, the teacher "
-                        "scores every token, generalized JSD at beta). Fields of every group below can be in "
-                        "the --config YAML or given here; TRL's `trl distillation` arguments are accepted; "
-                        "teacher_model_name_or_path names the teacher.",
-        "reward": "Bradley-Terry reward-model training. Fields of every group below can be in the --config "
-                  "YAML or given here (options win over the YAML); TRL's `trl reward` arguments are "
-                  "accepted."}
-
-
-TRAINING = ("grpo", "rloo", "reward", "distillation")
+TRAINING = command_kinds()  # `rlft <kind>` (rlft/kinds.py)
 
 
 def _cmd_demo(args, extra: list[str]) -> int:
@@ -142,19 +129,17 @@ def _add_vllm_serve(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO and "
-                                     "reward models.")
+    parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO, "
+                                     "RLOO, on-policy distillation and reward models.")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true",
                         help="show third-party progress bars and vLLM's INFO log (also: RLFT_VERBOSE=1)")
 
-    for name, what in (("grpo", "GRPO training"), ("rloo", "RLOO training (TRL's RLOOTrainer)"),
-                       ("reward", "Bradley-Terry reward-model training"),
-                       ("distillation", "On-policy distillation (TRL's DistillationTrainer)")):
+    for name in TRAINING:
         sub.add_parser(name, parents=[common], add_help=False,
-                       help=f"{what} from a YAML config and/or --field value options (rlft {name} --help "
-                       "lists every field)")
+                       help=f"{KINDS[name].summary} from a YAML config and/or --field value options (rlft "
+                       f"{name} --help lists every field)")
 
     demo = sub.add_parser("demo", parents=[common],
                           help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")

@@ -92,7 +92,7 @@ class Run:
 
     def small(self, per_device: int):
         """The config for a one-step trial: whole data in one micro-batch, no tracker, a scratch folder."""
-        from rlft.recipes import model_init_kwargs
+        from rlft.model_config import model_init_kwargs
 
         return dataclasses.replace(self.cfg, per_device_train_batch_size=per_device,
                                    gradient_accumulation_steps=1, max_steps=1, report_to=[],
@@ -276,8 +276,7 @@ def doctor_distillation(run: Run, report: Report, model=None, train_dataset=None
     """What `rlft distillation` would build: student and teacher load and share a vocabulary, one rollout,
     and the divergence's gradient reaches every trainable parameter."""
     from rlft.data.prompts import is_conversational
-    from rlft.model_config import get_peft_config
-    from rlft.recipes import teacher_init_kwargs
+    from rlft.model_config import get_peft_config, teacher_init_kwargs
     from rlft.train.distillation import DistillationTrainer
 
     source = model if model is not None else run.model_args.model_name_or_path

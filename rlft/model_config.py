@@ -10,6 +10,7 @@ would train in float32 on a GPU (docs/migration.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlft.errors import ConfigError
 
@@ -138,3 +139,32 @@ def get_kbit_device_map() -> dict[str, int] | None:
     from accelerate import PartialState
 
     return {"": PartialState().local_process_index}
+
+
+def _loading_kwargs(model_args: ModelConfig) -> dict[str, Any]:
+    """Attention and dtype from ModelConfig, as TRL's scripts pass them to both models."""
+    kwargs: dict[str, Any] = {}
+    if model_args.attn_implementation is not None:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    if model_args.dtype not in (None, "auto"):
+        kwargs["dtype"] = model_args.dtype
+    return kwargs
+
+
+def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
+    """TRL's scripts' model_init_kwargs: revision, attention, dtype from ModelConfig, then training_args'."""
+    kwargs = _loading_kwargs(model_args)
+    if model_args.model_revision != "main":
+        kwargs["revision"] = model_args.model_revision
+    kwargs.update(training_args.model_init_kwargs or {})
+    return kwargs or None
+
+
+def teacher_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
+    """`trl distillation`'s teacher kwargs: attention and dtype from ModelConfig, then
+    teacher_model_init_kwargs (the revision is teacher_model_revision's); a served teacher loads none."""
+    if training_args.teacher_model_server_url:
+        return training_args.teacher_model_init_kwargs
+    kwargs = {**_loading_kwargs(model_args), **(training_args.teacher_model_init_kwargs or {})}
+    return kwargs or None
+

@@ -14,9 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlft.config import DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig
 from rlft.errors import ConfigError
-from rlft.model_config import ModelConfig, get_peft_config, get_quantization_config
+from rlft.kinds import KINDS, load
+from rlft.model_config import (
+    ModelConfig,
+    get_peft_config,
+    get_quantization_config,
+    model_init_kwargs,
+    teacher_init_kwargs,
+)
 from rlft.script_args import DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset, read_recipe
 
 # Fields that hold a path, read from the YAML's folder when they do not exist from the working directory.
@@ -62,14 +68,10 @@ class RewardScriptArguments(ScriptArguments):
                                         "data evaluates each"})
 
 
-KINDS = {"grpo": (GRPOScriptArguments, GRPOConfig), "reward": (RewardScriptArguments, RewardConfig),
-         "rloo": (GRPOScriptArguments, RLOOConfig),
-         "distillation": (RewardScriptArguments, DistillationConfig)}
-
-
 def make_parser(kind: str, **kwargs) -> TrlParser:
-    script, config = KINDS[kind]
-    return TrlParser((script, config, ModelConfig, DatasetMixtureConfig), **kwargs)
+    """The four argument groups of `rlft <kind>` (rlft/kinds.py)."""
+    row = KINDS[kind]
+    return TrlParser((load(row.script_args), load(row.config), ModelConfig, DatasetMixtureConfig), **kwargs)
 
 
 def resolve_paths(values: dict[str, Any], base: Path, notes: list[str]) -> dict[str, Any]:
@@ -110,34 +112,6 @@ def parse_run(
     if rest:
         raise ConfigError(parser.unknown_message([r for r in rest if r.startswith("--")] or rest))
     return (*parsed, notes)
-
-
-def _loading_kwargs(model_args: ModelConfig) -> dict[str, Any]:
-    """Attention and dtype from ModelConfig, as TRL's scripts pass them to both models."""
-    kwargs: dict[str, Any] = {}
-    if model_args.attn_implementation is not None:
-        kwargs["attn_implementation"] = model_args.attn_implementation
-    if model_args.dtype not in (None, "auto"):
-        kwargs["dtype"] = model_args.dtype
-    return kwargs
-
-
-def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
-    """TRL's scripts' model_init_kwargs: revision, attention, dtype from ModelConfig, then training_args'."""
-    kwargs = _loading_kwargs(model_args)
-    if model_args.model_revision != "main":
-        kwargs["revision"] = model_args.model_revision
-    kwargs.update(training_args.model_init_kwargs or {})
-    return kwargs or None
-
-
-def teacher_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
-    """`trl distillation`'s teacher kwargs: attention and dtype from ModelConfig, then
-    teacher_model_init_kwargs (the revision is teacher_model_revision's); a served teacher loads none."""
-    if training_args.teacher_model_server_url:
-        return training_args.teacher_model_init_kwargs
-    kwargs = {**_loading_kwargs(model_args), **(training_args.teacher_model_init_kwargs or {})}
-    return kwargs or None
 
 
 def recipe_datasets(script_args, training_args, mixture_args):
@@ -182,21 +156,26 @@ def build_trainer(kind: str, script_args, training_args, model_args, mixture_arg
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
-    if kind == "reward":
-        from rlft.train.reward import RewardTrainer
+    row = KINDS[kind]
+    build = load(row.recipe) if row.recipe else plain
+    return build(load(row.trainer), script_args, training_args, model_args, **common)
 
-        return RewardTrainer(model_args.model_name_or_path, **common)
-    if kind == "distillation":
-        from rlft.train.distillation import DistillationTrainer
 
-        training_args.teacher_model_init_kwargs = teacher_init_kwargs(model_args, training_args)
-        return DistillationTrainer(model_args.model_name_or_path, training_args.teacher_model_name_or_path,
-                                   **common)
-    from rlft.train.grpo import GRPOTrainer
-    from rlft.train.rloo import RLOOTrainer
+def plain(trainer, script_args, training_args, model_args, **common):
+    """`trl reward`'s trainer: the model and the common arguments (args, datasets, peft and quantization)."""
+    return trainer(model_args.model_name_or_path, **common)
 
-    rewards = (
-        [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
-    ) + list(script_args.reward_funcs or [])
-    trainer = RLOOTrainer if kind == "rloo" else GRPOTrainer
-    return trainer(model_args.model_name_or_path, reward_funcs=rewards, **common)
+
+def with_rewards(trainer, script_args, training_args, model_args, **common):
+    """`trl grpo`'s / `trl rloo`'s trainer: the reward model (reward_model_name_or_path) first, then
+    reward_funcs."""
+    rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    return trainer(model_args.model_name_or_path, reward_funcs=rewards + list(script_args.reward_funcs or []),
+                   **common)
+
+
+def with_teacher(trainer, script_args, training_args, model_args, **common):
+    """`trl distillation`'s trainer: the teacher from teacher_model_name_or_path, loaded with ModelConfig's
+    attention and dtype, then teacher_model_init_kwargs (a served teacher loads none)."""
+    training_args.teacher_model_init_kwargs = teacher_init_kwargs(model_args, training_args)
+    return trainer(model_args.model_name_or_path, training_args.teacher_model_name_or_path, **common)

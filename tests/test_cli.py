@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from rlft.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_help_lists_every_subcommand():
@@ -102,12 +106,12 @@ def test_training_help_lists_every_field_of_every_dataclass_with_default_and_hel
     import dataclasses
 
     from rlft.config_help import FIELD_HELP
+    from rlft.kinds import KINDS, load
     from rlft.model_config import ModelConfig
-    from rlft.recipes import KINDS
 
     assert main([sub, "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    script, config = KINDS[sub]
+    script, config = load(KINDS[sub].script_args), load(KINDS[sub].config)
     for cls in (script, config, ModelConfig):
         for f in dataclasses.fields(cls):
             if f.init:
@@ -165,3 +169,52 @@ def test_any_field_on_the_command_line_without_a_yaml(tmp_path, shipped_policy_d
     assert script.reward_funcs == ["exact_match", "format"] and cfg.reward_weights == [1.0, 0.5]
     assert model.use_peft is True and cfg.learning_rate == 2e-5 and cfg.max_steps == 3
     assert main(["grpo", "--learning_rat", "1"]) == 2
+
+
+def test_import_rlft_and_the_commands_help_load_no_torch_and_a_kinds_help_loads_no_trainer():
+    """`import rlft` and `rlft --help` answer at once (no torch, no transformers: TRL's lazy module is the
+    anchor); `rlft grpo --help` reads the configs but loads no trainer, model or rollout engine."""
+    script = ("import sys\nimport rlft\nassert rlft.__all__ and 'GRPOTrainer' in rlft.__all__\n"
+              "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+              "assert not heavy, heavy[:5]\nfrom rlft.cli import main\n"
+              "try:\n    main([{args}])\nexcept SystemExit:\n    pass\n"
+              "loaded = sorted(m for m in sys.modules if m.split('.')[0] in {forbidden})\n"
+              "assert not loaded, loaded[:5]\n")
+    cases = {"'--help'": ("torch", "transformers"),
+             "'grpo', '--help'": ("rlft.train", "rlft.rollout", "rlft.models", "rlft.scoring", "vllm"),
+             "'distillation', '--help'": ("rlft.train", "rlft.rollout", "rlft.models", "vllm")}
+    for args, forbidden in cases.items():
+        forbidden_modules = {name for name in forbidden if "." not in name}
+        code = script.format(args=args, forbidden=repr(forbidden_modules))
+        code += "".join(f"assert not any(m.startswith({prefix!r}) for m in sys.modules), {prefix!r}\n"
+                        for prefix in forbidden if "." in prefix)
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+        assert result.returncode == 0, (args, result.stderr[-2000:])
+
+
+def test_trls_module_paths_come_from_the_kind_rows_and_the_deprecated_one_warns_as_trls():
+    import importlib
+    import warnings
+
+    from rlft.kinds import KINDS, load
+
+    for kind in KINDS.values():
+        for path in kind.trl_paths:
+            module = importlib.import_module(f"rlft.{path}")
+            for name, target in kind.names().items():
+                assert getattr(module, name) is load(target), (path, name)
+    with pytest.warns(FutureWarning, match=r"Update your imports to `from rlft import DistillationTrainer`"):
+        from rlft.experimental.distillation import DistillationTrainer
+    from rlft import DistillationConfig
+    from rlft import DistillationTrainer as Stable
+
+    assert DistillationTrainer is Stable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from rlft.trainer.distillation_config import (
+            DistillationConfig as Same,  # no warning on TRL's own path
+        )
+    assert Same is DistillationConfig
+    with pytest.raises(ImportError):
+        from rlft.trainer.grpo_trainer import NotThere  # noqa: F401

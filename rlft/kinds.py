@@ -1,0 +1,87 @@
+"""The trainer kinds, one row each: its command, config, trainer, script arguments, help and TRL's module
+paths.
+
+Everything that names a kind reads it from here: `rlft.__all__` and its lazy imports (rlft/__init__.py),
+`rlft <kind>` and its help (rlft/cli.py), the recipe builder (rlft/recipes.py) and TRL's module paths
+(`rlft.trainer.grpo_trainer`, `rlft.experimental.async_grpo`, ...: rlft/paths.py). A new kind is its own
+module(s) and one row. Rows hold "module:name" strings, so reading them imports nothing: `rlft --help` lists
+the commands without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+
+def load(target: str):
+    """The object a "module:name" string names (imported on first use)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # `rlft <name>` (TRL's `trl <name>`)
+    config: str  # "module:Class" of its config (a TrainingArguments subclass)
+    trainer: str  # "module:Class" of its trainer
+    summary: str  # its line in `rlft --help`
+    help: str  # the description `rlft <name> --help` prints
+    script_args: str = "rlft.recipes:GRPOScriptArguments"  # the command's script arguments
+    # "module:function" building the trainer from a recipe's argument groups (rlft/recipes.py: build_trainer);
+    # empty: the trainer from the model and the common arguments alone
+    recipe: str = "rlft.recipes:with_rewards"
+    command: bool = True  # `rlft <name>` runs it
+    trl_paths: tuple[str, ...] = ()  # TRL's modules (after "trl.") holding its config and trainer
+    deprecated_paths: tuple[str, ...] = ()  # TRL's deprecated aliases: a FutureWarning on use, as TRL's
+    extra_names: dict[str, str] = field(default_factory=dict)  # more names on those paths: "module:name"
+
+    @property
+    def config_name(self) -> str:
+        return self.config.partition(":")[2]
+
+    @property
+    def trainer_name(self) -> str:
+        return self.trainer.partition(":")[2]
+
+    def names(self) -> dict[str, str]:
+        """name -> "module:name" of everything its TRL paths hold."""
+        return {self.config_name: self.config, self.trainer_name: self.trainer, **self.extra_names}
+
+
+_FIELDS = ("Fields of every group below can be in the --config YAML or given here (options win over the "
+           "YAML)")
+
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (
+    Kind("grpo", "rlft.config:GRPOConfig", "rlft.train.grpo:GRPOTrainer", "GRPO training",
+         f"GRPO training. {_FIELDS}; TRL's `trl grpo` arguments are accepted; examples/configs/ holds "
+         "runnable configs.",
+         trl_paths=("trainer.grpo_trainer", "trainer.grpo_config")),
+    Kind("rloo", "rlft.config:RLOOConfig", "rlft.train.rloo:RLOOTrainer", "RLOO training (TRL's RLOOTrainer)",
+         "RLOO training (TRL's RLOOTrainer: leave-one-out baseline, KL in the reward). "
+         f"{_FIELDS}; TRL's `trl rloo` arguments are accepted.",
+         trl_paths=("trainer.rloo_trainer", "trainer.rloo_config")),
+    Kind("reward", "rlft.config:RewardConfig", "rlft.train.reward:RewardTrainer",
+         "Bradley-Terry reward-model training",
+         f"Bradley-Terry reward-model training. {_FIELDS}; TRL's `trl reward` arguments are accepted.",
+         script_args="rlft.recipes:RewardScriptArguments", recipe="",
+         trl_paths=("trainer.reward_trainer", "trainer.reward_config"),
+         extra_names={"DataCollatorForPreference": "rlft.data.preference:DataCollatorForPreference"}),
+    Kind("distillation", "rlft.config:DistillationConfig", "rlft.train.distillation:DistillationTrainer",
+         "On-policy distillation (TRL's DistillationTrainer)",
+         "On-policy distillation (TRL's DistillationTrainer: the student samples, the teacher scores every "
+         f"token, generalized JSD at beta). {_FIELDS}; TRL's `trl distillation` arguments are accepted; "
+         "teacher_model_name_or_path names the teacher.",
+         script_args="rlft.recipes:RewardScriptArguments", recipe="rlft.recipes:with_teacher",
+         trl_paths=("trainer.distillation_trainer", "trainer.distillation_config"),
+         deprecated_paths=("experimental.distillation",)),
+    Kind("async_grpo", "rlft.config:AsyncGRPOConfig", "rlft.train.async_grpo:AsyncGRPOTrainer",
+         "Async GRPO (TRL's experimental AsyncGRPOTrainer)",
+         "Async GRPO: a producer process samples later steps' rollouts while the trainer trains.",
+         command=False, trl_paths=("experimental.async_grpo",)),
+)}
+
+
+def command_kinds() -> tuple[str, ...]:
+    """The kinds `rlft <kind>` trains."""
+    return tuple(name for name, kind in KINDS.items() if kind.command)
