@@ -27,6 +27,7 @@ _LAZY = {
     "DatasetMixtureConfig": "rlft.script_args:DatasetMixtureConfig",
     "TrlParser": "rlft.script_args:TrlParser",
     "get_dataset": "rlft.script_args:get_dataset",
+    "LogCompletionsCallback": "rlft.callbacks:LogCompletionsCallback",
 }
 for _kind in _KINDS.values():
     _LAZY.update({_kind.config_name: _kind.config, _kind.trainer_name: _kind.trainer})
