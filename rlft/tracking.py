@@ -106,6 +106,11 @@ class RunLog:
             self.accelerator.log({k: v for k, v in row.items() if k != "step" and isinstance(v, int | float)},
                                  step=step)
 
+    def track(self, values: dict[str, float], step: int) -> None:
+        """Scalars to the trackers only (not metrics.jsonl), from the main process."""
+        if self.is_main and self.trackers:
+            self.accelerator.log(values, step=step)
+
     def samples(self, rows: list[dict], step: int) -> None:
         if not self.is_main or not rows:
             return
@@ -154,6 +159,13 @@ class Messages:
             self.run.warn(message)
         else:
             logger.warning(message)
+
+    def waiting(self, name: str, seconds: float, step, message: str) -> None:
+        """A reward function still running (called from its watcher thread): said on the console and in the
+        run's log, and its seconds so far to the trackers (`rewards/<name>/running_seconds`)."""
+        self.warn(message)
+        if self.run is not None:
+            self.run.track({f"rewards/{name}/running_seconds": seconds}, int(step or 0))
 
 
 PLAIN_KEYS = ("reward", "loss", "grad_norm", "accuracy", "step_time")

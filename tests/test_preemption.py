@@ -18,7 +18,7 @@ import torch
 
 from rlft.tracking import read_metrics
 from rlft.train.checkpoint import latest_checkpoint, verify
-from rlft.train.preemption import PREEMPTED_EXIT
+from rlft.train.preemption import PREEMPTED_EXIT, Preempted
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "tests/dist/preempt_run.py"
@@ -60,6 +60,9 @@ def test_sigterm_mid_run_writes_a_checkpoint_exits_75_and_the_resume_equals_the_
     assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-3000:]
     assert "stopped by SIGTERM after step 2 of 5: checkpoint written to" in stopped.stderr
     assert "resume_from_checkpoint=True" in stopped.stderr
+    # heard at once, said once; the stop line once too
+    assert stopped.stderr.count("SIGTERM received: the run stops after the current step and writes a checkpoint") == 1
+    assert stopped.stderr.count("stopped by SIGTERM") == 1, stopped.stderr[-3000:]
     assert latest_checkpoint(tmp_path / "stopped" / "run").name == "checkpoint-2"  # no regular checkpoint before
     assert not (tmp_path / "stopped" / "params.pt").exists()
     if kind == "async":  # the producer process was stopped with the run
@@ -112,3 +115,24 @@ def test_a_signal_during_a_save_and_a_second_ctrl_c_leave_the_previous_checkpoin
             assert proc.returncode != 0 and "KeyboardInterrupt" in stderr, stderr[-3000:]
             assert latest_checkpoint(run_dir).name == "checkpoint-2" and not list(run_dir.glob(".tmp-*"))
             verify(run_dir / "checkpoint-2")
+
+
+def test_the_stop_line_names_the_command_the_run_came_from(tmp_path, shipped_policy_dir):
+    from rlft import DistillationConfig, DistillationTrainer, GRPOConfig
+    from rlft.train.async_grpo import AsyncGRPOTrainer
+    from tests.helpers import addition_rows
+
+    class Signal:
+        name = "SIGTERM"
+
+    common = dict(max_steps=1, report_to=["none"], max_completion_length=8)
+    distill = DistillationTrainer(str(shipped_policy_dir), str(shipped_policy_dir),
+                                  DistillationConfig(output_dir=str(tmp_path / "d"), **common), addition_rows(8))
+    grpo_like = AsyncGRPOTrainer.__new__(AsyncGRPOTrainer)  # no command of its own: no command named
+    for trainer, want in ((distill, "(rlft distillation: --resume_from_checkpoint true)"), (grpo_like, "=True;")):
+        trainer.args, trainer.total_steps = GRPOConfig(output_dir=str(tmp_path / "x"), **common), 3
+        trainer.flow = type("Flow", (), {"control": type("Control", (), {"should_save": True})()})()
+        trainer.messages = distill.messages
+        with pytest.raises(Preempted) as stop:
+            trainer._preempted(1, Signal())
+        assert want in str(stop.value) and "rlft grpo/rloo/reward" not in str(stop.value)

@@ -222,3 +222,28 @@ def test_with_reward_timeout_functions_run_in_the_callers_grad_mode():
         call([records_grad_mode], timeout=30.0)
     call([records_grad_mode], timeout=30.0)
     assert seen == [False, True]
+
+
+def test_during_training_a_slow_reward_is_named_on_the_console_and_to_the_trackers(tmp_path, shipped_policy_dir,
+                                                                                    monkeypatch, capsys):
+    """Nothing configures Python's logging here: the line still reaches the console (stderr), and the seconds
+    so far reach the run's trackers (`rewards/<name>/running_seconds`)."""
+    import rlft.rewards.calling as calling
+    from rlft import GRPOTrainer
+    from tests.helpers import addition_rows, tiny_grpo_config
+
+    monkeypatch.setattr(calling, "REPORT_SECONDS", 0.2)
+
+    def sleepy(completions, **kwargs):
+        time.sleep(0.5)
+        return [1.0] * len(completions)
+
+    cfg = tiny_grpo_config(tmp_path, max_steps=1, report_to=["tensorboard"], log_completions=False)
+    GRPOTrainer(str(shipped_policy_dir), [sleepy], cfg, addition_rows(8)).train()
+    err = " ".join(capsys.readouterr().err.split())
+    assert "reward function 'sleepy' is still running after 0 s at step 0 (no reward_timeout" in err
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((tmp_path / "run" / "runs").rglob("events.out.*")).parent))
+    events.Reload()
+    assert "rewards/sleepy/running_seconds" in events.Tags()["scalars"]

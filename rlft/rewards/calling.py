@@ -243,12 +243,20 @@ def _invoke_all(funcs: list[Callable], names: list[str], kwargs: dict[str, Any],
     return results
 
 
-def _still_running(running: Running, step: Any, timeout: float | None) -> None:
+def _log_waiting(name: str, seconds: float, step: Any, message: str) -> None:
+    logging.getLogger("rlft").warning(message)
+
+
+def _still_running(running: Running, step: Any, timeout: float | None,
+                   report: Callable = _log_waiting) -> None:
+    """Name each reward function still running: report(name, seconds, step, message) (the trainer's: the
+    console, the run's log and its trackers; Python's `rlft` logger otherwise)."""
     limit = (f"reward_timeout={timeout:g} s stops the run" if timeout is not None else
-             "no reward_timeout: set one to stop the run when a reward function hangs")
+             "no reward_timeout: set one to stop the run when a reward function hangs; Ctrl-C twice stops "
+             "it now")
     for name, seconds in running.now():
-        logging.getLogger("rlft").warning("reward function %r is still running after %.0f s at step %s (%s)",
-                                          name, seconds, step, limit)
+        report(name, seconds, step,
+               f"reward function {name!r} is still running after {seconds:.0f} s at step {step} ({limit})")
 
 
 def _timed_out(running: Running, step: Any, timeout: float) -> RewardFunctionError:
@@ -262,7 +270,8 @@ def _timed_out(running: Running, step: Any, timeout: float) -> RewardFunctionErr
         "limit)")
 
 
-def _watched(work: Callable[[], Any], running: Running, step: Any, timeout: float | None) -> Any:
+def _watched(work: Callable[[], Any], running: Running, step: Any, timeout: float | None,
+             report: Callable = _log_waiting) -> Any:
     """work(), naming what still runs every REPORT_SECONDS. Without a timeout it runs in this thread and a
     watcher thread names it; with one it runs in a daemon thread, in this thread's grad mode, and this
     thread stops waiting after `timeout` seconds with an error naming what still runs."""
@@ -271,7 +280,7 @@ def _watched(work: Callable[[], Any], running: Running, step: Any, timeout: floa
 
         def watch():
             while not done.wait(REPORT_SECONDS):
-                _still_running(running, step, None)
+                _still_running(running, step, None, report)
 
         threading.Thread(target=watch, daemon=True, name="rlft-reward-watch").start()
         try:
@@ -298,7 +307,7 @@ def _watched(work: Callable[[], Any], running: Running, step: Any, timeout: floa
             break
         if time.monotonic() >= deadline:
             raise _timed_out(running, step, timeout)
-        _still_running(running, step, timeout)
+        _still_running(running, step, timeout, report)
         next_report += REPORT_SECONDS
     if "error" in outcome:
         raise outcome["error"]
@@ -342,10 +351,10 @@ def _check(name: str, values: Any, expected: int, step: int, completions: list,
 def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, completions: list,
                     completion_ids: list[list[int]], columns: dict[str, list], trainer_state: Any,
                     reward_log: RewardLog, allow_nan: bool = False,
-                    timeout: float | None = None) -> torch.Tensor:
+                    timeout: float | None = None, report: Callable = _log_waiting) -> torch.Tensor:
     """Call every reward function once on the whole rollout -> rewards [N, F] (NaN = not applicable).
     `timeout` (reward_timeout): seconds they may take together before the run stops naming the one still
-    running."""
+    running; `report(name, seconds, step, message)` hears every REPORT_SECONDS which one still runs."""
     kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
                   trainer_state=trainer_state, log_extra=reward_log.log_extra,
                   log_metric=reward_log.log_metric)
@@ -353,7 +362,7 @@ def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, c
     if not funcs:  # (distillation: no reward function) -> [N, 0]
         return torch.zeros(len(completions), 0)
     running = Running()
-    results = _watched(lambda: _invoke_all(funcs, names, kwargs, running), running, step, timeout)
+    results = _watched(lambda: _invoke_all(funcs, names, kwargs, running), running, step, timeout, report)
     rows = [_check(name, values, len(completions), step, completions, allow_nan)
             for name, values in zip(names, results)]
     rewards = torch.tensor(rows, dtype=torch.float32).T.contiguous()  # [N, F]
@@ -381,9 +390,10 @@ class RewardScorer:
     for its `group` completions, the rollout's own per-row values (environments, rollout_func keys)."""
 
     def __init__(self, funcs: list[Callable], names: list[str], tokenizer, trainer_state: Any,
-                 allow_nan: bool = False, timeout: float | None = None):
+                 allow_nan: bool = False, timeout: float | None = None, report: Callable = _log_waiting):
         self.funcs, self.names, self.tokenizer = funcs, names, tokenizer
         self.trainer_state, self.allow_nan, self.timeout = trainer_state, allow_nan, timeout
+        self.report = report  # (name, seconds, step, message): a reward function still running
 
     def __call__(self, rollout, prompts: dict, group: int,
                  reward_log: RewardLog | None = None) -> tuple[torch.Tensor, list]:
@@ -402,5 +412,5 @@ class RewardScorer:
         rewards = compute_rewards(self.funcs, self.names, prompts=repeated_prompts, completions=completions,
                                   completion_ids=ids, columns=columns, trainer_state=self.trainer_state,
                                   reward_log=reward_log or RewardLog(), allow_nan=self.allow_nan,
-                                  timeout=self.timeout)
+                                  timeout=self.timeout, report=self.report)
         return rewards, completions

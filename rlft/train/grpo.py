@@ -210,7 +210,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                                        args.seed, args.shuffle_dataset and not self.streaming,
                                        acc.process_index, acc.num_processes)
         self.reward_scorer = RewardScorer(self.reward_funcs, self.reward_names, self.tokenizer, self.state,
-                                          args.allow_nan_rewards, timeout=args.reward_timeout)
+                                          args.allow_nan_rewards, timeout=args.reward_timeout,
+                                          report=self.messages.waiting)
         parts = SourceParts(args, self.schedule, self.reward_scorer, self.throughput, acc, self.state,
                             self.messages, unwrapped, self.tokenizer, self.engine, setup, source,
                             None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),

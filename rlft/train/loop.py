@@ -19,11 +19,10 @@ what the trainer's parts say (`messages`) goes to it.
 
 from __future__ import annotations
 
-import sys
-
 from transformers.trainer_utils import TrainOutput
 
 from rlft.config import to_dict
+from rlft.kinds import KINDS
 from rlft.tracking import RunLog
 from rlft.train import runs
 from rlft.train import state as run_state
@@ -72,12 +71,13 @@ class TrainLoop:
         if not self.flow.control.should_save:
             self._save_checkpoint(step)
         path = f"{self.args.output_dir}/checkpoint-{step}"
+        commands = [kind.name for kind in KINDS.values()
+                    if kind.command and kind.trainer_name == type(self).__name__]
+        command = f" (rlft {commands[0]}: --resume_from_checkpoint true)" if commands else ""
         message = (f"stopped by {preemption.name} after step {step} of {self.total_steps}: checkpoint "
-                   f"written to {path}. Resume with resume_from_checkpoint=True (rlft grpo/rloo/reward: "
-                   "--resume_from_checkpoint true); the resumed run continues exactly")
-        self.messages.warn(message)
-        if self.accelerator.is_main_process:
-            print(f"rlft: {message}", file=sys.stderr, flush=True)
+                   f"written to {path}. Resume with resume_from_checkpoint=True{command}; the resumed run "
+                   "continues exactly")
+        self.messages.warn(message)  # the console (stderr) and the run's log, once
         if preemption.name == "SIGINT":
             raise KeyboardInterrupt(message)
         raise Preempted(message)

@@ -12,6 +12,7 @@ abandoned (its temporary folder removed) and the previous one stays as it was.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -32,6 +33,19 @@ class Preempted(RlftError, SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+def _say_heard(signum: int) -> None:
+    """At once, from the handler: the stop was heard and what happens next. os.write, not print: a handler
+    may run while the main thread is inside a buffered write to the same stream."""
+    name = signal.Signals(signum).name
+    again = " (Ctrl-C again stops it now, without a checkpoint)" if signum == signal.SIGINT else ""
+    text = (f"\nrlft: {name} received: the run stops after the current step and writes a checkpoint"
+            f"{again}\n")
+    try:
+        os.write(2, text.encode())
+    except OSError:  # no stderr to write to: the stop still happens
+        pass
 
 
 class Preemption:
@@ -55,6 +69,8 @@ class Preemption:
     def _note(self, signum, frame) -> None:
         if self.signal == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        if self.signal is None and self.accelerator.is_main_process:
+            _say_heard(signum)
         self.signal = self.signal or signum
 
     def requested(self) -> bool:
