@@ -145,6 +145,8 @@ def normalize_grpo(cfg) -> None:
     cfg.scale_rewards = {True: "group", False: "none"}.get(value, value)  # TRL's spellings
     if cfg.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
         cfg.vllm_importance_sampling_clip_max = cfg.vllm_importance_sampling_cap
+    if cfg.token_budget is not None and cfg.token_budget <= 0:  # TRL: "<= 0 disables token budgeting"
+        cfg.token_budget = None
 
 
 # ---- checks ---------------------------------------------------------------------------------------------

@@ -255,7 +255,7 @@ class _GRPOFields(_BaseConfig):
     token_budget: int | None = field(
         default=None, metadata={"help": "fill micro-batches by prompt + completion tokens (at most this "
                                         "many each; a longer row alone) instead of "
-                                        "per_device_train_batch_size rows"})
+                                        "per_device_train_batch_size rows (null or <= 0: by rows)"})
     padding_free: bool | None = field(
         default=None, metadata={"help": "score each micro-batch packed into one sequence, no padding (null: "
                                         "where that computes at most half the tokens a padded one would "

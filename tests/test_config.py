@@ -267,3 +267,12 @@ def test_to_dict_keeps_the_tokenizers_tokens_and_hides_credentials():
     assert (as_dict["pad_token"], as_dict["eos_token"]) == ("<|endoftext|>", "<|im_end|>")
     assert as_dict["hub_token"] != "secret"
     assert RLOOConfig(**{**as_dict, "hub_token": None}).pad_token == "<|endoftext|>"
+
+
+def test_a_token_budget_at_or_below_zero_disables_budgeting_as_in_trl(tmp_path):
+    from rlft import AsyncGRPOConfig, GRPOConfig
+
+    for budget in (0, -1):
+        assert AsyncGRPOConfig(output_dir=str(tmp_path), token_budget=budget).token_budget is None
+        assert GRPOConfig(output_dir=str(tmp_path), token_budget=budget).token_budget is None
+    assert GRPOConfig(output_dir=str(tmp_path), token_budget=64).token_budget == 64

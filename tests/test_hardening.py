@@ -290,6 +290,10 @@ def test_empty_and_malformed_jsonl_files_are_named_by_line(tmp_path):
     listed.write_text('{"prompt": "a"}\n[1, 2]\n')
     with pytest.raises(DatasetError, match=r"listed.jsonl: line 2 is a JSON list, not an object"):
         load_dataset_any(str(listed))
+    latin = tmp_path / "latin1.jsonl"  # pyarrow reads it and fails at the row's first access, naming nothing
+    latin.write_bytes('{"prompt": "a"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DatasetError, match=r"latin1.jsonl: line 2 is not valid UTF-8 \(byte 0xe9 at column 16\)"):
+        load_dataset_any(str(latin))
 
 
 def reward_with_typo(completions, answr=None, **kwargs):

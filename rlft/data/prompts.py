@@ -39,8 +39,11 @@ def _load_named(source: str):
         if fmt is None:
             raise DatasetError(f"dataset file {path}: unknown format {path.suffix!r}; "
                                f"use one of {sorted(FILE_FORMATS)}")
-        if not path.read_bytes().strip():
+        data = path.read_bytes()
+        if not data.strip():
             raise DatasetError(f"dataset file {path} is empty; it needs one row per line (jsonl) or a table")
+        if fmt != "parquet":
+            _check_utf8(path, data)
         try:
             with offline_datasets():
                 return datasets.load_dataset(fmt, data_files=str(path), split="train")
@@ -62,6 +65,18 @@ def _load_named(source: str):
     except Exception as err:  # offline, private, misspelled: datasets' own message says which
         raise DatasetError(f"dataset {source!r} could not be loaded from the hub: "
                            f"{type(err).__name__}: {err}") from err
+
+
+def _check_utf8(path: Path, data: bytes) -> None:
+    """A text dataset file must be UTF-8: pyarrow reads other bytes without a word and fails later, on the
+    first access to the row, naming neither file nor line."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DatasetError(f"dataset file {path}: line {line} is not valid UTF-8 (byte 0x{data[err.start]:02x} "
+                           f"at column {column}); save the file as UTF-8 or fix that line") from None
 
 
 def _first_bad_line(path: Path) -> str | None:

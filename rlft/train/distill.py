@@ -107,9 +107,10 @@ def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
     student_vocab, teacher_vocab = _vocabulary(inner), _vocabulary(model)
     if student_vocab != teacher_vocab:
         name = teacher if isinstance(teacher, str | Path) else type(teacher).__name__
-        raise ConfigError(f"the student's vocabulary ({student_vocab} tokens) and the teacher's ({name}: "
-                          f"{teacher_vocab}) differ: distillation compares their next-token distributions "
-                          "token by token, so both must use the same tokenizer")
+        raise ConfigError(f"the student model has vocab_size {student_vocab} but the teacher model ({name}) "
+                          f"has vocab_size {teacher_vocab}: distillation compares their next-token "
+                          "distributions token by token, so both must share one vocabulary (use a teacher "
+                          "with the student's tokenizer and vocab_size)")
     return model.eval().requires_grad_(False)
 
 
