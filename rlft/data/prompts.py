@@ -75,8 +75,9 @@ def _check_utf8(path: Path, data: bytes) -> None:
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
-        raise DatasetError(f"dataset file {path}: line {line} is not valid UTF-8 (byte 0x{data[err.start]:02x} "
-                           f"at column {column}); save the file as UTF-8 or fix that line") from None
+        byte = data[err.start]
+        raise DatasetError(f"dataset file {path}: line {line} is not valid UTF-8 (byte 0x{byte:02x} at "
+                           f"column {column}); save the file as UTF-8 or fix that line") from None
 
 
 def _first_bad_line(path: Path) -> str | None:
