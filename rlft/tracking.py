@@ -138,7 +138,18 @@ class RunLog:
             self.progress.stop()
             self.progress = None
         if self.is_main and self.trackers:
-            self.accelerator.end_training()
+            end_trackers(self.accelerator)
+
+
+def end_trackers(accelerator) -> None:
+    """Finish every tracker once (accelerate's end_training). accelerate finishes trackio's run object but
+    leaves it trackio's current run, which trackio's exit hook then finished again (a second "Run finished"
+    line); and a later end_training (Trainer.end) would finish them all again."""
+    accelerator.end_training()
+    accelerator.trackers = []
+    trackio = sys.modules.get("trackio")
+    if trackio is not None and hasattr(trackio, "context_vars"):
+        trackio.context_vars.current_run.set(None)
 
 
 class Messages:

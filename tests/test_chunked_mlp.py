@@ -200,3 +200,30 @@ def test_only_the_down_projections_training_still_get_their_gradients():
     assert grads.keys() == chunked_grads.keys() and all("down_proj" in n for n in grads) and grads
     for name, grad in grads.items():
         torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_gpt2_style_layers_under_h_are_chunked_and_exact():
+    """GPT-2's layout (transformer.h[i].mlp, Conv1D projections): found and chunked, values and gradients the
+    unchunked ones; its default MLP dropout is refused by name, not as a model without layers."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=384, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    with pytest.raises(ConfigError, match="GPT2MLP has dropout"):
+        chunk_mlps(GPT2LMHeadModel(config), 4)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).double()
+    ids = torch.randint(0, 384, (2, 11))
+
+    def run():
+        model.zero_grad()
+        logits = model(input_ids=ids).logits
+        (logits.square().mean()).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = run()
+    assert chunk_mlps(model, 4) == 2
+    got, grads = run()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=1e-12, msg=name)

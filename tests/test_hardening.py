@@ -222,6 +222,12 @@ def test_chat_message_with_unknown_role_or_no_content(tmp_path, shipped_policy_d
     rows[3] = {"prompt": [{"role": "user", "content": None}], "answer": "1"}
     with pytest.raises(DatasetError, match=r"row 3: message 0 \(user\) has no 'content'"):
         GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), rows)
+    for empty in ([{"role": "user", "content": ""}], [{"role": "system", "content": " "}, {"role": "user", "content": ""}]):
+        rows[3] = {"prompt": empty, "answer": "1"}  # as a plain "" is refused
+        with pytest.raises(DatasetError, match=r"row 3: every message of the prompt is empty"):
+            GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), rows)
+    rows[3] = {"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "What is 1+1?"}], "answer": "2"}
+    GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path), rows)  # one says something
 
 
 def test_float16_full_finetuning_is_refused_with_the_reason(tmp_path, shipped_policy_dir):

@@ -172,3 +172,19 @@ def test_each_tracker_takes_the_project_and_run_name_transformers_gives_it(monke
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert tracker_target(tracker, config) == expected
+
+
+def test_trackio_finishes_its_run_once(rloo_run, tmp_path, shipped_policy_dir):
+    """accelerate finished trackio's run object and trackio's exit hook finished it again: two "Run finished"
+    lines per run. Once from the command line; once when a script also calls trainer.end()."""
+    _, env, result = rloo_run
+    assert (result.stdout + result.stderr).count("Run finished") == 1
+    script = ("from rlft import GRPOTrainer\nfrom tests.helpers import addition_rows, correct_answer, "
+              f"tiny_grpo_config\nfrom pathlib import Path\ncfg = tiny_grpo_config(Path({str(tmp_path)!r}), "
+              "max_steps=1, report_to=['trackio'])\n"
+              f"trainer = GRPOTrainer({str(shipped_policy_dir)!r}, [correct_answer], cfg, addition_rows(8))\n"
+              "trainer.train()\ntrainer.end()\n")
+    ran = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert (ran.stdout + ran.stderr).count("Run finished") == 1

@@ -222,10 +222,20 @@ def render_prompt(prompt: Any, tokenizer, row: int, chat_template_kwargs: dict |
                                    f"use one of {CHAT_ROLES}")
             if message.get("content") is None and not message.get("tool_calls"):
                 raise DatasetError(f"row {row}: message {index} ({message['role']}) has no 'content'")
+        if not any(_said(message) for message in prompt):
+            raise DatasetError(f"row {row}: every message of the prompt is empty (the policy would answer "
+                               "the chat template alone); fill its content or drop the row")
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                              **(chat_template_kwargs or {}))
     raise DatasetError(f"row {row}: prompt must be a string or a list of {{'role', 'content'}} messages, "
                        f"got {type(prompt).__name__}")
+
+
+def _said(message: dict) -> bool:
+    """The message carries something: text (or content parts), or tool calls."""
+    content = message.get("content")
+    text = content.strip() if isinstance(content, str) else content
+    return bool(text) or bool(message.get("tool_calls"))
 
 
 class PromptSet:

@@ -41,12 +41,15 @@ from rlft.errors import ConfigError, RlftError
 
 
 def _mlps(model) -> list[torch.nn.Module]:
+    """Each decoder layer's `mlp`: layers under `layers` (Llama, Qwen, Mistral, Gemma, ...), a language
+    model's `layers` (multimodal models), `h` (GPT-2, GPT-J, Falcon, Bloom) or `blocks`."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     backbone = getattr(inner, inner.base_model_prefix, inner)
-    layers = getattr(backbone, "layers", None)
-    if layers is None:
-        layers = getattr(getattr(backbone, "language_model", None), "layers", None)
-    return [layer.mlp for layer in (layers or []) if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
+    places = (backbone, getattr(backbone, "language_model", None))
+    for layers in (getattr(place, name, None) for place in places for name in ("layers", "h", "blocks")):
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
+    return []
 
 
 def chunk_mlps(model, chunk: int) -> int:
@@ -54,8 +57,8 @@ def chunk_mlps(model, chunk: int) -> int:
     Returns how many it changed; raises ConfigError for a model it cannot apply to."""
     mlps = _mlps(model)
     if not mlps:
-        raise ConfigError(f"mlp_chunk_size={chunk}: {type(model).__name__} has no decoder layers with an "
-                          "`mlp` module to chunk; leave mlp_chunk_size unset")
+        raise ConfigError(f"mlp_chunk_size={chunk}: {type(model).__name__} has no decoder layers (under "
+                          "layers, h or blocks) with an `mlp` module to chunk; leave mlp_chunk_size unset")
     for mlp in mlps:
         name = type(mlp).__name__
         if any(hasattr(mlp, attr) for attr in ("gate", "router", "experts")) or "moe" in name.lower():
@@ -110,8 +113,8 @@ class _Chunks(torch.autograd.Function):
                    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)]
         down, outputs = _plain_down(own.__self__, anchored.dtype) if not ctx.amp else None, []
         watch = None if down is None else down.register_forward_hook(lambda m, a, out: outputs.append(out))
-        with torch.no_grad():
-            parts = [own(piece) for piece in anchored.split(chunk, dim=-2)]
+        with torch.no_grad():  # (contiguous: an MLP may view its input flat, as GPT-2's Conv1D does)
+            parts = [own(piece.contiguous()) for piece in anchored.split(chunk, dim=-2)]
         if watch is not None:
             watch.remove()
         # the MLP returns its down projection's output as it is: the backward can stop at that input
@@ -135,7 +138,7 @@ class _Chunks(torch.autograd.Function):
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             start = 0
             for piece, up in zip(hidden.split(ctx.chunk, dim=-2), grad.split(ctx.chunk, dim=-2)):
-                x = piece.detach().requires_grad_(wants)
+                x = piece.detach().contiguous().requires_grad_(wants)
                 inputs = ([x] if wants else []) + list(params)
                 got = _chunk_grads(ctx, x, inputs, up)
                 if wants:

@@ -13,6 +13,7 @@ from pathlib import Path
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 
 from rlft.errors import RlftError
+from rlft.tracking import end_trackers
 
 
 class HubError(RlftError, RuntimeError):
@@ -90,7 +91,7 @@ class TrainerSurface:
 
     def end(self) -> None:
         """Finish the trackers (transformers.Trainer.end); call once, after everything else."""
-        self.accelerator.end_training()
+        end_trackers(self.accelerator)
 
     def _add_model_tags(self, model) -> None:
         """TRL's tags (so hub filters for TRL-trained models find these too) and rlft's."""
