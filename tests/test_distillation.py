@@ -329,3 +329,19 @@ def test_tool_results_are_not_distilled(tmp_path, tiny_tool_dir):
     for (name, p), g in zip(student.named_parameters(), grads["own"]):
         assert torch.allclose(before[name] - p.detach(), g.float(), atol=2e-6, rtol=1e-4), name
     assert max((a - b).abs().max().item() for a, b in zip(grads["own"], grads["all"])) > 1e-5
+
+
+def test_a_teacher_replaced_in_place_is_refused_on_resume(tmp_path, shipped_policy_dir):
+    """The same folder, shapes and class with other weights: the run record's fingerprint of the teacher's
+    weights tells them apart (its name and size alone did not)."""
+    teacher = teacher_of(tmp_path, shipped_policy_dir)
+    cfg = lambda: config(tmp_path, "run", max_steps=2, save_steps=1)  # noqa: E731
+    first = DistillationTrainer(str(shipped_policy_dir), str(teacher), cfg(), addition_rows(16))
+    first.total_steps = 1
+    first.train()
+    DistillationTrainer(str(shipped_policy_dir), str(teacher), cfg(), addition_rows(16)).train(
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))  # the same teacher resumes
+    perturbed(teacher, 0.01).save_pretrained(teacher)  # replaced in place
+    again = DistillationTrainer(str(shipped_policy_dir), str(teacher), cfg(), addition_rows(16))
+    with pytest.raises(ConfigError, match=r"different config[\s\S]*_teacher:.*'weights'"):
+        again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))

@@ -132,3 +132,25 @@ def test_carried_tensors_are_each_process_own_and_a_moved_reference_is_written_o
     with caplog.at_level(logging.WARNING, logger="rlft"):
         _read_carried(ranks[1], old)
     assert "kept only process 0's rows; process 1 continues that rollout from them" in caplog.text
+
+
+def test_a_reward_model_replaced_in_place_is_refused_on_resume(tmp_path, shipped_policy_dir, tiny_rm_dir):
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    from rlft.errors import ConfigError
+
+    judge = tmp_path / "judge"
+    shutil.copytree(tiny_rm_dir, judge)
+    cfg = lambda: tiny_grpo_config(tmp_path, max_steps=2, save_steps=1)  # noqa: E731
+    first = GRPOTrainer(str(shipped_policy_dir), [str(judge)], cfg(), addition_rows(16))
+    first.total_steps = 1
+    first.train()
+    model = AutoModelForSequenceClassification.from_pretrained(judge)
+    with torch.no_grad():
+        model.score.weight.mul_(1.5)
+    model.save_pretrained(judge)  # the same folder, shapes and class
+    again = GRPOTrainer(str(shipped_policy_dir), [str(judge)], cfg(), addition_rows(16))
+    with pytest.raises(ConfigError, match=r"different config[\s\S]*_reward_models:"):
+        again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))

@@ -254,3 +254,40 @@ def test_a_killed_runs_lock_file_does_not_block_the_next_run(tmp_path, shipped_p
     assert (tmp_path / "run" / ".rlft.lock").is_file()
     grpo(tmp_path, shipped_policy_dir).train()
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_the_weights_fingerprint_sees_one_bit_and_not_the_summation_split(monkeypatch):
+    import copy
+
+    import torch
+
+    from rlft.train import runs
+
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False))
+    twin = copy.deepcopy(model)
+    want = runs.weights_fingerprint(model)
+    assert len(want) == 16 and runs.weights_fingerprint(twin) == want
+    monkeypatch.setattr(runs, "_CHUNK", 4)  # other chunks: integer sums in another order, the same digits
+    assert runs.weights_fingerprint(model) == want
+    with torch.no_grad():
+        flat = twin[0].weight.view(-1)
+        flat[3] = torch.nextafter(flat[3], torch.tensor(2.0))  # one unit in the last place
+    assert runs.weights_fingerprint(twin) != want
+    with torch.no_grad():  # two weights swapped: the same sum, not the same fingerprint
+        moved = copy.deepcopy(model)
+        moved[1].weight[0, 0], moved[1].weight[0, 1] = model[1].weight[0, 1].item(), model[1].weight[0, 0].item()
+    assert runs.weights_fingerprint(moved) != want
+
+
+def test_a_checkpoint_without_weight_fingerprints_resumes_and_says_they_were_not_compared(tmp_path):
+    from rlft.train.runs import check_resume
+
+    teacher = {"class": "LlamaForCausalLM", "name_or_path": "t", "parameters": 10}
+    saved = {"learning_rate": 1e-3, "_teacher": teacher}
+    new = {"learning_rate": 1e-3, "_teacher": {**teacher, "weights": "0123456789abcdef"},
+           "_reward_models": {"judge": {**teacher, "weights": "fedcba9876543210"}}}
+    notes = check_resume(tmp_path, {"config": saved}, new)
+    assert any("no fingerprint of the teacher's weights" in n for n in notes)
+    assert any("no fingerprint of the reward models' weights" in n for n in notes)
+    with pytest.raises(Exception, match="_teacher"):  # a recorded fingerprint is compared
+        check_resume(tmp_path, {"config": {**saved, "_teacher": {**teacher, "weights": "x"}}}, new)

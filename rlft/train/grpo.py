@@ -416,8 +416,10 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         """The first step to run; restores the parts' state, the rollout in flight and the logging window."""
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         self._window, self._batch = MetricWindow(), None
+        reward_models = {name: f.model for f, name in zip(self.reward_funcs, self.reward_names)
+                         if isinstance(getattr(f, "model", None), torch.nn.Module)}
         self._record = runs.run_record(self.args, self.accelerator.unwrap_model(self.model),
-                                       self.reward_names, self.teacher_model)
+                                       self.reward_names, self.teacher_model, reward_models)
         if path is None:
             self._notes = [runs.claim_output_dir(self.accelerator, self.args)]
             run_state.seed_everything(self.args.seed)

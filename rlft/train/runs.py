@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlft.compat import NO_EFFECT
 from rlft.config import to_dict
 from rlft.errors import ConfigError, OutputDirBusyError
@@ -86,27 +88,60 @@ def peft_record(model) -> dict[str, dict[str, Any]] | None:
             for adapter, config in configs.items()}
 
 
-def _model_record(model) -> dict[str, Any]:
+def _model_record(model, weights: bool = False) -> dict[str, Any]:
+    """Class, name and size; with `weights` (a frozen model: a teacher, a reward model), a fingerprint of
+    its weights too, so that weights replaced in place (the same folder, other values) are told apart."""
     config = getattr(model, "config", None)
-    return {"class": type(model).__name__, "name_or_path": str(getattr(config, "_name_or_path", "")),
-            "parameters": sum(p.numel() for p in model.parameters())}
+    record = {"class": type(model).__name__, "name_or_path": str(getattr(config, "_name_or_path", "")),
+              "parameters": sum(p.numel() for p in model.parameters())}
+    if weights:
+        record["weights"] = weights_fingerprint(model)
+    return record
 
 
-def run_record(args, model, reward_names: list[str] | tuple = (), teacher=None) -> dict[str, Any]:
+_CHUNK, _K = 1 << 22, 2654435761  # elements hashed at a time (bounds the weights' memory); a multiplier
+
+
+def weights_fingerprint(model) -> str | None:
+    """16 hex digits that change when any weight's bits do: each tensor's bits read as integers, weighted by
+    a multiplier per position and summed modulo 2^64 on the tensor's own device (integer sums are exact in
+    any order, so any device and split gives the same digits), then hashed with the names and shapes. None
+    where the weights are partitioned (ZeRO-3): no process holds them whole."""
+    digest, bases = hashlib.sha256(), {}
+    for name, value in model.state_dict().items():
+        if hasattr(value, "ds_id") or value.numel() == 0 and value.dim() > 0:
+            return None
+        flat = value.detach().contiguous().reshape(-1)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        ints, total = flat.view(bits), torch.zeros((), dtype=torch.int64, device=flat.device)
+        if flat.device not in bases:  # position i weighs (i * K + 97); a chunk at `start` adds start * K
+            bases[flat.device] = torch.arange(_CHUNK, device=flat.device, dtype=torch.int64) * _K + 97
+        for start in range(0, ints.numel(), _CHUNK):
+            part = ints[start:start + _CHUNK].to(torch.int64)
+            total += (part * bases[flat.device][:part.numel()]).sum() + part.sum() * (start * _K)
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype}:{int(total)};".encode())
+    return digest.hexdigest()[:16]
+
+
+def run_record(args, model, reward_names: list[str] | tuple = (), teacher=None,
+               reward_models: dict | None = None) -> dict[str, Any]:
     """The config of this run as JSON values, plus what a Python caller passed outside the config: the model,
-    its LoRA settings (`_peft`, when it has adapters), the reward functions and a distillation teacher."""
+    its LoRA settings (`_peft`, when it has adapters), the reward functions (the reward models' weights:
+    `reward_models`, name -> model) and a distillation teacher (its weights' fingerprint too)."""
     record = json.loads(json.dumps(to_dict(args), default=str))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     record["_model"] = {**_model_record(model), "trainable": trainable}
     if hasattr(teacher, "record"):  # a served teacher
         record["_teacher"] = teacher.record()
     elif teacher is not None:  # (a ZeRO-3 engine wraps it)
-        record["_teacher"] = _model_record(getattr(teacher, "module", teacher))
+        record["_teacher"] = _model_record(getattr(teacher, "module", teacher), weights=True)
     peft = peft_record(model)
     if peft is not None:
         record["_peft"] = peft
     if reward_names:
         record["_reward_funcs"] = list(reward_names)
+    if reward_models:
+        record["_reward_models"] = {name: _model_record(m, weights=True) for name, m in reward_models.items()}
     return record
 
 
@@ -271,6 +306,22 @@ def compare_peft(saved: dict | None, new: dict | None) -> tuple[list[str], list[
     return refused, applied
 
 
+def _older_weight_records(path: Path, saved: dict, record: dict) -> list[str]:
+    """A checkpoint of an older rlft records no weights fingerprint of the teacher or the reward models:
+    those are not compared (and the run says so), the rest of their records are."""
+    notes = []
+    teacher = record.get("_teacher")
+    if isinstance(teacher, dict) and "weights" in teacher and "weights" not in (saved.get("_teacher") or {}):
+        record["_teacher"] = {k: v for k, v in teacher.items() if k != "weights"}
+        notes.append(f"{path} records no fingerprint of the teacher's weights (an older rlft): they are not "
+                     "compared with this run's")
+    if "_reward_models" in record and "_reward_models" not in saved:
+        record.pop("_reward_models")
+        notes.append(f"{path} records no fingerprint of the reward models' weights (an older rlft): they are "
+                     "not compared with this run's")
+    return notes
+
+
 def check_resume(path: Path, state: dict[str, Any], record: dict[str, Any],
                  defaults: dict[str, Any] | None = None) -> list[str]:
     """Refuse a resume whose config differs in a field that breaks exactness; return the applied changes.
@@ -282,8 +333,10 @@ def check_resume(path: Path, state: dict[str, Any], record: dict[str, Any],
         return [f"{path} records no config (written by an older rlft): "
                 "the new config is not compared with it"]
     saved, record = dict(saved), dict(record)
+    applied = _older_weight_records(path, saved, record)
     saved_peft, new_peft = saved.pop("_peft", None), record.pop("_peft", None)
-    refused, applied = compare(saved, record, defaults)
+    refused, changed = compare(saved, record, defaults)
+    applied += changed
     older = "_peft" not in state["config"] and saved.get("_model") == record.get("_model")  # same model
     if saved_peft is None and new_peft is not None and older:
         applied.append(f"{path} records no LoRA settings (written by an older rlft): this run's lora_r, "
