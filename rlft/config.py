@@ -167,6 +167,36 @@ class DistillationConfig(_GRPOFields):
 
 
 @config_class
+class ServerDistillationConfig(DistillationConfig):
+    """TRL 1.16's experimental ServerDistillationConfig: distillation from a teacher behind a server (`rlft
+    vllm-serve`, or TRL's `trl vllm-serve`) at `teacher_model_server_url`, its top-`loss_top_k` log-probs per
+    position with TRL's defaults (rlft/rollout/teacher_server.py, docs/distillation.md)."""
+
+    vllm_server_port: int = 8001
+    loss_top_k: int = field(
+        default=1, metadata={"help": "served teacher: the teacher's most likely tokens per position the "
+                                     "divergence sees (plus the sampled one; TRL's default 1)"})
+    reverse_kl_top_1_mode: str = field(
+        default="sampled", metadata={"help": "served teacher, beta > 0: the token whose reverse term is "
+                                             "taken: 'sampled' (the completion's own); TRL's 'argmax' "
+                                             "needs the teacher's log-prob of a token the server did not "
+                                             "return, and is refused as TRL refuses it"})
+
+    def _check(self, errors: list[str]) -> None:
+        super()._check(errors)
+        if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
+            errors.append(f"reverse_kl_top_1_mode={self.reverse_kl_top_1_mode!r} must be one of: 'sampled', "
+                          "'argmax'")
+        elif self.reverse_kl_top_1_mode == "argmax":
+            errors.append("reverse_kl_top_1_mode='argmax' is not supported with a served teacher: the "
+                          "server cannot provide teacher log-probs for arbitrary student-selected tokens "
+                          "(as in TRL); use 'sampled'")
+        if not (self.teacher_model_server_url or "").strip():
+            errors.append("teacher_model_server_url must be set for ServerDistillationTrainer (the teacher's "
+                          "server, e.g. http://127.0.0.1:8001 from `rlft vllm-serve`)")
+
+
+@config_class
 class RewardConfig(_BaseConfig):
     """Bradley-Terry reward-model run on chosen/rejected pairs."""
 
@@ -284,6 +314,7 @@ RLFT_FIELDS = frozenset(
         "teacher_model_server_url",
         "loss_top_k",
         "loss_add_tail",
+        "reverse_kl_top_1_mode",
         "rollout_lag",
         "producer_cpus",
         "producer_threads",

@@ -1,7 +1,7 @@
 """`FIELD_HELP`: the one-line help of every field rlft declares, read back from the dataclasses (a read-only
 view; the text itself sits beside each field's default, in `field(metadata={"help": ...})`).
 
-The classes read are those the command line parses and their siblings: the configs (rlft/config.py,
+The classes read are those the command line parses and their siblings: every kind's config (rlft/kinds.py;
 rlft/config_base.py, rlft/config_grpo.py), `ModelConfig` and the scripts' arguments. Fields of
 transformers' TrainingArguments that rlft does not declare keep transformers' help and are not listed.
 """
@@ -14,11 +14,11 @@ from types import MappingProxyType
 
 from transformers import TrainingArguments
 
-from rlft.config import AsyncGRPOConfig, DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig
+from rlft.kinds import KINDS, load
 from rlft.model_config import ModelConfig
 from rlft.recipes import GRPOScriptArguments, RewardScriptArguments
 
-HELP_CLASSES = (GRPOConfig, RLOOConfig, AsyncGRPOConfig, RewardConfig, DistillationConfig, ModelConfig,
+HELP_CLASSES = (*dict.fromkeys(load(kind.config) for kind in KINDS.values()), ModelConfig,
                 GRPOScriptArguments, RewardScriptArguments)
 
 

@@ -128,13 +128,13 @@ def test_every_field_rlft_declares_has_one_help_line_and_no_line_names_a_missing
 
     from transformers import TrainingArguments
 
-    from rlft.config import AsyncGRPOConfig, DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig
     from rlft.config_help import FIELD_HELP
+    from rlft.kinds import KINDS, load
     from rlft.model_config import ModelConfig
     from rlft.recipes import GRPOScriptArguments, RewardScriptArguments
 
     transformers_own = {f.name for f in dataclasses.fields(TrainingArguments)}
-    configs = (GRPOConfig, RewardConfig, RLOOConfig, AsyncGRPOConfig, DistillationConfig)
+    configs = tuple(load(kind.config) for kind in KINDS.values())  # every kind's
     declared = {f.name for cls in configs for f in dataclasses.fields(cls)} - transformers_own
     declared |= {f.name for cls in (ModelConfig, GRPOScriptArguments, RewardScriptArguments)
                  for f in dataclasses.fields(cls)} - {"dataset_name", "dataset_config", "dataset_train_split",

@@ -155,3 +155,29 @@ def test_the_stub_answers_as_a_model_would(shipped_policy_dir):
     answer = prompt_logprobs(model, [5, 9, 11, 13], 3)
     assert answer[0] is None and len(answer) == 4
     assert all(3 <= len(a) <= 4 and min(e["rank"] for e in a.values()) == 1 for a in answer[1:])
+
+
+def test_trls_server_distillation_names_take_the_served_step_with_trls_defaults(tmp_path, shipped_policy_dir,
+                                                                               teacher, tok):
+    """TRL's experimental ServerDistillationConfig / ServerDistillationTrainer (no teacher_model; loss_top_k 1,
+    loss_add_tail, reverse_kl_top_1_mode 'sampled', vllm_server_port 8001): the same step as DistillationTrainer
+    with the same served settings; 'argmax' and a missing server are refused with TRL's reasons."""
+    from rlft.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+
+    with pytest.raises(ConfigError, match="teacher_model_server_url must be set"):
+        ServerDistillationConfig(output_dir=str(tmp_path / "x"))
+    with serve_teacher(teacher, tok) as (url, _):
+        values = config(tmp_path, url, beta=0.5, loss_top_k=1).to_dict()
+        with pytest.raises(ConfigError, match="argmax.*cannot provide teacher log-probs"):
+            ServerDistillationConfig(**{**values, "reverse_kl_top_1_mode": "argmax"})
+        trl_defaults = ServerDistillationConfig(output_dir=str(tmp_path / "d"), teacher_model_server_url=url)
+        assert (trl_defaults.loss_top_k, trl_defaults.loss_add_tail, trl_defaults.reverse_kl_top_1_mode,
+                trl_defaults.vllm_server_port) == (1, True, "sampled", 8001)
+        steps = []
+        for trainer_class, args in ((DistillationTrainer, DistillationConfig(**values)),
+                                    (ServerDistillationTrainer, ServerDistillationConfig(**values))):
+            extra = (None,) if trainer_class is DistillationTrainer else ()
+            trainer = trainer_class(str(shipped_policy_dir), *extra, args, addition_rows(16))
+            trainer.generator = FixedGenerator(trainer.tokenizer)
+            steps.append(trainer.updater.step(trainer._make_rollout(0)))
+        assert steps[1]["loss"] == steps[0]["loss"] > 0

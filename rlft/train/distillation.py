@@ -9,7 +9,7 @@ model; generation, LoRA, sharded engines, exact resume and logging are GRPO's.
 
 from __future__ import annotations
 
-from rlft.config import DistillationConfig
+from rlft.config import DistillationConfig, ServerDistillationConfig
 from rlft.errors import ConfigError
 from rlft.train.distill import DistillationUpdater
 from rlft.train.grpo import GRPOTrainer, default_output_dir
@@ -36,3 +36,21 @@ class DistillationTrainer(GRPOTrainer):
                               "its beta is the divergence's (GRPOConfig's is a KL weight)")
         super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, None, callbacks,
                          optimizers, quantization_config, peft_config, tools, teacher_model=teacher_model)
+
+
+class ServerDistillationTrainer(DistillationTrainer):
+    """TRL's experimental ServerDistillationTrainer: DistillationTrainer whose teacher is always served
+    (`teacher_model_server_url`), with TRL's signature (no teacher_model) and ServerDistillationConfig's
+    defaults (loss_top_k 1)."""
+
+    _tag_names = ["trl", "server-distillation", "rlft"]
+    _name = "ServerDistillation"
+
+    def __init__(self, model, args: ServerDistillationConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None):
+        if not isinstance(args, ServerDistillationConfig):
+            raise ConfigError(f"ServerDistillationTrainer takes a ServerDistillationConfig with "
+                              f"teacher_model_server_url set, got {type(args).__name__}")
+        super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, callbacks,
+                         optimizers, quantization_config, peft_config)
