@@ -150,6 +150,12 @@ class DistillationConfig(_GRPOFields):
         """No KL to a reference: `beta` is the divergence's mix."""
         return 0.0
 
+    @property
+    def divergence_temperature(self) -> float:
+        """The temperature both distributions are compared at: the sampling one (TRL's
+        DistillationTrainer)."""
+        return self.temperature
+
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         for name, value in GRPO_ONLY.items():
@@ -164,6 +170,54 @@ class DistillationConfig(_GRPOFields):
         if kwargs is not None and not isinstance(kwargs, dict):
             errors.append(f"teacher_model_init_kwargs={kwargs!r} must be a mapping of from_pretrained "
                           "arguments (or its JSON string), e.g. {\"dtype\": \"bfloat16\"}")
+
+
+@config_class
+class GKDConfig(DistillationConfig):
+    """Generalized knowledge distillation (TRL 1.16's experimental GKDConfig names and defaults; Agarwal et
+    al. 2024, arXiv:2306.13649): each step trains on the student's own completions with probability `lmbda`,
+    else on the teacher's (`seq_kd`) or the dataset's; the loss is the generalized JSD at `beta`, at
+    temperature 1 (`temperature` is the sampling one). rlft/train/gkd.py."""
+
+    learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate"})
+    logging_steps: float = 10
+    disable_dropout: bool = True
+    temperature: float = field(
+        default=0.9, metadata={"help": "GKD: sampling temperature of generated completions (the loss "
+                                       "compares the two distributions at temperature 1)"})
+    beta: float = field(
+        default=0.5, metadata={"help": "GKD: 0 forward KL(teacher || student), 1 reverse KL(student || "
+                                       "teacher), in between the generalized Jensen-Shannon divergence"})
+    lmbda: float = field(
+        default=0.5, metadata={"help": "GKD: the probability that a step trains on the student's own "
+                                       "completions (on-policy) instead of fixed ones"})
+    seq_kd: bool = field(
+        default=False, metadata={"help": "GKD: the fixed completions are the teacher's own (sequence-level "
+                                         "KD) instead of the dataset's"})
+    max_new_tokens: int = field(
+        default=128, metadata={"help": "GKD: the longest completion in tokens (generated ones stop there, "
+                                       "the dataset's are cut there); sets max_completion_length"})
+
+    @property
+    def divergence_temperature(self) -> float:
+        return 1.0  # TRL's GKD: `temperature` shapes sampling only
+
+    def _normalize(self) -> None:
+        super()._normalize()
+        self.max_completion_length = self.max_new_tokens
+
+    def _check(self, errors: list[str]) -> None:
+        super()._check(errors)
+        if self.num_generations != 1:
+            errors.append(f"num_generations={self.num_generations!r}: GKD trains one completion per prompt "
+                          "(the dataset's and the teacher's are one each); leave it at 1")
+        if not 0.0 <= self.lmbda <= 1.0:
+            errors.append(f"lmbda={self.lmbda!r} must be in [0, 1]: the probability of a step on the "
+                          "student's own completions")
+        if self.seq_kd and self.teacher_model_server_url:
+            errors.append("seq_kd=True generates with the teacher, which a served teacher "
+                          "(teacher_model_server_url) does not do here: load the teacher locally, or set "
+                          "seq_kd: false")
 
 
 @config_class
@@ -315,6 +369,9 @@ RLFT_FIELDS = frozenset(
         "loss_top_k",
         "loss_add_tail",
         "reverse_kl_top_1_mode",
+        "lmbda",
+        "seq_kd",
+        "max_new_tokens",
         "rollout_lag",
         "producer_cpus",
         "producer_threads",

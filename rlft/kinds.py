@@ -75,6 +75,12 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          script_args="rlft.recipes:RewardScriptArguments", recipe="rlft.recipes:with_teacher",
          trl_paths=("trainer.distillation_trainer", "trainer.distillation_config"),
          deprecated_paths=("experimental.distillation",)),
+    Kind("gkd", "rlft.config:GKDConfig", "rlft.train.gkd:GKDTrainer",
+         "Generalized knowledge distillation (TRL's experimental GKDTrainer)",
+         "GKD: each step on the student's own completions with probability lmbda, else on the dataset's "
+         f"(or the teacher's: seq_kd); the generalized JSD at beta. {_FIELDS}; `messages` datasets as TRL's.",
+         script_args="rlft.recipes:RewardScriptArguments", recipe="rlft.recipes:with_teacher",
+         trl_paths=("experimental.gkd",)),
     Kind("server_distillation", "rlft.config:ServerDistillationConfig",
          "rlft.train.distillation:ServerDistillationTrainer",
          "Distillation from a served teacher (TRL's experimental ServerDistillationTrainer)",

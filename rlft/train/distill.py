@@ -69,9 +69,10 @@ def _served_source(local, args) -> TeacherServer:
     if local is not None:
         raise ConfigError("both a local teacher (teacher_model / teacher_model_name_or_path) and "
                           f"teacher_model_server_url={args.teacher_model_server_url!r} are given: keep one")
-    if args.temperature != 1.0:
+    temperature = getattr(args, "divergence_temperature", args.temperature)
+    if temperature != 1.0:
         raise ConfigError(f"a served teacher answers its log-probs at temperature 1 (vLLM applies no "
-                          f"sampling setting to prompt log-probs), but temperature={args.temperature}: the "
+                          f"sampling setting to prompt log-probs), but temperature={temperature}: the "
                           "divergence would compare the student at that temperature with the teacher at 1. "
                           "Set temperature: 1.0, or load the teacher locally (teacher_model_name_or_path)")
     return TeacherServer(args.teacher_model_server_url)

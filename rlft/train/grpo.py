@@ -215,7 +215,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         parts = SourceParts(args, self.schedule, self.reward_scorer, self.throughput, acc, self.state,
                             self.messages, unwrapped, self.tokenizer, self.engine, setup, source,
                             None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
-                            self.steps_per_rollout, self.total_steps)
+                            self.steps_per_rollout, self.total_steps, self.teacher_model)
         self.source = self._source_class(parts)
         if args.dynamic_sampling:  # rounds until the batch holds groups with a reward spread (DAPO)
             self.source = DynamicSampling(self.source, args, acc, self.reward_weights,

@@ -69,7 +69,8 @@ class PolicyScorer:
         """Distillation: each completion token's divergence at `beta` from the teacher [b, c] (differentiable
         in the policy), and the policy's and the teacher's entropies there [b, c]; padded forwards."""
         args = self.args
-        scored = score_rows(self.model, rollout, rows, args.temperature, tile=args.logprob_chunk_size,
+        temperature = getattr(args, "divergence_temperature", args.temperature)
+        scored = score_rows(self.model, rollout, rows, temperature, tile=args.logprob_chunk_size,
                             pad_to_multiple_of=args.pad_to_multiple_of, teacher=self.teacher, beta=beta)
         real = int(rollout.prompt_mask[rows].sum()) + int(rollout.completion_mask[rows].sum())
         for key, value in (("computed", scored.tokens), ("real", real), ("forwards", 1)):

@@ -120,6 +120,7 @@ class SourceParts:
     rollout_func: Callable[[list], dict] | None  # the user's, bound to the trainer
     steps_per_rollout: int
     total_steps: int
+    teacher: Any = None  # distillation's teacher (a module, a served client), where a source samples from it
 
 
 def score_rollout(rewards: RewardScorer, throughput, prompts: dict, rollout: Rollout, group: int,
