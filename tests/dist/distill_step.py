@@ -1,6 +1,6 @@
-"""One DistillationTrainer optimiser step per beta (and with LoRA), in 1 or N processes (torchrun), on the fixed
-completions of tests/dist/grpo_step.py's stand-in generator; writes the trained parameters and the step's
-metrics to OUT (main process only).
+"""One DistillationTrainer optimiser step per beta (and with LoRA; GKD's on the dataset's and the student's
+completions), in 1 or N processes (torchrun), on the fixed completions of tests/dist/grpo_step.py's stand-in
+generator; writes the trained parameters and the step's metrics to OUT (main process only).
 
     torchrun --nproc_per_node 2 --standalone tests/dist/distill_step.py STUDENT_DIR TEACHER_DIR OUT [URL]
 
@@ -21,7 +21,24 @@ from tests.helpers import addition_rows
 
 RUNS = {"forward_kl": dict(beta=0.0), "jsd": dict(beta=0.5), "reverse_kl": dict(beta=1.0),
         "micro_batches": dict(beta=1.0),
-        "lora": dict(beta=0.5)}
+        "lora": dict(beta=0.5),
+        "gkd_dataset": dict(beta=0.5, lmbda=0.0),  # GKD on the dataset's completions
+        "gkd_student": dict(beta=0.5, lmbda=1.0)}  # and on the student's
+
+
+def make_trainer(name: str, student: str, teacher: str | None, values: dict, peft):
+    """The run's trainer: GKD for the gkd_* runs (on messages rows), distillation for the others."""
+    common = dict(output_dir=f"{values.pop('out')}-run", optim="sgd", learning_rate=1.0, max_grad_norm=1e9,
+                  seed=0, max_steps=1, report_to=["none"], disable_tqdm=True, gradient_checkpointing=False,
+                  model_init_kwargs={"dtype": "float64"})  # compared to rounding: tests/helpers.py SAME_STEP
+    if name.startswith("gkd"):
+        from rlft.experimental.gkd import GKDConfig, GKDTrainer
+
+        rows = [{"messages": r["prompt"] + [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}]}
+                for r in addition_rows(8)]
+        return GKDTrainer(student, teacher, GKDConfig(**common, max_new_tokens=8, **values), train_dataset=rows)
+    cfg = DistillationConfig(**common, max_completion_length=8, **values)
+    return DistillationTrainer(student, teacher, cfg, addition_rows(8), peft_config=peft)
 
 
 def main() -> None:
@@ -34,18 +51,13 @@ def main() -> None:
         values = dict(per_device_train_batch_size=8 // world, gradient_accumulation_steps=1, **fields)
         if name == "micro_batches":  # 8 rows in 4 micro-batches of 2 over the processes
             values.update(per_device_train_batch_size=2, gradient_accumulation_steps=4 // world)
-        cfg = DistillationConfig(output_dir=f"{out}-run", optim="sgd", learning_rate=1.0, max_grad_norm=1e9, seed=0,
-                                 max_steps=1, max_completion_length=8, report_to=["none"], disable_tqdm=True,
-                                 gradient_checkpointing=False, model_init_kwargs={"dtype": "float64"},
-                                 **values)  # compared to rounding: tests/helpers.py SAME_STEP
         peft = None
         if name == "lora":
             from peft import LoraConfig
 
             peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
                               init_lora_weights=False)  # B != 0: the step is not at the base model
-        trainer = DistillationTrainer(student, None if name == "served" else teacher, cfg, addition_rows(8),
-                                      peft_config=peft)
+        trainer = make_trainer(name, student, None if name == "served" else teacher, {**values, "out": out}, peft)
         trainer.generator = FixedGenerator(trainer.tokenizer)
         batch = trainer._make_rollout(0)
         metrics = {}
