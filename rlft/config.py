@@ -20,6 +20,7 @@ from rlft.config_checks import (  # noqa: F401 (public names)
     check_rloo,
     field_types,
     normalize_before,
+    read_dict_value,
     to_dict,
     validate,
 )
@@ -143,6 +144,12 @@ class DistillationConfig(_GRPOFields):
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "distillation: from_pretrained keyword arguments for the teacher "
                                         "(e.g. dtype)"})
+    teacher_models: dict | str | None = field(
+        default=None, metadata={"help": "several teachers: id -> hub id or folder; each row is distilled "
+                                        "from the one its 'teacher_id' column names (docs/distillation.md)"})
+    teacher_server_urls: dict | str | None = field(
+        default=None, metadata={"help": "several served teachers (TRL's name): id -> URL of `rlft "
+                                        "vllm-serve`; each row's 'teacher_id' column picks one"})
     min_generations: ClassVar[int] = 1  # no group statistics: one completion per prompt is the usual
 
     @property
@@ -156,6 +163,11 @@ class DistillationConfig(_GRPOFields):
         DistillationTrainer)."""
         return self.temperature
 
+    def _normalize(self) -> None:
+        super()._normalize()
+        for name in ("teacher_models", "teacher_server_urls"):
+            setattr(self, name, read_dict_value(name, getattr(self, name)))
+
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         for name, value in GRPO_ONLY.items():
@@ -166,6 +178,15 @@ class DistillationConfig(_GRPOFields):
         if not 0.0 <= self.beta <= 1.0:
             errors.append(f"beta={self.beta!r} must be in [0, 1]: 0 is the forward KL, 1 the reverse KL, "
                           "values in between the generalized Jensen-Shannon divergence")
+        for name in ("teacher_models", "teacher_server_urls"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                errors.append(f"{name}={value!r} must be a mapping of teacher id -> "
+                              + ("hub id or folder" if name == "teacher_models" else "server URL"))
+        for key, url in (self.teacher_server_urls or {}).items() if isinstance(self.teacher_server_urls,
+                                                                                dict) else ():
+            if not str(url).startswith(("http://", "https://")):
+                errors.append(f"teacher_server_urls[{key!r}]={url!r} is not an http(s) URL")
         kwargs = self.teacher_model_init_kwargs
         if kwargs is not None and not isinstance(kwargs, dict):
             errors.append(f"teacher_model_init_kwargs={kwargs!r} must be a mapping of from_pretrained "
@@ -369,6 +390,7 @@ RLFT_FIELDS = frozenset(
         "loss_top_k",
         "loss_add_tail",
         "reverse_kl_top_1_mode",
+        "teacher_models",
         "lmbda",
         "seq_kd",
         "max_new_tokens",

@@ -229,7 +229,8 @@ def test_a_trl_style_script_and_the_command_line_train_and_save(tmp_path, shippe
 def test_two_processes_take_the_step_one_process_takes(tmp_path, shipped_policy_dir, teacher_dir):
     """The loss is normalised by the trained tokens of the whole step on every process: one step on 2 processes
     (and in 4 micro-batches) equals one process in one batch, for each beta, with LoRA, with the teacher
-    served (each process asking for its own rows), and GKD's on the dataset's and the student's completions."""
+    served (each process asking for its own rows), with two teachers (each row routed by its teacher_id), and
+    GKD's on the dataset's and the student's completions."""
     from transformers import AutoTokenizer
 
     from tests.teacher_stub import serve_teacher

@@ -202,6 +202,9 @@ class Rollout(Rows):
     # [N, C, K] int32: the token ids a truncating sampler (top-k / top-p / min-p) kept at each position, -1
     # padding (a position without any: the full vocabulary); the trainer renormalises over them
     sampling_kept: torch.Tensor | None = rows("right", pad=-1, saved=True, default=None)
+    # [N] the teacher each row is distilled from, by its index in the run's teachers (several teachers:
+    # rlft/train/teachers.py)
+    teacher_index: torch.Tensor | None = rows("row", saved=True, default=None)
 
     @property
     def loss_mask(self) -> torch.Tensor:

@@ -45,6 +45,7 @@ class ServedTeacher:
         self._check_limits()
         self._check_tokenizer(tokenizer)
         self._held: tuple[Rollout, torch.Tensor, torch.Tensor] | None = None
+        self.route_index: int | None = None  # one of several teachers: its rows' teacher_index
         # each sequence's answers [its completion tokens, K] (ids, log-probs), by (sequence, completion
         # length): the trainer hands each optimiser step a new selection of the same rows
         self._rows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -93,9 +94,11 @@ class ServedTeacher:
     def _fetch(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, C, K] ids and log-probs for every row (K = loss_top_k + 1: the sampled token may be outside the
         top k); rows already answered (the same tokens in another selection of a rollout) are not asked
-        again."""
+        again. One of several teachers (`route_index` set) asks only for the rows routed to it."""
         rows, width = rollout.completion_ids.shape
-        sequences = [self._sequence(rollout, b) for b in range(rows)]
+        mine = range(rows) if self.route_index is None or rollout.teacher_index is None else \
+            (rollout.teacher_index == self.route_index).nonzero().flatten().tolist()
+        sequences = [self._sequence(rollout, b) if b in mine else ([], []) for b in range(rows)]
         keys = [(tuple(sequence), len(columns)) for sequence, columns in sequences]
         if len(self._rows) > 4 * rows:  # answers of earlier rollouts: not asked for again
             self._rows = {key: self._rows[key] for key in keys if key in self._rows}

@@ -26,6 +26,7 @@ from rlft.errors import ConfigError
 from rlft.models import load_causal_lm
 from rlft.scoring import install_scoring
 from rlft.train.batch import RolloutBatch
+from rlft.train.teachers import TeacherSet, is_url, teacher_dict
 from rlft.train.updater import PolicyUpdater
 
 
@@ -43,6 +44,9 @@ def teacher_source(teacher_model, args, required: bool):
     """What the teacher is loaded from (the trainer's teacher_model, else the config's
     teacher_model_name_or_path, or a TeacherServer for teacher_model_server_url), or None for a run without
     one. `required`: distillation's; otherwise GRPO's teacher term, there exactly when teacher_coef > 0."""
+    several = teacher_dict(teacher_model, args)
+    if several is not None:  # id -> a source each (a URL: served)
+        return {k: _served_source(None, args, v) if is_url(v) else v for k, v in several.items()}
     teacher = args.teacher_model_name_or_path if teacher_model is None else teacher_model
     if args.teacher_model_server_url:
         teacher = _served_source(teacher, args)
@@ -65,7 +69,7 @@ def teacher_source(teacher_model, args, required: bool):
     return teacher
 
 
-def _served_source(local, args) -> TeacherServer:
+def _served_source(local, args, url: str | None = None) -> TeacherServer:
     if local is not None:
         raise ConfigError("both a local teacher (teacher_model / teacher_model_name_or_path) and "
                           f"teacher_model_server_url={args.teacher_model_server_url!r} are given: keep one")
@@ -75,7 +79,7 @@ def _served_source(local, args) -> TeacherServer:
                           f"sampling setting to prompt log-probs), but temperature={temperature}: the "
                           "divergence would compare the student at that temperature with the teacher at 1. "
                           "Set temperature: 1.0, or load the teacher locally (teacher_model_name_or_path)")
-    return TeacherServer(args.teacher_model_server_url)
+    return TeacherServer(url or args.teacher_model_server_url)
 
 
 def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
@@ -84,6 +88,8 @@ def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
     a TeacherServer, the ServedTeacher client (checked against the student's `tokenizer`)."""
     if teacher is None:
         return None
+    if isinstance(teacher, dict):  # several teachers, each loaded and checked as one is
+        return TeacherSet({k: load_teacher(t, args, dtype, student, tokenizer) for k, t in teacher.items()})
     _plain_student_head(student)
     if isinstance(teacher, TeacherServer):
         from rlft.rollout.teacher_server import ServedTeacher
@@ -115,6 +121,18 @@ def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
     return model.eval().requires_grad_(False)
 
 
+def prepare_teacher(teacher, engine):
+    """The loaded teacher as the training engine holds a frozen model (a ZeRO-3 inference engine, a device):
+    a local one, or each local one of several; a served one as it is."""
+    if isinstance(teacher, TeacherSet):
+        if len(teacher) > 1 and engine.sharded:
+            raise ConfigError(f"several teachers under a sharded engine ({engine.name}): each process would "
+                              "run a forward per teacher its own rows name, and sharded forwards must run on "
+                              "every process together; train under DDP, or one teacher")
+        return teacher.prepared(engine.prepare_reference)
+    return engine.prepare_reference(teacher) if isinstance(teacher, torch.nn.Module) else teacher
+
+
 def _plain_student_head(student) -> None:
     inner = student.get_base_model() if hasattr(student, "get_base_model") else student
     if type(inner.get_output_embeddings()) is not torch.nn.Linear:
@@ -143,7 +161,12 @@ class DistillationUpdater(PolicyUpdater):
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         self._apart = False
+        teachers = self.scorer.teacher if isinstance(self.scorer.teacher, TeacherSet) else None
+        if teachers is not None:
+            teachers.reset()
         metrics = super().step(batch)
+        if teachers is not None:  # each teacher's share of the step (rlft/train/teachers.py)
+            metrics.update(teachers.metrics(self.accelerator))
         metrics.pop("policy_loss", None)
         if "loss" in metrics:
             metrics["distill/loss"] = metrics["loss"]

@@ -41,7 +41,7 @@ from rlft.train import state as run_state
 from rlft.train.advantages import Advantages, estimator_spec
 from rlft.train.batch import RolloutBatch, ScoredRollout, row_view, timing_metrics
 from rlft.train.checkpoint import PartState
-from rlft.train.distill import load_teacher, teacher_source
+from rlft.train.distill import load_teacher, prepare_teacher, teacher_source
 from rlft.train.dynamic import DynamicSampling
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
@@ -52,7 +52,7 @@ from rlft.train.metrics import MetricWindow, rollout_metrics, tool_metrics
 from rlft.train.optimization import GuardedOptimizer
 from rlft.train.policy import load_policy
 from rlft.train.scorer import PolicyScorer
-from rlft.train.source import PromptSchedule, SourceParts, source_class
+from rlft.train.source import PromptSchedule, SourceParts, carry_row_columns, source_class
 from rlft.train.updater import PolicyUpdater, option_notes
 
 ZERO_LOSS_NOTE = (
@@ -176,8 +176,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                              quantization_config, self._tag_names)
         teacher = load_teacher(teacher, args, training_dtype(args, self.accelerator.device), policy.model,
                                self.tokenizer)
-        local = isinstance(teacher, torch.nn.Module)  # (else None, or served: rlft/rollout/teacher_server.py)
-        self.teacher_model = self.engine.prepare_reference(teacher) if local else teacher
+        self.teacher_model = prepare_teacher(teacher, self.engine)  # (None, local, served, or several)
         self._setup_notes += policy.notes
         self.is_peft, self.param_summary = policy.is_peft, policy.param_summary
         self.router_aux_loss_coef = policy.router_aux_loss_coef
@@ -278,6 +277,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         old = self.scorer.policy_logps(rollout) \
             if self.steps_per_rollout > 1 and self.updater.uses_old_logps else None
         self.scorer.forget()  # the rollout's log-probs are in the batch now, or not needed
+        self.scorer.prepare(rollout)  # what its forwards read from the rows (several teachers: each row's)
         ref = self.scorer.reference_logps(rollout) if args.kl_coef > 0 and self.kl_in_loss else None
         metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
         reward_log = RewardLog()
@@ -395,6 +395,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         for start in range(0, len(rows), chunk):
             batch = prompts.batch(rows[start:start + chunk])
             rollout = self.source.generate(batch, n, greedy=self.args.num_generations_eval is None)
+            carry_row_columns(rollout, batch, n)
             all_rewards.append(self.reward_scorer(rollout, batch, n)[0])
             loss += self._eval_loss(rollout, all_rewards[-1], n) * all_rewards[-1].shape[0]
         rewards = torch.cat(all_rewards)  # [E * n, F]

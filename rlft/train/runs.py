@@ -88,7 +88,7 @@ def peft_record(model) -> dict[str, dict[str, Any]] | None:
             for adapter, config in configs.items()}
 
 
-def _model_record(model, weights: bool = False) -> dict[str, Any]:
+def model_record(model, weights: bool = False) -> dict[str, Any]:
     """Class, name and size; with `weights` (a frozen model: a teacher, a reward model), a fingerprint of
     its weights too, so that weights replaced in place (the same folder, other values) are told apart."""
     config = getattr(model, "config", None)
@@ -130,18 +130,18 @@ def run_record(args, model, reward_names: list[str] | tuple = (), teacher=None,
     `reward_models`, name -> model) and a distillation teacher (its weights' fingerprint too)."""
     record = json.loads(json.dumps(to_dict(args), default=str))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    record["_model"] = {**_model_record(model), "trainable": trainable}
+    record["_model"] = {**model_record(model), "trainable": trainable}
     if hasattr(teacher, "record"):  # a served teacher
         record["_teacher"] = teacher.record()
     elif teacher is not None:  # (a ZeRO-3 engine wraps it)
-        record["_teacher"] = _model_record(getattr(teacher, "module", teacher), weights=True)
+        record["_teacher"] = model_record(getattr(teacher, "module", teacher), weights=True)
     peft = peft_record(model)
     if peft is not None:
         record["_peft"] = peft
     if reward_names:
         record["_reward_funcs"] = list(reward_names)
     if reward_models:
-        record["_reward_models"] = {name: _model_record(m, weights=True) for name, m in reward_models.items()}
+        record["_reward_models"] = {name: model_record(m, weights=True) for name, m in reward_models.items()}
     return record
 
 

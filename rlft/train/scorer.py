@@ -65,13 +65,41 @@ class PolicyScorer:
         ent = None if scored.entropy is None else scored.entropy if entropy_grad else scored.entropy.detach()
         return Forward(scored.logps, ent, scored.aux_loss, scored.kept_logmass, scored.divergence)
 
+    def prepare(self, rollout: Rollout) -> None:
+        """Before a rollout's forwards: what they read from its rows (several teachers: which is each row's,
+        rlft/train/teachers.py)."""
+        if hasattr(self.teacher, "route"):
+            self.teacher.route(rollout)
+
     def divergence(self, rollout: Rollout, rows, beta: float):
         """Distillation: each completion token's divergence at `beta` from the teacher [b, c] (differentiable
-        in the policy), and the policy's and the teacher's entropies there [b, c]; padded forwards."""
+        in the policy), and the policy's and the teacher's entropies there [b, c]; padded forwards. Several
+        teachers: one forward per teacher over the rows it teaches."""
+        if not hasattr(self.teacher, "route"):
+            return self._divergence(rollout, rows, beta, self.teacher)
+        self.teacher.route(rollout)
+        rows = torch.arange(rollout.completion_ids.shape[0], device=rollout.completion_ids.device)[rows]
+        index = rollout.teacher_index[rows]  # [b]
+        parts = []
+        for k, (_, teacher) in enumerate(self.teacher.items()):
+            mine = (index == k).nonzero().squeeze(-1)
+            if len(mine):
+                part = self._divergence(rollout, rows[mine], beta, teacher)
+                width = part[0].shape[1]
+                self.teacher.observe(k, part[0], part[2], rollout.loss_mask[rows[mine], :width])
+                parts.append((mine, part))
+        width = max(part[0].shape[1] for _, part in parts)
+        out = [parts[0][1][0].new_zeros(len(rows), width) for _ in range(3)]  # D, entropies [b, c]
+        for mine, part in parts:
+            for whole, piece in zip(out, part):
+                whole[mine, :piece.shape[1]] = piece
+        return tuple(out)
+
+    def _divergence(self, rollout: Rollout, rows, beta: float, teacher):
         args = self.args
         temperature = getattr(args, "divergence_temperature", args.temperature)
         scored = score_rows(self.model, rollout, rows, temperature, tile=args.logprob_chunk_size,
-                            pad_to_multiple_of=args.pad_to_multiple_of, teacher=self.teacher, beta=beta)
+                            pad_to_multiple_of=args.pad_to_multiple_of, teacher=teacher, beta=beta)
         real = int(rollout.prompt_mask[rows].sum()) + int(rollout.completion_mask[rows].sum())
         for key, value in (("computed", scored.tokens), ("real", real), ("forwards", 1)):
             self._tally[key] += value

@@ -123,10 +123,22 @@ class SourceParts:
     teacher: Any = None  # distillation's teacher (a module, a served client), where a source samples from it
 
 
+# dataset columns a rollout's rows carry for the trainer's own use (rlft/train/teachers.py: which teacher)
+ROW_COLUMNS = ("teacher_id",)
+
+
+def carry_row_columns(rollout: Rollout, prompts: dict, group: int) -> None:
+    """The rows' ROW_COLUMNS from their prompts' dataset rows (each prompt's value `group` times)."""
+    for name in ROW_COLUMNS:
+        if name in prompts and name not in rollout.extra:
+            rollout.extra[name] = [value for value in prompts[name] for _ in range(group)]
+
+
 def score_rollout(rewards: RewardScorer, throughput, prompts: dict, rollout: Rollout, group: int,
                   waited: float, generating: float) -> ScoredRollout:
     """A rollout's rewards and timings: `waited` seconds for the rollout (what the step spent), of which the
     engine spent `generating` generating it (what its throughput is measured over)."""
+    carry_row_columns(rollout, prompts, group)
     tokens = rollout.prompt_mask.sum().item() + rollout.completion_mask.sum().item()  # before any masking
     timing = {"time/generation_seconds": waited, "tokens": float(tokens)}
     for key, value in throughput.generation(rollout, generating, group).items():

@@ -1,5 +1,5 @@
-"""One DistillationTrainer optimiser step per beta (and with LoRA; GKD's on the dataset's and the student's
-completions), in 1 or N processes (torchrun), on the fixed completions of tests/dist/grpo_step.py's stand-in
+"""One DistillationTrainer optimiser step per beta (and with LoRA, with two teachers; GKD's on the dataset's
+and the student's completions), in 1 or N processes (torchrun), on the fixed completions of tests/dist/grpo_step.py's stand-in
 generator; writes the trained parameters and the step's metrics to OUT (main process only).
 
     torchrun --nproc_per_node 2 --standalone tests/dist/distill_step.py STUDENT_DIR TEACHER_DIR OUT [URL]
@@ -23,7 +23,8 @@ RUNS = {"forward_kl": dict(beta=0.0), "jsd": dict(beta=0.5), "reverse_kl": dict(
         "micro_batches": dict(beta=1.0),
         "lora": dict(beta=0.5),
         "gkd_dataset": dict(beta=0.5, lmbda=0.0),  # GKD on the dataset's completions
-        "gkd_student": dict(beta=0.5, lmbda=1.0)}  # and on the student's
+        "gkd_student": dict(beta=0.5, lmbda=1.0),  # and on the student's
+        "teachers": dict(beta=0.5)}  # two teachers, each row routed by its teacher_id
 
 
 def make_trainer(name: str, student: str, teacher: str | None, values: dict, peft):
@@ -38,7 +39,11 @@ def make_trainer(name: str, student: str, teacher: str | None, values: dict, pef
                 for r in addition_rows(8)]
         return GKDTrainer(student, teacher, GKDConfig(**common, max_new_tokens=8, **values), train_dataset=rows)
     cfg = DistillationConfig(**common, max_completion_length=8, **values)
-    return DistillationTrainer(student, teacher, cfg, addition_rows(8), peft_config=peft)
+    rows = addition_rows(8)
+    if name == "teachers":
+        teacher = {"far": teacher, "self": student}
+        rows = [{**row, "teacher_id": ("far", "self")[i % 2]} for i, row in enumerate(rows)]
+    return DistillationTrainer(student, teacher, cfg, rows, peft_config=peft)
 
 
 def main() -> None:
