@@ -1,8 +1,13 @@
 """On-policy distillation on a CPU: a GRPO-trained tiny addition policy (the teacher) distilled into the shipped
-one (the student), held-out accuracy measured as the student learns. The figure and numbers in
+one (the student), held-out accuracy measured as the student learns. The figures and numbers in
 docs/distillation.md come from:
 
     python examples/distillation_demo.py --out docs/figures/distillation.png
+    python examples/distillation_demo.py --trainer gkd --out docs/figures/gkd.png
+
+With `--trainer gkd`, GKDTrainer instead: each step with probability `--lmbda` on the student's own
+completions, else on the dataset's (each problem's correct answer, TRL's `messages` format), the same
+divergence to the teacher on either.
 
 1. The teacher: `rlft demo`'s run (GRPO, LoRA r16, 1,500 steps, seed 0), its adapter merged into the shipped
    tiny-adder (`--teacher DIR` takes one already trained: a model folder, or the demo's output folder).
@@ -24,10 +29,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from rlft import DistillationConfig, DistillationTrainer
+from rlft.config import GKDConfig
 from rlft.data.addition import rows, split_problems
 from rlft.demo import demo_lora
 from rlft.models import shipped_policy_path
 from rlft.rewards.builtins import exact_match_reward
+from rlft.train.gkd import GKDTrainer
 
 
 @torch.no_grad()
@@ -96,6 +103,24 @@ def plot(curve, teacher: float, out: Path, title: str) -> None:
     fig.savefig(out, dpi=120)
 
 
+def build(args, teacher, train: list[dict], held: HeldOut):
+    """The student's trainer: the same schedule, batch, LoRA and divergence for both trainers."""
+    common = dict(output_dir=args.output_dir or f"runs/{args.trainer}-demo", overwrite_output_dir=True,
+                  seed=args.seed, max_steps=args.steps, learning_rate=1.5e-3, lr_scheduler_type="cosine",
+                  warmup_ratio=0.05, per_device_train_batch_size=64, temperature=0.7, beta=args.beta,
+                  logging_steps=25, save_steps=args.steps, report_to="none", gradient_checkpointing=False,
+                  disable_tqdm=True)
+    student = str(shipped_policy_path())
+    if args.trainer == "gkd":
+        messages = [{"messages": r["prompt"] + [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}]}
+                    for r in train]
+        cfg = GKDConfig(**common, max_new_tokens=8, lmbda=args.lmbda)
+        return GKDTrainer(student, teacher, cfg, train_dataset=messages, callbacks=[held],
+                          peft_config=demo_lora(True))
+    cfg = DistillationConfig(**common, max_completion_length=8)
+    return DistillationTrainer(student, teacher, cfg, train, callbacks=[held], peft_config=demo_lora(True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", default=None, help="a trained teacher (model or adapter folder); default: "
@@ -104,7 +129,9 @@ def main() -> None:
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output_dir", default="runs/distillation-demo")
+    parser.add_argument("--trainer", choices=["distillation", "gkd"], default="distillation")
+    parser.add_argument("--lmbda", type=float, default=0.5, help="gkd: the share of on-policy steps")
+    parser.add_argument("--output_dir", default=None, help="default runs/<trainer>-demo")
     parser.add_argument("--out", default=None, help="figure (PNG); its numbers go beside it as JSON")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -114,14 +141,8 @@ def main() -> None:
     teacher = teacher_model(args.teacher)
     teacher_accuracy = accuracy(teacher, tokenizer, problems)
     print(f"teacher held-out accuracy {teacher_accuracy:.1%}", flush=True)
-    cfg = DistillationConfig(output_dir=args.output_dir, overwrite_output_dir=True, seed=args.seed,
-                             max_steps=args.steps, learning_rate=1.5e-3, lr_scheduler_type="cosine",
-                             warmup_ratio=0.05, per_device_train_batch_size=64, max_completion_length=8,
-                             temperature=0.7, beta=args.beta, logging_steps=25, save_steps=args.steps,
-                             report_to="none", gradient_checkpointing=False, disable_tqdm=True)
     held = HeldOut(tokenizer, problems, args.eval_every)
-    trainer = DistillationTrainer(str(shipped_policy_path()), teacher, cfg, rows(train), callbacks=[held],
-                                  peft_config=demo_lora(True))
+    trainer = build(args, teacher, rows(train), held)
     trainer.train()
     wall = time.perf_counter() - started
     before, after = held.curve[0][1], held.curve[-1][1]
@@ -129,12 +150,15 @@ def main() -> None:
           f"(teacher {teacher_accuracy:.1%}); {wall:.0f} s including the teacher's evaluation")
     if args.out:
         out = Path(args.out)
-        title = (f"A GRPO-trained tiny-adder distilled into the shipped one (beta {args.beta}, LoRA r16)\n"
-                 f"python examples/distillation_demo.py --out {args.out}")
+        how = f"GKD, lmbda {args.lmbda}" if args.trainer == "gkd" else "on-policy"
+        flag = " --trainer gkd" if args.trainer == "gkd" else ""
+        title = (f"A GRPO-trained tiny-adder distilled into the shipped one ({how}, beta {args.beta}, LoRA r16)"
+                 f"\npython examples/distillation_demo.py{flag} --out {args.out}")
         plot(held.curve, teacher_accuracy, out, title)
         out.with_suffix(".json").write_text(json.dumps(
             {"teacher_accuracy": teacher_accuracy, "curve": held.curve, "steps": args.steps, "beta": args.beta,
-             "seed": args.seed, "seconds": wall}, indent=1) + "\n")
+             "seed": args.seed, "seconds": wall, "trainer": args.trainer,
+             **({"lmbda": args.lmbda} if args.trainer == "gkd" else {})}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

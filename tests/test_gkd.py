@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from rlft.experimental.gkd import GKDConfig, GKDTrainer
 
 from rlft.errors import ConfigError
+from rlft.experimental.gkd import GKDConfig, GKDTrainer
 from rlft.train.checkpoint import latest_checkpoint
 from rlft.train.gkd import GKDSource
 from tests.helpers import addition_rows, write_jsonl
