@@ -115,9 +115,9 @@ def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
     if student_vocab != teacher_vocab:
         name = teacher if isinstance(teacher, str | Path) else type(teacher).__name__
         raise ConfigError(f"the student model has vocab_size {student_vocab} but the teacher model ({name}) "
-                          f"has vocab_size {teacher_vocab}: distillation compares their next-token "
-                          "distributions token by token, so both must share one vocabulary (use a teacher "
-                          "with the student's tokenizer and vocab_size)")
+                          f"has vocab_size {teacher_vocab}: distillation compares the student's and the "
+                          "teacher's next-token distributions token by token, so both must share one "
+                          "vocabulary (use a teacher with the student's tokenizer and vocab_size)")
     return model.eval().requires_grad_(False)
 
 
