@@ -66,7 +66,8 @@ class SyncingGenerator(StaleAfterStep, FixedGenerator):
 
 def main() -> None:
     model_dir, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    trainer = grpo(model_dir, out / "run", mode in ("lora", "adapter"))
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"  # the policy's (what is pushed is float32)
+    trainer = grpo(model_dir, out / "run", mode in ("lora", "adapter"), dtype)
     trainer.generator = SyncingGenerator(trainer.tokenizer, trainer.engine.full_weights, mode)
     trainer.train()
     assert trainer.generator.syncs == 4, trainer.generator.syncs
