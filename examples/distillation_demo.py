@@ -91,13 +91,13 @@ def plot(curve, teacher: float, out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
     ax.plot([s for s, _ in curve], [100 * a for _, a in curve], marker="o", label="student (distilled)")
     ax.axhline(100 * teacher, color="gray", linestyle="--", label=f"teacher ({teacher:.1%})")
     ax.set_xlabel("optimiser step")
     ax.set_ylabel("held-out greedy accuracy (%)")
     ax.set_ylim(0, 100)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=8)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
