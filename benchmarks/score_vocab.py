@@ -85,14 +85,14 @@ def child(lib: str, rows: int, length: int, repeats: int) -> dict:
 
 def with_mfu(result: dict) -> dict:
     """Model FLOPs utilisation of a child's forward + backward, against this machine's measured float32 matmul
-    peak (rlft/perf.py): the same model FLOPs for every library (the LM head only at completion positions)."""
+    peak (rlft/telemetry/perf.py): the same model FLOPs for every library (the LM head only at completion positions)."""
     if "error" in result:
         return result
     import torch
     from transformers import Qwen2Config
 
     from rlft.core.flops import mfu, scoring_flops
-    from rlft.perf import matmul_peak
+    from rlft.telemetry.perf import matmul_peak
 
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,
                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2)

@@ -80,7 +80,7 @@ def _cmd_doctor(args, extra: list[str]) -> int:
 
 
 def _cmd_plot(args, extra: list[str]) -> int:
-    from rlft.plots import plot_run
+    from rlft.telemetry.plots import plot_run
 
     print(plot_run(args.run_dir, args.out))
     return 0

@@ -66,8 +66,8 @@ def calculator_config(output_dir: str, steps: int, lora: bool, seed: int,
 def run_demo(steps: int | None = None, lora: bool = True, seed: int = 0, output_dir: str = "runs/demo",
              use_vllm: bool = False, task: str = "addition") -> int:
     started = time.perf_counter()
-    from rlft.plots import plot_run
     from rlft.rewards.builtins import exact_match_reward, format_reward
+    from rlft.telemetry.plots import plot_run
     from rlft.train.grpo import GRPOTrainer
 
     train, heldout = split_problems()

@@ -19,7 +19,7 @@ import torch
 from rlft import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
 from rlft.errors import ConfigError
 from rlft.rollout.producer import ProducerError
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from rlft.train.async_grpo import sampling_version
 from tests.helpers import addition_rows, correct_answer, has_answer_tags
 

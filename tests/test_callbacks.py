@@ -7,7 +7,7 @@ from transformers import GenerationConfig
 
 from rlft import DistillationConfig, DistillationTrainer, LogCompletionsCallback
 from rlft.errors import ConfigError
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.helpers import addition_rows
 
 

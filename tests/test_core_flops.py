@@ -70,7 +70,7 @@ def test_mfu_is_achieved_over_peak_in_percent():
 
 def test_a_grpo_step_logs_the_utilisation_of_each_phase(tmp_path, shipped_policy_dir):
     from rlft import GRPOTrainer
-    from rlft.perf import matmul_peak
+    from rlft.telemetry.perf import matmul_peak
     from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 
     trainer = GRPOTrainer(str(shipped_policy_dir), [correct_answer], tiny_grpo_config(tmp_path, max_steps=1),

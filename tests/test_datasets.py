@@ -13,7 +13,7 @@ from rlft.cli import main
 from rlft.config import ConfigError
 from rlft.data.prompts import DatasetError, load_named_dataset
 from rlft.recipes import parse_run, recipe_datasets
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.helpers import (
     addition_rows,
     correct_answer,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlft.core.losses import LOSS_TYPES
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.dist.grpo_step import OPTIONS
 from tests.helpers import (
     SAME_STEP,

@@ -15,7 +15,7 @@ import torch
 
 from rlft import GRPOTrainer
 from rlft.rollout.hf import Rollout
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from rlft.train.dynamic import choose_groups, informative_groups, round_prompt_indices
 from tests.helpers import addition_rows, tiny_grpo_config
 

@@ -9,7 +9,7 @@ import pytest
 from rlft.cli import main
 from rlft.doctor import detect_kind
 from rlft.recipes import parse_run
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlft.cli import main
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.helpers import addition_rows, write_jsonl
 
 

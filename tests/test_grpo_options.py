@@ -10,7 +10,7 @@ import torch
 
 from rlft import GRPOConfig, GRPOTrainer
 from rlft.config import ConfigError
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, tiny_grpo_config
 from tests.test_grpo_resume import straight_and_resumed
 from tests.test_grpo_trainer import lora

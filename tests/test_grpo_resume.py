@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlft import GRPOTrainer
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from rlft.train.checkpoint import latest_checkpoint
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, stop_after, tiny_grpo_config
 from tests.test_grpo_trainer import lora

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from rlft import GRPOTrainer
 from rlft.models import GradientFlowError
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, tiny_grpo_config
 
 EXPECTED_METRICS = [

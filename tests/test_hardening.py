@@ -24,7 +24,7 @@ from rlft.recipes import parse_run
 from rlft.rewards import RewardFunctionError
 from rlft.rollout.hf import shared_prompt_cache
 from rlft.scoring import Scored
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from rlft.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, resolve_resume
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config, write_jsonl
 
@@ -142,7 +142,7 @@ def test_infinite_or_overflowing_rewards_are_named(tmp_path, shipped_policy_dir,
 
 
 def test_metrics_file_never_holds_non_json_tokens(tmp_path):
-    from rlft.tracking import _jsonable
+    from rlft.telemetry.tracking import _jsonable
 
     assert [_jsonable(v) for v in (float("nan"), float("inf"), -float("inf"), 1.5)] == [None, None, None, 1.5]
 
@@ -333,7 +333,7 @@ def test_reward_keywords_that_match_nothing_warn_or_fail_up_front(tmp_path, ship
 KILL_DURING_REWRITE = """
 import os, sys
 sys.path.insert(0, {root!r})
-import rlft.tracking
+import rlft.telemetry.tracking
 from rlft import GRPOTrainer
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 from pathlib import Path
@@ -341,7 +341,7 @@ from pathlib import Path
 def killed(src, dst):  # the temporary file is written; the process dies before the rename
     os.kill(os.getpid(), 9)
 
-rlft.tracking.os.replace = killed
+rlft.telemetry.tracking.os.replace = killed
 trainer = GRPOTrainer({model!r}, [correct_answer], tiny_grpo_config(Path({tmp!r}), max_steps=3, save_steps=1),
                       addition_rows(16))
 trainer.train(resume_from_checkpoint={checkpoint!r})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlft.demo import run_demo
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 
 
 def heldout_accuracy(run_dir) -> list[float]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from rlft.train.checkpoint import latest_checkpoint, verify
 from rlft.train.preemption import PREEMPTED_EXIT, Preempted
 

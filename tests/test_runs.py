@@ -15,7 +15,7 @@ from peft import LoraConfig
 
 from rlft import GRPOTrainer, RewardTrainer
 from rlft.config import ConfigError
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from rlft.train.checkpoint import STATE_FILE
 from rlft.train.runs import compare, config_hash
 from tests.helpers import (

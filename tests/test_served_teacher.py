@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from rlft import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer
 from rlft.errors import ConfigError
 from rlft.rollout.vllm_server import VLLMServerError
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.dist.grpo_step import FixedGenerator
 from tests.helpers import addition_rows
 from tests.teacher_stub import serve_teacher

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlft.config import ConfigError
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.helpers import SAME_STEP, SHARED_PROMPT, assert_params_close, float32_step_bound
 from tests.test_distributed import ROOT, launch
 

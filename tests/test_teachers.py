@@ -9,7 +9,7 @@ import torch
 
 from rlft import DistillationConfig, DistillationTrainer
 from rlft.errors import ConfigError
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.dist.grpo_step import FixedGenerator
 from tests.helpers import addition_rows
 from tests.teacher_stub import serve_teacher

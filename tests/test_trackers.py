@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlft import GRPOTrainer
-from rlft.tracking import read_metrics, tracker_target
+from rlft.telemetry.tracking import read_metrics, tracker_target
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from rlft.compat import NO_EFFECT, trl_fields
 from rlft.config import ConfigError
 from rlft.data.prompts import DatasetError
 from rlft.models import load_tokenizer
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 from tests.helpers import (
     addition_rows,
     correct_answer,

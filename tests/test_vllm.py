@@ -248,7 +248,7 @@ def two_process_config(tmp_path, shipped_policy_dir, extra: str = "") -> str:
 
 
 def assert_two_process_run_matched_its_engines(tmp_path, result) -> list[dict]:
-    from rlft.tracking import read_metrics
+    from rlft.telemetry.tracking import read_metrics
 
     assert result.returncode == 0, result.stderr[-4000:]
     assert "Traceback" not in result.stderr  # the engines shut down without touching the trainer's process group

@@ -30,11 +30,11 @@ from rlft.core.losses import LossOptions
 from rlft.data.prompts import PromptSet, load_eval_datasets, materialize
 from rlft.errors import ConfigError
 from rlft.models import context_length, prepare_tokenizer, training_dtype
-from rlft.perf import Throughput
 from rlft.rewards.calling import RewardLog, RewardScorer, check_keywords, resolve_rewards
 from rlft.rollout.base import engine_metrics, weights_changed
 from rlft.rollout.truncation import replay_plan
-from rlft.tracking import Messages
+from rlft.telemetry.perf import Throughput
+from rlft.telemetry.tracking import Messages
 from rlft.train import checkpoint as ckpt
 from rlft.train import runs
 from rlft.train import state as run_state

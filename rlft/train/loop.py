@@ -23,7 +23,7 @@ from transformers.trainer_utils import TrainOutput
 
 from rlft.config import to_dict
 from rlft.kinds import KINDS
-from rlft.tracking import RunLog
+from rlft.telemetry.tracking import RunLog
 from rlft.train import runs
 from rlft.train import state as run_state
 from rlft.train.preemption import Preempted, Preemption

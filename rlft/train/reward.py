@@ -28,7 +28,7 @@ from rlft.models import (
     prepare_tokenizer,
     training_dtype,
 )
-from rlft.tracking import Messages
+from rlft.telemetry.tracking import Messages
 from rlft.train import checkpoint as ckpt
 from rlft.train import engine_io, runs
 from rlft.train import state as run_state

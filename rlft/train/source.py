@@ -108,10 +108,10 @@ class SourceParts:
     args: Any
     schedule: PromptSchedule
     rewards: RewardScorer
-    throughput: Any  # rlft/perf.py: Throughput
+    throughput: Any  # rlft/telemetry/perf.py: Throughput
     accelerator: Any
     state: Any  # transformers' TrainerState: the run's step
-    messages: Any  # rlft/tracking.py: Messages
+    messages: Any  # rlft/telemetry/tracking.py: Messages
     model: Any  # the policy, unwrapped
     tokenizer: Any
     training_engine: Any

@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 
 from rlft.errors import RlftError
-from rlft.tracking import end_trackers
+from rlft.telemetry.tracking import end_trackers
 
 
 class HubError(RlftError, RuntimeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rlft.tracking import read_metrics
+from rlft.telemetry.tracking import read_metrics
 
 PANELS = [
     ("reward (train, sampled)",
