@@ -40,7 +40,7 @@ def train_command(kind: str, argv: list[str]) -> int:
     script_args, training_args, model_args, mixture_args, notes = parse_run(kind, argv, config)
     for note in notes:
         print(f"rlft {kind}: {note}", file=sys.stderr)
-    from rlft.train.preemption import Preempted
+    from rlft.train.run.preemption import Preempted
     from rlft.train.state import release_processes
 
     trainer = build_trainer(kind, script_args, training_args, model_args, mixture_args)

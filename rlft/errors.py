@@ -15,8 +15,8 @@ class ConfigError(RlftError, ValueError):
 
 
 class OutputDirBusyError(RlftError, RuntimeError):
-    """Another training run holds the output_dir (its lock, rlft/train/runs.py); the message names its process
-    and what to do."""
+    """Another training run holds the output_dir (its lock, rlft/train/run/runs.py); the message names its
+    process and what to do."""
 
 
 class NonFiniteError(RlftError, RuntimeError):

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from rlft import DistillationConfig, DistillationTrainer, GRPOConfig
 from rlft.errors import ConfigError
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.checkpoint import latest_checkpoint
+from rlft.train.run.checkpoint import latest_checkpoint
 from tests.dist.grpo_step import FixedGenerator
 from tests.helpers import SAME_STEP, addition_rows, assert_params_close, write_jsonl
 from tests.test_grpo_resume import assert_same_rows

@@ -13,8 +13,8 @@ import torch
 
 from rlft.errors import ConfigError
 from rlft.experimental.gkd import GKDConfig, GKDTrainer
-from rlft.train.checkpoint import latest_checkpoint
 from rlft.train.gkd import GKDSource
+from rlft.train.run.checkpoint import latest_checkpoint
 from tests.helpers import addition_rows, write_jsonl
 from tests.test_distillation import ROOT, perturbed, reference_loss
 from tests.test_grpo_resume import assert_same_rows

@@ -9,7 +9,7 @@ import torch
 
 from rlft import GRPOTrainer
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.checkpoint import latest_checkpoint
+from rlft.train.run.checkpoint import latest_checkpoint
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, stop_after, tiny_grpo_config
 from tests.test_grpo_trainer import lora
 
@@ -113,7 +113,7 @@ def test_carried_tensors_are_each_process_own_and_a_moved_reference_is_written_o
     import logging
     from types import SimpleNamespace
 
-    from rlft.train.checkpoint import _read_carried, _write_carried
+    from rlft.train.run.checkpoint import _read_carried, _write_carried
 
     ranks = [SimpleNamespace(num_processes=2, process_index=r, is_main_process=r == 0) for r in (0, 1)]
     for acc in ranks:

@@ -25,7 +25,7 @@ from rlft.rewards import RewardFunctionError
 from rlft.rollout.hf import shared_prompt_cache
 from rlft.scoring import Scored
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, resolve_resume
+from rlft.train.run.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, resolve_resume
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config, write_jsonl
 
 
@@ -394,7 +394,7 @@ def test_a_full_disk_while_optimizer_pt_is_written_names_the_file_the_reason_and
     """ENOSPC part-way through optimizer.pt of checkpoint-2: the error says which file, why, the free space, that
     checkpoint-1 is intact and what to do; checkpoint-1 still verifies and the run resumes from it."""
     import rlft.train.engines.base as engine_base
-    from rlft.train.checkpoint import CheckpointWriteError, verify
+    from rlft.train.run.checkpoint import CheckpointWriteError, verify
 
     real_save, calls = torch.save, []
 
@@ -453,7 +453,7 @@ def test_a_file_size_limit_hit_inside_torch_save_is_named_not_torchs_unexpected_
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("rlft.train.safe_files.CheckpointWriteError: checkpoint-2 could not be written")
+    assert last.startswith("rlft.train.run.safe_files.CheckpointWriteError: checkpoint-2 could not be written")
     assert "(writing checkpoint-2/optimizer.pt failed: EFBIG: File too large)" in last
     assert "a file size limit (ulimit -f)" in last and "checkpoint-1, the last complete checkpoint, is intact" in last
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
@@ -487,7 +487,7 @@ def test_reward_timeout_stops_a_run_whose_reward_never_returns(tmp_path, shipped
 def test_the_save_time_finite_check_finds_any_bad_value_and_holds_one_chunk_at_a_time(where, bad):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rlft.train.safe_files import FINITE_CHUNK, CheckpointError, check_finite, finite
+    from rlft.train.run.safe_files import FINITE_CHUNK, CheckpointError, check_finite, finite
 
     class Largest(TorchDispatchMode):
         largest = 0

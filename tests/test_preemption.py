@@ -1,4 +1,4 @@
-"""Preemption (rlft/train/preemption.py): a signal to a running trainer -- SIGTERM as a cluster scheduler sends
+"""Preemption (rlft/train/run/preemption.py): a signal to a running trainer -- SIGTERM as a cluster scheduler sends
 before its SIGKILL, a double Ctrl-C -- ends with a checkpoint, a line saying where and how to resume, a distinct
 exit status, and a resume equal to the uninterrupted run; a second signal during a save leaves the previous
 checkpoint as it was. Runs in subprocesses (tests/dist/preempt_run.py), the signal sent by the run to itself at a
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.checkpoint import latest_checkpoint, verify
-from rlft.train.preemption import PREEMPTED_EXIT, Preempted
+from rlft.train.run.checkpoint import latest_checkpoint, verify
+from rlft.train.run.preemption import PREEMPTED_EXIT, Preempted
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "tests/dist/preempt_run.py"

@@ -16,8 +16,8 @@ from peft import LoraConfig
 from rlft import GRPOTrainer, RewardTrainer
 from rlft.config import ConfigError
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.checkpoint import STATE_FILE
-from rlft.train.runs import compare, config_hash
+from rlft.train.run.checkpoint import STATE_FILE
+from rlft.train.run.runs import compare, config_hash
 from tests.helpers import (
     addition_rows,
     correct_answer,
@@ -189,7 +189,7 @@ def test_compare_splits_refused_from_applied_fields():
 
 def test_a_checkpoint_from_before_a_field_existed_resumes_when_the_field_keeps_its_default():
     from rlft import GRPOConfig
-    from rlft.train import runs
+    from rlft.train.run import runs
 
     defaults = runs.field_defaults(GRPOConfig(output_dir="unused"))
     saved = {"seed": 1, "learning_rate": 1e-3}  # written by an rlft without the newer fields
@@ -229,7 +229,7 @@ def test_two_runs_started_together_on_one_folder_one_trains_and_the_other_is_ref
 HOLD_THE_LOCK = """
 import sys, time, types
 sys.path.insert(0, {root!r})
-from rlft.train.runs import OutputDirLock
+from rlft.train.run.runs import OutputDirLock
 OutputDirLock(types.SimpleNamespace(is_main_process=True, num_processes=1), {folder!r}).__enter__()
 print("locked", flush=True)
 time.sleep(600)
@@ -261,7 +261,7 @@ def test_the_weights_fingerprint_sees_one_bit_and_not_the_summation_split(monkey
 
     import torch
 
-    from rlft.train import runs
+    from rlft.train.run import runs
 
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False))
     twin = copy.deepcopy(model)
@@ -280,7 +280,7 @@ def test_the_weights_fingerprint_sees_one_bit_and_not_the_summation_split(monkey
 
 
 def test_a_checkpoint_without_weight_fingerprints_resumes_and_says_they_were_not_compared(tmp_path):
-    from rlft.train.runs import check_resume
+    from rlft.train.run.runs import check_resume
 
     teacher = {"class": "LlamaForCausalLM", "name_or_path": "t", "parameters": 10}
     saved = {"learning_rate": 1e-3, "_teacher": teacher}

@@ -137,7 +137,7 @@ def test_the_async_producer_at_rollout_lag_zero_is_on_policy_with_the_replay(tmp
 
 
 def test_a_resume_inside_a_rollout_carries_the_kept_ids_and_equals_the_straight_run(tmp_path, shipped_policy_dir):
-    from rlft.train.safe_files import load_safetensors
+    from rlft.train.run.safe_files import load_safetensors
 
     def run(name, steps, resume=None):
         cfg = tiny_grpo_config(tmp_path / name, max_steps=steps, steps_per_generation=2, save_steps=1, **TRUNCATED)

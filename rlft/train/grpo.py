@@ -35,12 +35,9 @@ from rlft.rollout.base import engine_metrics, weights_changed
 from rlft.rollout.truncation import replay_plan
 from rlft.telemetry.perf import Throughput
 from rlft.telemetry.tracking import Messages
-from rlft.train import checkpoint as ckpt
-from rlft.train import runs
 from rlft.train import state as run_state
 from rlft.train.advantages import Advantages, estimator_spec
 from rlft.train.batch import RolloutBatch, ScoredRollout, row_view, timing_metrics
-from rlft.train.checkpoint import PartState
 from rlft.train.distill import load_teacher, prepare_teacher, teacher_source
 from rlft.train.dynamic import DynamicSampling
 from rlft.train.engines import make_engine
@@ -51,6 +48,9 @@ from rlft.train.loop import TrainLoop
 from rlft.train.metrics import MetricWindow, rollout_metrics, tool_metrics
 from rlft.train.optimization import GuardedOptimizer
 from rlft.train.policy import load_policy
+from rlft.train.run import checkpoint as ckpt
+from rlft.train.run import runs
+from rlft.train.run.checkpoint import PartState
 from rlft.train.scorer import PolicyScorer
 from rlft.train.source import PromptSchedule, SourceParts, carry_row_columns, source_class
 from rlft.train.updater import PolicyUpdater, option_notes

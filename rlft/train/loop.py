@@ -24,9 +24,9 @@ from transformers.trainer_utils import TrainOutput
 from rlft.config import to_dict
 from rlft.kinds import KINDS
 from rlft.telemetry.tracking import RunLog
-from rlft.train import runs
 from rlft.train import state as run_state
-from rlft.train.preemption import Preempted, Preemption
+from rlft.train.run import runs
+from rlft.train.run.preemption import Preempted, Preemption
 
 
 class TrainLoop:
@@ -34,7 +34,7 @@ class TrainLoop:
 
     def train(self, resume_from_checkpoint=None):
         """The run, holding output_dir for its whole length: a second run started on the folder is refused
-        (rlft/train/runs.py: OutputDirLock)."""
+        (rlft/train/run/runs.py: OutputDirLock)."""
         with runs.OutputDirLock(self.accelerator, self.args.output_dir):
             return self._train(resume_from_checkpoint)
 
@@ -67,7 +67,7 @@ class TrainLoop:
 
     def _preempted(self, step: int, preemption: Preemption) -> None:
         """A checkpoint at `step` (unless this step just wrote one), the line that says where and how to
-        resume, then the exit (rlft/train/preemption.py)."""
+        resume, then the exit (rlft/train/run/preemption.py)."""
         if not self.flow.control.should_save:
             self._save_checkpoint(step)
         path = f"{self.args.output_dir}/checkpoint-{step}"

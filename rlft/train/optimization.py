@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rlft.errors import NonFiniteError
-from rlft.train.safe_files import load_json, writing
+from rlft.train.run.safe_files import load_json, writing
 
 
 @dataclass

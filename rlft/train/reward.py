@@ -29,10 +29,8 @@ from rlft.models import (
     training_dtype,
 )
 from rlft.telemetry.tracking import Messages
-from rlft.train import checkpoint as ckpt
-from rlft.train import engine_io, runs
+from rlft.train import engine_io
 from rlft.train import state as run_state
-from rlft.train.checkpoint import PartState
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.host_memory import trim_between_layers
@@ -41,6 +39,9 @@ from rlft.train.metrics import MetricWindow
 from rlft.train.offload import offload_activations, offload_note
 from rlft.train.optimization import GuardedOptimizer
 from rlft.train.reward_packing import PairPacking, run_packed
+from rlft.train.run import checkpoint as ckpt
+from rlft.train.run import runs
+from rlft.train.run.checkpoint import PartState
 from rlft.train.surface import TrainerSurface
 
 HEAD_NAMES = ("score", "classifier")

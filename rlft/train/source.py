@@ -26,8 +26,8 @@ from rlft.data.prompts import PromptSet, epoch_order
 from rlft.rewards.calling import RewardLog, RewardScorer
 from rlft.rollout.base import Rollout
 from rlft.train.batch import ScoredRollout
-from rlft.train.checkpoint import PartState
 from rlft.train.generation import Generation, ToolSetup, rollout_engine
+from rlft.train.run.checkpoint import PartState
 
 
 def round_prompt_indices(num_rows: int, seed: int, rollout_index: int, round_index: int, process_index: int,

@@ -1,6 +1,6 @@
 """Pieces both trainers share: the Accelerator, optimizer and schedule, seeding, clean exit.
 
-Checkpoint files are written and read by `rlft/train/checkpoint.py`.
+Checkpoint files are written and read by `rlft/train/run/checkpoint.py`.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class TeacherSet:
 
     def record(self) -> dict:
         """For the run record: each teacher's (a served one's own; a local one's class, size and weights)."""
-        from rlft.train.runs import model_record
+        from rlft.train.run.runs import model_record
 
         return {k: t.record() if hasattr(t, "record") else model_record(getattr(t, "module", t), weights=True)
                 for k, t in self.items()}

@@ -28,8 +28,8 @@ from rlft.core.regularizers import (
 )
 from rlft.models import GradientFlowError, check_gradient_flow
 from rlft.train.batch import RolloutBatch
-from rlft.train.checkpoint import PartState
 from rlft.train.metrics import CLIP_MEAN_KEYS, StepSums, correction_metrics
+from rlft.train.run.checkpoint import PartState
 
 
 @dataclass

@@ -13,7 +13,7 @@ whose format this module owns, so they only say how to gather their state whole 
   engine/optimizer.safetensors  every optimizer state tensor in full, as "<parameter name>::<state key>"
   engine/optimizer.json         scalar state: param groups / step counts
 Saved whole, not per process, so nothing in the files depends on how the state was split (resume still asks
-for the same number of processes, for the RNG states and data order; rlft/train/checkpoint.py).
+for the same number of processes, for the RNG states and data order; rlft/train/run/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rlft.train.safe_files import (
+from rlft.train.run.safe_files import (
     CheckpointError,
     check_finite,
     load_json,

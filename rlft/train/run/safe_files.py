@@ -1,5 +1,5 @@
 """Reading and writing the files of a checkpoint without pickle: the checks both the checkpoint logic
-(rlft/train/checkpoint.py) and the engines' state files (rlft/train/engines/) use, in one module below
+(rlft/train/run/checkpoint.py) and the engines' state files (rlft/train/engines/) use, in one module below
 both so neither imports the other."""
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlft.train.safe_files import (  # noqa: F401 (check_finite, load_model_weights, model_folder: old paths)
+from rlft.train.run.safe_files import (  # noqa: F401 (check_finite, load_model_weights, model_folder: old paths)
     CheckpointError,
     CheckpointWriteError,
     check_finite,
