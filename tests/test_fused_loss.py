@@ -1,5 +1,5 @@
 """A trainable LM head's gradients formed in the forward from the loss's predicted dL/dlog p
-(rlft/core/fused_head.py, rlft/train/updater.py): the same GRPO step as the recomputing backward, for the
+(rlft/core/fused_head.py, rlft/train/update/updater.py): the same GRPO step as the recomputing backward, for the
 token-separable losses; the others keep the recomputing backward."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlft.core import fused_head
-from rlft.train.updater import PolicyUpdater
+from rlft.train.update.updater import PolicyUpdater
 from tests.test_microbatches import one_step
 
 

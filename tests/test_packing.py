@@ -17,7 +17,7 @@ from rlft.packing import pack_rows
 from rlft.rollout.base import Rollout
 from rlft.scoring import install_scoring, score_rows
 from rlft.tiny import build_causal_lm, build_tokenizer
-from rlft.train.scorer import packing_pays
+from rlft.train.update.rollout_logprobs import packing_pays
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 
 

@@ -1,4 +1,4 @@
-"""The reward trainer's pairs scored packed (rlft/train/reward_packing.py): the layout (a pair's shared
+"""The reward trainer's pairs scored packed (rlft/train/update/pair_packing.py): the layout (a pair's shared
 prefix once, each sequence pooled where the model's own forward pools), and one training step's loss,
 metrics and parameter change equal to the padded step's for Qwen2 and Llama, full and LoRA, with gradient
 checkpointing; a model whose attention cannot take the packed rows falls back (or is an error when asked)."""
@@ -13,7 +13,7 @@ from peft import LoraConfig
 
 from rlft import RewardTrainer
 from rlft.errors import ConfigError
-from rlft.train.reward_packing import pack_pairs
+from rlft.train.update.pair_packing import pack_pairs
 from tests.helpers import tiny_reward_config
 
 WORDS = ["good", "bad", "fine", "poor", "great", "awful", "clear", "vague", "kind", "rude"]

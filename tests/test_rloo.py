@@ -157,7 +157,7 @@ def test_rloo_clip_fractions_combine_micro_batches_by_their_sequences():
     clipped, 2 of 1 token none clipped) reports 0.5, not the token-weighted 10/11; token-level losses keep the
     token weighting."""
     from rlft.core.losses import LOSSES
-    from rlft.train.metrics import CLIP_MEAN_KEYS, StepSums
+    from rlft.train.update.metrics import CLIP_MEAN_KEYS, StepSums
 
     assert LOSSES["rloo"].clip_per_sequence and not LOSSES["grpo"].clip_per_sequence
     one = type("Acc", (), {"num_processes": 1, "device": torch.device("cpu")})()

@@ -1,4 +1,4 @@
-"""Several teachers (rlft/train/teachers.py): each row is distilled from the teacher its `teacher_id` names,
+"""Several teachers (rlft/train/update/teachers.py): each row is distilled from the teacher its `teacher_id` names,
 local or served; the step is the definition summed over the teachers' rows; per-teacher metrics; bad ids
 named; resume exact (a checkpoint inside a rollout keeps each row's teacher)."""
 

@@ -203,7 +203,7 @@ class Rollout(Rows):
     # padding (a position without any: the full vocabulary); the trainer renormalises over them
     sampling_kept: torch.Tensor | None = rows("right", pad=-1, saved=True, default=None)
     # [N] the teacher each row is distilled from, by its index in the run's teachers (several teachers:
-    # rlft/train/teachers.py)
+    # rlft/train/update/teachers.py)
     teacher_index: torch.Tensor | None = rows("row", saved=True, default=None)
 
     @property

@@ -3,7 +3,8 @@
 generate, vLLM colocated or served, tools: GRPO's rollout sources), the teacher scores every completion token,
 and the loss is the token-mean generalized Jensen-Shannon divergence at `beta` between their next-token
 distributions (0 forward KL, 1 reverse KL), computed tile by tile over the vocabulary from the two models'
-hidden states (rlft/core/distill.py, rlft/train/distill.py). No reward function, no advantage, no reference
+hidden states (rlft/core/distill.py, rlft/train/update/distill_updater.py). No reward function, no advantage,
+no reference
 model; generation, LoRA, sharded engines, exact resume and logging are GRPO's.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 from rlft.config import DistillationConfig, ServerDistillationConfig
 from rlft.errors import ConfigError
-from rlft.train.distill import DistillationUpdater
 from rlft.train.grpo import GRPOTrainer, default_output_dir
+from rlft.train.update.distill_updater import DistillationUpdater
 
 
 class DistillationTrainer(GRPOTrainer):

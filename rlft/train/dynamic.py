@@ -29,8 +29,8 @@ import torch
 
 from rlft.errors import RlftError
 from rlft.rollout.base import Rollout
-from rlft.train.batch import ScoredRollout, add_timing
 from rlft.train.source import round_prompt_indices  # noqa: F401 (its old import path)
+from rlft.train.update.rollout_batch import ScoredRollout, add_timing
 
 SPREAD_TOLERANCE = 1e-6
 REPORT_ROUNDS = 10  # a search still going says what it has found every this many rounds

@@ -5,7 +5,8 @@ arXiv:2306.13649).
 Each rollout is, with probability `lmbda`, the student's own completions of its prompts (on-policy, from
 the current weights: GRPO's rollout engines, vLLM included); otherwise the teacher's completions
 (`seq_kd`: sequence-level KD) or the dataset's (supervised KD). Whatever the completions, the loss is
-distillation's (rlft/train/distill.py): the generalized Jensen-Shannon divergence at `beta` of every
+distillation's (rlft/train/update/distill_updater.py): the generalized Jensen-Shannon divergence at `beta` of
+every
 completion token, at temperature 1, a token mean over the optimiser step. The draw is seeded by the run's
 seed and the rollout's index, so every process, a resumed run and a rerun take the same one (TRL draws
 with Python's global `random` once per micro-batch on each process).
@@ -27,10 +28,10 @@ from rlft.data.prompts import DatasetError, is_conversational, left_pad, load_da
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import HFGenerator, completion_mask_from, eos_token_ids
-from rlft.train.batch import ScoredRollout
 from rlft.train.distillation import DistillationTrainer
 from rlft.train.grpo import default_output_dir
 from rlft.train.source import GeneratedSource, SourceBase, SourceParts, register_source, score_rollout
+from rlft.train.update.rollout_batch import ScoredRollout
 
 KINDS_OF_COMPLETION = ("student", "teacher", "dataset")
 

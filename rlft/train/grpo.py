@@ -2,10 +2,12 @@
 
     source      where rollouts come from: prompts in order, the engine / tool loop / environments /
                 rollout_func, the reward functions (rlft/train/source.py; `rollout_source`, dynamic sampling)
-    advantages  the config's EstimatorSpec over every process's rewards (rlft/train/advantages.py)
-    scorer      log-probs of a rollout under the policy and the reference (rlft/train/scorer.py)
+    advantages  the config's EstimatorSpec over every process's rewards
+                (rlft/train/update/rollout_advantages.py)
+    scorer      log-probs of a rollout under the policy and the reference
+                (rlft/train/update/rollout_logprobs.py)
     updater     the policy's optimiser step on a batch: the loss, then the guarded step
-                (rlft/train/updater.py)
+                (rlft/train/update/updater.py)
 
 One rollout (generation batch) holds per_device_train_batch_size x steps_per_generation completions per
 process and feeds steps_per_generation / gradient_accumulation_steps optimiser steps, each on its own slice,
@@ -36,24 +38,24 @@ from rlft.rollout.truncation import replay_plan
 from rlft.telemetry.perf import Throughput
 from rlft.telemetry.tracking import Messages
 from rlft.train import state as run_state
-from rlft.train.advantages import Advantages, estimator_spec
-from rlft.train.batch import RolloutBatch, ScoredRollout, row_view, timing_metrics
-from rlft.train.distill import load_teacher, prepare_teacher, teacher_source
 from rlft.train.dynamic import DynamicSampling
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.generation import check_chat_prompts, environment_data, setup_tools
 from rlft.train.grpo_surface import GRPOSurface
 from rlft.train.loop import TrainLoop
-from rlft.train.metrics import MetricWindow, rollout_metrics, tool_metrics
-from rlft.train.optimization import GuardedOptimizer
 from rlft.train.policy import load_policy
 from rlft.train.run import checkpoint as ckpt
 from rlft.train.run import runs
 from rlft.train.run.checkpoint import PartState
-from rlft.train.scorer import PolicyScorer
 from rlft.train.source import PromptSchedule, SourceParts, carry_row_columns, source_class
-from rlft.train.updater import PolicyUpdater, option_notes
+from rlft.train.update.distill_updater import load_teacher, prepare_teacher, teacher_source
+from rlft.train.update.metrics import MetricWindow, rollout_metrics, tool_metrics
+from rlft.train.update.optimization import GuardedOptimizer
+from rlft.train.update.rollout_advantages import Advantages, estimator_spec
+from rlft.train.update.rollout_batch import RolloutBatch, ScoredRollout, row_view, timing_metrics
+from rlft.train.update.rollout_logprobs import PolicyScorer
+from rlft.train.update.updater import PolicyUpdater, option_notes
 
 ZERO_LOSS_NOTE = (
     "loss is ~0 while grad_norm > 0: expected. With one update per rollout the ratio is exactly 1, so the "

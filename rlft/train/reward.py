@@ -29,20 +29,20 @@ from rlft.models import (
     training_dtype,
 )
 from rlft.telemetry.tracking import Messages
-from rlft.train import engine_io
 from rlft.train import state as run_state
+from rlft.train.engines import lora_merge as engine_io
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.host_memory import trim_between_layers
 from rlft.train.loop import TrainLoop
-from rlft.train.metrics import MetricWindow
 from rlft.train.offload import offload_activations, offload_note
-from rlft.train.optimization import GuardedOptimizer
-from rlft.train.reward_packing import PairPacking, run_packed
 from rlft.train.run import checkpoint as ckpt
 from rlft.train.run import runs
 from rlft.train.run.checkpoint import PartState
 from rlft.train.surface import TrainerSurface
+from rlft.train.update.metrics import MetricWindow
+from rlft.train.update.optimization import GuardedOptimizer
+from rlft.train.update.pair_packing import PairPacking, run_packed
 
 HEAD_NAMES = ("score", "classifier")
 

@@ -25,9 +25,9 @@ from typing import Any, Protocol, runtime_checkable
 from rlft.data.prompts import PromptSet, epoch_order
 from rlft.rewards.calling import RewardLog, RewardScorer
 from rlft.rollout.base import Rollout
-from rlft.train.batch import ScoredRollout
 from rlft.train.generation import Generation, ToolSetup, rollout_engine
 from rlft.train.run.checkpoint import PartState
+from rlft.train.update.rollout_batch import ScoredRollout
 
 
 def round_prompt_indices(num_rows: int, seed: int, rollout_index: int, round_index: int, process_index: int,
@@ -123,7 +123,8 @@ class SourceParts:
     teacher: Any = None  # distillation's teacher (a module, a served client), where a source samples from it
 
 
-# dataset columns a rollout's rows carry for the trainer's own use (rlft/train/teachers.py: which teacher)
+# dataset columns a rollout's rows carry for the trainer's own use (rlft/train/update/teachers.py: which
+# teacher)
 ROW_COLUMNS = ("teacher_id",)
 
 
@@ -142,7 +143,8 @@ def score_rollout(rewards: RewardScorer, throughput, prompts: dict, rollout: Rol
     tokens = rollout.prompt_mask.sum().item() + rollout.completion_mask.sum().item()  # before any masking
     timing = {"time/generation_seconds": waited, "tokens": float(tokens)}
     for key, value in throughput.generation(rollout, generating, group).items():
-        timing[key] = value * waited  # time-weighted, so that rounds add up (rlft/train/batch.py)
+        # time-weighted, so that rounds add up (rlft/train/update/rollout_batch.py)
+        timing[key] = value * waited
     reward_log, started = RewardLog(), time.perf_counter()
     values, completions = rewards(rollout, prompts, group, reward_log)
     timing["time/reward_seconds"] = time.perf_counter() - started

@@ -20,7 +20,7 @@ import torch
 from transformers import TrainerCallback
 
 from rlft import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
-from rlft.train import optimization
+from rlft.train.update import optimization
 from rlft.train.state import release_processes
 from tests.helpers import addition_rows, correct_answer
 

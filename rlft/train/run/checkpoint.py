@@ -181,7 +181,7 @@ class PartState:
 def save_checkpoint(accelerator, output_dir: str | Path, step: int, trained, tokenizer, flow,
                     parts: PartState, save_total_limit: int | None = None) -> Path:
     """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files): `trained`
-    (rlft/train/optimization.py) saves the model files, optimizer state and schedule, its engine's way
+    (rlft/train/update/optimization.py) saves the model files, optimizer state and schedule, its engine's way
     (gathered whole under FSDP2 and DeepSpeed); `parts` are what the trainer's parts carry."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
@@ -306,7 +306,8 @@ def _rotate(output_dir: Path, limit: int | None) -> None:
 
 # ---- reading --------------------------------------------------------------------------------------
 def load_checkpoint(accelerator, trained, path: Path) -> PartState:
-    """Restore the model, optimizer and schedule (`trained`: rlft/train/optimization.py) and this process's
+    """Restore the model, optimizer and schedule (`trained`: rlft/train/update/optimization.py) and this
+    process's
     RNG. Returns the parts' merged state (rlft_state.json, this process's extra JSON and tensors) for each
     part to read its own from; the TrainerState is the flow's to load."""
     state = verify(path)

@@ -39,7 +39,8 @@ class PolicyScorer:
 
     def __init__(self, model, ref_model, accelerator, args, messages=None, teacher=None):
         self.model, self.ref_model, self.accelerator, self.args = model, ref_model, accelerator, args
-        self.messages, self.teacher = messages, teacher  # teacher: distillation's (rlft/train/distill.py)
+        # teacher: distillation's (rlft/train/update/distill_updater.py)
+        self.messages, self.teacher = messages, teacher
         self._policy_logps_of: tuple[Rollout, torch.Tensor] | None = None
         self.packable: bool | None = None  # packed scoring checked exact for this model (None: not yet)
         self._tally = dict.fromkeys(("computed", "real", "packed", "forwards"), 0)
@@ -67,7 +68,7 @@ class PolicyScorer:
 
     def prepare(self, rollout: Rollout) -> None:
         """Before a rollout's forwards: what they read from its rows (several teachers: which is each row's,
-        rlft/train/teachers.py)."""
+        rlft/train/update/teachers.py)."""
         if hasattr(self.teacher, "route"):
             self.teacher.route(rollout)
 

@@ -4,7 +4,8 @@ One optimiser step runs micro-batches whose losses are shares of one step loss: 
 count, token count) are counted over the whole step and all processes before the first micro-batch. The loss
 is the one the config picks (rlft/core/losses.py), with the sampling correction of completions another engine
 sampled, the entropy mask / bonus and a MoE router's loss where asked. A step with no trainable token, or
-whose loss or gradient norm is not finite, is skipped (rlft/train/optimization.py); the weights never see a
+whose loss or gradient norm is not finite, is skipped (rlft/train/update/optimization.py); the weights never
+see a
 non-finite value. TR-DPO's reference sync (`sync_reference`) and the counters that must survive a resume are
 the updater's too (`state_dict()`).
 """
@@ -27,9 +28,9 @@ from rlft.core.regularizers import (
     mix_reference,
 )
 from rlft.models import GradientFlowError, check_gradient_flow
-from rlft.train.batch import RolloutBatch
-from rlft.train.metrics import CLIP_MEAN_KEYS, StepSums, correction_metrics
 from rlft.train.run.checkpoint import PartState
+from rlft.train.update.metrics import CLIP_MEAN_KEYS, StepSums, correction_metrics
+from rlft.train.update.rollout_batch import RolloutBatch
 
 
 @dataclass
@@ -90,8 +91,9 @@ def nonfinite_reason(args, loss: float, grad_norm: float | None) -> str:
 
 
 class PolicyUpdater:
-    """The policy's optimiser step on a RolloutBatch: `scorer` (rlft/train/scorer.py) for the forwards,
-    `optim` (rlft/train/optimization.py) for the guarded step."""
+    """The policy's optimiser step on a RolloutBatch: `scorer` (rlft/train/update/rollout_logprobs.py) for the
+    forwards,
+    `optim` (rlft/train/update/optimization.py) for the guarded step."""
 
     uses_old_logps = True  # the importance ratio's denominator when a rollout feeds several steps
 

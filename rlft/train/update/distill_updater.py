@@ -25,9 +25,9 @@ from rlft.core.fused_head import vocabulary_rows
 from rlft.errors import ConfigError
 from rlft.models import load_causal_lm
 from rlft.scoring import install_scoring
-from rlft.train.batch import RolloutBatch
-from rlft.train.teachers import TeacherSet, is_url, teacher_dict
-from rlft.train.updater import PolicyUpdater
+from rlft.train.update.rollout_batch import RolloutBatch
+from rlft.train.update.teachers import TeacherSet, is_url, teacher_dict
+from rlft.train.update.updater import PolicyUpdater
 
 
 def _vocabulary(model) -> int:
@@ -165,7 +165,7 @@ class DistillationUpdater(PolicyUpdater):
         if teachers is not None:
             teachers.reset()
         metrics = super().step(batch)
-        if teachers is not None:  # each teacher's share of the step (rlft/train/teachers.py)
+        if teachers is not None:  # each teacher's share of the step (rlft/train/update/teachers.py)
             metrics.update(teachers.metrics(self.accelerator))
         metrics.pop("policy_loss", None)
         if "loss" in metrics:

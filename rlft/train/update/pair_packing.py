@@ -26,7 +26,9 @@ from rlft.core import segments
 from rlft.core.segments import Block
 from rlft.errors import ConfigError
 from rlft.packing import install, packed_forward
-from rlft.train.scorer import MIN_BLOCK_TOKENS  # GRPO's rule: shorter blocks cost more in calls than padding
+from rlft.train.update.rollout_logprobs import (
+    MIN_BLOCK_TOKENS,  # GRPO's rule: shorter blocks cost more in calls than padding
+)
 
 
 @dataclass

@@ -1,0 +1,5 @@
+"""The policy update: the scoring forwards of a rollout (rollout_logprobs.py), advantages
+(rollout_advantages.py),
+the guarded optimiser step and its updaters (optimization.py, updater.py, distill_updater.py), the step's
+metrics,
+the row carriers (rollout_batch.py), several teachers (teachers.py), the reward model's packed pairs."""
