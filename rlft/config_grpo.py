@@ -128,8 +128,8 @@ class _GRPOFields(_BaseConfig):
     rollout_source: str | None = field(
         default=None, metadata={"help": "where rollouts come from: generate (each when its step comes), "
                                         "producer (a process sampling ahead), or a registered source "
-                                        "(rlft/train/source.py); null: the trainer's (AsyncGRPOTrainer: "
-                                        "producer, else generate)"})
+                                        "(rlft/train/sources/rollout_source.py); null: the trainer's "
+                                        "(AsyncGRPOTrainer: producer, else generate)"})
     dynamic_sampling: bool = field(
         default=False, metadata={"help": "DAPO: drop groups whose rewards are all equal and sample more "
                                          "prompts until the batch is full of groups with a learning signal"})

@@ -16,7 +16,7 @@ import torch
 from rlft import GRPOTrainer
 from rlft.rollout.hf import Rollout
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.dynamic import choose_groups, informative_groups, round_prompt_indices
+from rlft.train.sources.dynamic_sampling import choose_groups, informative_groups, round_prompt_indices
 from tests.helpers import addition_rows, tiny_grpo_config
 
 NAN = float("nan")
@@ -167,7 +167,7 @@ def test_with_no_round_limit_a_search_says_what_it_found_and_stops_when_no_promp
     """max_num_gen_batches: 0 and a reward with no spread used to generate forever without a line. Now: a line
     every REPORT_ROUNDS rounds, and an error once three datasets' worth of prompts (8 prompts, 2 per round: 12
     rounds) held none with a spread."""
-    import rlft.train.dynamic as dynamic
+    import rlft.train.sources.dynamic_sampling as dynamic
 
     monkeypatch.setattr(dynamic, "REPORT_ROUNDS", 5)
 

@@ -1,7 +1,8 @@
 """AsyncGRPOTrainer: generation overlapped with training, on a reproducible schedule (docs/async.md).
 
 GRPOTrainer with the producer source (`rollout_source` left at null, or `producer`;
-rlft/train/producer_source.py): a producer process holds its own copy of the policy and generates the rollouts
+rlft/train/sources/async_source.py): a producer process holds its own copy of the policy and generates the
+rollouts
 of later steps while the trainer trains; step t trains on completions sampled rollout_lag rollouts earlier,
 requested with seeds that depend on (seed, rollout) only, so runs repeat and resume exactly.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 from rlft.config import AsyncGRPOConfig
 from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
-from rlft.train.producer_source import rollout_seed, sampling_version  # noqa: F401 (their old import path)
+from rlft.train.sources.async_source import rollout_seed, sampling_version  # noqa: F401 (their old import path)
 
 # TRL's AsyncGRPOTrainer arguments rlft does not build
 REFUSED = {"rollout_worker": "a custom rollout worker", "weight_transfer": "a custom weight transfer"}

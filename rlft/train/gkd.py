@@ -30,7 +30,13 @@ from rlft.rollout.base import Rollout
 from rlft.rollout.hf import HFGenerator, completion_mask_from, eos_token_ids
 from rlft.train.distillation import DistillationTrainer
 from rlft.train.grpo import default_output_dir
-from rlft.train.source import GeneratedSource, SourceBase, SourceParts, register_source, score_rollout
+from rlft.train.sources.rollout_source import (
+    GeneratedSource,
+    SourceBase,
+    SourceParts,
+    register_source,
+    score_rollout,
+)
 from rlft.train.update.rollout_batch import ScoredRollout
 
 KINDS_OF_COMPLETION = ("student", "teacher", "dataset")

@@ -1,7 +1,8 @@
 """GRPOTrainer: rollout -> rewards -> advantages -> policy update -> log -> checkpoint, from parts it owns:
 
     source      where rollouts come from: prompts in order, the engine / tool loop / environments /
-                rollout_func, the reward functions (rlft/train/source.py; `rollout_source`, dynamic sampling)
+                rollout_func, the reward functions (rlft/train/sources/rollout_source.py; `rollout_source`,
+                dynamic sampling)
     advantages  the config's EstimatorSpec over every process's rewards
                 (rlft/train/update/rollout_advantages.py)
     scorer      log-probs of a rollout under the policy and the reference
@@ -38,17 +39,17 @@ from rlft.rollout.truncation import replay_plan
 from rlft.telemetry.perf import Throughput
 from rlft.telemetry.tracking import Messages
 from rlft.train import state as run_state
-from rlft.train.dynamic import DynamicSampling
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
-from rlft.train.generation import check_chat_prompts, environment_data, setup_tools
 from rlft.train.grpo_surface import GRPOSurface
 from rlft.train.loop import TrainLoop
 from rlft.train.policy import load_policy
 from rlft.train.run import checkpoint as ckpt
 from rlft.train.run import runs
 from rlft.train.run.checkpoint import PartState
-from rlft.train.source import PromptSchedule, SourceParts, carry_row_columns, source_class
+from rlft.train.sources.dynamic_sampling import DynamicSampling
+from rlft.train.sources.generation import check_chat_prompts, environment_data, setup_tools
+from rlft.train.sources.rollout_source import PromptSchedule, SourceParts, carry_row_columns, source_class
 from rlft.train.update.distill_updater import load_teacher, prepare_teacher, teacher_source
 from rlft.train.update.metrics import MetricWindow, rollout_metrics, tool_metrics
 from rlft.train.update.optimization import GuardedOptimizer
@@ -78,7 +79,7 @@ def _stop_message(args):
 
 class GRPOTrainer(TrainLoop, GRPOSurface):
     """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`; `tools`,
-    `environment_factory` and `rollout_func` as in TRL (rlft/train/generation.py)."""
+    `environment_factory` and `rollout_func` as in TRL (rlft/train/sources/generation.py)."""
 
     _tag_names = ["trl", "grpo", "rlft"]
     _name = "GRPO"

@@ -17,7 +17,7 @@ import sys
 import torch
 from accelerate.utils import gather_object
 
-import rlft.train.dynamic as dynamic
+import rlft.train.sources.dynamic_sampling as dynamic
 from rlft import GRPOConfig, GRPOTrainer
 from rlft.train.state import release_processes
 from tests.dist.grpo_step import FixedGenerator

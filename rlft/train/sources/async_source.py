@@ -29,7 +29,7 @@ from rlft.config_rules import generation_batch, staleness
 from rlft.errors import ConfigError
 from rlft.rollout.producer import ProcessProducer, Produced, ProducerError
 from rlft.train.run.checkpoint import PartState, latest_checkpoint
-from rlft.train.source import SourceBase, SourceParts, score_rollout
+from rlft.train.sources.rollout_source import SourceBase, SourceParts, score_rollout
 from rlft.train.update.rollout_batch import ScoredRollout
 
 ASYNC_FIELDS = ("rollout_lag", "max_staleness", "weight_sync_steps", "producer_restarts")

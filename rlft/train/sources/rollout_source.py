@@ -6,9 +6,11 @@ Sources are chosen by the config's `rollout_source` from `SOURCES` (`register_so
 class built from the `SourceParts`, usually a `SourceBase`, whose `check` runs before the model is loaded):
     generate   `GeneratedSource`: the engine the config asks for (generate, vLLM, a tool loop, environments,
                rollout_func) samples the rollout when its step comes
-    producer   `ProducerSource` (rlft/train/producer_source.py): a producer process samples rollouts ahead of
+    producer   `ProducerSource` (rlft/train/sources/async_source.py): a producer process samples rollouts
+    ahead of
                the trainer on a fixed, reproducible schedule (AsyncGRPOTrainer)
-and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling` (rlft/train/dynamic.py).
+and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling`
+(rlft/train/sources/dynamic_sampling.py).
 
 Prompts: rollout r of an epoch takes, from the epoch's seeded permutation, the r-th block of prompts, each
 process its own slice of it (`PromptSchedule`); a resumed or repeated run samples the same prompts.
@@ -25,8 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 from rlft.data.prompts import PromptSet, epoch_order
 from rlft.rewards.calling import RewardLog, RewardScorer
 from rlft.rollout.base import Rollout
-from rlft.train.generation import Generation, ToolSetup, rollout_engine
 from rlft.train.run.checkpoint import PartState
+from rlft.train.sources.generation import Generation, ToolSetup, rollout_engine
 from rlft.train.update.rollout_batch import ScoredRollout
 
 
@@ -236,7 +238,7 @@ def source_class(name: str) -> type[SourceBase]:
         from rlft.errors import ConfigError
 
         raise ConfigError(f"rollout_source={name!r}: choose one of {sorted(SOURCES)} "
-                          "(rlft/train/source.py: register_source adds one)")
+                          "(rlft/train/sources/rollout_source.py: register_source adds one)")
     found = SOURCES[name]
     if isinstance(found, str):
         import importlib
@@ -247,4 +249,4 @@ def source_class(name: str) -> type[SourceBase]:
 
 
 register_source("generate", GeneratedSource)
-register_source("producer", "rlft.train.producer_source:ProducerSource")
+register_source("producer", "rlft.train.sources.async_source:ProducerSource")
