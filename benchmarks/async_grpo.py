@@ -74,7 +74,7 @@ def demo_curve(lag: int | None, steps: int) -> dict:
     from rlft.config import AsyncGRPOConfig
     from rlft.data.addition import rows, split_problems
     from rlft.demo import HELDOUT_KEY, demo_config, demo_lora
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
     from rlft.rewards.builtins import exact_match_reward, format_reward
     from rlft.train.async_grpo import AsyncGRPOTrainer
     from rlft.train.grpo import GRPOTrainer
@@ -172,7 +172,7 @@ def speed(args) -> dict:
         results["workloads"][workload] = summary
         print(json.dumps({workload: summary}), flush=True)
     if args.trl_python:
-        from rlft.models import shipped_policy_path
+        from rlft.model.loading import shipped_policy_path
 
         results["trl"] = probe_trl(args.trl_python, str(shipped_policy_path()))
     return results

@@ -5,7 +5,7 @@ gradient checkpointing; 16 completions of 512 tokens behind a 40-token prompt), 
 glibc's default allocator settings and with MALLOC_MMAP_THRESHOLD_=65536 (every allocation over 64 KiB its
 own mapping, given back to the system when freed: glibc otherwise raises that threshold to up to 32 MiB as
 the program frees large blocks, and serves them from a heap that a long-lived block above them keeps from
-shrinking), and rlft once more with glibc's defaults and `trim_host_memory` (rlft/train/host_memory.py:
+shrinking), and rlft once more with glibc's defaults and `trim_host_memory` (rlft/model/memory/host_memory.py:
 malloc_trim between decoder layers; the trainers install it by default, this worker builds the model by
 hand, so it installs it itself). Reports peak RSS above the built model, the seconds of the two passes,
 and the log-prob sum (the same computation on both sides).
@@ -55,12 +55,12 @@ def worker(lib: str) -> dict:
 
         add_fused_lm_head(model.base_model.model)
     else:
+        from rlft.model.scoring import install_scoring, score_rows
         from rlft.rollout.base import Rollout
-        from rlft.scoring import install_scoring, score_rows
 
         install_scoring(model)
         if os.environ.get("RLFT_BENCH_TRIM"):
-            from rlft.train.host_memory import trim_between_layers
+            from rlft.model.memory.host_memory import trim_between_layers
 
             trim_between_layers(model, "cpu")
         rollout = Rollout(prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids),

@@ -27,7 +27,7 @@ RUNS = {
 def run(name: str, overrides: dict, steps: int, eval_every: int, seed: int, folder: str) -> dict:
     from rlft.data.addition import rows, split_problems
     from rlft.demo import HELDOUT_KEY, demo_config, demo_lora
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
     from rlft.rewards.builtins import exact_match_reward, format_reward
     from rlft.train.grpo import GRPOTrainer
 

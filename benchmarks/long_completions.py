@@ -12,7 +12,7 @@ its own process; memory is the peak resident set above the process's resident se
 built; time is the step's wall time. `--rlft-mmap-threshold N` starts rlft's workers with
 MALLOC_MMAP_THRESHOLD_=N (glibc's threshold fixed; docs/troubleshooting.md), TRL's with glibc's defaults;
 `--rlft-trim` gives rlft's workers `trim_host_memory`, as its trainers install it by default
-(rlft/train/host_memory.py: freed heap memory back to the system between decoder layers). A "fused loss"
+(rlft/model/memory/host_memory.py: freed heap memory back to the system between decoder layers). A "fused loss"
 setting gives rlft's head the loss's gradient as a function of the log-probs, as its GRPO trainer does for a
 token-separable loss (rlft/core/fused_head.py: the trainable head's gradients formed in the forward).
 
@@ -74,10 +74,10 @@ def worker(length: int, setting: str) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from rlft.model.memory.chunked_mlp import chunk_mlps
+    from rlft.model.memory.selective_checkpoint import AttentionKeeper
+    from rlft.model.scoring import install_scoring, score_rows
     from rlft.rollout.base import Rollout
-    from rlft.scoring import install_scoring, score_rows
-    from rlft.train.chunked_mlp import chunk_mlps
-    from rlft.train.selective_checkpoint import AttentionKeeper
 
     chunk, keep, lib, fused = SETTINGS[setting]
 
@@ -100,7 +100,7 @@ def worker(length: int, setting: str) -> dict:
     if chunk:
         chunk_mlps(model, chunk)
     if lib == "rlft" and os.environ.get("RLFT_BENCH_TRIM"):
-        from rlft.train.host_memory import trim_between_layers
+        from rlft.model.memory.host_memory import trim_between_layers
 
         trim_between_layers(model, "cpu")
     rows, prompt = 2, 64

@@ -3,7 +3,7 @@
 (hidden 256, 2 layers, vocabulary 151,936; no download). Each library runs in its own process, so each peak
 RSS is its own; rows alternate between libraries so a busy machine slows both alike.
 
-  rlft   rlft's fused scoring (rlft/scoring.py: the LM head in tiles, never [B, T, V] logits)
+  rlft   rlft's fused scoring (rlft/model/scoring.py: the LM head in tiles, never [B, T, V] logits)
   trl    TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head), in the same kind of call
   plain  the model's own logits + rlft's chunked float32 log-softmax (what rlft did before the fused head)
 
@@ -43,7 +43,7 @@ def score(lib: str, model, ids, mask, length: int):
     """Per-token log-probs [rows, length] of the completion tokens, differentiable."""
     targets = ids[:, -length:]
     if lib == "rlft":
-        from rlft.scoring import Score
+        from rlft.model.scoring import Score
 
         return model(input_ids=ids, attention_mask=mask, rlft_score=Score(targets, mask[:, -length:])).logps
     if lib == "trl":
@@ -62,7 +62,7 @@ def child(lib: str, rows: int, length: int, repeats: int) -> dict:
 
     model, ids, mask = build(rows, length)
     if lib == "rlft":
-        from rlft.scoring import install_scoring
+        from rlft.model.scoring import install_scoring
 
         install_scoring(model)
     elif lib == "trl":

@@ -1,5 +1,5 @@
 """What replaying truncated sampling costs the trainer: the scoring forward + backward of a policy micro-batch
-(the fused LM head, rlft/scoring.py) with each completion token's kept ids (renormalised log-probs) against
+(the fused LM head, rlft/model/scoring.py) with each completion token's kept ids (renormalised log-probs) against
 the same without them (full vocabulary), at Qwen's vocabulary on random weights. Rounds alternate the two,
 so load on the machine skews both alike; the ratio of the medians is the cost.
 
@@ -15,8 +15,8 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from rlft.model.scoring import install_scoring, score_rows
 from rlft.rollout.base import Rollout
-from rlft.scoring import install_scoring, score_rows
 
 VOCAB, HIDDEN, LAYERS, ROWS, PROMPT, COMPLETION = 151_936, 256, 2, 8, 64, 512
 

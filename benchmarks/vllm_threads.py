@@ -24,7 +24,7 @@ def timed(tag: str) -> None:
 
 
 if __name__ == "__main__":
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
     from rlft.rollout.vllm import import_vllm
 
     timed("before the engine")

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rlft.data.addition import rows, split_problems
-from rlft.models import shipped_policy_path
+from rlft.model.loading import shipped_policy_path
 from rlft.rewards.builtins import exact_match_reward, format_reward
 from rlft.tiny import build_tokenizer
 

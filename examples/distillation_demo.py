@@ -32,7 +32,7 @@ from rlft import DistillationConfig, DistillationTrainer
 from rlft.config import GKDConfig
 from rlft.data.addition import rows, split_problems
 from rlft.demo import demo_lora
-from rlft.models import shipped_policy_path
+from rlft.model.loading import shipped_policy_path
 from rlft.rewards.builtins import exact_match_reward
 from rlft.train.gkd import GKDTrainer
 

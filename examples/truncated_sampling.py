@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rlft import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
 from rlft.data.addition import rows, split_problems
-from rlft.models import shipped_policy_path
+from rlft.model.loading import shipped_policy_path
 
 TRUNCATED = dict(temperature=1.0, top_p=0.8, top_k=20)
 

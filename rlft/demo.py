@@ -15,7 +15,7 @@ import time
 
 from rlft.config import GRPOConfig
 from rlft.data.addition import rows, split_problems
-from rlft.models import shipped_policy_path
+from rlft.model.loading import shipped_policy_path
 
 DEMO_STEPS = 1000
 HELDOUT_KEY = "eval_rewards/exact_match_reward/mean"

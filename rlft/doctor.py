@@ -131,7 +131,7 @@ def _summarise_trainable(model) -> str:
 
 
 def _grad_check(report: Report, model, backward) -> None:
-    from rlft.models import GradientFlowError, check_gradient_flow
+    from rlft.model.loading import GradientFlowError, check_gradient_flow
 
     try:
         backward()

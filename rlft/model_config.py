@@ -113,7 +113,7 @@ def get_peft_config(model_args: ModelConfig):
 
 def get_quantization_config(model_args: ModelConfig):
     """A transformers `BitsAndBytesConfig` for load_in_4bit / load_in_8bit, else None. Building one needs
-    no GPU; loading a model with it does (rlft/models.py says so clearly where it cannot run)."""
+    no GPU; loading a model with it does (rlft/model/loading.py says so clearly where it cannot run)."""
     from transformers import BitsAndBytesConfig
 
     if model_args.load_in_4bit:

@@ -26,7 +26,7 @@ def tiny_rm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shipped_policy_dir():
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     return shipped_policy_path()
 

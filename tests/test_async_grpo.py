@@ -36,7 +36,7 @@ def async_config(tmp_path, name="run", **overrides) -> AsyncGRPOConfig:
 
 
 def trained(tmp_path, name="run", model=None, steps=None, resume=None, **overrides):
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     trainer = AsyncGRPOTrainer(str(model or shipped_policy_path()), [correct_answer, has_answer_tags],
                                async_config(tmp_path, name, **overrides), addition_rows(32))
@@ -85,7 +85,7 @@ def test_at_lag_0_the_sampler_is_the_trainer(tmp_path, penalty):
 def test_the_loss_on_stale_rollouts_equals_the_synchronous_loss_on_the_same_rollouts(tmp_path):
     """The async step is GRPO's step on the producer's completions and log-probs: a synchronous GRPOTrainer
     with the same weights, given the same batch, computes the same loss and gradient norm."""
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     seen = []
     trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], async_config(tmp_path, max_steps=3),
@@ -186,7 +186,7 @@ class _Hurt:
                                           (signal.SIGSTOP, "has not signalled for")])
 def test_a_dead_or_stopped_producer_stops_training_with_its_name_and_the_last_checkpoint(tmp_path, sig,
                                                                                           message):
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     hurt = _Hurt(sig)
     trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer],
@@ -219,7 +219,7 @@ def test_a_mid_rollout_resume_equals_the_uninterrupted_run_and_the_staleness_bou
         trained(tmp_path, "refused", num_iterations=2, weight_sync_steps=2, max_staleness=2)
     settings = dict(max_steps=6, num_iterations=2, weight_sync_steps=2, max_staleness=3, save_steps=3)
     trained(tmp_path, "straight", **settings)
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer, has_answer_tags],
                      async_config(tmp_path, "split", **settings), addition_rows(32),
@@ -229,7 +229,7 @@ def test_a_mid_rollout_resume_equals_the_uninterrupted_run_and_the_staleness_bou
 
 
 def test_lora_pushes_only_the_adapters(tmp_path):
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
     from tests.test_grpo_trainer import lora
 
     trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], async_config(tmp_path, max_steps=3),
@@ -243,7 +243,7 @@ def test_lora_pushes_only_the_adapters(tmp_path):
 
 
 def test_evaluation_runs_on_the_producer_with_the_current_weights(tmp_path):
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer],
                                async_config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1),
@@ -263,7 +263,7 @@ def even_answers_only(completions, answer, **kwargs):
 
 
 def dynamic(tmp_path, name, resume=None):
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [even_answers_only],
                                async_config(tmp_path, name, dynamic_sampling=True, save_steps=2,
@@ -291,7 +291,7 @@ def test_bad_async_settings_are_refused_with_the_fix(tmp_path):
         async_config(tmp_path, rollout_lag=1, weight_sync_steps=2, max_staleness=1)
     with pytest.raises(ConfigError, match="producer_cpus"):
         async_config(tmp_path, producer_cpus=[])
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     with pytest.raises(ConfigError, match="takes an AsyncGRPOConfig"):
         AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], GRPOConfig(output_dir=str(tmp_path / "g")),
@@ -318,7 +318,7 @@ def test_vllm_in_the_producer_process_samples_on_schedule_and_matches_the_traine
     """vLLM in the producer's own process: at rollout_lag 0 its float32 log-probs equal the trainer's after every
     push (LoRA merged into the producer's copy, full weights pushed); at lag 1 the schedule holds."""
     pytest.importorskip("vllm")
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
     from tests.test_grpo_trainer import lora
 
     for lag in (0, 1):
@@ -337,7 +337,7 @@ def test_vllm_in_the_producer_process_samples_on_schedule_and_matches_the_traine
 def test_a_vllm_server_as_the_producers_engine_trains_on_schedule(tmp_path):
     """`rlft vllm-serve` on loopback; the producer process talks to it (weights pushed by the producer)."""
     pytest.importorskip("vllm")
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
     from tests.test_grpo_trainer import lora
     from tests.test_vllm import free_port, serving
 
@@ -354,7 +354,7 @@ def test_a_vllm_server_as_the_producers_engine_trains_on_schedule(tmp_path):
 def test_a_failed_producer_is_restarted_from_the_current_weights_when_asked(tmp_path, caplog):
     """producer_restarts: the run goes on; the rollouts the dead producer owed are sampled again from the weights
     of the step the restart came at (their version and staleness say so), and a resume after it is exact."""
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     hurt = _Hurt(signal.SIGKILL)
     config = async_config(tmp_path, max_steps=5, save_steps=1, producer_restarts=1)

@@ -1,4 +1,4 @@
-"""`mlp_chunk_size` (rlft/train/chunked_mlp.py): each decoder layer's MLP over a few positions at a time in
+"""`mlp_chunk_size` (rlft/model/memory/chunked_mlp.py): each decoder layer's MLP over a few positions at a time in
 training forwards; log-probs and gradients are the unchunked ones (padded and packed, LoRA and full, with
 and without gradient checkpointing), a GRPO step is the same step, a MoE block is refused by name."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rlft.errors import ConfigError
-from rlft.scoring import score_rows
+from rlft.model.memory.chunked_mlp import chunk_mlps
+from rlft.model.scoring import score_rows
 from rlft.tiny import build_causal_lm, build_tokenizer
-from rlft.train.chunked_mlp import chunk_mlps
 from tests.helpers import assert_same_step, one_step_each, tiny_grpo_config
 from tests.test_packing import rollout, scores_and_grads, tiny
 
@@ -103,7 +103,7 @@ def test_a_checkpointed_layers_recomputation_stops_before_the_chunked_mlp(lora):
 def test_a_down_projection_with_a_bias_gets_its_gradients_written_out():
     from transformers import AutoModelForCausalLM
 
-    from rlft.scoring import install_scoring
+    from rlft.model.scoring import install_scoring
     from rlft.tiny import _config
 
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def test_a_layer_that_normalises_the_mlps_output_recomputes_it_and_is_exact():
     chunks too; values and gradients stay the unchunked ones."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from rlft.scoring import install_scoring
+    from rlft.model.scoring import install_scoring
 
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(Gemma2Config(vocab_size=384, hidden_size=64, intermediate_size=128,
@@ -149,7 +149,7 @@ def test_an_mlp_whose_input_takes_no_gradient_still_trains_its_adapters():
     """LoRA on the MLP alone: the first layer's MLP input takes no gradient, its adapters do."""
     from peft import LoraConfig, get_peft_model
 
-    from rlft.scoring import install_scoring
+    from rlft.model.scoring import install_scoring
 
     model = build_causal_lm(build_tokenizer(0, vocab_size=384), arch="llama", hidden_size=64)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj",

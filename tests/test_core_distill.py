@@ -85,7 +85,7 @@ def test_bad_inputs_are_named():
 def test_scoring_a_rollout_against_a_teacher_is_the_divergence_of_the_two_models_logits(beta):
     """score_rows(student, rollout, rows, teacher=...) reads both models' hidden states at the completion
     positions: the same divergence and student gradients as the two models' own [B, T, V] logits give."""
-    from rlft.scoring import install_scoring, score_rows
+    from rlft.model.scoring import install_scoring, score_rows
     from rlft.tiny import build_causal_lm, build_tokenizer
     from tests.test_packing import rollout
 

@@ -137,7 +137,7 @@ def test_self_distillation_trains_at_loss_zero_and_a_wiring_fault_is_still_named
     """The teacher is the student's own checkpoint: every divergence is 0, so is every gradient, and that is the
     loss at its minimum, not a fault (TRL trains it at loss 0). A trainable parameter outside the graph is
     still named once the two differ."""
-    from rlft.models import GradientFlowError
+    from rlft.model.loading import GradientFlowError
 
     trainer = DistillationTrainer(str(shipped_policy_dir), str(shipped_policy_dir),
                                   config(tmp_path, "self", max_steps=2, weight_decay=0.0), addition_rows(16))

@@ -149,7 +149,7 @@ def test_async_grpo_on_two_processes_each_with_its_producer_resumes_exactly(tmp_
     rollouts (extra_<rank>), so a 2-process async run resumed from step 2 equals the straight one."""
     from safetensors.torch import load_file
 
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     model = str(shipped_policy_path())
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

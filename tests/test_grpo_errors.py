@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-import rlft.train.policy as policy_module
+import rlft.model.policy as policy_module
 from rlft import GRPOTrainer
 from rlft.config import ConfigError, GRPOConfig
 from rlft.data.prompts import DatasetError
-from rlft.models import load_tokenizer
+from rlft.model.loading import load_tokenizer
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 
 

@@ -9,7 +9,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from rlft import GRPOTrainer
-from rlft.models import GradientFlowError
+from rlft.model.loading import GradientFlowError
 from rlft.telemetry.tracking import read_metrics
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, tiny_grpo_config
 

@@ -19,11 +19,11 @@ import transformers
 from rlft import GRPOTrainer
 from rlft.config import ConfigError, GRPOConfig
 from rlft.errors import NonFiniteStepError
-from rlft.models import load_tokenizer
+from rlft.model.loading import load_tokenizer
+from rlft.model.scoring import Scored
 from rlft.recipes import parse_run
 from rlft.rewards import RewardFunctionError
 from rlft.rollout.hf import shared_prompt_cache
-from rlft.scoring import Scored
 from rlft.telemetry.tracking import read_metrics
 from rlft.train.run.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, resolve_resume
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config, write_jsonl
@@ -373,7 +373,7 @@ def test_a_kill_during_the_metrics_rewrite_loses_no_row(tmp_path, shipped_policy
 def test_a_corrupt_base_model_file_is_named_with_the_fix(tmp_path, shipped_policy_dir, damage):
     import shutil
 
-    from rlft.models import ModelFileError
+    from rlft.model.loading import ModelFileError
 
     folder = tmp_path / "model"
     shutil.copytree(shipped_policy_dir, folder)

@@ -1,4 +1,4 @@
-"""`trim_host_memory` (rlft/train/host_memory.py): on a CPU with glibc, freed heap memory goes back to the
+"""`trim_host_memory` (rlft/model/memory/host_memory.py): on a CPU with glibc, freed heap memory goes back to the
 system between decoder layers of a training forward and backward. It is given back (the resident set
 shrinks), the trimmer runs once before each layer's forward and once before its backward (not in forwards
 without gradient), trims only above its threshold, and changes no value a step computes."""
@@ -13,9 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from rlft.scoring import score_rows
-from rlft.train import host_memory
-from rlft.train.host_memory import HostMemoryTrimmer, decoder_layers, trim_between_layers
+from rlft.model.memory import host_memory
+from rlft.model.memory.host_memory import HostMemoryTrimmer, decoder_layers, trim_between_layers
+from rlft.model.scoring import score_rows
 from tests.helpers import assert_same_step, one_step_each
 from tests.test_packing import rollout, scores_and_grads, tiny
 
@@ -28,7 +28,7 @@ def test_freed_heap_memory_held_by_glibc_goes_back_to_the_system():
     # heap, so the other 7/8 are freed but stay resident until they are trimmed
     script = textwrap.dedent("""
         import json, os, torch
-        from rlft.train.host_memory import HostMemoryTrimmer, held_free
+        from rlft.model.memory.host_memory import HostMemoryTrimmer, held_free
 
         def resident_mb():
             with open("/proc/self/statm") as f:

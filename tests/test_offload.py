@@ -1,4 +1,4 @@
-"""activation_offloading (rlft/train/offload.py): which saved tensors move (activations, not weights; with
+"""activation_offloading (rlft/model/memory/offload.py): which saved tensors move (activations, not weights; with
 gradient checkpointing each layer's input), the offloaded forward computes the same log-probs and gradients,
 and a run on a CPU is told the option moves nothing there. The copies themselves need a CUDA device: the
 tests marked for one run where torch sees one (none in CI; benchmarks/gpu/README.md says where they ran)."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rlft import RewardTrainer
-from rlft.scoring import score_rows
+from rlft.model.memory.offload import offload_activations, selected
+from rlft.model.scoring import score_rows
 from rlft.tiny import build_causal_lm, build_tokenizer
-from rlft.train.offload import offload_activations, selected
 from tests.helpers import one_step_each, preference_rows, tiny_reward_config
 from tests.test_packing import rollout, scores_and_grads, tiny
 
@@ -103,7 +103,7 @@ def _long_model(lora: bool, checkpointing: bool):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    from rlft.scoring import install_scoring
+    from rlft.model.scoring import install_scoring
 
     install_scoring(model)
     return model

@@ -13,9 +13,9 @@ from peft import LoraConfig, get_peft_model
 from rlft import GRPOConfig, GRPOTrainer
 from rlft.core.segments import Block, segment_attention
 from rlft.errors import ConfigError
-from rlft.packing import pack_rows
+from rlft.model.packing import pack_rows
+from rlft.model.scoring import install_scoring, score_rows
 from rlft.rollout.base import Rollout
-from rlft.scoring import install_scoring, score_rows
 from rlft.tiny import build_causal_lm, build_tokenizer
 from rlft.train.update.rollout_logprobs import packing_pays
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config

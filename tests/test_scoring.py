@@ -1,4 +1,4 @@
-"""The model-level fused scoring (rlft/scoring.py): the same log-probs, entropies and gradients as the model's own
+"""The model-level fused scoring (rlft/model/scoring.py): the same log-probs, entropies and gradients as the model's own
 logits, for every kind of LM head, and no [B, T, V] tensor in a GRPO scoring step or an evaluation."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from peft import LoraConfig, get_peft_model
 
 from rlft import GRPOTrainer
 from rlft.core.logprobs import entropy_from_logits, selective_log_softmax
-from rlft.models import cast_lm_head_to_fp32
-from rlft.scoring import Score, install_scoring
+from rlft.model.loading import cast_lm_head_to_fp32
+from rlft.model.scoring import Score, install_scoring
 from rlft.tiny import build_causal_lm, build_tokenizer
 from tests.helpers import SAME_STEP, addition_rows, correct_answer, tiny_grpo_config
 from tests.test_core_fused_head import LargestTensor

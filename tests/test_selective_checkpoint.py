@@ -1,4 +1,4 @@
-"""recompute_attention: false (rlft/train/selective_checkpoint.py): with gradient checkpointing, each layer's
+"""recompute_attention: false (rlft/model/memory/selective_checkpoint.py): with gradient checkpointing, each layer's
 attention output is kept from the forward and the backward's recomputation skips the attention kernel; the
 log-probs and gradients are full recomputation's (padded and packed, Qwen2 and Llama, LoRA and full, with the
 MLP in chunks), a model without a fused attention kernel is told, and bad combinations are named."""
@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlft import GRPOConfig
 from rlft.errors import ConfigError
-from rlft.models import enable_checkpointing
-from rlft.scoring import install_scoring
+from rlft.model.loading import enable_checkpointing
+from rlft.model.memory.chunked_mlp import chunk_mlps
+from rlft.model.memory.selective_checkpoint import AttentionKeeper, checkpointing_kwargs
+from rlft.model.scoring import install_scoring
 from rlft.tiny import build_causal_lm, build_tokenizer
-from rlft.train.chunked_mlp import chunk_mlps
-from rlft.train.selective_checkpoint import AttentionKeeper, checkpointing_kwargs
 from tests.helpers import assert_same_step, one_step_each
 from tests.test_packing import rollout, scores_and_grads
 

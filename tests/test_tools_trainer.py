@@ -217,7 +217,7 @@ def test_short_real_run_with_tools_lora_and_two_rewards_checkpoints_and_resumes(
     a checkpoint taken mid-rollout (the tool mask is saved with the rollout) and a resume that ends where an
     uninterrupted run ends."""
     from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     def run(out, steps, resume=None):
         cfg = tiny_grpo_config(out, max_steps=steps, num_generations=4,

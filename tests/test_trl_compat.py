@@ -28,7 +28,7 @@ from rlft import DistillationConfig, GRPOConfig, GRPOTrainer, RewardConfig, Rewa
 from rlft.compat import NO_EFFECT, trl_fields
 from rlft.config import ConfigError
 from rlft.data.prompts import DatasetError
-from rlft.models import load_tokenizer
+from rlft.model.loading import load_tokenizer
 from rlft.telemetry.tracking import read_metrics
 from tests.helpers import (
     addition_rows,

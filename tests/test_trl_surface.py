@@ -228,7 +228,7 @@ def test_a_reward_model_script_with_hf_argument_parser_and_a_loaded_classifier(t
         ]
     )
     model = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir, num_labels=1)
-    from rlft.models import load_tokenizer
+    from rlft.model.loading import load_tokenizer
 
     trainer = RewardTrainer(
         model,

@@ -159,7 +159,7 @@ def test_tool_calling_rollouts_carry_the_kept_ids_of_the_policys_tokens_only(tmp
     """Multi-turn, on the shipped calculator policy: each turn's kept ids line up with the policy's tokens; tool
     output has none (the full vocabulary; it is not trained anyway); the on-policy ratio is still 1."""
     from rlft.data import calculator
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     cfg = tiny_grpo_config(tmp_path, max_completion_length=64, max_tool_calling_iterations=2, num_generations=2,
                            per_device_train_batch_size=8, **{**TRUNCATED, "top_p": 0.95})

@@ -387,7 +387,7 @@ def test_tool_calling_rollouts_generate_each_turn_with_vllm(tmp_path):
     """Multi-turn rollouts on vLLM: each turn is a vLLM request continuing from the exact ids so far; the
     engine's log-probs of the policy's own tokens match the trainer's one forward over the whole sequence."""
     from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
-    from rlft.models import shipped_policy_path
+    from rlft.model.loading import shipped_policy_path
 
     cfg = tiny_grpo_config(tmp_path, use_vllm=True, max_steps=2, max_completion_length=64, num_generations=4,
                            temperature=0.7, max_tool_calling_iterations=2)

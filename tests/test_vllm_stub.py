@@ -90,7 +90,7 @@ def test_each_sync_is_timed_its_bytes_counted_and_logged(tmp_path, shipped_polic
 
 
 def test_vllm_serve_defaults_to_the_trainers_dtype_and_mismatches_are_said(shipped_policy_dir, caplog):
-    from rlft.models import resolve_dtype
+    from rlft.model.loading import resolve_dtype
 
     assert default_dtype() == str(resolve_dtype("auto")).removeprefix("torch.") == "float32"  # a CPU here
     argv, _ = serve_command(str(shipped_policy_dir), "127.0.0.1", 8000, None, None, 1, 0.9, None, 0, [])

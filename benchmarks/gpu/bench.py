@@ -6,7 +6,7 @@ initialised model of the published Qwen2.5-0.5B or Qwen2.5-1.5B shape (no downlo
 gradient checkpointing on as both libraries' GRPO configs default to. The three ways of scoring are
 score_vocab.py's own `score()`:
 
-  rlft   rlft's fused scoring (rlft/scoring.py: the LM head in tiles, never [B, T, V] logits)
+  rlft   rlft's fused scoring (rlft/model/scoring.py: the LM head in tiles, never [B, T, V] logits)
   trl    TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head), as its GRPO trainer calls it
   plain  the model's own logits + rlft's chunked float32 log-softmax
 
@@ -80,7 +80,7 @@ def dtype_of(args):
 def prepare(lib: str, model, args) -> None:
     """Give the model the forward its library scores with (plain needs nothing)."""
     if lib == "rlft":
-        from rlft.scoring import install_scoring
+        from rlft.model.scoring import install_scoring
 
         install_scoring(model)
         if args.tile_elements:  # rlft's tile size (float32 logits per tile), to measure the default's choice

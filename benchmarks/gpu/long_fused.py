@@ -1,5 +1,5 @@
 """Long completions on a GPU: the LM head's gradients formed in the forward from the loss's gradient
-(rlft/core/fused_head.py) and chunked MLPs (rlft/train/chunked_mlp.py), at a real Qwen2.5 shape.
+(rlft/core/fused_head.py) and chunked MLPs (rlft/model/memory/chunked_mlp.py), at a real Qwen2.5 shape.
 
 Part 1, the head alone: forward + backward of the fused head at N positions x 151,936 vocabulary, a trainable
 head (full fine-tuning), the loss GRPO's clipped token mean, with the recomputing backward and with the
@@ -83,11 +83,11 @@ def head_part(args, hidden_size):
 def model_part(args, length, setting):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from rlft.model.memory.chunked_mlp import chunk_mlps
+    from rlft.model.memory.offload import offload_activations
+    from rlft.model.memory.selective_checkpoint import AttentionKeeper
+    from rlft.model.scoring import install_scoring, score_rows
     from rlft.rollout.base import Rollout
-    from rlft.scoring import install_scoring, score_rows
-    from rlft.train.chunked_mlp import chunk_mlps
-    from rlft.train.offload import offload_activations
-    from rlft.train.selective_checkpoint import AttentionKeeper
 
     keep, fused, chunk, offload = SETTINGS[setting]
     torch.manual_seed(0)

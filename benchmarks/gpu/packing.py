@@ -1,7 +1,7 @@
 """Padded vs packed vs shared-prompt scoring at a real Qwen2.5 shape on one GPU (issue 42's three shapes), and
 the peak memory per 1,000 completion tokens.
 
-One forward + backward of `rlft.scoring.score_rows` (the per-token log-probs GRPO's update computes, full
+One forward + backward of `rlft.model.scoring.score_rows` (the per-token log-probs GRPO's update computes, full
 fine-tuning, gradient checkpointing on, bfloat16, sdpa) over fixed rollouts, in three ways:
 
   padded    the micro-batch padded to its longest prompt and completion (padding_free=False)
@@ -50,7 +50,7 @@ def build_model(args, longest: int, head: str = "rlft"):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlft.scoring import install_scoring
+    from rlft.model.scoring import install_scoring
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=args.vocab, max_position_embeddings=longest + 8, use_cache=False,
@@ -103,7 +103,7 @@ def call(args, model, batch, packing, kernel: str = "auto"):
 def _call(args, model, batch, packing):
     import torch
 
-    from rlft.scoring import score_rows
+    from rlft.model.scoring import score_rows
 
     cuda = args.device.startswith("cuda")
     model.zero_grad(set_to_none=True)
@@ -209,8 +209,8 @@ def trl_rows(args, model) -> list[dict]:
 
 def memory_options(model, offload: bool, chunk: int | None) -> None:
     """Turn rlft's activation_offloading and mlp_chunk_size on or off on the built model."""
-    from rlft.train.chunked_mlp import _mlps, chunk_mlps
-    from rlft.train.offload import offload_activations
+    from rlft.model.memory.chunked_mlp import _mlps, chunk_mlps
+    from rlft.model.memory.offload import offload_activations
 
     backbone = model.model
     if offload:

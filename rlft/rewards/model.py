@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlft.models import ensure_pad_token, load_sequence_classifier, load_tokenizer, resolve_dtype
+from rlft.model.loading import ensure_pad_token, load_sequence_classifier, load_tokenizer, resolve_dtype
 
 
 class RewardModelScorer:

@@ -86,9 +86,9 @@ def _build(folder: Path, spec: dict):
     import torch
     from transformers import AutoTokenizer
 
-    from rlft.models import apply_lora, cast_lm_head_to_fp32, load_causal_lm
+    from rlft.model.loading import apply_lora, cast_lm_head_to_fp32, load_causal_lm
+    from rlft.model.scoring import install_scoring
     from rlft.rollout import make_generator
-    from rlft.scoring import install_scoring
 
     args = types.SimpleNamespace(**spec["args"])
     dtype = getattr(torch, spec["dtype"])
@@ -136,7 +136,7 @@ def _logprobs(model, rollout, args) -> list:
     weights that sampled (teacher forcing, at the sampling temperature)."""
     import torch
 
-    from rlft.scoring import score_rows
+    from rlft.model.scoring import score_rows
 
     if rollout.sampling_logps is not None:
         return rollout.sampling_logps.tolist()

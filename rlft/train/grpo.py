@@ -32,7 +32,8 @@ from rlft.config_rules import generation_batch
 from rlft.core.losses import LossOptions
 from rlft.data.prompts import PromptSet, load_eval_datasets, materialize
 from rlft.errors import ConfigError
-from rlft.models import context_length, prepare_tokenizer, training_dtype
+from rlft.model.loading import context_length, prepare_tokenizer, training_dtype
+from rlft.model.policy import load_policy
 from rlft.rewards.calling import RewardLog, RewardScorer, check_keywords, resolve_rewards
 from rlft.rollout.base import engine_metrics, weights_changed
 from rlft.rollout.truncation import replay_plan
@@ -43,7 +44,6 @@ from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
 from rlft.train.grpo_surface import GRPOSurface
 from rlft.train.loop import TrainLoop
-from rlft.train.policy import load_policy
 from rlft.train.run import checkpoint as ckpt
 from rlft.train.run import runs
 from rlft.train.run.checkpoint import PartState

@@ -19,7 +19,7 @@ from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
 from rlft.errors import ConfigError, NonFiniteLossError, RlftError  # noqa: F401 (re-exported: old path)
-from rlft.models import (
+from rlft.model.loading import (
     apply_lora,
     disable_dropout,
     enable_checkpointing,
@@ -28,14 +28,14 @@ from rlft.models import (
     prepare_tokenizer,
     training_dtype,
 )
+from rlft.model.memory.host_memory import trim_between_layers
+from rlft.model.memory.offload import offload_activations, offload_note
 from rlft.telemetry.tracking import Messages
 from rlft.train import state as run_state
 from rlft.train.engines import lora_merge as engine_io
 from rlft.train.engines import make_engine
 from rlft.train.flow import Flow
-from rlft.train.host_memory import trim_between_layers
 from rlft.train.loop import TrainLoop
-from rlft.train.offload import offload_activations, offload_note
 from rlft.train.run import checkpoint as ckpt
 from rlft.train.run import runs
 from rlft.train.run.checkpoint import PartState
@@ -141,7 +141,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             self.autocast_dtype = torch.float16
         if args.gradient_checkpointing:
             enable_checkpointing(model, args.gradient_checkpointing_kwargs)
-        if args.activation_offloading:  # saved activations to host memory (rlft/train/offload.py)
+        if args.activation_offloading:  # saved activations to host memory (rlft/model/memory/offload.py)
             offload_activations(model)
             if note := offload_note(self.accelerator.device):
                 self.messages.warn(note)

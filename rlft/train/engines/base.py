@@ -129,7 +129,7 @@ class TrainingEngine:
         return [(name, p.grad) for name, p in self._trainable(model)]
 
     def _trainable(self, model) -> list[tuple[str, torch.nn.Parameter]]:
-        from rlft.models import trainable_parameters
+        from rlft.model.loading import trainable_parameters
 
         return trainable_parameters(self.accelerator.unwrap_model(model))
 

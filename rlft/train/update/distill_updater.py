@@ -23,8 +23,8 @@ import torch
 
 from rlft.core.fused_head import vocabulary_rows
 from rlft.errors import ConfigError
-from rlft.models import load_causal_lm
-from rlft.scoring import install_scoring
+from rlft.model.loading import load_causal_lm
+from rlft.model.scoring import install_scoring
 from rlft.train.update.rollout_batch import RolloutBatch
 from rlft.train.update.teachers import TeacherSet, is_url, teacher_dict
 from rlft.train.update.updater import PolicyUpdater

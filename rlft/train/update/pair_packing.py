@@ -1,7 +1,8 @@
 """A reward model's pairs scored packed: the chosen and rejected sequences of a micro-batch in one sequence
 with no padding, and (`shared_prefix_scoring`) the tokens a pair's two sequences begin with -- the prompt,
 most often the whole conversation but its last turn -- held once, both continuations attending to them with
-positions continuing from the prefix's end. rlft's segment attention (rlft/packing.py, rlft/core/segments.py)
+positions continuing from the prefix's end. rlft's segment attention (rlft/model/packing.py,
+rlft/core/segments.py)
 keeps every sequence from seeing another.
 
 Each sequence's score is the score head at the hidden state of the token the model's own forward pools:
@@ -25,7 +26,7 @@ import torch
 from rlft.core import segments
 from rlft.core.segments import Block
 from rlft.errors import ConfigError
-from rlft.packing import install, packed_forward
+from rlft.model.packing import install, packed_forward
 from rlft.train.update.rollout_logprobs import (
     MIN_BLOCK_TOKENS,  # GRPO's rule: shorter blocks cost more in calls than padding
 )

@@ -27,7 +27,7 @@ from rlft.core.regularizers import (
     high_entropy_mask,
     mix_reference,
 )
-from rlft.models import GradientFlowError, check_gradient_flow
+from rlft.model.loading import GradientFlowError, check_gradient_flow
 from rlft.train.run.checkpoint import PartState
 from rlft.train.update.metrics import CLIP_MEAN_KEYS, StepSums, correction_metrics
 from rlft.train.update.rollout_batch import RolloutBatch

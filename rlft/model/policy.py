@@ -12,7 +12,7 @@ import torch
 from peft import PeftModel
 
 from rlft.errors import ConfigError
-from rlft.models import (
+from rlft.model.loading import (
     GradientFlowError,
     apply_lora,
     cast_lm_head_to_fp32,
@@ -23,11 +23,11 @@ from rlft.models import (
     router_loss_coef,
     training_dtype,
 )
-from rlft.scoring import install_scoring
-from rlft.train.chunked_mlp import chunk_mlps
-from rlft.train.host_memory import trim_between_layers
-from rlft.train.offload import offload_activations, offload_note
-from rlft.train.selective_checkpoint import attention_keeper, checkpointing_kwargs
+from rlft.model.memory.chunked_mlp import chunk_mlps
+from rlft.model.memory.host_memory import trim_between_layers
+from rlft.model.memory.offload import offload_activations, offload_note
+from rlft.model.memory.selective_checkpoint import attention_keeper, checkpointing_kwargs
+from rlft.model.scoring import install_scoring
 
 
 @dataclass
@@ -54,7 +54,8 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
     quantization = {} if quantization_config is None else {"quantization_config": quantization_config}
     init_kwargs = {**(args.model_init_kwargs or {}), **quantization}
     model = load_causal_lm(model, dtype, init_kwargs, args.trust_remote_code)
-    install_scoring(model)  # log-probs from hidden states through the LM head in tiles (rlft/scoring.py)
+    # log-probs from hidden states through the LM head in tiles (rlft/model/scoring.py)
+    install_scoring(model)
     if args.cast_lm_head_to_fp32:
         cast_lm_head_to_fp32(model)
     model = apply_lora(model, peft_config, "CAUSAL_LM")
@@ -72,9 +73,9 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
     if args.gradient_checkpointing:  # recompute_attention: false keeps attention outputs
         keeper = attention_keeper(args, logging.getLogger("rlft").warning)
         enable_checkpointing(model, checkpointing_kwargs(args, keeper))
-    if args.mlp_chunk_size:  # the sequence dimension in chunks (rlft/train/chunked_mlp.py)
+    if args.mlp_chunk_size:  # the sequence dimension in chunks (rlft/model/memory/chunked_mlp.py)
         chunk_mlps(model, args.mlp_chunk_size)
-    if args.activation_offloading:  # saved activations to host memory (rlft/train/offload.py)
+    if args.activation_offloading:  # saved activations to host memory (rlft/model/memory/offload.py)
         offload_activations(model)
         notes += [n for n in [offload_note(device)] if n]
     if args.trim_host_memory:  # freed heap memory back to the system between layers (host_memory.py)

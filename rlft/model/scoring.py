@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from rlft.core.distill import Head, tiled_divergence
 from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
 from rlft.core.sparse_distill import sparse_divergence
-from rlft.packing import Packed, install, pack_rows, packed_forward
+from rlft.model.packing import Packed, install, pack_rows, packed_forward
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Score:
     # [b, c, K] the token ids a truncating sampler kept at each position (-1 padding): log-probs are then
     # renormalised over them (rlft/core/fused_head.py); None: the full vocabulary
     kept: torch.Tensor | None = None
-    # the rows packed into one sequence (rlft/packing.py): the hidden states are read where it says
+    # the rows packed into one sequence (rlft/model/packing.py): the hidden states are read where it says
     packed: Packed | None = None
     # distillation: the divergence to a teacher at the scored positions (and the log-probs unless `logps` is
     # False)
@@ -285,7 +285,7 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     carries them (`sampling_kept`). Padded, the batch is cut to its own longest completion (c <= C, rounded
     up to `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every
     row cost a forward pass and change nothing. `packing` "rows" / "prompts": the rows packed into one
-    sequence without padding, prompts shared by rows held once with "prompts" (rlft/packing.py). With a
+    sequence without padding, prompts shared by rows held once with "prompts" (rlft/model/packing.py). With a
     `teacher` model (same vocabulary) or served teacher (its `support`): `Scored.divergence` [b, c], each
     token's divergence from the teacher at `beta` (rlft/core/distill.py), and the student's entropy, instead
     of log-probs (as well, with `with_logps`); padded. `entropy_grad`: the entropy's gradient will be asked
