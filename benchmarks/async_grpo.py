@@ -71,9 +71,9 @@ def run_one(workload: str, lag: int, steps: int) -> dict:
 
 def demo_curve(lag: int | None, steps: int) -> dict:
     """The demo (LoRA, addition task, seed 0): held-out greedy accuracy every 100 steps; lag None = GRPOTrainer."""
+    from rlft.cli.demo import HELDOUT_KEY, demo_config, demo_lora
     from rlft.config import AsyncGRPOConfig
     from rlft.data.addition import rows, split_problems
-    from rlft.demo import HELDOUT_KEY, demo_config, demo_lora
     from rlft.model.loading import shipped_policy_path
     from rlft.rewards.builtins import exact_match_reward, format_reward
     from rlft.train.async_grpo import AsyncGRPOTrainer

@@ -1,4 +1,4 @@
-"""The demo task (rlft/demo.py: LoRA on the shipped tiny-adder, 8 prompts x 8 completions a step) under each
+"""The demo task (rlft/cli/demo.py: LoRA on the shipped tiny-adder, 8 prompts x 8 completions a step) under each
 advantage estimator and with DAPO's dynamic sampling: held-out greedy accuracy against steps, the same seed,
 steps and every other setting, plus how many groups each run trained on without a reward spread (zero
 advantage: no signal) and how many it generated but did not train on (dynamic sampling: the zero-spread
@@ -25,8 +25,8 @@ RUNS = {
 
 
 def run(name: str, overrides: dict, steps: int, eval_every: int, seed: int, folder: str) -> dict:
+    from rlft.cli.demo import HELDOUT_KEY, demo_config, demo_lora
     from rlft.data.addition import rows, split_problems
-    from rlft.demo import HELDOUT_KEY, demo_config, demo_lora
     from rlft.model.loading import shipped_policy_path
     from rlft.rewards.builtins import exact_match_reward, format_reward
     from rlft.train.grpo import GRPOTrainer

@@ -29,9 +29,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from rlft import DistillationConfig, DistillationTrainer
+from rlft.cli.demo import demo_lora
 from rlft.config import GKDConfig
 from rlft.data.addition import rows, split_problems
-from rlft.demo import demo_lora
 from rlft.model.loading import shipped_policy_path
 from rlft.rewards.builtins import exact_match_reward
 from rlft.train.gkd import GKDTrainer
@@ -57,7 +57,7 @@ def teacher_model(path: str | None):
     """The teacher: a model folder as it is, a LoRA adapter folder merged into the shipped policy, or (None)
     `rlft demo` trained now."""
     if path is None:
-        from rlft.demo import run_demo
+        from rlft.cli.demo import run_demo
 
         path = "runs/distillation-teacher"
         run_demo(output_dir=path)

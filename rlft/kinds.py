@@ -2,7 +2,8 @@
 paths.
 
 Everything that names a kind reads it from here: `rlft.__all__` and its lazy imports (rlft/__init__.py),
-`rlft <kind>` and its help (rlft/cli.py), the recipe builder (rlft/recipes.py) and TRL's module paths
+`rlft <kind>` and its help (rlft/cli/commands.py), the recipe builder (rlft/cli/recipes.py) and TRL's module
+paths
 (`rlft.trainer.grpo_trainer`, `rlft.experimental.async_grpo`, ...: rlft/paths.py). A new kind is its own
 module(s) and one row. Rows hold "module:name" strings, so reading them imports nothing: `rlft --help` lists
 the commands without loading torch.
@@ -27,10 +28,11 @@ class Kind:
     trainer: str  # "module:Class" of its trainer
     summary: str  # its line in `rlft --help`
     help: str  # the description `rlft <name> --help` prints
-    script_args: str = "rlft.recipes:GRPOScriptArguments"  # the command's script arguments
-    # "module:function" building the trainer from a recipe's argument groups (rlft/recipes.py: build_trainer);
+    script_args: str = "rlft.cli.recipes:GRPOScriptArguments"  # the command's script arguments
+    # "module:function" building the trainer from a recipe's argument groups (rlft/cli/recipes.py:
+    # build_trainer);
     # empty: the trainer from the model and the common arguments alone
-    recipe: str = "rlft.recipes:with_rewards"
+    recipe: str = "rlft.cli.recipes:with_rewards"
     command: bool = True  # `rlft <name>` runs it
     trl_paths: tuple[str, ...] = ()  # TRL's modules (after "trl.") holding its config and trainer
     deprecated_paths: tuple[str, ...] = ()  # TRL's deprecated aliases: a FutureWarning on use, as TRL's
@@ -64,7 +66,7 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     Kind("reward", "rlft.config:RewardConfig", "rlft.train.reward:RewardTrainer",
          "Bradley-Terry reward-model training",
          f"Bradley-Terry reward-model training. {_FIELDS}; TRL's `trl reward` arguments are accepted.",
-         script_args="rlft.recipes:RewardScriptArguments", recipe="",
+         script_args="rlft.cli.recipes:RewardScriptArguments", recipe="",
          trl_paths=("trainer.reward_trainer", "trainer.reward_config"),
          extra_names={"DataCollatorForPreference": "rlft.data.preference:DataCollatorForPreference"}),
     Kind("distillation", "rlft.config:DistillationConfig", "rlft.train.distillation:DistillationTrainer",
@@ -72,14 +74,14 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          "On-policy distillation (TRL's DistillationTrainer: the student samples, the teacher scores every "
          f"token, generalized JSD at beta). {_FIELDS}; TRL's `trl distillation` arguments are accepted; "
          "teacher_model_name_or_path names the teacher.",
-         script_args="rlft.recipes:RewardScriptArguments", recipe="rlft.recipes:with_teacher",
+         script_args="rlft.cli.recipes:RewardScriptArguments", recipe="rlft.cli.recipes:with_teacher",
          trl_paths=("trainer.distillation_trainer", "trainer.distillation_config"),
          deprecated_paths=("experimental.distillation",)),
     Kind("gkd", "rlft.config:GKDConfig", "rlft.train.gkd:GKDTrainer",
          "Generalized knowledge distillation (TRL's experimental GKDTrainer)",
          "GKD: each step on the student's own completions with probability lmbda, else on the dataset's "
          f"(or the teacher's: seq_kd); the generalized JSD at beta. {_FIELDS}; `messages` datasets as TRL's.",
-         script_args="rlft.recipes:RewardScriptArguments", recipe="rlft.recipes:with_teacher",
+         script_args="rlft.cli.recipes:RewardScriptArguments", recipe="rlft.cli.recipes:with_teacher",
          trl_paths=("experimental.gkd",)),
     Kind("server_distillation", "rlft.config:ServerDistillationConfig",
          "rlft.train.distillation:ServerDistillationTrainer",

@@ -105,7 +105,7 @@ def test_third_party_noise_is_silent_unless_verbose(tmp_path, shipped_policy_dir
 def test_training_help_lists_every_field_of_every_dataclass_with_default_and_help(sub, capsys):
     import dataclasses
 
-    from rlft.config_help import FIELD_HELP
+    from rlft.cli.field_help import FIELD_HELP
     from rlft.kinds import KINDS, load
     from rlft.model_config import ModelConfig
 
@@ -128,10 +128,10 @@ def test_every_field_rlft_declares_has_one_help_line_and_no_line_names_a_missing
 
     from transformers import TrainingArguments
 
-    from rlft.config_help import FIELD_HELP
+    from rlft.cli.field_help import FIELD_HELP
+    from rlft.cli.recipes import GRPOScriptArguments, RewardScriptArguments
     from rlft.kinds import KINDS, load
     from rlft.model_config import ModelConfig
-    from rlft.recipes import GRPOScriptArguments, RewardScriptArguments
 
     transformers_own = {f.name for f in dataclasses.fields(TrainingArguments)}
     configs = tuple(load(kind.config) for kind in KINDS.values())  # every kind's
@@ -158,9 +158,9 @@ def test_any_field_on_the_command_line_without_a_yaml(tmp_path, shipped_policy_d
         seen.update(script=script, cfg=cfg, model=model)
         raise Stop
 
-    import rlft.recipes
+    import rlft.cli.recipes
 
-    monkeypatch.setattr(rlft.recipes, "build_trainer", capture)
+    monkeypatch.setattr(rlft.cli.recipes, "build_trainer", capture)
     with pytest.raises(Stop):
         main(["grpo", "--model_name_or_path", str(shipped_policy_dir), "--train_dataset", str(data),
               "--output_dir", str(tmp_path / "o"), "--reward_funcs", "exact_match", "format",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from rlft.cli.recipes import parse_run
 from rlft.config import ConfigError, GRPOConfig, RewardConfig
 from rlft.model_config import ModelConfig
-from rlft.recipes import parse_run
 
 
 def test_defaults_are_valid_and_cpu_friendly():

@@ -10,9 +10,9 @@ import pytest
 
 from rlft import GRPOTrainer, RewardTrainer
 from rlft.cli import main
+from rlft.cli.recipes import parse_run, recipe_datasets
 from rlft.config import ConfigError
 from rlft.data.prompts import DatasetError, load_named_dataset
-from rlft.recipes import parse_run, recipe_datasets
 from rlft.telemetry.tracking import read_metrics
 from tests.helpers import (
     addition_rows,

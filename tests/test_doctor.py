@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM
 
 from rlft.cli import main
-from rlft.doctor import run_doctor
+from rlft.cli.doctor import run_doctor
 from rlft.tiny import build_causal_lm, build_tokenizer, save_tiny
 from tests.helpers import addition_rows, correct_answer, has_answer_tags, preference_rows, write_jsonl
 

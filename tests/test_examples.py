@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rlft.cli import main
-from rlft.doctor import detect_kind
-from rlft.recipes import parse_run
+from rlft.cli.doctor import detect_kind
+from rlft.cli.recipes import parse_run
 from rlft.telemetry.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

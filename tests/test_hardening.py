@@ -17,11 +17,11 @@ import torch
 import transformers
 
 from rlft import GRPOTrainer
+from rlft.cli.recipes import parse_run
 from rlft.config import ConfigError, GRPOConfig
 from rlft.errors import NonFiniteStepError
 from rlft.model.loading import load_tokenizer
 from rlft.model.scoring import Scored
-from rlft.recipes import parse_run
 from rlft.rewards import RewardFunctionError
 from rlft.rollout.hf import shared_prompt_cache
 from rlft.telemetry.tracking import read_metrics

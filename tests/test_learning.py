@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlft.demo import run_demo
+from rlft.cli.demo import run_demo
 from rlft.telemetry.tracking import read_metrics
 
 

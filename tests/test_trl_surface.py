@@ -641,7 +641,7 @@ def test_generation_kwargs_reach_generate_and_a_key_it_rejects_is_named(tmp_path
 
 
 def test_trl_grpo_command_line_arguments_are_accepted(tmp_path, shipped_policy_dir, monkeypatch):
-    import rlft.recipes
+    import rlft.cli.recipes
     from rlft.cli import main
 
     seen = {}
@@ -650,7 +650,7 @@ def test_trl_grpo_command_line_arguments_are_accepted(tmp_path, shipped_policy_d
         seen.update(script=script, model=model)
         raise SystemExit(0)
 
-    monkeypatch.setattr(rlft.recipes, "build_trainer", capture)
+    monkeypatch.setattr(rlft.cli.recipes, "build_trainer", capture)
     with pytest.raises(SystemExit):
         main(
             [

@@ -355,7 +355,7 @@ def test_a_prompt_seen_before_a_sync_is_not_served_from_a_stale_prefix_cache(tmp
 
 
 def test_doctor_starts_the_engine_and_checks_the_weight_sync(tmp_path, shipped_policy_dir):
-    from rlft.doctor import run_doctor
+    from rlft.cli.doctor import run_doctor
     from tests.test_doctor import write_grpo_config
 
     code, report = run_doctor(write_grpo_config(tmp_path, shipped_policy_dir),
@@ -373,7 +373,7 @@ def test_the_demo_learns_as_well_with_vllm_as_with_generate(tmp_path):
     """The README's demo (1000 LoRA steps) with the vLLM engine: at least 85% among the last three evaluations
     (HF generate, same config and seed: 29.0% -> 92.0%; the engines draw differently from the same seeds). 300
     steps are too few to compare: held-out accuracy there moves by +-10 points between evaluations."""
-    from rlft.demo import run_demo
+    from rlft.cli.demo import run_demo
     from tests.test_learning import heldout_accuracy
 
     assert run_demo(output_dir=str(tmp_path / "demo"), use_vllm=True) == 0

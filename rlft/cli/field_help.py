@@ -14,9 +14,9 @@ from types import MappingProxyType
 
 from transformers import TrainingArguments
 
+from rlft.cli.recipes import GRPOScriptArguments, RewardScriptArguments
 from rlft.kinds import KINDS, load
 from rlft.model_config import ModelConfig
-from rlft.recipes import GRPOScriptArguments, RewardScriptArguments
 
 HELP_CLASSES = (*dict.fromkeys(load(kind.config) for kind in KINDS.values()), ModelConfig,
                 GRPOScriptArguments, RewardScriptArguments)

@@ -19,7 +19,7 @@ def train_command(kind: str, argv: list[str]) -> int:
     from `--config run.yaml` and `--field value` options; validated before the model loads; train, save the
     model to output_dir (as `trl grpo` / `trl reward` do: its top level holds the model, checkpoint-N/ and
     metrics.jsonl beside it)."""
-    from rlft.recipes import build_trainer, make_parser, parse_run
+    from rlft.cli.recipes import build_trainer, make_parser, parse_run
 
     argv = [a for a in argv if a != "--verbose"]
     if "-h" in argv or "--help" in argv:
@@ -66,14 +66,14 @@ TRAINING = command_kinds()  # `rlft <kind>` (rlft/kinds.py)
 
 
 def _cmd_demo(args, extra: list[str]) -> int:
-    from rlft.demo import run_demo
+    from rlft.cli.demo import run_demo
 
     return run_demo(steps=args.steps, lora=not args.full, seed=args.seed, output_dir=args.output_dir,
                     use_vllm=args.use_vllm, task=args.task)
 
 
 def _cmd_doctor(args, extra: list[str]) -> int:
-    from rlft.doctor import run_doctor
+    from rlft.cli.doctor import run_doctor
 
     code, _ = run_doctor(args.config, args.kind, extra)
     return code

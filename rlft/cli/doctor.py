@@ -75,7 +75,7 @@ def detect_kind(config_path: str | None) -> str:
 
 @dataclasses.dataclass
 class Run:
-    """What `rlft grpo` / `rlft reward` would build from the config (rlft/recipes.py), for the checks."""
+    """What `rlft grpo` / `rlft reward` would build from the config (rlft/cli/recipes.py), for the checks."""
 
     script: Any
     cfg: Any
@@ -83,8 +83,8 @@ class Run:
     mixture: Any
 
     def dataset(self, given, rows: int):
+        from rlft.cli.recipes import recipe_datasets
         from rlft.data.prompts import load_dataset_any
-        from rlft.recipes import recipe_datasets
 
         dataset = load_dataset_any(given if given is not None
                                    else recipe_datasets(self.script, self.cfg, self.mixture)[0])
@@ -315,7 +315,7 @@ def run_doctor(config_path: str | None = None, kind: str = "auto", argv: list[st
                **objects) -> tuple[int, Report]:
     """Run every check; `argv` holds --field value options, `overrides` a dict of them; objects (model=,
     reward_funcs=, train_dataset=, tokenizer=) replace the config's."""
-    from rlft.recipes import parse_run
+    from rlft.cli.recipes import parse_run
 
     kind = detect_kind(config_path) if kind == "auto" else kind
     report = Report()
