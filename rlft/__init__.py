@@ -26,7 +26,7 @@ _LAZY = {
     "DatasetConfig": "rlft.script_args:DatasetConfig",
     "DatasetMixtureConfig": "rlft.script_args:DatasetMixtureConfig",
     "TrlParser": "rlft.script_args:TrlParser",
-    "get_dataset": "rlft.script_args:get_dataset",
+    "get_dataset": "rlft.data.mixtures:get_dataset",
     "LogCompletionsCallback": "rlft.callbacks:LogCompletionsCallback",
 }
 for _kind in _KINDS.values():

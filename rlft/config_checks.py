@@ -308,7 +308,7 @@ def check_rloo(cfg, errors: list[str]) -> None:
 
 def _check_replay(cfg, errors: list[str]) -> None:
     """replay_sampling_mask=True where the sampler's distribution cannot be replayed exactly."""
-    from rlft.rollout.truncation import replay_plan
+    from rlft.config_rules import replay_plan
 
     try:
         replay_plan(cfg)

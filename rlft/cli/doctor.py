@@ -197,7 +197,7 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
 
 def _truncation_check(report: Report, cfg) -> None:
     """Sampling that truncates (top_p / top_k / min_p) while the trainer scores the full vocabulary."""
-    from rlft.rollout.truncation import replay_plan, truncation
+    from rlft.config_rules import replay_plan, truncation
 
     cut, (replayed, why) = truncation(cfg), replay_plan(cfg)
     if not cut.truncates:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlft.data.mixtures import get_dataset
 from rlft.errors import ConfigError
 from rlft.kinds import KINDS, load
 from rlft.model_config import (
@@ -23,7 +24,7 @@ from rlft.model_config import (
     model_init_kwargs,
     teacher_init_kwargs,
 )
-from rlft.script_args import DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset, read_recipe
+from rlft.script_args import DatasetMixtureConfig, ScriptArguments, TrlParser, read_recipe
 
 # Fields that hold a path, read from the YAML's folder when they do not exist from the working directory.
 PATH_FIELDS = (

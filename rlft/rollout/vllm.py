@@ -33,11 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlft.config_rules import replay_plan, truncation
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import completion_mask_from, eos_token_ids
-from rlft.rollout.truncation import kept_of, kept_tensor, replay_plan, truncation
+from rlft.rollout.truncation import kept_of, kept_tensor
 from rlft.rollout.weight_sync import (
     adapter_files,
     adapter_tensors,

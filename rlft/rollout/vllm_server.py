@@ -31,10 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from rlft.config_rules import replay_plan
 from rlft.errors import RlftError
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import eos_token_ids
-from rlft.rollout.truncation import kept_of, replay_plan
+from rlft.rollout.truncation import kept_of
 from rlft.rollout.vllm import (
     StaleAfterStep,
     engine_dtype,

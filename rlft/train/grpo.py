@@ -28,7 +28,7 @@ import torch
 
 from rlft.compat import no_effect_notes
 from rlft.config import GRPOConfig, validate
-from rlft.config_rules import generation_batch
+from rlft.config_rules import generation_batch, replay_plan
 from rlft.core.losses import LossOptions
 from rlft.data.prompts import PromptSet, load_eval_datasets, materialize
 from rlft.errors import ConfigError
@@ -36,7 +36,6 @@ from rlft.model.loading import context_length, prepare_tokenizer, training_dtype
 from rlft.model.policy import load_policy
 from rlft.rewards.calling import RewardLog, RewardScorer, check_keywords, resolve_rewards
 from rlft.rollout.base import engine_metrics, weights_changed
-from rlft.rollout.truncation import replay_plan
 from rlft.telemetry.perf import Throughput
 from rlft.telemetry.tracking import Messages
 from rlft.train import state as run_state
