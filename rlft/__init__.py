@@ -18,14 +18,14 @@ __version__ = "0.2.0"
 
 _LAZY = {
     "SFTConfig": "rlft.config:SFTConfig",
-    "ModelConfig": "rlft.model_config:ModelConfig",
-    "get_peft_config": "rlft.model_config:get_peft_config",
-    "get_quantization_config": "rlft.model_config:get_quantization_config",
-    "get_kbit_device_map": "rlft.model_config:get_kbit_device_map",
-    "ScriptArguments": "rlft.script_args:ScriptArguments",
-    "DatasetConfig": "rlft.script_args:DatasetConfig",
-    "DatasetMixtureConfig": "rlft.script_args:DatasetMixtureConfig",
-    "TrlParser": "rlft.script_args:TrlParser",
+    "ModelConfig": "rlft.config.model_config:ModelConfig",
+    "get_peft_config": "rlft.config.model_config:get_peft_config",
+    "get_quantization_config": "rlft.config.model_config:get_quantization_config",
+    "get_kbit_device_map": "rlft.config.model_config:get_kbit_device_map",
+    "ScriptArguments": "rlft.config.script_args:ScriptArguments",
+    "DatasetConfig": "rlft.config.script_args:DatasetConfig",
+    "DatasetMixtureConfig": "rlft.config.script_args:DatasetMixtureConfig",
+    "TrlParser": "rlft.config.script_args:TrlParser",
     "get_dataset": "rlft.data.mixtures:get_dataset",
     "LogCompletionsCallback": "rlft.callbacks:LogCompletionsCallback",
 }

@@ -106,8 +106,8 @@ def test_training_help_lists_every_field_of_every_dataclass_with_default_and_hel
     import dataclasses
 
     from rlft.cli.field_help import FIELD_HELP
+    from rlft.config.model_config import ModelConfig
     from rlft.kinds import KINDS, load
-    from rlft.model_config import ModelConfig
 
     assert main([sub, "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
@@ -130,8 +130,8 @@ def test_every_field_rlft_declares_has_one_help_line_and_no_line_names_a_missing
 
     from rlft.cli.field_help import FIELD_HELP
     from rlft.cli.recipes import GRPOScriptArguments, RewardScriptArguments
+    from rlft.config.model_config import ModelConfig
     from rlft.kinds import KINDS, load
-    from rlft.model_config import ModelConfig
 
     transformers_own = {f.name for f in dataclasses.fields(TrainingArguments)}
     configs = tuple(load(kind.config) for kind in KINDS.values())  # every kind's

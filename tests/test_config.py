@@ -6,7 +6,7 @@ import pytest
 
 from rlft.cli.recipes import parse_run
 from rlft.config import ConfigError, GRPOConfig, RewardConfig
-from rlft.model_config import ModelConfig
+from rlft.config.model_config import ModelConfig
 
 
 def test_defaults_are_valid_and_cpu_friendly():
@@ -151,7 +151,7 @@ def test_absurd_learning_rates_are_refused_by_name(rate):
 def test_a_subclass_field_that_only_changes_the_default_keeps_the_parents_help_with_percent_escaped():
     from dataclasses import field, fields
 
-    from rlft.config_base import config_class
+    from rlft.config.common import config_class
 
     @config_class
     class Parent:
@@ -166,7 +166,7 @@ def test_a_subclass_field_that_only_changes_the_default_keeps_the_parents_help_w
 
 
 def test_generation_batch_defaults_to_gradient_accumulation_steps_micro_steps_per_process():
-    from rlft.config_rules import generation_batch
+    from rlft.config.rules import generation_batch
 
     cfg = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
                      num_iterations=2)
@@ -177,7 +177,7 @@ def test_generation_batch_defaults_to_gradient_accumulation_steps_micro_steps_pe
 
 
 def test_generation_batch_size_is_shared_out_over_the_processes():
-    from rlft.config_rules import generation_batch
+    from rlft.config.rules import generation_batch
 
     cfg = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                      generation_batch_size=32)
@@ -187,7 +187,7 @@ def test_generation_batch_size_is_shared_out_over_the_processes():
 
 
 def test_generation_batch_size_that_is_not_a_multiple_of_every_process_batch_is_refused():
-    from rlft.config_rules import generation_batch
+    from rlft.config.rules import generation_batch
 
     cfg = GRPOConfig(per_device_train_batch_size=4, num_generations=4, generation_batch_size=24)  # builds
     with pytest.raises(ConfigError, match=r"generation_batch_size=24 is not a multiple of "
@@ -196,7 +196,7 @@ def test_generation_batch_size_that_is_not_a_multiple_of_every_process_batch_is_
 
 
 def test_generation_batch_that_splits_a_group_across_processes_is_refused():
-    from rlft.config_rules import generation_batch
+    from rlft.config.rules import generation_batch
 
     cfg = GRPOConfig(per_device_train_batch_size=2, num_generations=8, generation_batch_size=8)  # builds
     with pytest.raises(ConfigError, match=r"a generation batch of 4 completions per process \(2 steps\) must "
@@ -205,7 +205,7 @@ def test_generation_batch_that_splits_a_group_across_processes_is_refused():
 
 
 def test_generation_batch_refuses_steps_per_generation_that_is_not_whole_optimiser_steps():
-    from rlft.config_rules import generation_batch
+    from rlft.config.rules import generation_batch
 
     cfg = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4)
     cfg.steps_per_generation = 3  # changed after construction: the trainer's call still catches it
@@ -222,7 +222,7 @@ def test_the_generation_batch_rule_already_applies_when_the_config_is_built():
 
 def test_staleness_is_rollout_lag_times_steps_per_rollout_plus_weight_sync_steps_minus_one():
     from rlft.config import AsyncGRPOConfig
-    from rlft.config_rules import staleness
+    from rlft.config.rules import staleness
 
     cfg = AsyncGRPOConfig(rollout_lag=2, weight_sync_steps=2, max_staleness=10)
     assert (staleness(cfg), staleness(cfg, 2)) == (3, 5)
@@ -230,7 +230,7 @@ def test_staleness_is_rollout_lag_times_steps_per_rollout_plus_weight_sync_steps
 
 def test_staleness_above_max_staleness_is_refused_naming_the_steps_per_rollout():
     from rlft.config import AsyncGRPOConfig
-    from rlft.config_rules import staleness
+    from rlft.config.rules import staleness
 
     cfg = AsyncGRPOConfig(rollout_lag=2, weight_sync_steps=2, max_staleness=4)  # 3 steps at one per rollout
     with pytest.raises(ConfigError, match=r"with 2 optimiser steps per rollout, rollout_lag=2 and "
@@ -249,7 +249,7 @@ def test_staleness_above_max_staleness_is_refused_when_the_config_is_built():
 
 def test_staleness_refuses_weight_sync_steps_that_are_not_whole_rollouts():
     from rlft.config import AsyncGRPOConfig
-    from rlft.config_rules import staleness
+    from rlft.config.rules import staleness
 
     cfg = AsyncGRPOConfig(rollout_lag=1, weight_sync_steps=3, max_staleness=10)
     with pytest.raises(ConfigError, match=r"weight_sync_steps=3 must be a multiple of the optimiser steps per "

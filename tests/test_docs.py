@@ -35,7 +35,7 @@ def test_troubleshooting_names_tests_that_exist():
 
 
 def test_migration_page_names_every_no_effect_field_and_default_difference():
-    from rlft.compat import GRPO_REFUSED, NO_EFFECT, REFUSED
+    from rlft.config.compat import GRPO_REFUSED, NO_EFFECT, REFUSED
 
     text = (ROOT / "docs" / "migration.md").read_text()
     for name in [*NO_EFFECT, *REFUSED, *GRPO_REFUSED]:

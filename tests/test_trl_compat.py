@@ -25,8 +25,8 @@ from transformers import (
 )
 
 from rlft import DistillationConfig, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
-from rlft.compat import NO_EFFECT, trl_fields
 from rlft.config import ConfigError
+from rlft.config.compat import NO_EFFECT, trl_fields
 from rlft.data.prompts import DatasetError
 from rlft.model.loading import load_tokenizer
 from rlft.telemetry.tracking import read_metrics
@@ -85,7 +85,7 @@ def test_a_field_rlft_cannot_honour_set_away_from_default_is_refused_by_name(fie
 
 
 def test_fields_with_no_effect_are_accepted_at_any_value_and_named_in_a_note():
-    from rlft.compat import no_effect_notes
+    from rlft.config.compat import no_effect_notes
 
     cfg = GRPOConfig(do_train=True, remove_unused_columns=True, dataloader_pin_memory=False, dataloader_num_workers=4,
                      torch_compile=True, use_liger_kernel=True, save_only_model=True)

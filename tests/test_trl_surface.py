@@ -76,7 +76,7 @@ def test_configs_are_training_arguments_with_their_methods(cls, tmp_path):
 def test_hf_argument_parser_parse_dict_takes_a_gpu_recipe():
     """A GPU recipe's fields on a CPU machine: bf16 and tf32 are accepted (transformers alone refuses both
     without a GPU); tf32 is noted as having no effect here."""
-    from rlft.compat import no_effect_notes
+    from rlft.config.compat import no_effect_notes
 
     recipe = {
         "output_dir": "out",

@@ -3,7 +3,7 @@
 
     pip install -e ".[bench]" && python tools/trl_fields.py
 
-Only names and defaults are recorded (no TRL code); rlft/compat.py reads the file.
+Only names and defaults are recorded (no TRL code); rlft/config/compat.py reads the file.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class Run:
 
     def small(self, per_device: int):
         """The config for a one-step trial: whole data in one micro-batch, no tracker, a scratch folder."""
-        from rlft.model_config import model_init_kwargs
+        from rlft.config.model_config import model_init_kwargs
 
         return dataclasses.replace(self.cfg, per_device_train_batch_size=per_device,
                                    gradient_accumulation_steps=1, max_steps=1, report_to=[],
@@ -143,9 +143,9 @@ def _grad_check(report: Report, model, backward) -> None:
 
 def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_dataset=None,
                 tokenizer=None) -> None:
+    from rlft.config.model_config import get_peft_config
     from rlft.core.losses import policy_loss
     from rlft.data.prompts import is_conversational
-    from rlft.model_config import get_peft_config
     from rlft.train.grpo import GRPOTrainer
 
     source = model if model is not None else run.model_args.model_name_or_path
@@ -197,7 +197,7 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
 
 def _truncation_check(report: Report, cfg) -> None:
     """Sampling that truncates (top_p / top_k / min_p) while the trainer scores the full vocabulary."""
-    from rlft.config_rules import replay_plan, truncation
+    from rlft.config.rules import replay_plan, truncation
 
     cut, (replayed, why) = truncation(cfg), replay_plan(cfg)
     if not cut.truncates:
@@ -246,8 +246,8 @@ def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
 
 
 def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, tokenizer=None) -> None:
+    from rlft.config.model_config import get_peft_config
     from rlft.data.prompts import is_conversational
-    from rlft.model_config import get_peft_config
     from rlft.train.reward import RewardTrainer
 
     source = model if model is not None else run.model_args.model_name_or_path
@@ -275,8 +275,8 @@ def doctor_distillation(run: Run, report: Report, model=None, train_dataset=None
                         teacher_model=None) -> None:
     """What `rlft distillation` would build: student and teacher load and share a vocabulary, one rollout,
     and the divergence's gradient reaches every trainable parameter."""
+    from rlft.config.model_config import get_peft_config, teacher_init_kwargs
     from rlft.data.prompts import is_conversational
-    from rlft.model_config import get_peft_config, teacher_init_kwargs
     from rlft.train.distillation import DistillationTrainer
 
     source = model if model is not None else run.model_args.model_name_or_path

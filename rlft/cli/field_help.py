@@ -2,7 +2,7 @@
 view; the text itself sits beside each field's default, in `field(metadata={"help": ...})`).
 
 The classes read are those the command line parses and their siblings: every kind's config (rlft/kinds.py;
-rlft/config_base.py, rlft/config_grpo.py), `ModelConfig` and the scripts' arguments. Fields of
+rlft/config/common.py, rlft/config/grpo_fields.py), `ModelConfig` and the scripts' arguments. Fields of
 transformers' TrainingArguments that rlft does not declare keep transformers' help and are not listed.
 """
 
@@ -15,8 +15,8 @@ from types import MappingProxyType
 from transformers import TrainingArguments
 
 from rlft.cli.recipes import GRPOScriptArguments, RewardScriptArguments
+from rlft.config.model_config import ModelConfig
 from rlft.kinds import KINDS, load
-from rlft.model_config import ModelConfig
 
 HELP_CLASSES = (*dict.fromkeys(load(kind.config) for kind in KINDS.values()), ModelConfig,
                 GRPOScriptArguments, RewardScriptArguments)

@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlft.data.mixtures import get_dataset
-from rlft.errors import ConfigError
-from rlft.kinds import KINDS, load
-from rlft.model_config import (
+from rlft.config.model_config import (
     ModelConfig,
     get_peft_config,
     get_quantization_config,
     model_init_kwargs,
     teacher_init_kwargs,
 )
-from rlft.script_args import DatasetMixtureConfig, ScriptArguments, TrlParser, read_recipe
+from rlft.config.script_args import DatasetMixtureConfig, ScriptArguments, TrlParser, read_recipe
+from rlft.data.mixtures import get_dataset
+from rlft.errors import ConfigError
+from rlft.kinds import KINDS, load
 
 # Fields that hold a path, read from the YAML's folder when they do not exist from the working directory.
 PATH_FIELDS = (

@@ -11,7 +11,7 @@ from rlft.data.prompts import offline_datasets
 from rlft.errors import ConfigError
 
 if TYPE_CHECKING:
-    from rlft.script_args import DatasetMixtureConfig
+    from rlft.config.script_args import DatasetMixtureConfig
 
 
 def _mixture_shares(sizes: list[int], fractions: list[float]) -> list[int]:

@@ -87,7 +87,7 @@ def resolve_dtype(dtype: str = "auto", bf16: bool | None = None, fp16: bool | No
 
 def training_dtype(args, device: torch.device | None = None) -> torch.dtype:
     """The dtype the weights load and train in: `model_init_kwargs["dtype"]` when given (not "auto"), else
-    bf16 / fp16, else float32 (the config resolves bf16=None to the device's: rlft/config_checks.py)."""
+    bf16 / fp16, else float32 (the config resolves bf16=None to the device's: rlft/config/checks.py)."""
     asked = (args.model_init_kwargs or {}).get("dtype", (args.model_init_kwargs or {}).get("torch_dtype"))
     if isinstance(asked, torch.dtype):
         return asked
@@ -191,7 +191,7 @@ def _init_kwargs(dtype: torch.dtype, model_init_kwargs: dict | None, trust_remot
     kwargs = {"trust_remote_code": trust_remote_code, **extra, "dtype": dtype}
     check_quantization(kwargs)
     if kwargs.get("quantization_config") is not None and "device_map" not in kwargs:
-        from rlft.model_config import get_kbit_device_map
+        from rlft.config.model_config import get_kbit_device_map
 
         kwargs["device_map"] = get_kbit_device_map()
     return kwargs

@@ -7,7 +7,7 @@ knows which one runs: transformers' `generate` (`hf.py`, the default) or vLLM (`
 
 from __future__ import annotations
 
-from rlft.config_rules import replay_plan
+from rlft.config.rules import replay_plan
 from rlft.rollout.base import Rollout, RolloutEngine
 from rlft.rollout.hf import HFGenerator
 

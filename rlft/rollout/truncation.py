@@ -12,7 +12,7 @@ masks such as bad_words_ids or a minimum length, which the kept ids carry too). 
 values of the logits (a repetition penalty, a logit bias, ...) are not replayed: with `replay_sampling_mask`
 left at null the replay is then off (and the run says why), set to true it is an error. vLLM returns the kept
 ids through its processed log-probs, which need top_k (the kept set of top-p or min-p alone is unbounded).
-Whether a config's sampling can be replayed (`replay_plan`) is a rule on the config: rlft/config_rules.py.
+Whether a config's sampling can be replayed (`replay_plan`) is a rule on the config: rlft/config/rules.py.
 """
 
 from __future__ import annotations

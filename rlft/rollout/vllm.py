@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlft.config_rules import replay_plan, truncation
+from rlft.config.rules import replay_plan, truncation
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from rlft.config_rules import replay_plan
+from rlft.config.rules import replay_plan
 from rlft.errors import RlftError
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import eos_token_ids

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from rlft.compat import no_effect_notes
 from rlft.config import GRPOConfig, validate
-from rlft.config_rules import generation_batch, replay_plan
+from rlft.config.compat import no_effect_notes
+from rlft.config.rules import generation_batch, replay_plan
 from rlft.core.losses import LossOptions
 from rlft.data.prompts import PromptSet, load_eval_datasets, materialize
 from rlft.errors import ConfigError

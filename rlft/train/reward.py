@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from rlft.compat import no_effect_notes
 from rlft.config import RewardConfig, validate
+from rlft.config.compat import no_effect_notes
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize

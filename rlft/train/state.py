@@ -17,13 +17,14 @@ import numpy as np
 import torch
 from transformers import get_scheduler
 
+from rlft.config.launch import collective_timeout, on_cpu_processes
 from rlft.errors import ConfigError, RlftError
-from rlft.launch import collective_timeout, on_cpu_processes
 
 
 def make_accelerator(cfg):
     """The run's Accelerator, running the engine the launch asks for (rlft/train/engines/), on the process
-    state the config already describes (rlft/launch.py). The LR scheduler is never handed to accelerate: a
+    state the config already describes (rlft/config/launch.py). The LR scheduler is never handed to
+    accelerate: a
     prepared scheduler advances once per process per optimiser step."""
     import torch
     from accelerate import Accelerator

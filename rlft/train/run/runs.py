@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from rlft.compat import NO_EFFECT
 from rlft.config import to_dict
+from rlft.config.compat import NO_EFFECT
 from rlft.errors import ConfigError, OutputDirBusyError
 
 # Fields a resumed run may change: they do not touch what is computed up to the resumed step.

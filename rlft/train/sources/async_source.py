@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from rlft.config_rules import generation_batch, staleness
+from rlft.config.rules import generation_batch, staleness
 from rlft.errors import ConfigError
 from rlft.rollout.producer import ProcessProducer, Produced, ProducerError
 from rlft.train.run.checkpoint import PartState, latest_checkpoint

@@ -5,7 +5,7 @@ and again by the trainers, so a config changed after construction is checked too
 its checks: its `_check(errors)` calls its parent's (`super()._check(errors)`) and then the functions here
 for the fields it adds (`check_common`, `check_grpo`, `check_rloo`, `check_async`, `check_reward`);
 `_normalize()` chains the same way. The rules a trainer applies again with the process count are in
-rlft/config_rules.py.
+rlft/config/rules.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from rlft.compat import unimplemented_errors
-from rlft.config_rules import generation_batch_problems, staleness
+from rlft.config.compat import unimplemented_errors
+from rlft.config.rules import generation_batch_problems, staleness
 from rlft.errors import ConfigError
 
 # Fields given as dicts that the command line and YAML may spell as a JSON or YAML string: every config's,
@@ -308,7 +308,7 @@ def check_rloo(cfg, errors: list[str]) -> None:
 
 def _check_replay(cfg, errors: list[str]) -> None:
     """replay_sampling_mask=True where the sampler's distribution cannot be replayed exactly."""
-    from rlft.config_rules import replay_plan
+    from rlft.config.rules import replay_plan
 
     try:
         replay_plan(cfg)

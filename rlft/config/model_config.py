@@ -66,7 +66,7 @@ class ModelConfig:
         default=None, metadata={"help": "storage dtype of the 4-bit weights"})
 
     def __post_init__(self):
-        from rlft.field_types import check_field_types
+        from rlft.config.recipe_types import check_field_types
 
         check_field_types(self, WIDER_TYPES)  # the checks below assume the types are right
         errors = []

@@ -46,7 +46,7 @@ class ScriptArguments:
     )
 
     def __post_init__(self):
-        from rlft.field_types import check_field_types
+        from rlft.config.recipe_types import check_field_types
 
         check_field_types(self)  # subclasses' fields too (rlft grpo's reward_funcs, train_dataset, ...)
 
@@ -65,7 +65,7 @@ class DatasetConfig:
     fraction: float | None = None
 
     def __post_init__(self):
-        from rlft.field_types import check_field_types
+        from rlft.config.recipe_types import check_field_types
 
         check_field_types(self)
 
@@ -83,7 +83,7 @@ class DatasetMixtureConfig:
     )
 
     def __post_init__(self):
-        from rlft.field_types import check_field_types
+        from rlft.config.recipe_types import check_field_types
 
         if not isinstance(self.datasets, list | tuple):
             raise ConfigError(f"datasets={self.datasets!r} is a {type(self.datasets).__name__}; it takes a "

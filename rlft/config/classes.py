@@ -3,9 +3,10 @@
 
 Field names, types and defaults are TRL 1.16's (which include TrainingArguments'), so a TRL recipe's
 arguments, YAML and `HfArgumentParser` / `TrlParser` code carry over; the model, data and LoRA fields
-live where TRL keeps them (`ModelConfig`, `ScriptArguments`: rlft/script_args.py). rlft's own
+live where TRL keeps them (`ModelConfig`, `ScriptArguments`: rlft/config/script_args.py). rlft's own
 additions are listed in `RLFT_FIELDS`. Each field's help sits beside its default (the fields every config
-shares: rlft/config_base.py; GRPO's: rlft/config_grpo.py). Configs validate on construction, each class
+shares: rlft/config/common.py; GRPO's: rlft/config/grpo_fields.py). Configs validate on construction, each
+class
 checking its own fields (`_check`, chained with super()): an error names the field, the value and what is
 allowed. docs/migration.md lists every deliberate difference with its reason.
 """
@@ -13,8 +14,7 @@ allowed. docs/migration.md lists every deliberate difference with its reason.
 from dataclasses import field
 from typing import ClassVar
 
-from rlft.config_base import _BaseConfig, config_class
-from rlft.config_checks import (  # noqa: F401 (public names)
+from rlft.config.checks import (  # noqa: F401 (public names)
     check_async,
     check_reward,
     check_rloo,
@@ -24,8 +24,9 @@ from rlft.config_checks import (  # noqa: F401 (public names)
     to_dict,
     validate,
 )
-from rlft.config_grpo import _GRPOFields
-from rlft.config_rules import GenerationBatch, generation_batch, staleness  # noqa: F401 (public names)
+from rlft.config.common import _BaseConfig, config_class
+from rlft.config.grpo_fields import _GRPOFields
+from rlft.config.rules import GenerationBatch, generation_batch, staleness  # noqa: F401 (public names)
 from rlft.core.losses import LOSSES
 from rlft.errors import ConfigError  # noqa: F401 (rlft.config.ConfigError, as before)
 

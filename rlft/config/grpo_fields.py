@@ -1,5 +1,5 @@
 """The GRPO family's fields, with their defaults (TRL 1.16's GRPOConfig) and help: `_GRPOFields`, the base of
-GRPOConfig, RLOOConfig and AsyncGRPOConfig (rlft/config.py), which are siblings, as in TRL.
+GRPOConfig, RLOOConfig and AsyncGRPOConfig (rlft/config/classes.py), which are siblings, as in TRL.
 
 The help of `loss_type` and `advantage_estimator` lists the registries' keys (rlft/core).
 """
@@ -7,8 +7,8 @@ The help of `loss_type` and `advantage_estimator` lists the registries' keys (rl
 from dataclasses import field
 from typing import ClassVar
 
-from rlft.config_base import _BaseConfig, config_class
-from rlft.config_checks import check_grpo, normalize_grpo
+from rlft.config.checks import check_grpo, normalize_grpo
+from rlft.config.common import _BaseConfig, config_class
 from rlft.core.advantages import ADVANTAGE_ESTIMATORS
 from rlft.core.losses import LOSSES
 

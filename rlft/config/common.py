@@ -1,7 +1,7 @@
 """What every rlft config shares: the `config_class` decorator (a dataclass whose fields carry their argparse
 help, inherited where a subclass only changes a default) and `_BaseConfig`, the TrainingArguments subclass
 with TRL's defaults that GRPOConfig, RLOOConfig, AsyncGRPOConfig, RewardConfig and SFTConfig extend
-(rlft/config.py).
+(rlft/config/classes.py).
 
 Each field rlft declares says what it does in `metadata={"help": ...}` beside its default; HfArgumentParser
 shows it in `rlft grpo --help`. Fields of TrainingArguments that rlft does not declare keep transformers'
@@ -15,7 +15,7 @@ from functools import cached_property
 import torch
 from transformers import TrainingArguments
 
-from rlft.config_checks import check_common, normalize_before, normalize_common, validate
+from rlft.config.checks import check_common, normalize_before, normalize_common, validate
 
 
 def _inherited_help(cls: type, name: str) -> str | None:
@@ -115,18 +115,19 @@ class _BaseConfig(TrainingArguments):
         normalize_common(self)
 
     def _check(self, errors: list[str]) -> None:
-        """One line in `errors` per problem with this class's fields (rlft/config_checks.py); a subclass that
+        """One line in `errors` per problem with this class's fields (rlft/config/checks.py); a subclass that
         declares fields calls `super()._check(errors)`, then checks its own. `validate` runs it."""
         check_common(self, errors)
 
     @cached_property
     def _setup_devices(self):
         """The process state, built as rlft's Accelerator will use it (a gloo group for several processes on
-        a machine without CUDA; the ddp_timeout on CPUs of rlft/launch.py), never resetting a state that a
+        a machine without CUDA; the ddp_timeout on CPUs of rlft/config/launch.py), never resetting a state
+        that a
         trainer in this process already runs on."""
         from accelerate.state import PartialState
 
-        from rlft.launch import partial_state_kwargs
+        from rlft.config.launch import partial_state_kwargs
 
         self.distributed_state = PartialState(**partial_state_kwargs(self))
         device = self.distributed_state.device

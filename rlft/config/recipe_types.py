@@ -1,5 +1,5 @@
 """Type checks for the dataclasses a recipe fills besides the training config (`ModelConfig`, the script
-arguments, dataset mixtures), the way the configs check theirs (rlft/config_checks.py): a YAML value of the
+arguments, dataset mixtures), the way the configs check theirs (rlft/config/checks.py): a YAML value of the
 wrong type (`use_peft: [false]`, a list, is truthy) is an error naming the field, not a silent change of run.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlft.config_checks import field_types, type_ok
+from rlft.config.checks import field_types, type_ok
 from rlft.errors import ConfigError
 
 

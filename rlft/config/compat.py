@@ -1,7 +1,7 @@
 """What rlft does with each TRL / TrainingArguments field it does not act on.
 
 Every field of TRL's GRPOConfig and RewardConfig exists on rlft's configs with TRL's default
-(rlft/config.py). Most are implemented. The rest fall in two groups:
+(rlft/config/classes.py). Most are implemented. The rest fall in two groups:
 
 - `NO_EFFECT`: accepted at any value because it changes nothing rlft computes (a DataLoader knob
   where there is no DataLoader, a kernel choice where rlft has its own); set away from its

@@ -2,7 +2,7 @@
 (`generation_batch`) and the async schedule's worst staleness (`staleness`).
 
 A config checks what it can without knowing how many processes will train (`validate` in
-rlft/config_checks.py); a trainer calls the same functions with the process count and the optimiser steps
+rlft/config/checks.py); a trainer calls the same functions with the process count and the optimiser steps
 per rollout, and uses the numbers they return instead of deriving them again.
 """
 

@@ -1,0 +1,38 @@
+"""Every setting of a run: the config classes (classes.py; GRPO's fields in grpo_fields.py, every config's in
+common.py), their checks (checks.py), the rules a config and a trainer both apply (rules.py), TRL's fields
+rlft does not act on (compat.py), `ModelConfig` (model_config.py), script arguments and `TrlParser`
+(script_args.py), and how a launch's processes are set up (launch.py). This package imports only rlft.core
+and rlft.errors.
+
+`rlft.config` keeps every name it had as a module.
+"""
+
+from rlft.config.classes import (  # noqa: F401 (public names)
+    GRPO_ONLY,
+    LOSSES,
+    RLFT_FIELDS,
+    AsyncGRPOConfig,
+    ConfigError,
+    DistillationConfig,
+    GenerationBatch,
+    GKDConfig,
+    GRPOConfig,
+    RewardConfig,
+    RLOOConfig,
+    ServerDistillationConfig,
+    SFTConfig,
+    TrainConfig,
+    _BaseConfig,
+    _GRPOFields,
+    check_async,
+    check_reward,
+    check_rloo,
+    config_class,
+    field_types,
+    generation_batch,
+    normalize_before,
+    read_dict_value,
+    staleness,
+    to_dict,
+    validate,
+)
