@@ -27,7 +27,7 @@ _LAZY = {
     "DatasetMixtureConfig": "rlft.config.script_args:DatasetMixtureConfig",
     "TrlParser": "rlft.config.script_args:TrlParser",
     "get_dataset": "rlft.data.mixtures:get_dataset",
-    "LogCompletionsCallback": "rlft.callbacks:LogCompletionsCallback",
+    "LogCompletionsCallback": "rlft.telemetry.callbacks:LogCompletionsCallback",
 }
 for _kind in _KINDS.values():
     _LAZY.update({_kind.config_name: _kind.config, _kind.trainer_name: _kind.trainer})

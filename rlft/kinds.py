@@ -68,7 +68,7 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          f"Bradley-Terry reward-model training. {_FIELDS}; TRL's `trl reward` arguments are accepted.",
          script_args="rlft.cli.recipes:RewardScriptArguments", recipe="",
          trl_paths=("trainer.reward_trainer", "trainer.reward_config"),
-         extra_names={"DataCollatorForPreference": "rlft.data.preference:DataCollatorForPreference"}),
+         extra_names={"DataCollatorForPreference": "rlft.data.preference_pairs:DataCollatorForPreference"}),
     Kind("distillation", "rlft.config:DistillationConfig", "rlft.train.distillation:DistillationTrainer",
          "On-policy distillation (TRL's DistillationTrainer)",
          "On-policy distillation (TRL's DistillationTrainer: the student samples, the teacher scores every "

@@ -393,7 +393,7 @@ def test_a_full_disk_while_optimizer_pt_is_written_names_the_file_the_reason_and
         tmp_path, shipped_policy_dir, monkeypatch):
     """ENOSPC part-way through optimizer.pt of checkpoint-2: the error says which file, why, the free space, that
     checkpoint-1 is intact and what to do; checkpoint-1 still verifies and the run resumes from it."""
-    import rlft.train.engines.base as engine_base
+    import rlft.train.engines.engine_base as engine_base
     from rlft.train.run.checkpoint import CheckpointWriteError, verify
 
     real_save, calls = torch.save, []

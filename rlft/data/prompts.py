@@ -207,7 +207,10 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def render_prompt(prompt: Any, tokenizer, row: int, chat_template_kwargs: dict | None = None) -> str:
+def render_prompt(prompt: Any, tokenizer, row: int, chat_template_kwargs: dict | None = None,
+                  filled_later: bool = False) -> str:
+    """The prompt as the policy reads it (a chat template for messages). `filled_later`: an environment's
+    reset() adds to every prompt, so chat messages may all be empty."""
     if isinstance(prompt, str):
         if not prompt:
             raise DatasetError(f"row {row}: empty prompt")
@@ -222,7 +225,7 @@ def render_prompt(prompt: Any, tokenizer, row: int, chat_template_kwargs: dict |
                                    f"use one of {CHAT_ROLES}")
             if message.get("content") is None and not message.get("tool_calls"):
                 raise DatasetError(f"row {row}: message {index} ({message['role']}) has no 'content'")
-        if not any(_said(message) for message in prompt):
+        if not filled_later and not any(_said(message) for message in prompt):
             raise DatasetError(f"row {row}: every message of the prompt is empty (the policy would answer "
                                "the chat template alone); fill its content or drop the row")
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
@@ -242,7 +245,8 @@ class PromptSet:
     """Rendered, tokenized prompts plus their extra columns, checked once up front."""
 
     def __init__(self, dataset, tokenizer, max_prompt_length: int | None, max_completion_length: int,
-                 context_length: int | None, chat_template_kwargs: dict | None = None):
+                 context_length: int | None, chat_template_kwargs: dict | None = None,
+                 filled_later: bool = False):
         if "prompt" not in dataset.column_names:
             raise DatasetError(f"dataset has no 'prompt' column; columns found: {dataset.column_names}. "
                                "Rename the column holding prompts to 'prompt'")
@@ -255,7 +259,8 @@ class PromptSet:
         self.rows = dataset.to_list()
         self.extra_columns = [c for c in dataset.column_names if c != "prompt"]
         self.texts = [render_prompt(r["prompt"], tokenizer, i, {**(chat_template_kwargs or {}),
-                                                                **(r.get("chat_template_kwargs") or {})})
+                                                                **(r.get("chat_template_kwargs") or {})},
+                                    filled_later)
                       for i, r in enumerate(self.rows)]  # a row's own chat_template_kwargs win (TRL's column)
         encoded = tokenizer(self.texts, add_special_tokens=False)["input_ids"]
         self.token_ids: list[list[int]] = encoded

@@ -51,7 +51,7 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
     import torch.nn
 
     if isinstance(spec, torch.nn.Module):
-        from rlft.rewards.model import RewardModelScorer
+        from rlft.rewards.reward_model import RewardModelScorer
 
         return RewardModelScorer(spec, tokenizer=processing_class)
     if callable(spec):
@@ -73,7 +73,7 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
         except (ImportError, AttributeError) as err:
             raise RewardFunctionError(f"reward function {spec!r} could not be imported: {err}") from err
     if Path(spec).is_dir() or (spec.count("/") == 1 and not Path(spec).suffix and not spec.startswith(".")):
-        from rlft.rewards.model import RewardModelScorer
+        from rlft.rewards.reward_model import RewardModelScorer
 
         try:
             return RewardModelScorer(spec, tokenizer=processing_class)

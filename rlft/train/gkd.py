@@ -34,7 +34,6 @@ from rlft.train.sources.rollout_source import (
     GeneratedSource,
     SourceBase,
     SourceParts,
-    register_source,
     score_rollout,
 )
 from rlft.train.update.rollout_batch import ScoredRollout
@@ -159,8 +158,6 @@ class GKDSource(SourceBase):
                                "prompt; give 'prompt' and 'completion' as plain text")
         return ids[len(prompt_ids):]
 
-
-register_source("gkd", GKDSource)
 
 
 class GKDTrainer(DistillationTrainer):

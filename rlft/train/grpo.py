@@ -163,7 +163,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         dataset, self.streaming = materialize(dataset, needed)
         self.context = context_length(model, args.trust_remote_code)
         self.train_prompts = PromptSet(dataset, self.tokenizer, args.max_prompt_length,
-                                       args.max_completion_length, self.context, self._template_kwargs)
+                                       args.max_completion_length, self.context, self._template_kwargs,
+                                       filled_later=setup.environments is not None)
         check_chat_prompts(self.train_prompts, setup)
         self.rollouts_per_epoch = len(self.train_prompts) // (self.prompts_per_rollout * processes)
         if self.rollouts_per_epoch == 0:
@@ -386,7 +387,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             return self._eval_prompts[name]
         args = self.args
         prompts = PromptSet(materialize(dataset, None, whole=True)[0], self.tokenizer, args.max_prompt_length,
-                            args.max_completion_length, self.context, self._template_kwargs)
+                            args.max_completion_length, self.context, self._template_kwargs,
+                            filled_later=self.environments is not None)
         if cached:
             self._eval_prompts[name] = prompts
         return prompts

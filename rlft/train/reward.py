@@ -16,7 +16,7 @@ import torch
 from rlft.config import RewardConfig, validate
 from rlft.config.compat import no_effect_notes
 from rlft.core.preference import bradley_terry_loss
-from rlft.data.preference import PreferencePairs
+from rlft.data.preference_pairs import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
 from rlft.errors import ConfigError, NonFiniteLossError, RlftError  # noqa: F401 (re-exported: old path)
 from rlft.model.loading import (

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 
 from rlft.errors import ConfigError
-from rlft.train.engines.base import TrainingEngine
 from rlft.train.engines.ddp import DDPEngine
 from rlft.train.engines.deepspeed import DeepSpeedEngine
+from rlft.train.engines.engine_base import TrainingEngine
 from rlft.train.engines.fsdp2 import FSDP2Engine
 
 __all__ = ["DDPEngine", "DeepSpeedEngine", "Engine", "FSDP2Engine", "TrainingEngine", "asked_engine",

@@ -6,7 +6,7 @@ uses is always a named one (the run log says `engine ddp` or `engine single`).
 
 from __future__ import annotations
 
-from rlft.train.engines.base import TrainingEngine
+from rlft.train.engines.engine_base import TrainingEngine
 
 
 class DDPEngine(TrainingEngine):

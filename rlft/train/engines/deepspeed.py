@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from rlft.errors import ConfigError
-from rlft.train.engines.base import GatheringEngine, State
+from rlft.train.engines.engine_base import GatheringEngine, State
 
 FLOAT16 = "float16 weights under DeepSpeed: rlft trains bfloat16 or float32 (dtype: bfloat16)"
 FLOAT64 = ("float64 weights under DeepSpeed: its engines train bfloat16, float16 or float32 and would "

@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from rlft.train.engines.base import GatheringEngine, State
+from rlft.train.engines.engine_base import GatheringEngine, State
 
 
 class FSDP2Engine(GatheringEngine):

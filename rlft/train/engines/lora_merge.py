@@ -1,5 +1,5 @@
 """The LoRA-merged copy a reward model is saved as, whatever the engine (the full weights and the checkpoint
-files each engine saves itself: `save_pretrained`, `save_checkpoint` in rlft/train/engines/base.py)."""
+files each engine saves itself: `save_pretrained`, `save_checkpoint` in rlft/train/engines/engine_base.py)."""
 
 from __future__ import annotations
 

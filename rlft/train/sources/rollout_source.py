@@ -6,9 +6,10 @@ Sources are chosen by the config's `rollout_source` from `SOURCES` (`register_so
 class built from the `SourceParts`, usually a `SourceBase`, whose `check` runs before the model is loaded):
     generate   `GeneratedSource`: the engine the config asks for (generate, vLLM, a tool loop, environments,
                rollout_func) samples the rollout when its step comes
-    producer   `ProducerSource` (rlft/train/sources/async_source.py): a producer process samples rollouts
-    ahead of
-               the trainer on a fixed, reproducible schedule (AsyncGRPOTrainer)
+    producer   `ProducerSource` (rlft/train/sources/async_source.py): a producer process samples
+               rollouts ahead of the trainer on a fixed, reproducible schedule (AsyncGRPOTrainer)
+    gkd        `GKDSource` (rlft/train/gkd.py): the student's, the teacher's or the dataset's completions
+               (GKDTrainer)
 and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling`
 (rlft/train/sources/dynamic_sampling.py).
 
@@ -250,3 +251,4 @@ def source_class(name: str) -> type[SourceBase]:
 
 register_source("generate", GeneratedSource)
 register_source("producer", "rlft.train.sources.async_source:ProducerSource")
+register_source("gkd", "rlft.train.gkd:GKDSource")
