@@ -211,3 +211,37 @@ def test_the_rollout_carrier_loses_no_field_on_select_split_and_cat():
                           "sampling_logps", "tool_mask"} and saved["truncated"].dtype == torch.uint8
     back = Rollout.from_tensors(saved)
     assert all(torch.equal(getattr(back, k), getattr(rollout, k)) for k in saved)
+
+
+# Each layer and what of rlft it may import (besides itself): the arrows of docs/concepts.md's map.
+LAYERS = {
+    "rlft.config": ("rlft.core", "rlft.errors"),
+    "rlft.train.run": ("rlft.config", "rlft.errors"),
+    "rlft.model": ("rlft.core", "rlft.config", "rlft.errors", "rlft.quiet"),
+    "rlft.rollout": ("rlft.core", "rlft.config", "rlft.data", "rlft.model", "rlft.errors", "rlft.quiet",
+                     "rlft.import_utils"),
+}
+
+
+def test_each_layer_imports_only_the_layers_below_it_and_nothing_imports_the_command_line():
+    found = []
+    for name, targets in graph().items():
+        for layer, allowed in LAYERS.items():
+            if name == layer or name.startswith(layer + "."):
+                found += [f"{name} -> {t}" for t in targets if not t.startswith((layer, *allowed))]
+        if not name.startswith("rlft.cli"):
+            found += [f"{name} -> {t}" for t in targets if t == "rlft.cli" or t.startswith("rlft.cli.")]
+    assert found == []
+
+
+def test_no_two_modules_share_a_stem_and_no_top_level_config_module():
+    """A name says its layer: core/advantages and train/advantages, scoring and train/scorer were one name
+    for two things."""
+    stems: dict[str, list[str]] = {}
+    for name in modules():
+        stems.setdefault(name.rpartition(".")[2], []).append(name)
+    assert {stem: names for stem, names in stems.items() if len(names) > 1} == {}
+    assert [p.name for p in PACKAGE.glob("config_*.py")] == []
+    memory = {name for name in modules() if name.startswith("rlft.train") and
+              any(t in name for t in ("chunked_mlp", "offload", "host_memory", "selective_checkpoint"))}
+    assert memory == set()  # memory techniques rewrite a module: rlft/model/memory/
