@@ -217,3 +217,23 @@ def test_nan_margins_and_too_few_pairs_are_explained_with_their_counts(tmp_path,
     trainer = RewardTrainer(str(tiny_rm_dir), tiny_reward_config(tmp_path, max_steps=-1, num_train_epochs=1),
                             train_dataset=few)
     assert trainer.steps_per_epoch == 1 and len(trainer._indices(0, 0)) == 16
+
+
+def test_the_reward_model_takes_the_policys_memory_techniques_and_the_same_step(tmp_path, tiny_rm_dir):
+    """Chunked MLPs and kept attention outputs (under gradient checkpointing) reach the reward model as they
+    reach the policy (one apply_memory for both): every MLP chunked, and two steps equal the plain run's, in
+    float64 to its rounding."""
+    from tests.helpers import SAME_STEP
+
+    weights = {}
+    for name, extra in (("plain", {}), ("memory", dict(mlp_chunk_size=3, recompute_attention=False))):
+        cfg = tiny_reward_config(tmp_path / name, max_steps=2, per_device_train_batch_size=8, gradient_checkpointing=True,
+                                 model_init_kwargs={"dtype": "float64"}, **extra)
+        trainer = RewardTrainer(str(tiny_rm_dir), cfg, train_dataset=preference_rows(32))
+        if name == "memory":
+            mlps = [layer.mlp for layer in trainer.model.model.layers]
+            assert mlps and all(getattr(mlp, "_rlft_chunk", None) == 3 for mlp in mlps)
+        trainer.train()
+        weights[name] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for name, value in weights["plain"].items():
+        assert (weights["memory"][name] - value).abs().max().item() <= SAME_STEP, name

@@ -206,6 +206,7 @@ def check_common(cfg, errors: list[str]) -> None:
         "max_nonfinite_steps",
         "ddp_timeout",
         "save_total_limit",
+        "mlp_chunk_size",
     )
     _positive(
         errors,
@@ -277,7 +278,7 @@ def check_grpo(cfg, errors: list[str]) -> None:
         "sapo_temperature_pos",
         "sapo_temperature_neg",
         "tool_call_timeout",
-        "reward_timeout", "loss_top_k", "mlp_chunk_size",
+        "reward_timeout", "loss_top_k",
     )
     _positive(
         errors,

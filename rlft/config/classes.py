@@ -286,15 +286,6 @@ class RewardConfig(_BaseConfig):
                                         "ones truncated)"})
     center_rewards_coefficient: float | None = field(
         default=None, metadata={"help": "add coef * (r_chosen + r_rejected)^2 to keep scores centred"})
-    activation_offloading: bool = field(
-        default=False, metadata={"help": "move the activations a training forward saves to pinned host "
-                                         "memory and back in the backward (a CUDA device; a CPU has nothing "
-                                         "to move)"})
-    trim_host_memory: bool = field(
-        default=True, metadata={"help": "training on a CPU with glibc: between decoder layers, give the "
-                                        "heap memory glibc holds free back to the system once the resident "
-                                        "set grew by 256 MiB, which bounds a step's peak resident memory "
-                                        "(no effect on a GPU)"})
     # rlft's own (RLFT_FIELDS)
     truncation: str = field(
         default="keep_start", metadata={"help": "reward model: keep_start, keep_end, or error when a pair "

@@ -109,6 +109,26 @@ class _BaseConfig(TrainingArguments):
         out.update(pad_token=self.pad_token, eos_token=self.eos_token)
         return out
 
+    # memory techniques every trainer applies (rlft/model/memory/)
+    mlp_chunk_size: int | None = field(
+        default=None, metadata={"help": "run each decoder layer's MLP over this many positions at a time in "
+                                        "training forwards, each chunk recomputed in the backward: bounds "
+                                        "the MLP's activations for long sequences (null: whole)"})
+    recompute_attention: bool = field(
+        default=True, metadata={"help": "with gradient checkpointing, run each layer's attention again in "
+                                        "the backward (false: keep its output from the forward, about "
+                                        "hidden_size x 2 bytes a token and layer, and skip the attention's "
+                                        "recomputation; fused attention kernels only)"})
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "move the activations a training forward saves to pinned host "
+                                         "memory and back in the backward (a CUDA device; a CPU has nothing "
+                                         "to move)"})
+    trim_host_memory: bool = field(
+        default=True, metadata={"help": "training on a CPU with glibc: between decoder layers, give the "
+                                        "heap memory glibc holds free back to the system once the resident "
+                                        "set grew by 256 MiB, which bounds a step's peak resident memory "
+                                        "(no effect on a GPU)"})
+
     def _normalize(self) -> None:
         """TRL/transformers spellings of this class's fields to one form; a subclass that declares fields
         needing it calls `super()._normalize()` first."""
@@ -118,6 +138,18 @@ class _BaseConfig(TrainingArguments):
         """One line in `errors` per problem with this class's fields (rlft/config/checks.py); a subclass that
         declares fields calls `super()._check(errors)`, then checks its own. `validate` runs it."""
         check_common(self, errors)
+        # transformers 5's activation_checkpointing* win over gradient_checkpointing*
+        on, kwargs = self.activation_checkpointing, self.activation_checkpointing_kwargs
+        on = self.gradient_checkpointing if on is None else on
+        kwargs = self.gradient_checkpointing_kwargs if kwargs is None else kwargs
+        if not self.recompute_attention and not on:
+            errors.append("recompute_attention=False keeps attention outputs through gradient "
+                          "checkpointing, which is off (nothing is recomputed without it): set "
+                          "gradient_checkpointing: true, or leave recompute_attention at true")
+        if not self.recompute_attention and (kwargs or {}).get("use_reentrant"):
+            errors.append("recompute_attention=False needs non-reentrant checkpointing (torch's selective "
+                          "checkpointing): drop use_reentrant: true from gradient_checkpointing_kwargs, or "
+                          "leave recompute_attention at true")
 
     @cached_property
     def _setup_devices(self):

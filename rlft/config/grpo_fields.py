@@ -234,24 +234,6 @@ class _GRPOFields(_BaseConfig):
         default=None, metadata={"help": "positions per tile of the fused LM head (float32 logits of one "
                                         "tile at a time); null: sized to the vocabulary (~16M logits per "
                                         "tile)"})
-    mlp_chunk_size: int | None = field(
-        default=None, metadata={"help": "run each decoder layer's MLP over this many positions at a time in "
-                                        "training forwards, each chunk recomputed in the backward: bounds "
-                                        "the MLP's activations for long sequences (null: whole)"})
-    recompute_attention: bool = field(
-        default=True, metadata={"help": "with gradient checkpointing, run each layer's attention again in "
-                                        "the backward (false: keep its output from the forward, about "
-                                        "hidden_size x 2 bytes a token and layer, and skip the attention's "
-                                        "recomputation; fused attention kernels only)"})
-    activation_offloading: bool = field(
-        default=False, metadata={"help": "move the activations a training forward saves to pinned host "
-                                         "memory and back in the backward (a CUDA device; a CPU has nothing "
-                                         "to move)"})
-    trim_host_memory: bool = field(
-        default=True, metadata={"help": "training on a CPU with glibc: between decoder layers, give the "
-                                        "heap memory glibc holds free back to the system once the resident "
-                                        "set grew by 256 MiB, which bounds a step's peak resident memory "
-                                        "(no effect on a GPU)"})
     token_budget: int | None = field(
         default=None, metadata={"help": "fill micro-batches by prompt + completion tokens (at most this "
                                         "many each; a longer row alone) instead of "
@@ -311,15 +293,3 @@ class _GRPOFields(_BaseConfig):
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         check_grpo(self, errors)
-        # transformers 5's activation_checkpointing* win over gradient_checkpointing* (config_base.py)
-        on, kwargs = self.activation_checkpointing, self.activation_checkpointing_kwargs
-        on = self.gradient_checkpointing if on is None else on
-        kwargs = self.gradient_checkpointing_kwargs if kwargs is None else kwargs
-        if not self.recompute_attention and not on:
-            errors.append("recompute_attention=False keeps attention outputs through gradient "
-                          "checkpointing, which is off (nothing is recomputed without it): set "
-                          "gradient_checkpointing: true, or leave recompute_attention at true")
-        if not self.recompute_attention and (kwargs or {}).get("use_reentrant"):
-            errors.append("recompute_attention=False needs non-reentrant checkpointing (torch's selective "
-                          "checkpointing): drop use_reentrant: true from gradient_checkpointing_kwargs, or "
-                          "leave recompute_attention at true")

@@ -5,7 +5,6 @@ LoRA's base with the adapters off; otherwise a frozen copy, loaded again under Z
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -17,16 +16,12 @@ from rlft.model.loading import (
     apply_lora,
     cast_lm_head_to_fp32,
     disable_dropout,
-    enable_checkpointing,
     load_causal_lm,
     parameter_summary,
     router_loss_coef,
     training_dtype,
 )
-from rlft.model.memory.chunked_mlp import chunk_mlps
-from rlft.model.memory.host_memory import trim_between_layers
-from rlft.model.memory.offload import offload_activations, offload_note
-from rlft.model.memory.selective_checkpoint import attention_keeper, checkpointing_kwargs
+from rlft.model.memory import apply_memory
 from rlft.model.scoring import install_scoring
 
 
@@ -70,16 +65,7 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
                      "show it although the weights match. Set disable_dropout: true for vLLM runs")
     is_peft = isinstance(model, PeftModel)
     _check(model, args, is_peft)
-    if args.gradient_checkpointing:  # recompute_attention: false keeps attention outputs
-        keeper = attention_keeper(args, logging.getLogger("rlft").warning)
-        enable_checkpointing(model, checkpointing_kwargs(args, keeper))
-    if args.mlp_chunk_size:  # the sequence dimension in chunks (rlft/model/memory/chunked_mlp.py)
-        chunk_mlps(model, args.mlp_chunk_size)
-    if args.activation_offloading:  # saved activations to host memory (rlft/model/memory/offload.py)
-        offload_activations(model)
-        notes += [n for n in [offload_note(device)] if n]
-    if args.trim_host_memory:  # freed heap memory back to the system between layers (host_memory.py)
-        trim_between_layers(model, device)
+    notes += apply_memory(model, args, device)  # checkpointing, chunked MLPs, offloading, trimming
     summary = parameter_summary(model)
     if summary["trainable"] == 0:
         raise GradientFlowError("the model has no trainable parameters (all requires_grad=False); unfreeze "

@@ -22,14 +22,12 @@ from rlft.errors import ConfigError, NonFiniteLossError, RlftError  # noqa: F401
 from rlft.model.loading import (
     apply_lora,
     disable_dropout,
-    enable_checkpointing,
     load_sequence_classifier,
     parameter_summary,
     prepare_tokenizer,
     training_dtype,
 )
-from rlft.model.memory.host_memory import trim_between_layers
-from rlft.model.memory.offload import offload_activations, offload_note
+from rlft.model.memory import apply_memory
 from rlft.telemetry.tracking import Messages
 from rlft.train import state as run_state
 from rlft.train.engines import lora_merge as engine_io
@@ -139,14 +137,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
                 if param.requires_grad:
                     param.data = param.data.float()
             self.autocast_dtype = torch.float16
-        if args.gradient_checkpointing:
-            enable_checkpointing(model, args.gradient_checkpointing_kwargs)
-        if args.activation_offloading:  # saved activations to host memory (rlft/model/memory/offload.py)
-            offload_activations(model)
-            if note := offload_note(self.accelerator.device):
-                self.messages.warn(note)
-        if args.trim_host_memory:  # freed heap memory back to the system between layers (host_memory.py)
-            trim_between_layers(model, self.accelerator.device)
+        for note in apply_memory(model, args, self.accelerator.device):  # as the policy's (rlft/model/memory)
+            self.messages.warn(note)
         self.param_summary = parameter_summary(model)
         optimizer, scheduler = optimizers
         optimizer = optimizer or run_state.build_optimizer(model, args)
