@@ -2,11 +2,10 @@
 `transformers.TrainingArguments` subclasses.
 
 Field names, types and defaults are TRL 1.16's (which include TrainingArguments'), so a TRL recipe's
-arguments, YAML and `HfArgumentParser` / `TrlParser` code carry over; the model, data and LoRA fields
-live where TRL keeps them (`ModelConfig`, `ScriptArguments`: rlft/config/script_args.py). rlft's own
-additions are listed in `RLFT_FIELDS`. Each field's help sits beside its default (the fields every config
-shares: rlft/config/common.py; GRPO's: rlft/config/grpo_fields.py). Configs validate on construction, each
-class
+arguments, YAML and `HfArgumentParser` / `TrlParser` code carry over; the model, data and LoRA fields live
+where TRL keeps them (`ModelConfig`, `ScriptArguments`: rlft/config/script_args.py). rlft's own additions are
+listed in `RLFT_FIELDS`. Each field's help sits beside its default (the fields every config shares:
+rlft/config/common.py; GRPO's: rlft/config/grpo_fields.py). Configs validate on construction, each class
 checking its own fields (`_check`, chained with super()): an error names the field, the value and what is
 allowed. docs/migration.md lists every deliberate difference with its reason.
 """

@@ -153,10 +153,9 @@ class _BaseConfig(TrainingArguments):
 
     @cached_property
     def _setup_devices(self):
-        """The process state, built as rlft's Accelerator will use it (a gloo group for several processes on
-        a machine without CUDA; the ddp_timeout on CPUs of rlft/config/launch.py), never resetting a state
-        that a
-        trainer in this process already runs on."""
+        """The process state, built as rlft's Accelerator will use it (a gloo group for several processes on a
+        machine without CUDA; the ddp_timeout on CPUs of rlft/config/launch.py), never resetting a state that
+        a trainer in this process already runs on."""
         from accelerate.state import PartialState
 
         from rlft.config.launch import partial_state_kwargs

@@ -134,8 +134,7 @@ class ServerClient:
 def default_dtype() -> str:
     """`rlft vllm-serve`'s default --dtype: the trainer's own rule for `dtype: auto` on this machine
     (rlft.model.loading.resolve_dtype: bfloat16 on a GPU that has it, float32 otherwise), as a colocated
-    engine
-    follows the trainer -- not vLLM's `auto`, which on a CPU runs a float32 model in bfloat16."""
+    engine follows the trainer -- not vLLM's `auto`, which on a CPU runs a float32 model in bfloat16."""
     from rlft.model.loading import resolve_dtype
 
     return str(resolve_dtype("auto")).removeprefix("torch.")

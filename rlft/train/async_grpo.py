@@ -2,9 +2,8 @@
 
 GRPOTrainer with the producer source (`rollout_source` left at null, or `producer`;
 rlft/train/sources/async_source.py): a producer process holds its own copy of the policy and generates the
-rollouts
-of later steps while the trainer trains; step t trains on completions sampled rollout_lag rollouts earlier,
-requested with seeds that depend on (seed, rollout) only, so runs repeat and resume exactly.
+rollouts of later steps while the trainer trains; step t trains on completions sampled rollout_lag rollouts
+earlier, requested with seeds that depend on (seed, rollout) only, so runs repeat and resume exactly.
 
 Each completion carries the sampler's per-token log-probs. The loss is GRPO's with the trainer's current
 policy as pi_old (ratio 1 at the first update, as in synchronous GRPO) and each token weighted by

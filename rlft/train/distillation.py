@@ -4,8 +4,7 @@ generate, vLLM colocated or served, tools: GRPO's rollout sources), the teacher 
 and the loss is the token-mean generalized Jensen-Shannon divergence at `beta` between their next-token
 distributions (0 forward KL, 1 reverse KL), computed tile by tile over the vocabulary from the two models'
 hidden states (rlft/core/distill.py, rlft/train/update/distill_updater.py). No reward function, no advantage,
-no reference
-model; generation, LoRA, sharded engines, exact resume and logging are GRPO's.
+no reference model; generation, LoRA, sharded engines, exact resume and logging are GRPO's.
 """
 
 from __future__ import annotations

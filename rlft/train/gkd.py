@@ -2,14 +2,13 @@
 Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
 arXiv:2306.13649).
 
-Each rollout is, with probability `lmbda`, the student's own completions of its prompts (on-policy, from
-the current weights: GRPO's rollout engines, vLLM included); otherwise the teacher's completions
-(`seq_kd`: sequence-level KD) or the dataset's (supervised KD). Whatever the completions, the loss is
-distillation's (rlft/train/update/distill_updater.py): the generalized Jensen-Shannon divergence at `beta` of
-every
-completion token, at temperature 1, a token mean over the optimiser step. The draw is seeded by the run's
-seed and the rollout's index, so every process, a resumed run and a rerun take the same one (TRL draws
-with Python's global `random` once per micro-batch on each process).
+Each rollout is, with probability `lmbda`, the student's own completions of its prompts (on-policy, from the
+current weights: GRPO's rollout engines, vLLM included); otherwise the teacher's completions (`seq_kd`:
+sequence-level KD) or the dataset's (supervised KD). Whatever the completions, the loss is distillation's
+(rlft/train/update/distill_updater.py): the generalized Jensen-Shannon divergence at `beta` of every
+completion token, at temperature 1, a token mean over the optimiser step. The draw is seeded by the run's seed
+and the rollout's index, so every process, a resumed run and a rerun take the same one (TRL draws with
+Python's global `random` once per micro-batch on each process).
 
 Datasets: TRL's `messages` column (a conversation; its last message, the assistant's, is the completion)
 or `prompt` + `completion` columns (conversational or plain text). A dataset completion is the tokens the

@@ -307,9 +307,8 @@ def _rotate(output_dir: Path, limit: int | None) -> None:
 # ---- reading --------------------------------------------------------------------------------------
 def load_checkpoint(accelerator, trained, path: Path) -> PartState:
     """Restore the model, optimizer and schedule (`trained`: rlft/train/update/optimization.py) and this
-    process's
-    RNG. Returns the parts' merged state (rlft_state.json, this process's extra JSON and tensors) for each
-    part to read its own from; the TrainerState is the flow's to load."""
+    process's RNG. Returns the parts' merged state (rlft_state.json, this process's extra JSON and tensors)
+    for each part to read its own from; the TrainerState is the flow's to load."""
     state = verify(path)
     if state.get("num_processes", 1) != accelerator.num_processes:
         from rlft.errors import ConfigError

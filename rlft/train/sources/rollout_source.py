@@ -126,8 +126,8 @@ class SourceParts:
     teacher: Any = None  # distillation's teacher (a module, a served client), where a source samples from it
 
 
-# dataset columns a rollout's rows carry for the trainer's own use (rlft/train/update/teachers.py: which
-# teacher)
+# dataset columns a rollout's rows carry for the trainer's own use (which teacher:
+# rlft/train/update/teachers.py)
 ROW_COLUMNS = ("teacher_id",)
 
 

@@ -1,15 +1,14 @@
 """Per-token log-probs of a rollout's completion tokens under the policy or the reference policy, a
 micro-batch at a time, through the fused LM head (rlft/model/scoring.py: never a [B, T, V] tensor).
 
-Micro-batches hold the longest completions first, so each pads only to its own longest row (a step's loss is
-a sum over rows with global normalisers: row order changes nothing); with `token_budget` they are filled by
+Micro-batches hold the longest completions first, so each pads only to its own longest row (a step's loss is a
+sum over rows with global normalisers: row order changes nothing); with `token_budget` they are filled by
 tokens instead of rows (rlft/core/batching.py). With `padding_free` a micro-batch is scored packed into one
 sequence with no padding, a shared prompt once (`shared_prefix_scoring`; rlft/model/packing.py), once a check
-on
-the model's first scored rows shows packed and padded agree; left at null, where packing computes at most
-half the tokens padding would. The policy's log-probs of a rollout as it was sampled are
-computed once per rollout and shared by whatever needs them (the KL in RLOO's and REINFORCE++'s reward, the
-old log-probs of several optimiser steps per rollout).
+on the model's first scored rows shows packed and padded agree; left at null, where packing computes at most
+half the tokens padding would. The policy's log-probs of a rollout as it was sampled are computed once per
+rollout and shared by whatever needs them (the KL in RLOO's and REINFORCE++'s reward, the old log-probs of
+several optimiser steps per rollout).
 """
 
 from __future__ import annotations
@@ -53,9 +52,8 @@ class PolicyScorer:
         where the rollout carries its kept ids; with `teacher`, each token's reverse KL to the teacher, from
         the same forward) for `rows` (a slice or an index tensor), cut to the rows' longest completion and
         prompt (rlft/model/scoring.py: score_rows). With kept ids the log-probs are renormalised over them:
-        the
-        distribution the sampler drew from (rlft/rollout/truncation.py). `loss_grad`: the loss's dL/dlog p as
-        a function of the log-probs [b, c], for a token-separable loss (rlft/model/scoring.py:
+        the distribution the sampler drew from (rlft/rollout/truncation.py). `loss_grad`: the loss's dL/dlog p
+        as a function of the log-probs [b, c], for a token-separable loss (rlft/model/scoring.py:
         Score.loss_grad)."""
         packing = None if teacher else self.packing(model, rollout, rows, router_loss)
         scored = score_rows(model, rollout, rows, self.args.temperature, entropy, router_loss,

@@ -5,9 +5,8 @@ count, token count) are counted over the whole step and all processes before the
 is the one the config picks (rlft/core/losses.py), with the sampling correction of completions another engine
 sampled, the entropy mask / bonus and a MoE router's loss where asked. A step with no trainable token, or
 whose loss or gradient norm is not finite, is skipped (rlft/train/update/optimization.py); the weights never
-see a
-non-finite value. TR-DPO's reference sync (`sync_reference`) and the counters that must survive a resume are
-the updater's too (`state_dict()`).
+see a non-finite value. TR-DPO's reference sync (`sync_reference`) and the counters that must survive a resume
+are the updater's too (`state_dict()`).
 """
 
 from __future__ import annotations
@@ -92,8 +91,7 @@ def nonfinite_reason(args, loss: float, grad_norm: float | None) -> str:
 
 class PolicyUpdater:
     """The policy's optimiser step on a RolloutBatch: `scorer` (rlft/train/update/rollout_logprobs.py) for the
-    forwards,
-    `optim` (rlft/train/update/optimization.py) for the guarded step."""
+    forwards, `optim` (rlft/train/update/optimization.py) for the guarded step."""
 
     uses_old_logps = True  # the importance ratio's denominator when a rollout feeds several steps
 
