@@ -4,8 +4,8 @@ paths.
 Everything that names a kind reads it from here: `rlft.__all__` and its lazy imports (rlft/__init__.py),
 `rlft <kind>` and its help (rlft/cli/commands.py), the recipe builder (rlft/cli/recipes.py) and TRL's module
 paths (`rlft.trainer.grpo_trainer`, `rlft.experimental.async_grpo`, ...: rlft/paths.py). A new kind is its
-own module(s) and one row. Rows hold "module:name" strings, so reading them imports nothing: `rlft --help` lists
-the commands without loading torch.
+own module(s) and one row. Rows hold "module:name" strings, so reading them imports nothing: `rlft --help`
+lists the commands without loading torch.
 """
 
 from __future__ import annotations
