@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlft.cli.recipes import parse_run
-from rlft.config import ConfigError, GRPOConfig, RewardConfig
+from rlft.config import ConfigError, DistillationConfig, GRPOConfig, RewardConfig, RLOOConfig
 from rlft.config.model_config import ModelConfig
 
 
@@ -276,3 +276,43 @@ def test_a_token_budget_at_or_below_zero_disables_budgeting_as_in_trl(tmp_path):
         assert AsyncGRPOConfig(output_dir=str(tmp_path), token_budget=budget).token_budget is None
         assert GRPOConfig(output_dir=str(tmp_path), token_budget=budget).token_budget is None
     assert GRPOConfig(output_dir=str(tmp_path), token_budget=64).token_budget == 64
+
+
+# ---- one declaration per field (rlft/config/options.py) ------------------------------------------------
+def test_a_fields_facts_are_read_from_its_one_declaration():
+    """The tables the code uses (rlft's own fields, what may change on resume, what takes a mapping, what has
+    no effect or is refused) are queries of the `option(...)` declarations and of transformers' fields'
+    facts (compat.TRAINING_ARGUMENTS)."""
+    from rlft.config import MAY_CHANGE, RLFT_FIELDS, AsyncGRPOConfig
+    from rlft.config.options import dict_fields, no_effect, options, refused
+
+    assert {"kl_estimator", "token_budget", "teacher_models", "rollout_lag"} <= RLFT_FIELDS
+    assert not {"beta", "loss_type", "lmbda", "reverse_kl_top_1_mode"} & RLFT_FIELDS  # TRL's own
+    assert {"learning_rate", "logging_steps", "token_budget", "torch_compile"} <= MAY_CHANGE  # the last: no effect
+    assert not {"seed", "beta", "loss_type", "deepspeed"} & MAY_CHANGE
+    assert "generation_kwargs" in dict_fields(GRPOConfig) and "teacher_models" in dict_fields(DistillationConfig)
+    assert "generation_kwargs" not in dict_fields(RewardConfig) and "deepspeed" not in dict_fields(GRPOConfig)
+    assert "queue_maxsize" in no_effect(AsyncGRPOConfig) and "queue_maxsize" not in no_effect(GRPOConfig)
+    # one field, two kinds: GRPO refuses what a reward model only ignores
+    assert "auto_find_batch_size" in refused(GRPOConfig) and "auto_find_batch_size" not in no_effect(GRPOConfig)
+    assert "auto_find_batch_size" in no_effect(RewardConfig) and "auto_find_batch_size" not in refused(RewardConfig)
+    # a subclass that only changes a default keeps its base's facts; one that states a check replaces it
+    assert options(RLOOConfig)["beta"] == options(GRPOConfig)["beta"]
+    assert options(DistillationConfig)["beta"].check is not options(GRPOConfig)["beta"].check
+
+
+def test_a_declared_check_refuses_by_name_and_a_redeclared_one_wins():
+    with pytest.raises(ConfigError, match=r"beta=-0.5 must be >= 0"):
+        GRPOConfig(beta=-0.5)
+    with pytest.raises(ConfigError, match=r"beta=1.5 must be in \[0, 1\]: 0 is the forward KL") as err:
+        DistillationConfig(beta=1.5)
+    assert ">= 0" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"lr_scheduler_type='cosine_forever' is not allowed; choose one of"):
+        GRPOConfig(lr_scheduler_type="cosine_forever")
+    with pytest.raises(ConfigError, match=r"truncation='middle' is not allowed"):
+        RewardConfig(truncation="middle")
+
+
+def test_a_mapping_field_takes_its_json_string_by_its_annotation_alone():
+    cfg = DistillationConfig(teacher_models='{"math": "a/b", "code": "c/d"}', lr_scheduler_kwargs="{min_lr: 0}")
+    assert cfg.teacher_models == {"math": "a/b", "code": "c/d"} and cfg.lr_scheduler_kwargs == {"min_lr": 0}

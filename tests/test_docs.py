@@ -35,10 +35,12 @@ def test_troubleshooting_names_tests_that_exist():
 
 
 def test_migration_page_names_every_no_effect_field_and_default_difference():
-    from rlft.config.compat import GRPO_REFUSED, NO_EFFECT, REFUSED
+    from rlft.config import CONFIG_CLASSES
+    from rlft.config.options import no_effect, refused
 
     text = (ROOT / "docs" / "migration.md").read_text()
-    for name in [*NO_EFFECT, *REFUSED, *GRPO_REFUSED]:
+    names = {name for cls in CONFIG_CLASSES for name in [*no_effect(cls), *refused(cls)]}
+    for name in sorted(names):
         assert f"`{name}`" in text, name
     for name in ("bf16", "dtype", "max_prompt_length", "tf32"):  # the defaults that differ from TRL's
         assert f"`{name}`" in text, name

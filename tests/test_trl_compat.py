@@ -26,7 +26,8 @@ from transformers import (
 
 from rlft import DistillationConfig, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
 from rlft.config import ConfigError
-from rlft.config.compat import NO_EFFECT, trl_fields
+from rlft.config.compat import trl_fields
+from rlft.config.options import no_effect
 from rlft.data.prompts import DatasetError
 from rlft.model.loading import load_tokenizer
 from rlft.telemetry.tracking import read_metrics
@@ -38,6 +39,9 @@ from tests.helpers import (
     tiny_grpo_config,
     tiny_reward_config,
 )
+
+NO_EFFECT = no_effect(GRPOConfig)  # the GRPO family's fields with no effect in rlft
+
 
 # ---- config surface ------------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
 """Every setting of a run: the config classes (classes.py; GRPO's fields in grpo_fields.py, every config's in
-common.py), their checks (checks.py), the rules a config and a trainer both apply (rules.py), TRL's fields
+common.py), each field declared once with its facts by `option` (options.py, which answers every question
+about the fields: rlft's own, may change on resume, takes a mapping, no effect, refused), the rules across
+fields (checks.py), the rules a config and a trainer both apply (rules.py), TRL's fields
 rlft does not act on (compat.py), `ModelConfig` (model_config.py), script arguments and `TrlParser`
 (script_args.py), and how a launch's processes are set up (launch.py). This package imports only rlft.core
 and rlft.errors.
@@ -8,8 +10,10 @@ and rlft.errors.
 """
 
 from rlft.config.classes import (  # noqa: F401 (public names)
+    CONFIG_CLASSES,
     GRPO_ONLY,
     LOSSES,
+    MAY_CHANGE,
     RLFT_FIELDS,
     AsyncGRPOConfig,
     ConfigError,
@@ -25,12 +29,12 @@ from rlft.config.classes import (  # noqa: F401 (public names)
     _BaseConfig,
     _GRPOFields,
     check_async,
-    check_reward,
     check_rloo,
     config_class,
     field_types,
     generation_batch,
     normalize_before,
+    option,
     read_dict_value,
     staleness,
     to_dict,

@@ -1,17 +1,16 @@
 """Normalising and checking a config: every problem found at once, each naming its field, value and fix.
 
 Run by the configs' `__post_init__` (before transformers' own checks, which name fields less clearly)
-and again by the trainers, so a config changed after construction is checked too. Each config class picks
-its checks: its `_check(errors)` calls its parent's (`super()._check(errors)`) and then the functions here
-for the fields it adds (`check_common`, `check_grpo`, `check_rloo`, `check_async`, `check_reward`);
-`_normalize()` chains the same way. The rules a trainer applies again with the process count are in
-rlft/config/rules.py.
+and again by the trainers, so a config changed after construction is checked too: first each value's type,
+then each field's own check (its `option(check=...)` declaration: rlft/config/options.py), then the rules
+across fields. Each config class picks those: its `_check(errors)` calls its parent's
+(`super()._check(errors)`) and then the functions here for the fields it adds (`check_common`,
+`check_grpo`, `check_rloo`, `check_async`); `_normalize()` chains the same way. The rules a trainer applies
+again with the process count are in rlft/config/rules.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import math
 import types
@@ -21,44 +20,14 @@ from typing import Any
 import yaml
 
 from rlft.config.compat import unimplemented_errors
+from rlft.config.options import CONVERTED_BY_TRANSFORMERS, dict_fields, field_types, option_problems
 from rlft.config.rules import generation_batch_problems, staleness
 from rlft.errors import ConfigError
 
-# Fields given as dicts that the command line and YAML may spell as a JSON or YAML string: every config's,
-# then the GRPO family's.
-COMMON_DICT_FIELDS = (
-    "model_init_kwargs",
-    "lr_scheduler_kwargs",
-    "gradient_checkpointing_kwargs",
-    "activation_checkpointing_kwargs",
-)
-GRPO_DICT_FIELDS = ("generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
-                    "teacher_model_init_kwargs")
-DICT_FIELDS = COMMON_DICT_FIELDS + GRPO_DICT_FIELDS
-
-SCALE_REWARDS = ("group", "batch", "none")
-CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")  # transformers' names
-IS_LEVELS = ("token", "sequence")
-VLLM_MODES = ("colocate", "server")
-VLLM_MODEL_IMPLS = ("vllm", "transformers", "auto")
-LORA_SYNC_MODES = ("auto", "adapter", "merged")  # rlft/rollout/weight_sync.py
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-TRUNCATION = ("keep_start", "keep_end", "error")
-STRATEGIES = ("no", "steps", "epoch")
-SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 # accelerate's tracker names ("all": every one that is installed, as in transformers).
 TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
 # Largest learning rate accepted: far above any that trains, far below what overflows float32 optimizer state.
 MAX_LEARNING_RATE = 1e3
-
-
-@functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    """Every init field's annotation (transformers' own included), from the classes' annotations:
-    HfArgumentParser rewrites `Field.type` in place when it builds a parser."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
 
 
 def read_dict_value(name: str, value: Any) -> Any:
@@ -108,14 +77,10 @@ def normalize_before(cfg) -> None:
     cfg._normalize()
 
 
-def _read_dict_fields(cfg, names: tuple[str, ...]) -> None:
-    for name in names:
-        setattr(cfg, name, read_dict_value(name, getattr(cfg, name)))
-
-
 def normalize_common(cfg) -> None:
-    """The fields every config has."""
-    _read_dict_fields(cfg, COMMON_DICT_FIELDS)
+    """The fields every config has; every field that takes a mapping (its JSON / YAML string read)."""
+    for name in dict_fields(type(cfg)):
+        setattr(cfg, name, read_dict_value(name, getattr(cfg, name)))
     cfg.report_to = normalize_report_to(cfg.report_to)
     cfg.disable_tqdm = bool(cfg.disable_tqdm)
     if cfg.activation_checkpointing is None and cfg.gradient_checkpointing is not None:
@@ -138,7 +103,6 @@ def normalize_common(cfg) -> None:
 
 def normalize_grpo(cfg) -> None:
     """The GRPO family's fields."""
-    _read_dict_fields(cfg, GRPO_DICT_FIELDS)
     value = cfg.scale_rewards
     if isinstance(value, str) and value.lower() in ("true", "false"):
         value = value.lower() == "true"
@@ -154,21 +118,6 @@ def _value(value: Any) -> Any:
     return getattr(value, "value", value)  # transformers' str enums
 
 
-def _enum(errors: list[str], cfg: Any, name: str, allowed: tuple) -> None:
-    value = _value(getattr(cfg, name))
-    if value not in allowed:
-        errors.append(f"{name}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
-
-
-def _positive(errors: list[str], cfg: Any, *names: str, allow_zero: bool = False) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is None:
-            continue
-        if value < 0 or (value == 0 and not allow_zero):
-            errors.append(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
-
-
 def _check_learning_rate(cfg, errors: list[str]) -> None:
     rate = cfg.learning_rate
     if not math.isfinite(rate) or rate <= 0:
@@ -182,43 +131,7 @@ def _check_learning_rate(cfg, errors: list[str]) -> None:
 
 def check_common(cfg, errors: list[str]) -> None:
     """The fields every config has (TrainingArguments' and rlft's common ones)."""
-    from transformers.trainer_utils import SchedulerType
-    from transformers.training_args import OptimizerNames
-
-    for name, allowed in [
-        ("logging_strategy", STRATEGIES),
-        ("save_strategy", SAVE_STRATEGIES),
-        ("eval_strategy", STRATEGIES),
-        ("lr_scheduler_type", tuple(s.value for s in SchedulerType)),
-        ("optim", tuple(o.value for o in OptimizerNames)),
-    ]:
-        _enum(errors, cfg, name, allowed)
     _check_learning_rate(cfg, errors)
-    _positive(
-        errors,
-        cfg,
-        "per_device_train_batch_size",
-        "per_device_eval_batch_size",
-        "gradient_accumulation_steps",
-        "logging_steps",
-        "save_steps",
-        "num_train_epochs",
-        "max_nonfinite_steps",
-        "ddp_timeout",
-        "save_total_limit",
-        "mlp_chunk_size",
-    )
-    _positive(
-        errors,
-        cfg,
-        "weight_decay",
-        "max_grad_norm",
-        "warmup_ratio",
-        "warmup_steps",
-        "dataloader_num_workers",
-        "eval_delay",
-        allow_zero=True,
-    )
     if cfg.max_steps == 0 or cfg.max_steps < -1:
         errors.append(f"max_steps={cfg.max_steps!r} must be > 0, or -1 to run num_train_epochs")
     if cfg.bf16 and cfg.fp16:
@@ -239,62 +152,13 @@ def check_common(cfg, errors: list[str]) -> None:
 
 
 def check_grpo(cfg, errors: list[str]) -> None:
-    """The GRPO family's fields (GRPOConfig, RLOOConfig, AsyncGRPOConfig)."""
-    from rlft.core.advantages import ADVANTAGE_ESTIMATORS
-    from rlft.core.importance import MODES as IS_MODES
-    from rlft.core.losses import KL_ESTIMATORS, LOSSES
-
-    for name, allowed in [
-        ("loss_type", tuple(LOSSES)),
-        ("advantage_estimator", tuple(ADVANTAGE_ESTIMATORS)),
-        ("scale_rewards", SCALE_REWARDS),
-        ("importance_sampling_level", IS_LEVELS),
-        ("kl_estimator", KL_ESTIMATORS),
-        ("multi_objective_aggregation", AGGREGATIONS),
-        ("cache_implementation", CACHE_IMPLEMENTATIONS),
-        ("vllm_mode", VLLM_MODES),
-        ("vllm_importance_sampling_mode", IS_MODES),
-        ("vllm_dtype", DTYPES),
-        ("vllm_model_impl", VLLM_MODEL_IMPLS),
-        ("vllm_lora_sync", LORA_SYNC_MODES),
-    ]:
-        _enum(errors, cfg, name, allowed)
+    """The GRPO family's rules across fields (GRPOConfig, RLOOConfig, AsyncGRPOConfig, DistillationConfig)."""
     if cfg.num_generations is None or cfg.num_generations < cfg.min_generations:
         why = (": group-relative advantages compare completions of the same prompt, so a group of 1 has no "
                "signal")
         errors.append(f"num_generations={cfg.num_generations!r} must be >= {cfg.min_generations}"
                       + (why if cfg.min_generations == 2 else ""))
         return
-    _positive(
-        errors,
-        cfg,
-        "max_completion_length",
-        "max_prompt_length",
-        "temperature",
-        "num_iterations",
-        "logprob_chunk_size",
-        "token_budget",
-        "num_completions_to_log",
-        "sapo_temperature_pos",
-        "sapo_temperature_neg",
-        "tool_call_timeout",
-        "reward_timeout", "loss_top_k",
-    )
-    _positive(
-        errors,
-        cfg,
-        "beta",
-        "teacher_coef",
-        "epsilon",
-        "epsilon_high",
-        "top_k",
-        "min_p",
-        "max_tool_calling_iterations",
-        allow_zero=True,
-    )
-    if not 0 < cfg.top_p <= 1:
-        errors.append(f"top_p={cfg.top_p!r} must be in (0, 1]")
-    _positive(errors, cfg, "steps_per_generation", "generation_batch_size", "num_generations_eval")
     errors.extend(generation_batch_problems(cfg))  # what holds for any process count
     _validate_vllm(cfg, errors)
     _validate_algorithm_options(cfg, errors)
@@ -333,37 +197,10 @@ def _check_kl_in_reward(cfg, errors: list[str]) -> None:
 
 
 def _validate_algorithm_options(cfg, errors: list[str]) -> None:
-    _positive(
-        errors,
-        cfg,
-        "entropy_coef",
-        "entropy_coef_min",
-        "entropy_coef_max",
-        "entropy_coef_delta",
-        "entropy_target",
-        "off_policy_mask_threshold",
-        "vespo_lambda_pos",
-        "vespo_lambda_neg",
-        "router_aux_loss_coef",
-        "max_num_gen_batches",
-        allow_zero=True,
-    )
-    _positive(errors, cfg, "ref_model_sync_steps")
-    if cfg.delta is not None and cfg.delta <= 1:
-        errors.append(
-            f"delta={cfg.delta!r} must be > 1 (INTELLECT-2 caps the ratio of negative-advantage tokens "
-            f"from above; it should exceed 1 + epsilon_high)"
-        )
-    if not 0 <= cfg.top_entropy_quantile <= 1:
-        errors.append(
-            f"top_entropy_quantile={cfg.top_entropy_quantile!r} must be in [0, 1] (1 keeps every token)"
-        )
     if cfg.entropy_coef_min > cfg.entropy_coef_max:
         errors.append(
             f"entropy_coef_min={cfg.entropy_coef_min} exceeds entropy_coef_max={cfg.entropy_coef_max}"
         )
-    if not 0 <= cfg.ref_model_mixup_alpha <= 1:
-        errors.append(f"ref_model_mixup_alpha={cfg.ref_model_mixup_alpha!r} must be in [0, 1]")
     if cfg.advantage_estimator == "reinforce_pp" and cfg.multi_objective_aggregation != "sum_then_normalize":
         errors.append("advantage_estimator reinforce_pp whitens token-level returns of the summed reward: "
                       "use multi_objective_aggregation: sum_then_normalize")
@@ -388,29 +225,11 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
 
 
 def _validate_vllm(cfg, errors: list[str]) -> None:
-    _positive(
-        errors,
-        cfg,
-        "vllm_server_timeout",
-        "vllm_tensor_parallel_size",
-        "vllm_importance_sampling_clip_max",
-        "vllm_importance_sampling_cap",
-        "vllm_max_model_length",
-        "vllm_sync_bucket_mb",
-    )
     low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
     if low is not None and high is not None and low > high:
         errors.append(
             f"vllm_importance_sampling_clip_min={low} exceeds vllm_importance_sampling_clip_max={high}"
         )
-    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
-        errors.append(f"vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization!r} must be in (0, 1]")
-
-
-def check_reward(cfg, errors: list[str]) -> None:
-    """RewardConfig's own fields."""
-    _enum(errors, cfg, "truncation", TRUNCATION)
-    _positive(errors, cfg, "max_length")
 
 
 # ---- types --------------------------------------------------------------------------------------------
@@ -436,27 +255,6 @@ def type_ok(value: Any, annotation: Any) -> bool:
     return isinstance(value, target) if isinstance(target, type) else True
 
 
-# TrainingArguments' fields that __post_init__ turns into transformers' own objects (enums, configs).
-CONVERTED_BY_TRANSFORMERS = frozenset(
-    {
-        "accelerator_config",
-        "debug",
-        "include_num_input_tokens_seen",
-        "report_to",
-        "fsdp",
-        "fsdp_config",
-        "deepspeed",
-        "parallelism_config",
-        "optim",
-        "lr_scheduler_type",
-        "logging_strategy",
-        "save_strategy",
-        "eval_strategy",
-        "hub_strategy",
-    }
-)
-
-
 def _validate_types(cfg, errors: list[str]) -> None:
     for name, annotation in field_types(type(cfg)).items():
         if name in CONVERTED_BY_TRANSFORMERS:
@@ -470,9 +268,6 @@ def _validate_types(cfg, errors: list[str]) -> None:
 def check_async(cfg, errors: list[str]) -> None:
     """AsyncGRPOConfig's own fields: the schedule's bound (at one optimiser step per rollout; the trainer
     checks it again with its own), the producer's limits."""
-    _positive(errors, cfg, "rollout_lag", "max_staleness", "producer_restarts", allow_zero=True)
-    _positive(errors, cfg, "weight_sync_steps", "heartbeat_stale_after_s", "request_timeout",
-              "producer_threads")
     if errors:
         return
     try:
@@ -492,6 +287,7 @@ def validate(cfg):
     _validate_types(cfg, errors)
     if errors:  # the checks below assume the types are right
         raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))
+    errors.extend(option_problems(cfg))  # each field's own check (its declaration's)
     cfg._check(errors)
     if errors:
         raise ConfigError(f"invalid {type(cfg).__name__}:\n  - " + "\n  - ".join(errors))

@@ -10,14 +10,11 @@ checking its own fields (`_check`, chained with super()): an error names the fie
 allowed. docs/migration.md lists every deliberate difference with its reason.
 """
 
-from dataclasses import field
 from typing import ClassVar
 
 from rlft.config.checks import (  # noqa: F401 (public names)
     check_async,
-    check_reward,
     check_rloo,
-    field_types,
     normalize_before,
     read_dict_value,
     to_dict,
@@ -25,9 +22,21 @@ from rlft.config.checks import (  # noqa: F401 (public names)
 )
 from rlft.config.common import _BaseConfig, config_class
 from rlft.config.grpo_fields import _GRPOFields
+from rlft.config.options import (  # noqa: F401 (field_types: a public name)
+    NON_NEGATIVE,
+    POSITIVE,
+    between,
+    field_types,
+    may_change,
+    one_of,
+    option,
+    rlft_fields,
+)
 from rlft.config.rules import GenerationBatch, generation_batch, staleness  # noqa: F401 (public names)
 from rlft.core.losses import LOSSES
 from rlft.errors import ConfigError  # noqa: F401 (rlft.config.ConfigError, as before)
+
+TRUNCATION = ("keep_start", "keep_end", "error")
 
 
 @config_class
@@ -44,11 +53,10 @@ class RLOOConfig(_GRPOFields):
     # a field given only a new default keeps GRPOConfig's help (config_class copies it)
     num_generations: int | None = 2
     beta: float = 0.05
-    normalize_advantages: bool = field(
-        default=False, metadata={"help": "RLOO: whiten the advantages over the batch"})
+    normalize_advantages: bool = option(False, "RLOO: whiten the advantages over the batch")
     # (min, max); a list so `--reward_clip_range -1 1` parses
-    reward_clip_range: list[float] | None = field(
-        default=None, metadata={"help": "RLOO: clip each total reward to [min, max] before the KL penalty"})
+    reward_clip_range: list[float] | None = option(
+        None, "RLOO: clip each total reward to [min, max] before the KL penalty")
     advantage_estimator: str = "rloo"
     loss_type: str = "rloo"
     # TRL's RLOOTrainer asks vLLM for no log-probs and corrects nothing; rlft can (set it to true)
@@ -68,49 +76,44 @@ class AsyncGRPOConfig(_GRPOFields):
 
     # a field given only a new default keeps GRPOConfig's help (config_class copies it)
     logging_steps: float = 1
-    lr_scheduler_type: str = field(
-        default="constant", metadata={"help": "transformers' schedule name: linear, cosine, constant, "
-                                              "constant_with_warmup, ..."})
+    lr_scheduler_type: str = option(
+        "constant", "transformers' schedule name: linear, cosine, constant, constant_with_warmup, ...")
     max_completion_length: int | None = 2048
-    max_staleness: int = field(
-        default=4, metadata={"help": "async: the most optimiser steps a rollout's weights may lag behind "
-                                     "the trainer's (rollout_lag x steps per rollout + weight_sync_steps - 1 "
-                                     "must not exceed it)"})
-    weight_sync_steps: int = field(
-        default=1, metadata={"help": "async: optimiser steps between weight pushes to the producer"})
-    max_inflight_tasks: int = field(
-        default=-1, metadata={"help": "async: no effect in rlft (the producer runs one rollout at a time, "
-                                      "in order)"})
-    queue_maxsize: int = field(
-        default=1024, metadata={"help": "async: no effect in rlft (at most rollout_lag + 1 rollouts are "
-                                        "ever queued)"})
-    heartbeat_stale_after_s: float = field(
-        default=300.0, metadata={"help": "async: stop with an error when the producer has not signalled "
-                                         "for this long (dead, stopped, or hung)"})
-    request_timeout: int = field(
-        default=600, metadata={"help": "async: stop with an error when one rollout takes the producer "
-                                       "longer than this"})
-    weight_sync_timeout: int = field(
-        default=1800, metadata={"help": "async: no effect in rlft (weights are a file the producer reads)"})
-    fork_threshold_tokens: int = field(
-        default=1024, metadata={"help": "async: no effect in rlft (multi-turn rollouts are not built for "
-                                        "async)"})
+    max_staleness: int = option(
+        4, check=NON_NEGATIVE,
+        help="async: the most optimiser steps a rollout's weights may lag behind the trainer's (rollout_lag "
+             "x steps per rollout + weight_sync_steps - 1 must not exceed it)")
+    weight_sync_steps: int = option(
+        1, "async: optimiser steps between weight pushes to the producer", check=POSITIVE)
+    max_inflight_tasks: int = option(
+        -1, no_effect="rlft's producer runs one rollout request at a time, in the trainer's order")
+    queue_maxsize: int = option(
+        1024, no_effect="at most rollout_lag + 1 rollouts are ever requested ahead (docs/async.md)")
+    heartbeat_stale_after_s: float = option(
+        300.0, check=POSITIVE,
+        help="async: stop with an error when the producer has not signalled for this long (dead, stopped, "
+             "or hung)")
+    request_timeout: int = option(
+        600, "async: stop with an error when one rollout takes the producer longer than this", check=POSITIVE)
+    weight_sync_timeout: int = option(
+        1800, no_effect="weights reach the producer as a file it reads, not over NCCL")
+    fork_threshold_tokens: int = option(
+        1024, no_effect="multi-turn (tool) rollouts are not built for AsyncGRPOTrainer")
     # a stale rollout's tokens are weighed by pi_trainer / pi_sampler per token, truncated (decoupled PPO)
     vllm_importance_sampling_mode: str = "token_truncate"
     # rlft's own (RLFT_FIELDS)
-    rollout_lag: int = field(
-        default=1, metadata={"help": "async: the rollouts of step t are sampled from the weights of step t "
-                                     "- rollout_lag (0: synchronous, on the producer; 1: "
-                                     "one-step-off-policy)"})
-    producer_cpus: list[int] | None = field(
-        default=None, metadata={"help": "async: CPU cores the producer process runs on (Linux affinity), "
-                                        "e.g. [1]"})
-    producer_threads: int | None = field(
-        default=None, metadata={"help": "async: torch threads in the producer process (default: its cores)"})
-    producer_restarts: int = field(
-        default=0, metadata={"help": "async: restart a failed producer from the current weights, at most "
-                                     "this many times a run (0: stop with the error); the run then differs "
-                                     "from an uninterrupted one"})
+    rollout_lag: int = option(
+        1, check=NON_NEGATIVE, rlft=True,
+        help="async: the rollouts of step t are sampled from the weights of step t - rollout_lag (0: "
+             "synchronous, on the producer; 1: one-step-off-policy)")
+    producer_cpus: list[int] | None = option(
+        None, "async: CPU cores the producer process runs on (Linux affinity), e.g. [1]", rlft=True)
+    producer_threads: int | None = option(
+        None, "async: torch threads in the producer process (default: its cores)", check=POSITIVE, rlft=True)
+    producer_restarts: int = option(
+        0, check=NON_NEGATIVE, resume=True, rlft=True,
+        help="async: restart a failed producer from the current weights, at most this many times a run (0: "
+             "stop with the error); the run then differs from an uninterrupted one")
 
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
@@ -131,25 +134,27 @@ class DistillationConfig(_GRPOFields):
     and the loss is the generalized Jensen-Shannon divergence at `beta` (rlft/core/distill.py). No rewards, no
     reference model: `beta` is the divergence's, not a KL coefficient."""
 
-    num_generations: int | None = field(
-        default=1, metadata={"help": "distillation: completions per prompt (TRL samples 1; more is allowed)"})
-    beta: float = field(
-        default=1.0, metadata={"help": "distillation: 0 forward KL(teacher || student), 1 reverse KL(student "
-                                       "|| teacher), in between the generalized Jensen-Shannon divergence"})
-    teacher_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "distillation: the teacher (hub id or folder; the trainer's "
-                                        "teacher_model wins)"})
-    teacher_model_revision: str | None = field(
-        default=None, metadata={"help": "distillation: the teacher's revision (branch, tag or commit)"})
-    teacher_model_init_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "distillation: from_pretrained keyword arguments for the teacher "
-                                        "(e.g. dtype)"})
-    teacher_models: dict | str | None = field(
-        default=None, metadata={"help": "several teachers: id -> hub id or folder; each row is distilled "
-                                        "from the one its 'teacher_id' column names (docs/distillation.md)"})
-    teacher_server_urls: dict | str | None = field(
-        default=None, metadata={"help": "several served teachers (TRL's name): id -> URL of `rlft "
-                                        "vllm-serve`; each row's 'teacher_id' column picks one"})
+    num_generations: int | None = option(
+        1, "distillation: completions per prompt (TRL samples 1; more is allowed)")
+    beta: float = option(
+        1.0, check=between(0, 1, note=": 0 is the forward KL, 1 the reverse KL, values in between the "
+                                      "generalized Jensen-Shannon divergence"),
+        help="distillation: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), in between "
+             "the generalized Jensen-Shannon divergence")
+    teacher_model_name_or_path: str | None = option(
+        None, "distillation: the teacher (hub id or folder; the trainer's teacher_model wins)")
+    teacher_model_revision: str | None = option(
+        None, "distillation: the teacher's revision (branch, tag or commit)")
+    teacher_model_init_kwargs: dict | str | None = option(
+        None, "distillation: from_pretrained keyword arguments for the teacher (e.g. dtype)")
+    teacher_models: dict | str | None = option(
+        None, rlft=True,
+        help="several teachers: id -> hub id or folder; each row is distilled from the one its 'teacher_id' "
+             "column names (docs/distillation.md)")
+    teacher_server_urls: dict | str | None = option(
+        None,
+        help="several served teachers (TRL's name): id -> URL of `rlft vllm-serve`; each row's 'teacher_id' "
+             "column picks one")
     min_generations: ClassVar[int] = 1  # no group statistics: one completion per prompt is the usual
 
     @property
@@ -163,11 +168,6 @@ class DistillationConfig(_GRPOFields):
         DistillationTrainer)."""
         return self.temperature
 
-    def _normalize(self) -> None:
-        super()._normalize()
-        for name in ("teacher_models", "teacher_server_urls"):
-            setattr(self, name, read_dict_value(name, getattr(self, name)))
-
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         for name, value in GRPO_ONLY.items():
@@ -175,9 +175,6 @@ class DistillationConfig(_GRPOFields):
                 errors.append(f"{name}={getattr(self, name)!r} is a GRPO setting with no meaning in "
                               f"distillation (no reward, no reference, the loss is the divergence itself): "
                               f"leave it at {value!r}")
-        if not 0.0 <= self.beta <= 1.0:
-            errors.append(f"beta={self.beta!r} must be in [0, 1]: 0 is the forward KL, 1 the reverse KL, "
-                          "values in between the generalized Jensen-Shannon divergence")
         for name in ("teacher_models", "teacher_server_urls"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
@@ -200,24 +197,29 @@ class GKDConfig(DistillationConfig):
     else on the teacher's (`seq_kd`) or the dataset's; the loss is the generalized JSD at `beta`, at
     temperature 1 (`temperature` is the sampling one). rlft/train/gkd.py."""
 
-    learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate"})
+    learning_rate: float = option(2e-5, "peak learning rate")
     logging_steps: float = 10
     disable_dropout: bool = True
-    temperature: float = field(
-        default=0.9, metadata={"help": "GKD: sampling temperature of generated completions (the loss "
-                                       "compares the two distributions at temperature 1)"})
-    beta: float = field(
-        default=0.5, metadata={"help": "GKD: 0 forward KL(teacher || student), 1 reverse KL(student || "
-                                       "teacher), in between the generalized Jensen-Shannon divergence"})
-    lmbda: float = field(
-        default=0.5, metadata={"help": "GKD: the probability that a step trains on the student's own "
-                                       "completions (on-policy) instead of fixed ones"})
-    seq_kd: bool = field(
-        default=False, metadata={"help": "GKD: the fixed completions are the teacher's own (sequence-level "
-                                         "KD) instead of the dataset's"})
-    max_new_tokens: int = field(
-        default=128, metadata={"help": "GKD: the longest completion in tokens (generated ones stop there, "
-                                       "the dataset's are cut there); sets max_completion_length"})
+    temperature: float = option(
+        0.9,
+        help="GKD: sampling temperature of generated completions (the loss compares the two distributions "
+             "at temperature 1)")
+    beta: float = option(
+        0.5,
+        help="GKD: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), in between the "
+             "generalized Jensen-Shannon divergence")
+    lmbda: float = option(
+        0.5,
+        check=between(0, 1, note=": the probability of a step on the student's own completions"),
+        help="GKD: the probability that a step trains on the student's own completions (on-policy) instead "
+             "of fixed ones")
+    seq_kd: bool = option(
+        False,
+        help="GKD: the fixed completions are the teacher's own (sequence-level KD) instead of the dataset's")
+    max_new_tokens: int = option(
+        128, check=POSITIVE,
+        help="GKD: the longest completion in tokens (generated ones stop there, the dataset's are cut "
+             "there); sets max_completion_length")
 
     @property
     def divergence_temperature(self) -> float:
@@ -232,9 +234,6 @@ class GKDConfig(DistillationConfig):
         if self.num_generations != 1:
             errors.append(f"num_generations={self.num_generations!r}: GKD trains one completion per prompt "
                           "(the dataset's and the teacher's are one each); leave it at 1")
-        if not 0.0 <= self.lmbda <= 1.0:
-            errors.append(f"lmbda={self.lmbda!r} must be in [0, 1]: the probability of a step on the "
-                          "student's own completions")
         if self.seq_kd and self.teacher_model_server_url:
             errors.append("seq_kd=True generates with the teacher, which a served teacher "
                           "(teacher_model_server_url) does not do here: load the teacher locally, or set "
@@ -248,21 +247,19 @@ class ServerDistillationConfig(DistillationConfig):
     position with TRL's defaults (rlft/rollout/teacher_server.py, docs/distillation.md)."""
 
     vllm_server_port: int = 8001
-    loss_top_k: int = field(
-        default=1, metadata={"help": "served teacher: the teacher's most likely tokens per position the "
-                                     "divergence sees (plus the sampled one; TRL's default 1)"})
-    reverse_kl_top_1_mode: str = field(
-        default="sampled", metadata={"help": "served teacher, beta > 0: the token whose reverse term is "
-                                             "taken: 'sampled' (the completion's own); TRL's 'argmax' "
-                                             "needs the teacher's log-prob of a token the server did not "
-                                             "return, and is refused as TRL refuses it"})
+    loss_top_k: int = option(
+        1,
+        help="served teacher: the teacher's most likely tokens per position the divergence sees (plus the "
+             "sampled one; TRL's default 1)")
+    reverse_kl_top_1_mode: str = option(
+        "sampled", check=one_of(("sampled", "argmax")),
+        help="served teacher, beta > 0: the token whose reverse term is taken: 'sampled' (the completion's "
+             "own); TRL's 'argmax' needs the teacher's log-prob of a token the server did not return, and "
+             "is refused as TRL refuses it")
 
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
-        if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
-            errors.append(f"reverse_kl_top_1_mode={self.reverse_kl_top_1_mode!r} must be one of: 'sampled', "
-                          "'argmax'")
-        elif self.reverse_kl_top_1_mode == "argmax":
+        if self.reverse_kl_top_1_mode == "argmax":
             errors.append("reverse_kl_top_1_mode='argmax' is not supported with a served teacher: the "
                           "server cannot provide teacher log-probs for arbitrary student-selected tokens "
                           "(as in TRL); use 'sampled'")
@@ -275,33 +272,29 @@ class ServerDistillationConfig(DistillationConfig):
 class RewardConfig(_BaseConfig):
     """Bradley-Terry reward-model run on chosen/rejected pairs."""
 
-    learning_rate: float = field(default=1e-4, metadata={"help": "peak learning rate"})
-    disable_dropout: bool = field(
-        default=True, metadata={"help": "set every dropout probability to 0 (LoRA's included)"})
-    dataset_num_proc: int | None = field(
-        default=None, metadata={"help": "no effect in rlft (pairs are tokenized in the main process)"})
-    max_length: int | None = field(
-        default=1024, metadata={"help": "reward model: longest chosen/rejected sequence in tokens (longer "
-                                        "ones truncated)"})
-    center_rewards_coefficient: float | None = field(
-        default=None, metadata={"help": "add coef * (r_chosen + r_rejected)^2 to keep scores centred"})
+    learning_rate: float = option(1e-4, "peak learning rate")
+    disable_dropout: bool = option(True, "set every dropout probability to 0 (LoRA's included)")
+    dataset_num_proc: int | None = option(None, no_effect="rlft tokenizes pairs in the main process")
+    max_length: int | None = option(
+        1024, check=POSITIVE,
+        help="reward model: longest chosen/rejected sequence in tokens (longer ones truncated)")
+    center_rewards_coefficient: float | None = option(
+        None, "add coef * (r_chosen + r_rejected)^2 to keep scores centred")
     # rlft's own (RLFT_FIELDS)
-    truncation: str = field(
-        default="keep_start", metadata={"help": "reward model: keep_start, keep_end, or error when a pair "
-                                                "exceeds max_length"})
-    padding_free: bool | None = field(
-        default=None, metadata={"help": "score each micro-batch's chosen and rejected sequences packed into "
-                                        "one sequence, no padding (null: where that computes at most half "
-                                        "the tokens a padded batch would and, where attention loops over the "
-                                        "sequences (a CPU), they average 32 tokens or more; true: always; "
-                                        "false: never); used once a check shows it exact for the model"})
-    shared_prefix_scoring: bool = field(
-        default=True, metadata={"help": "packed pair scoring holds the tokens a pair's two sequences begin "
-                                        "with (the prompt) once, both attending to them (false: each whole)"})
+    truncation: str = option(
+        "keep_start", check=one_of(TRUNCATION), rlft=True,
+        help="reward model: keep_start, keep_end, or error when a pair exceeds max_length")
+    padding_free: bool | None = option(
+        None, resume=True, rlft=True,
+        help="score each micro-batch's chosen and rejected sequences packed into one sequence, no padding "
+             "(null: where that computes at most half the tokens a padded batch would and, where attention "
+             "loops over the sequences (a CPU), they average 32 tokens or more; true: always; false: "
+             "never); used once a check shows it exact for the model")
+    shared_prefix_scoring: bool = option(
+        True, resume=True, rlft=True,
+        help="packed pair scoring holds the tokens a pair's two sequences begin with (the prompt) once, "
+             "both attending to them (false: each whole)")
 
-    def _check(self, errors: list[str]) -> None:
-        super()._check(errors)
-        check_reward(self, errors)
 
 
 @config_class
@@ -309,85 +302,31 @@ class SFTConfig(_BaseConfig):
     """TRL's SFTConfig fields and defaults, so a recipe package that defines SFT and GRPO configs side by side
     (open-r1's `configs.py`) imports and parses. rlft trains no SFT: there is no SFTTrainer."""
 
-    learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate"})
-    router_aux_loss_coef: float | None = field(
-        default=None, metadata={"help": "MoE policies: weight of the router load-balancing loss (None: the "
-                                        "model's own)"})
+    learning_rate: float = option(2e-5, "peak learning rate")
+    router_aux_loss_coef: float | None = option(
+        None, "MoE policies: weight of the router load-balancing loss (None: the model's own)")
     dataset_text_field: str = "text"
     dataset_kwargs: dict | str | None = None
-    dataset_num_proc: int | None = field(
-        default=None, metadata={"help": "no effect in rlft (pairs are tokenized in the main process)"})
-    max_length: int | None = field(
-        default=1024, metadata={"help": "reward model: longest chosen/rejected sequence in tokens (longer "
-                                        "ones truncated)"})
+    dataset_num_proc: int | None = option(None, "no effect in rlft (pairs are tokenized in the main process)")
+    max_length: int | None = option(
+        1024, "reward model: longest chosen/rejected sequence in tokens (longer ones truncated)")
     truncation_mode: str = "keep_start"
-    shuffle_dataset: bool = field(
-        default=False, metadata={"help": "shuffle prompts each epoch (seeded; resumable)"})
+    shuffle_dataset: bool = option(False, "shuffle prompts each epoch (seeded; resumable)")
     packing: bool = False
     packing_strategy: str = "bfd"
     padding_free: bool = False
     eval_packing: bool | None = None
     completion_only_loss: bool | None = None
     assistant_only_loss: bool = False
-    loss_type: str = field(default="nll", metadata={"help": f"{', '.join(LOSSES)} (docs/losses.md)"})
-    activation_offloading: bool = field(
-        default=False, metadata={"help": "no effect in rlft (activations stay on the device)"})
+    loss_type: str = option("nll", f"{', '.join(LOSSES)} (docs/losses.md)")
+    activation_offloading: bool = option(False, "no effect in rlft (activations stay on the device)")
 
 
 TrainConfig = _BaseConfig
 
-# rlft's additions to TRL's fields (docs/migration.md says why each exists).
-RLFT_FIELDS = frozenset(
-    {
-        "overwrite_output_dir",
-        "warmup_ratio",
-        "max_nonfinite_steps",
-        "chat_template_path",
-        "pad_token",
-        "eos_token",
-        "max_prompt_length",
-        "kl_estimator",
-        "shared_prompt_prefill",
-        "logprob_chunk_size",
-        "allow_nan_rewards",
-        "reward_timeout",
-        "padding_free",
-        "shared_prefix_scoring",
-        "replay_sampling_mask",
-        "num_completions_to_log",
-        "zero_signal_warning_steps",
-        "vllm_dtype",
-        "vllm_enforce_eager",
-        "vllm_lora_sync",
-        "vllm_sync_bucket_mb",
-        "tools",
-        "tool_call_timeout",
-        "truncation",
-        "token_budget",
-        "mlp_chunk_size",
-        "activation_offloading",
-        "recompute_attention",
-        "trim_host_memory",
-        "advantage_estimator",
-        "dynamic_sampling",
-        "max_num_gen_batches",
-        "kl_in_reward",
-        "rollout_source",
-        "teacher_model_name_or_path",
-        "teacher_model_revision",
-        "teacher_model_init_kwargs",
-        "teacher_coef",
-        "teacher_model_server_url",
-        "loss_top_k",
-        "loss_add_tail",
-        "reverse_kl_top_1_mode",
-        "teacher_models",
-        "lmbda",
-        "seq_kd",
-        "max_new_tokens",
-        "rollout_lag",
-        "producer_cpus",
-        "producer_threads",
-        "producer_restarts",
-    }
-)
+CONFIG_CLASSES = (GRPOConfig, RLOOConfig, AsyncGRPOConfig, DistillationConfig, GKDConfig,
+                  ServerDistillationConfig, RewardConfig)
+# rlft's additions to TRL's fields (docs/migration.md says why each exists), and the fields a resumed run may
+# change: queries of the fields' declarations.
+RLFT_FIELDS = frozenset().union(*map(rlft_fields, CONFIG_CLASSES))
+MAY_CHANGE = frozenset().union(*map(may_change, CONFIG_CLASSES))

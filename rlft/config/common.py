@@ -9,13 +9,15 @@ help.
 """
 
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 from transformers import TrainingArguments
 
 from rlft.config.checks import check_common, normalize_before, normalize_common, validate
+from rlft.config.compat import TRAINING_ARGUMENTS
+from rlft.config.options import NON_NEGATIVE, POSITIVE, option, take_facts
 
 
 def _inherited_help(cls: type, name: str) -> str | None:
@@ -29,8 +31,9 @@ def _inherited_help(cls: type, name: str) -> str | None:
 def config_class(cls: type) -> type:
     """`dataclass(cls)`, then for each field `cls` declares itself: its help with "%" escaped for argparse,
     or, where it gives none (a subclass that only changes a default), the help of the same field in the
-    nearest base class that has one. Only the "help" key goes in a field's metadata: HfArgumentParser passes
-    the others to `add_argument`."""
+    nearest base class that has one; then the facts each `option(...)` declared move to the class
+    (`take_facts`). Only the "help" key stays in a field's metadata: HfArgumentParser passes the others to
+    `add_argument`."""
     cls = dataclass(cls)
     for f in cls.__dataclass_fields__.values():
         if any(getattr(base, "__dataclass_fields__", {}).get(f.name) is f for base in cls.__mro__[1:]):
@@ -39,54 +42,46 @@ def config_class(cls: type) -> type:
         text = text.replace("%", "%%") if text else _inherited_help(cls, f.name)
         if text:
             f.metadata = types.MappingProxyType({**f.metadata, "help": text})
+    take_facts(cls)
     return cls
 
 
 @config_class
 class _BaseConfig(TrainingArguments):
-    """What both rlft configs change in TrainingArguments (TRL's defaults) and add to it."""
+    """What every rlft config changes in TrainingArguments (TRL's defaults) and adds to it."""
 
-    logging_steps: float = field(
-        default=10, metadata={"help": "log every N optimiser steps (below 1: a fraction of all steps)"})
-    gradient_checkpointing: bool | None = field(
-        default=True, metadata={"help": "recompute activations in backward to save memory"})
-    activation_checkpointing: bool | None = field(
-        default=None, metadata={"help": "transformers 5's name for gradient_checkpointing; wins when set"})
-    activation_checkpointing_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "transformers 5's name for gradient_checkpointing_kwargs"})
-    bf16: bool | None = field(
-        default=None, metadata={"help": "train in bfloat16 weights (default: where the device has "
-                                        "bfloat16; a CPU: false)"})
-    lr_scheduler_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "extra arguments for the schedule (e.g. min_lr for "
-                                        "cosine_with_min_lr)"})
-    model_init_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "extra keyword arguments for from_pretrained (e.g. "
-                                        "attn_implementation)"})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "allow model code from the hub repository (transformers' flag)"})
-    disable_dropout: bool = field(
-        default=False, metadata={"help": "set every dropout probability to 0 (LoRA's included)"})
-    pad_to_multiple_of: int | str | None = field(
-        default="auto", metadata={"help": "pad each micro-batch's completion length to a multiple of N "
-                                          "(auto, null: no padding)"})
+    inherited_facts = TRAINING_ARGUMENTS  # the checks and resume facts of transformers' own fields
+
+    logging_steps: float = option(10, "log every N optimiser steps (below 1: a fraction of all steps)")
+    gradient_checkpointing: bool | None = option(True, "recompute activations in backward to save memory")
+    activation_checkpointing: bool | None = option(
+        None, "transformers 5's name for gradient_checkpointing; wins when set")
+    activation_checkpointing_kwargs: dict | str | None = option(
+        None, "transformers 5's name for gradient_checkpointing_kwargs")
+    bf16: bool | None = option(
+        None, "train in bfloat16 weights (default: where the device has bfloat16; a CPU: false)")
+    lr_scheduler_kwargs: dict | str | None = option(
+        None, "extra arguments for the schedule (e.g. min_lr for cosine_with_min_lr)")
+    model_init_kwargs: dict | str | None = option(
+        None, "extra keyword arguments for from_pretrained (e.g. attn_implementation)")
+    trust_remote_code: bool = option(False, "allow model code from the hub repository (transformers' flag)")
+    disable_dropout: bool = option(False, "set every dropout probability to 0 (LoRA's included)")
+    pad_to_multiple_of: int | str | None = option(
+        "auto", "pad each micro-batch's completion length to a multiple of N (auto, null: no padding)")
     # rlft's own (RLFT_FIELDS)
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "replace an earlier run's checkpoints and logs in output_dir "
-                                         "(else refused)"})
-    warmup_ratio: float = field(
-        default=0.0, metadata={"help": "warmup as a fraction of all steps (when warmup_steps is 0)"})
-    max_nonfinite_steps: int = field(
-        default=3, metadata={"help": "stop after this many non-finite steps in a row (each is skipped, "
-                                     "never applied)"})
-    chat_template_path: str | None = field(
-        default=None, metadata={"help": "a Jinja chat template file (or a tokenizer folder) to use instead "
-                                        "of the model's"})
-    pad_token: str | None = field(
-        default=None, metadata={"help": "set the tokenizer's pad token (must differ from eos for reward "
-                                        "models)"})
-    eos_token: str | None = field(
-        default=None, metadata={"help": "set the tokenizer's eos token (generation stops there)"})
+    overwrite_output_dir: bool = option(
+        False, resume=True, rlft=True,
+        help="replace an earlier run's checkpoints and logs in output_dir (else refused)")
+    warmup_ratio: float = option(
+        0.0, "warmup as a fraction of all steps (when warmup_steps is 0)", check=NON_NEGATIVE, rlft=True)
+    max_nonfinite_steps: int = option(
+        3, check=POSITIVE, resume=True, rlft=True,
+        help="stop after this many non-finite steps in a row (each is skipped, never applied)")
+    chat_template_path: str | None = option(
+        None, "a Jinja chat template file (or a tokenizer folder) to use instead of the model's", rlft=True)
+    pad_token: str | None = option(
+        None, "set the tokenizer's pad token (must differ from eos for reward models)", rlft=True)
+    eos_token: str | None = option(None, "set the tokenizer's eos token (generation stops there)", rlft=True)
 
     def __post_init__(self):
         normalize_before(self)
@@ -110,24 +105,25 @@ class _BaseConfig(TrainingArguments):
         return out
 
     # memory techniques every trainer applies (rlft/model/memory/)
-    mlp_chunk_size: int | None = field(
-        default=None, metadata={"help": "run each decoder layer's MLP over this many positions at a time in "
-                                        "training forwards, each chunk recomputed in the backward: bounds "
-                                        "the MLP's activations for long sequences (null: whole)"})
-    recompute_attention: bool = field(
-        default=True, metadata={"help": "with gradient checkpointing, run each layer's attention again in "
-                                        "the backward (false: keep its output from the forward, about "
-                                        "hidden_size x 2 bytes a token and layer, and skip the attention's "
-                                        "recomputation; fused attention kernels only)"})
-    activation_offloading: bool = field(
-        default=False, metadata={"help": "move the activations a training forward saves to pinned host "
-                                         "memory and back in the backward (a CUDA device; a CPU has nothing "
-                                         "to move)"})
-    trim_host_memory: bool = field(
-        default=True, metadata={"help": "training on a CPU with glibc: between decoder layers, give the "
-                                        "heap memory glibc holds free back to the system once the resident "
-                                        "set grew by 256 MiB, which bounds a step's peak resident memory "
-                                        "(no effect on a GPU)"})
+    mlp_chunk_size: int | None = option(
+        None, check=POSITIVE, resume=True, rlft=True,
+        help="run each decoder layer's MLP over this many positions at a time in training forwards, each "
+             "chunk recomputed in the backward: bounds the MLP's activations for long sequences (null: "
+             "whole)")
+    recompute_attention: bool = option(
+        True, resume=True, rlft=True,
+        help="with gradient checkpointing, run each layer's attention again in the backward (false: keep "
+             "its output from the forward, about hidden_size x 2 bytes a token and layer, and skip the "
+             "attention's recomputation; fused attention kernels only)")
+    activation_offloading: bool = option(
+        False, resume=True, rlft=True,
+        help="move the activations a training forward saves to pinned host memory and back in the backward "
+             "(a CUDA device; a CPU has nothing to move)")
+    trim_host_memory: bool = option(
+        True, resume=True, rlft=True,
+        help="training on a CPU with glibc: between decoder layers, give the heap memory glibc holds free "
+             "back to the system once the resident set grew by 256 MiB, which bounds a step's peak resident "
+             "memory (no effect on a GPU)")
 
     def _normalize(self) -> None:
         """TRL/transformers spellings of this class's fields to one form; a subclass that declares fields

@@ -28,24 +28,9 @@ from typing import Any
 
 import torch
 
-from rlft.config import to_dict
-from rlft.config.compat import NO_EFFECT
+from rlft.config import MAY_CHANGE, to_dict  # MAY_CHANGE: the fields a resumed run may change
 from rlft.errors import ConfigError, OutputDirBusyError
 
-# Fields a resumed run may change: they do not touch what is computed up to the resumed step.
-MAY_CHANGE = frozenset({
-    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "run_name", "report_to", "disable_tqdm",
-    "logging_strategy", "logging_steps", "logging_first_step", "log_completions", "num_completions_to_log",
-    "save_strategy", "save_steps", "save_total_limit", "eval_strategy", "eval_steps", "eval_delay",
-    "eval_on_start", "eval_dataset", "per_device_eval_batch_size", "num_generations_eval", "ddp_timeout",
-    "max_nonfinite_steps", "zero_signal_warning_steps", "dataloader_num_workers", "max_steps",
-    "num_train_epochs", "learning_rate", "logprob_chunk_size", "token_budget", "padding_free",
-    "mlp_chunk_size", "activation_offloading", "recompute_attention", "teacher_model_server_url",
-    "trim_host_memory",
-    "shared_prefix_scoring", "push_to_hub", "hub_model_id",
-    "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision", "do_train", "do_eval",
-    "do_predict", "local_rank", "project", "tf32", "vllm_sync_bucket_mb", "producer_restarts", *NO_EFFECT,
-})
 RUN_FILES = ("metrics.jsonl", "completions.jsonl")
 MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
 # The saved model's weight and config files (save_model writes the final model to output_dir, as TRL's scripts
