@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlft.core import fused_head
-from rlft.train.update.updater import PolicyUpdater
+from rlft.train.update.objectives import PolicyObjective
 from tests.test_microbatches import one_step
 
 
@@ -47,7 +47,7 @@ def test_the_fused_step_is_the_recomputing_step(tmp_path, tiny_causal_dir, monke
         warnings.simplefilter("error")  # no fallback: every prediction was the loss's gradient
         fused, fused_metrics, _, _ = one_step(tiny_causal_dir, tmp_path / "fused", 2, 8, **overrides)
     assert fusion.formed == fusion.used == 8
-    monkeypatch.setattr(PolicyUpdater, "_token_separable", lambda self, batch: False)
+    monkeypatch.setattr(PolicyObjective, "_token_separable", lambda self, u, batch: False)
     plain, plain_metrics, _, _ = one_step(tiny_causal_dir, tmp_path / "plain", 2, 8, **overrides)
     assert fusion.formed == 8  # the recomputing step formed nothing in its forwards
     for name, param in fused.items():

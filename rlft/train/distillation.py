@@ -3,8 +3,8 @@
 generate, vLLM colocated or served, tools: GRPO's rollout sources), the teacher scores every completion token,
 and the loss is the token-mean generalized Jensen-Shannon divergence at `beta` between their next-token
 distributions (0 forward KL, 1 reverse KL), computed tile by tile over the vocabulary from the two models'
-hidden states (rlft/core/distill.py, rlft/train/update/distill_updater.py). No reward function, no advantage,
-no reference model; generation, LoRA, sharded engines, exact resume and logging are GRPO's.
+hidden states (rlft/core/distill.py, rlft/train/update/distill_objective.py). No reward function, no
+advantage, no reference model; generation, LoRA, sharded engines, exact resume and logging are GRPO's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from rlft.config import DistillationConfig, ServerDistillationConfig
 from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
-from rlft.train.update.distill_updater import DistillationUpdater
+from rlft.train.update.distill_objective import DistillationObjective
 
 
 class DistillationTrainer(GRPOTrainer):
@@ -22,10 +22,7 @@ class DistillationTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "distillation", "rlft"]
     _name = "Distillation"
-    updater_class = DistillationUpdater
-    needs_rewards = False
-    teacher_required = True
-    progress_metric = "loss"
+    objective = DistillationObjective
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),

@@ -5,7 +5,7 @@ arXiv:2306.13649).
 Each rollout is, with probability `lmbda`, the student's own completions of its prompts (on-policy, from the
 current weights: GRPO's rollout engines, vLLM included); otherwise the teacher's completions (`seq_kd`:
 sequence-level KD) or the dataset's (supervised KD). Whatever the completions, the loss is distillation's
-(rlft/train/update/distill_updater.py): the generalized Jensen-Shannon divergence at `beta` of every
+(rlft/train/update/distill_objective.py): the generalized Jensen-Shannon divergence at `beta` of every
 completion token, at temperature 1, a token mean over the optimiser step. The draw is seeded by the run's seed
 and the rollout's index, so every process, a resumed run and a rerun take the same one (TRL draws with
 Python's global `random` once per micro-batch on each process).

@@ -19,7 +19,6 @@ TrainerCallback events (rlft/train/flow.py, rlft/train/loop.py).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ import torch
 from rlft.config import GRPOConfig, validate
 from rlft.config.compat import no_effect_notes
 from rlft.config.rules import generation_batch, replay_plan
-from rlft.core.losses import LossOptions
 from rlft.data.prompts import PromptSet, load_eval_datasets, materialize
 from rlft.errors import ConfigError
 from rlft.model.loading import context_length, prepare_tokenizer, training_dtype
@@ -49,13 +47,14 @@ from rlft.train.run.checkpoint import PartState
 from rlft.train.sources.dynamic_sampling import DynamicSampling
 from rlft.train.sources.generation import check_chat_prompts, environment_data, setup_tools
 from rlft.train.sources.rollout_source import PromptSchedule, SourceParts, carry_row_columns, source_class
-from rlft.train.update.distill_updater import load_teacher, prepare_teacher, teacher_source
+from rlft.train.update.distill_objective import load_teacher, prepare_teacher, teacher_source
 from rlft.train.update.metrics import MetricWindow, rollout_metrics, tool_metrics
+from rlft.train.update.objectives import PolicyObjective
 from rlft.train.update.optimization import GuardedOptimizer
 from rlft.train.update.rollout_advantages import Advantages, estimator_spec
 from rlft.train.update.rollout_batch import RolloutBatch, ScoredRollout, row_view, timing_metrics
 from rlft.train.update.rollout_logprobs import PolicyScorer
-from rlft.train.update.updater import PolicyUpdater, option_notes
+from rlft.train.update.updater import PolicyUpdater
 
 ZERO_LOSS_NOTE = (
     "loss is ~0 while grad_norm > 0: expected. With one update per rollout the ratio is exactly 1, so the "
@@ -85,18 +84,16 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
     # The trainer's way where the config leaves it open (null): its rollout source and where beta's KL goes.
     default_rollout_source = "generate"
     default_kl_in_reward = False
-    # The trainer's objective: its policy update, whether it needs reward functions, what the progress shows.
-    updater_class = PolicyUpdater
-    needs_rewards = True
-    teacher_required = False  # (else a teacher only with teacher_coef > 0)
-    progress_metric = "reward"
+    # What the update optimises (rlft/train/update/objectives.py): its loss, whether it needs reward functions
+    # or a teacher, what the progress shows.
+    objective = PolicyObjective
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None,
                  rollout_func=None, environment_factory=None, teacher_model=None):
         self.args = args = validate(args or GRPOConfig(output_dir=default_output_dir(model, "GRPO")))
-        if args.min_generations < 2 and not self.teacher_required:
+        if args.min_generations < 2 and not self.objective.needs_teacher:
             raise ConfigError(f"{type(self).__name__} takes a GRPO-family config, not a "
                               f"{type(args).__name__} (its beta is a divergence's, not a KL weight): use "
                               "DistillationTrainer")
@@ -120,9 +117,9 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
-        teacher_model = teacher_source(teacher_model, args, self.teacher_required)
+        teacher_model = teacher_source(teacher_model, args, self.objective.needs_teacher)
         self._setup_policy(model, source, peft_config, optimizers, quantization_config, teacher_model)
-        for note in option_notes(args):  # at construction, as TRL warns
+        for note in self.objective.notes(args):  # at construction, as TRL warns
             logging.getLogger("rlft").warning(note)
         self._setup_notes += no_effect_notes(args) + [n for n in [replay_plan(args)[1]] if n]
         self.flow = Flow(args, callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler,
@@ -139,7 +136,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         args = self.args
         reward_funcs = [*(reward_funcs if isinstance(reward_funcs, list | tuple) else
                           [] if reward_funcs is None else [reward_funcs]), *own]
-        if not reward_funcs and not self.needs_rewards:  # (distillation: the teacher is the signal)
+        if not reward_funcs and not self.objective.needs_rewards:  # the objective's signal is elsewhere
             self.reward_funcs, self.reward_names, self.reward_weights = [], [], torch.zeros(0)
             self.reward_processing_classes = []
             return
@@ -202,11 +199,9 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             counter="steps_skipped", stop_message=_stop_message(args),
             on_applied=lambda: weights_changed(self.generator))  # an engine with its own weights syncs
         self.scorer = PolicyScorer(self.model, self.ref_model, acc, args, self.messages, self.teacher_model)
-        options = LossOptions.from_config(args)
-        if self.estimator.kl_in_reward:  # beta is in the reward instead: no KL term in the loss
-            options = dataclasses.replace(options, beta=0.0)
-        self.updater = self.updater_class(self.scorer, self.optim, args, acc, options, self.throughput,
-                                          self.router_aux_loss_coef)
+        objective = self.objective.build(args, self.estimator.kl_in_reward)
+        self.updater = PolicyUpdater(self.scorer, self.optim, args, acc, objective, self.throughput,
+                                     self.router_aux_loss_coef)
         self.advantages = Advantages(self.estimator, args, acc, self.scorer, self.reward_weights)
         self.schedule = PromptSchedule(self.train_prompts, self.prompts_per_rollout, self.rollouts_per_epoch,
                                        args.seed, args.shuffle_dataset and not self.streaming,
@@ -278,7 +273,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         if args.mask_truncated_completions:
             rollout.completion_mask[rollout.truncated] = 0
         old = self.scorer.policy_logps(rollout) \
-            if self.steps_per_rollout > 1 and self.updater.uses_old_logps else None
+            if self.steps_per_rollout > 1 and self.updater.objective.uses_old_logps else None
         self.scorer.forget()  # the rollout's log-probs are in the batch now, or not needed
         self.scorer.prepare(rollout)  # what its forwards read from the rows (several teachers: each row's)
         ref = self.scorer.reference_logps(rollout) if args.kl_coef > 0 and self.kl_in_loss else None
@@ -306,7 +301,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             self._log_row(self._flush(window, batch, step))
         if control.should_evaluate and self.eval_datasets:
             self.evaluate()
-        key = self.progress_metric
+        key = self.objective.progress_metric
         self.log.advance(step, f"{key} {window.last.get(key, float('nan')):.3f}")
         if control.should_save:
             self._save_checkpoint(step)
@@ -346,7 +341,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
 
     def _explain(self, logged: dict) -> None:
         """Say in the run itself what a zero loss or a zero-signal batch means."""
-        if (self.needs_rewards and not self._zero_loss_noted and abs(logged.get("loss", 1.0)) < 1e-6
+        if (self.objective.needs_rewards and not self._zero_loss_noted and abs(logged.get("loss", 1.0)) < 1e-6
                 and logged.get("grad_norm", 0) > 0):
             self.log.info(ZERO_LOSS_NOTE)
             self._zero_loss_noted = True
@@ -404,7 +399,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             loss += self._eval_loss(rollout, all_rewards[-1], n) * all_rewards[-1].shape[0]
         rewards = torch.cat(all_rewards)  # [E * n, F]
         metrics = {f"{prefix}_loss": loss / max(rewards.shape[0], 1)}
-        if not self.reward_names:  # (distillation)
+        if not self.reward_names:  # (an objective without rewards)
             return metrics
         metrics.update({f"{prefix}_rewards/{r}/mean": torch.nanmean(rewards[:, i]).item()
                         for i, r in enumerate(self.reward_names)})

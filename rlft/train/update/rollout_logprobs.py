@@ -39,7 +39,7 @@ class PolicyScorer:
 
     def __init__(self, model, ref_model, accelerator, args, messages=None, teacher=None):
         self.model, self.ref_model, self.accelerator, self.args = model, ref_model, accelerator, args
-        # teacher: distillation's (rlft/train/update/distill_updater.py)
+        # teacher: distillation's (rlft/train/update/distill_objective.py)
         self.messages, self.teacher = messages, teacher
         self._policy_logps_of: tuple[Rollout, torch.Tensor] | None = None
         self.packable: bool | None = None  # packed scoring checked exact for this model (None: not yet)

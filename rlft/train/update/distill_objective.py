@@ -1,5 +1,5 @@
 """On-policy distillation's parts (DistillationTrainer: rlft/train/distillation.py): the teacher as
-it is loaded, and the policy update whose loss is each completion token's divergence from the teacher.
+it is loaded, and the objective whose loss is each completion token's divergence from the teacher.
 
 The loss of one optimiser step (TRL 1.16's DistillationTrainer's): the sum over every trained completion
 token of the step, on every process, of D (the generalized Jensen-Shannon divergence at `beta`,
@@ -25,9 +25,9 @@ from rlft.core.fused_head import vocabulary_rows
 from rlft.errors import ConfigError
 from rlft.model.loading import load_causal_lm
 from rlft.model.scoring import install_scoring
+from rlft.train.update.objectives import Objective
 from rlft.train.update.rollout_batch import RolloutBatch
 from rlft.train.update.teachers import TeacherSet, is_url, teacher_dict
-from rlft.train.update.updater import PolicyUpdater
 
 
 def _vocabulary(model) -> int:
@@ -140,42 +140,53 @@ def _plain_student_head(student) -> None:
                           "lm_head out of the LoRA target_modules (and modules_to_save)")
 
 
-class DistillationUpdater(PolicyUpdater):
-    """The guarded optimiser step of PolicyUpdater with distillation's loss (module docstring); the scorer
-    holds the teacher."""
+class DistillationObjective(Objective):
+    """Distillation's loss (module docstring): no rewards, a teacher, no ratio to the sampling policy; the
+    scorer holds the teacher."""
 
+    needs_rewards = False  # the teacher is the signal
+    needs_teacher = True
+    progress_metric = "loss"
     uses_old_logps = False  # the divergence needs no ratio to the sampling policy
-    _apart = False  # some trained token of this step has a nonzero divergence (on this process)
 
-    def _has_signal(self, batch: RolloutBatch) -> bool:
-        return True  # known after the backward: _weighted
+    def __init__(self, beta: float):
+        self.beta = beta  # the generalized JSD's mix (0 forward KL, 1 reverse KL)
+        self._apart = False  # some trained token of this step has a nonzero divergence (on this process)
 
-    def _weighted(self, corrections: list) -> bool:
+    @classmethod
+    def build(cls, args, kl_in_reward: bool) -> DistillationObjective:
+        return cls(args.beta)
+
+    def begin_step(self, u, batch: RolloutBatch) -> None:
+        self._apart = False
+        if isinstance(u.scorer.teacher, TeacherSet):
+            u.scorer.teacher.reset()
+
+    def has_signal(self, u, batch: RolloutBatch) -> bool:
+        return True  # known after the backward: weighted
+
+    def weighted(self, u, kept: bool) -> bool:
         """Some trained token on some process has a nonzero divergence. A student equal to its teacher
         (self-distillation, at the first step) has none: the loss is at its minimum and a zero gradient is
         right, not a wiring fault; the gradient-flow check waits for a step where they differ."""
-        apart = torch.tensor(float(self._apart), device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            apart = self.accelerator.reduce(apart, "max")
-        return bool(apart.item() > 0) and super()._weighted(corrections)
+        apart = torch.tensor(float(self._apart), device=u.accelerator.device)
+        if u.accelerator.num_processes > 1:
+            apart = u.accelerator.reduce(apart, "max")
+        return bool(apart.item() > 0) and kept
 
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
-        self._apart = False
-        teachers = self.scorer.teacher if isinstance(self.scorer.teacher, TeacherSet) else None
-        if teachers is not None:
-            teachers.reset()
-        metrics = super().step(batch)
-        if teachers is not None:  # each teacher's share of the step (rlft/train/update/teachers.py)
-            metrics.update(teachers.metrics(self.accelerator))
+    def end_step(self, u, metrics: dict[str, float]) -> dict[str, float]:
+        if isinstance(u.scorer.teacher, TeacherSet):  # each teacher's share (rlft/train/update/teachers.py)
+            metrics.update(u.scorer.teacher.metrics(u.accelerator))
         metrics.pop("policy_loss", None)
         if "loss" in metrics:
             metrics["distill/loss"] = metrics["loss"]
         return metrics
 
-    def _micro_loss(self, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list, keep=None):
+    def micro_loss(self, u, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list,
+                   keep=None):
         """One micro-batch's share: sum of D over its trained tokens / the step's trained tokens."""
         rollout = batch.rollout
-        divergence, entropy, teacher_entropy = self.scorer.divergence(rollout, rows, self.args.beta)
+        divergence, entropy, teacher_entropy = u.scorer.divergence(rollout, rows, self.beta)
         width = divergence.shape[1]
         mask = (rollout.loss_mask if keep is None else keep)[rows, :width].to(divergence.dtype)
         loss = (divergence * mask).sum() / num_items
@@ -184,11 +195,11 @@ class DistillationUpdater(PolicyUpdater):
         return loss, metrics, entropy, mask
 
     @torch.no_grad()
-    def eval_loss(self, rollout, advantages: torch.Tensor, kl_in_loss: bool) -> float:
+    def eval_loss(self, u, rollout, advantages: torch.Tensor, kl_in_loss: bool) -> float:
         """The mean divergence per completion token of the evaluation completions (TRL's `eval_loss`)."""
         total, count = 0.0, 0
-        for rows in self.scorer.micro_batches(rollout):
-            divergence = self.scorer.divergence(rollout, rows, self.args.beta)[0]
+        for rows in u.scorer.micro_batches(rollout):
+            divergence = u.scorer.divergence(rollout, rows, self.beta)[0]
             mask = rollout.loss_mask[rows, :divergence.shape[1]]
             total += float((divergence * mask).sum())
             count += int(mask.sum())
