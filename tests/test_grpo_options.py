@@ -92,7 +92,7 @@ def test_refused_combinations_name_the_reason(tmp_path, shipped_policy_dir):
 
 
 def test_combinations_the_papers_did_not_use_are_noted(tmp_path, shipped_policy_dir):
-    from rlft.train.update.updater import option_notes
+    from rlft.train.update.objectives import loss_notes as option_notes
 
     assert "importance_sampling_level: sequence" in option_notes(GRPOConfig(loss_type="luspo"))[0]
     assert "leave it at token" in option_notes(GRPOConfig(loss_type="vespo", importance_sampling_level="sequence"))[0]

@@ -131,4 +131,5 @@ class GRPOSurface(TrainerSurface):
 
     @property
     def loss_options(self):
-        return self.updater.loss_options
+        """The policy loss's options (None for an objective without one: distillation's)."""
+        return getattr(self.updater.objective, "loss_options", None)
