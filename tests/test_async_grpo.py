@@ -20,7 +20,7 @@ from rlft import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
 from rlft.errors import ConfigError
 from rlft.rollout.producer import ProducerError
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.async_grpo import sampling_version
+from rlft.train.sources.async_source import sampling_version
 from tests.helpers import addition_rows, correct_answer, has_answer_tags
 
 WALL_CLOCK = ("time/", "perf/", "rollout/", "step_time", "tokens_per_second", "sample/time_in_queue_s",

@@ -16,7 +16,8 @@ import torch
 from rlft import GRPOTrainer
 from rlft.rollout.hf import Rollout
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.sources.dynamic_sampling import choose_groups, informative_groups, round_prompt_indices
+from rlft.train.sources.dynamic_sampling import choose_groups, informative_groups
+from rlft.train.sources.rollout_source import round_prompt_indices
 from tests.helpers import addition_rows, tiny_grpo_config
 
 NAN = float("nan")

@@ -11,9 +11,10 @@ from transformers import AutoModelForSequenceClassification
 
 from rlft import GRPOTrainer, RewardTrainer
 from rlft.data.prompts import DatasetError
+from rlft.errors import NonFiniteLossError
 from rlft.model.loading import load_tokenizer
 from rlft.telemetry.tracking import read_metrics
-from rlft.train.reward import HeadFrozenError, NonFiniteLossError
+from rlft.train.reward import HeadFrozenError
 from tests.helpers import addition_rows, preference_rows, tiny_grpo_config, tiny_reward_config, write_jsonl
 
 

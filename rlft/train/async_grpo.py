@@ -16,7 +16,6 @@ from __future__ import annotations
 from rlft.config import AsyncGRPOConfig
 from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
-from rlft.train.sources.async_source import rollout_seed, sampling_version  # noqa: F401 (their old import path)
 
 # TRL's AsyncGRPOTrainer arguments rlft does not build
 REFUSED = {"rollout_worker": "a custom rollout worker", "weight_transfer": "a custom weight transfer"}

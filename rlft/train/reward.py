@@ -18,7 +18,7 @@ from rlft.config.compat import no_effect_notes
 from rlft.core.preference import bradley_terry_loss
 from rlft.data.preference_pairs import PreferencePairs
 from rlft.data.prompts import epoch_order, load_dataset_any, load_eval_datasets, materialize
-from rlft.errors import ConfigError, NonFiniteLossError, RlftError  # noqa: F401 (re-exported: old path)
+from rlft.errors import ConfigError, RlftError
 from rlft.model.loading import (
     apply_lora,
     disable_dropout,
@@ -37,6 +37,7 @@ from rlft.train.loop import TrainLoop
 from rlft.train.run import checkpoint as ckpt
 from rlft.train.run import runs
 from rlft.train.run.checkpoint import PartState
+from rlft.train.run.safe_files import check_finite
 from rlft.train.surface import TrainerSurface
 from rlft.train.update.metrics import MetricWindow
 from rlft.train.update.optimization import GuardedOptimizer
@@ -339,7 +340,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         if self.accelerator.is_main_process:
             with self.engine.unpartitioned():
                 merged = engine_io.merged_copy(model, state_dict)
-            ckpt.check_finite(merged)
+            check_finite(merged)
             merged.save_pretrained(output_dir)
             self.tokenizer.save_pretrained(output_dir)
         self.accelerator.wait_for_everyone()

@@ -36,14 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlft.train.run.safe_files import (  # noqa: F401 (check_finite, load_model_weights, model_folder: old paths)
+from rlft.train.run.safe_files import (
     CheckpointError,
     CheckpointWriteError,
-    check_finite,
     load_json,
-    load_model_weights,
     load_safetensors,
-    model_folder,
     os_reason,
     writing,
 )

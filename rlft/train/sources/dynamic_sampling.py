@@ -29,7 +29,6 @@ import torch
 
 from rlft.errors import RlftError
 from rlft.rollout.base import Rollout
-from rlft.train.sources.rollout_source import round_prompt_indices  # noqa: F401 (its old import path)
 from rlft.train.update.rollout_batch import ScoredRollout, add_timing
 
 SPREAD_TOLERANCE = 1e-6
