@@ -245,3 +245,24 @@ def test_no_two_modules_share_a_stem_and_no_top_level_config_module():
     memory = {name for name in modules() if name.startswith("rlft.train") and
               any(t in name for t in ("chunked_mlp", "offload", "host_memory", "selective_checkpoint"))}
     assert memory == set()  # memory techniques rewrite a module: rlft/model/memory/
+
+
+def test_an_update_varies_by_its_objective_not_by_flags_or_subclasses():
+    """The updater takes the objective as a value (rlft/train/update/objectives.py): no trainer carries flags
+    saying which objective it runs, and nothing subclasses the updater to change its loss."""
+    import inspect
+
+    import rlft.train.update.updater as updater
+    from rlft.train.distillation import DistillationTrainer
+    from rlft.train.grpo import GRPOTrainer
+    from rlft.train.update.distill_objective import DistillationObjective
+    from rlft.train.update.objectives import PolicyObjective
+
+    for flag in ("updater_class", "needs_rewards", "teacher_required", "progress_metric"):
+        assert not hasattr(GRPOTrainer, flag), flag
+    assert GRPOTrainer.objective is PolicyObjective and DistillationTrainer.objective is DistillationObjective
+    names = {getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "module", None) or ""
+             for node in ast.walk(ast.parse(inspect.getsource(updater)))}
+    assert not [name for name in names if "distill" in name.lower()]  # the code, not its docstring
+    sources = [p.read_text() for p in PACKAGE.rglob("*.py")]
+    assert not any("(PolicyUpdater)" in text for text in sources)
