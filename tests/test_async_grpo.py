@@ -66,6 +66,7 @@ def test_each_step_trains_on_rollouts_sampled_exactly_k_steps_earlier_and_two_ru
     assert [r["sample/staleness_max"] for r in rows] == [0, 1, 2, 2]
     assert all(r["sample/dropped_stale_total"] == 0 for r in rows)
     assert rows[-1]["sampling/sampling_logp_difference/mean"] > 0  # the policy moved since it sampled
+    assert rows[-1]["sampling/kl_sampler_trainer/k3"] > 0 and abs(rows[0]["sampling/kl_sampler_trainer/k3"]) < 1e-6
     b = trained(tmp_path, "b", rollout_lag=2, max_staleness=2)
     assert rows_of(tmp_path / "a") == rows_of(tmp_path / "b")
     for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):

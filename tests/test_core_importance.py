@@ -82,3 +82,23 @@ def test_stats_count_the_mismatch_and_the_zeroed_weights():
     assert stats["delta_max"].item() == pytest.approx(math.log(10))
     assert stats["zeroed"].item() == 1 and stats["ratio_count"].item() == 4
     assert stats["ratio_max"].item() == pytest.approx(2.0) and stats["ratio_min"].item() == 0.0
+
+
+def test_the_mismatch_measures_are_kl_sampler_to_trainer_and_chi_square_in_float64():
+    """Tokens drawn in exact proportion to the sampler's distribution p = (1/2, 1/4, 1/4): the per-token
+    means of k1 = -log rho and k3 = rho - 1 - log rho (rho = q / p) are KL(p || q) exactly, and the mean of
+    rho^2, minus 1, is the chi-square divergence sum q^2 / p - 1 (Schulman 2020; the definitions)."""
+    p = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    drawn = torch.tensor([[0, 0, 1, 2]])  # a sample whose token frequencies are p
+    sampler, trainer = p.log()[drawn], q.log()[drawn]
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    stats = correction_stats(trainer, sampler, mask, torch.ones(1, 4, dtype=torch.float64))
+    kl = float((p * (p / q).log()).sum())
+    chi2 = float((q.square() / p).sum() - 1)
+    count = stats["delta_count"].item()
+    assert stats["kl_k1_sum"].item() / count == pytest.approx(kl, rel=1e-12)
+    assert stats["kl_k3_sum"].item() / count == pytest.approx(kl, rel=1e-12)
+    assert stats["rho_squared_sum"].item() / count - 1 == pytest.approx(chi2, rel=1e-12)
+    same = correction_stats(trainer, trainer, mask, torch.ones(1, 4, dtype=torch.float64))
+    assert same["kl_k1_sum"].item() == 0 and same["kl_k3_sum"].item() == 0  # one policy: no mismatch

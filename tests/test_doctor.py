@@ -107,3 +107,22 @@ def test_a_distillation_recipe_is_checked_as_one(tmp_path, shipped_policy_dir, t
     other.resize_token_embeddings(400)
     code, report = run_doctor(str(path), teacher_model=other)
     assert code == 1 and "the teacher's" in report.text() and "400" in report.text()
+
+
+def test_a_sampler_in_another_precision_without_a_correction_and_an_moe_policy_are_warnings():
+    """Issue 55: configurations known to drift are named before a run (rlft/cli/doctor.py: _drift_check)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlft.cli.doctor import Report, _drift_check
+
+    def warnings(dtype="bfloat16", correction=False, experts=None):
+        report = Report()
+        cfg = SimpleNamespace(use_vllm=True, vllm_dtype=dtype, vllm_importance_sampling_correction=correction)
+        _drift_check(report, cfg, torch.float32, SimpleNamespace(num_experts=experts))
+        return [row for row in report.rows if row[0] == "WARN"]
+
+    assert [w[1] for w in warnings()] == ["sampler precision"]
+    assert warnings(correction=True) == [] and warnings(dtype="auto") == []
+    assert [w[1] for w in warnings(dtype="auto", experts=8)] == ["mixture of experts"]

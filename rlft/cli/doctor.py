@@ -187,6 +187,7 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
 
     _grad_check(report, unwrapped, backward)
     _truncation_check(report, cfg)
+    _drift_check(report, cfg, dtype, unwrapped.config)
     if cfg.use_vllm:
         _vllm_checks(report, trainer, batch.rollout, unwrapped)
     report.add("INFO", "loss", f"loss_type={cfg.loss_type!r}, beta={cfg.beta}, "
@@ -209,6 +210,26 @@ def _truncation_check(report: Report, cfg) -> None:
     why = why or (f"top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p} with replay_sampling_mask: "
                   "false: the trainer scores the full vocabulary, so importance ratios carry the kept mass")
     report.add("WARN", "truncated sampling", why + "; docs/vllm.md#truncated-sampling")
+
+
+def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
+    """Configurations known to make the sampler a different policy from the trainer with nothing correcting
+    it: an engine in another precision without vllm_importance_sampling_correction, and a mixture-of-experts
+    policy (the two route tokens to different experts; rlft does not replay the sampler's routes yet)."""
+    trainer_name = str(trainer_dtype).split(".")[-1]
+    if cfg.use_vllm and cfg.vllm_dtype not in ("auto", trainer_name) \
+            and not cfg.vllm_importance_sampling_correction:
+        report.add("WARN", "sampler precision", f"vllm_dtype={cfg.vllm_dtype} samples from {cfg.vllm_dtype} "
+                   f"weights while the trainer scores {trainer_name} ones, and "
+                   "vllm_importance_sampling_correction is off: the rollouts are off-policy by the precision "
+                   "gap and nothing weighs it. Set vllm_importance_sampling_correction: true (watch "
+                   "sampling/kl_sampler_trainer/k3), or vllm_dtype: auto")
+    experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None)
+    if experts and cfg.use_vllm:
+        report.add("WARN", "mixture of experts",
+                   f"{experts} experts sampled by vLLM: its kernels may route a token to other experts than "
+                   "the trainer's, which changes its log-prob (routing replay is not built in rlft yet); "
+                   "keep vllm_importance_sampling_correction on and watch sampling/kl_sampler_trainer/k3")
 
 
 def _engine_mismatch(trainer, rollout) -> float:

@@ -13,6 +13,13 @@ rho = pi_theta_old / pi_sampler corrects it, and bounding rho keeps the variance
   J. Liu, Y. Li, Y. Fu, J. Wang, Q. Liu, Y. Shen, "When Speed Kills Stability: Demystifying RL
   Collapse from the Training-Inference Mismatch", 2025.
 
+How far apart the two are, per trained token t sampled from pi_sampler, with rho_t = pi_trainer / pi_sampler:
+KL(pi_sampler || pi_trainer) estimated by k1 = -log rho_t (unbiased, can be negative) and by
+k3 = rho_t - 1 - log rho_t (unbiased because E_sampler[rho] = 1, and never negative; J. Schulman,
+"Approximating KL Divergence", 2020), and the chi-square divergence chi2 = E_sampler[rho^2] - 1, which bounds
+the variance of an importance-weighted estimate (the measures verl logs as rollout_corr/kl, k3_kl,
+chi2_token).
+
 The four modes carry TRL's names (`vllm_importance_sampling_mode`): token_truncate, token_mask,
 sequence_truncate, sequence_mask. Tokens the engine could not score (NaN) get a ratio of exactly 1.
 """
@@ -53,9 +60,9 @@ def correction_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, m
     [0.9, 1.1], and the importance weights (per token or per sequence), including how many were zeroed by a
     *_mask mode."""
     valid = mask.bool() & ~torch.isnan(sampler_logps)
-    signed = (trainer_logps - sampler_logps)[valid]
-    delta = signed.abs()
-    outside = ((signed.exp() < 0.9) | (signed.exp() > 1.1)).sum().float()
+    signed = (trainer_logps - sampler_logps)[valid]  # log rho per scored token
+    delta, ratio = signed.abs(), signed.exp()
+    outside = ((ratio < 0.9) | (ratio > 1.1)).sum().float()
     flat = weights.flatten() if weights.shape[-1] == 1 else weights[mask.bool()]
     if weights.shape[-1] == 1:
         flat = flat[mask.bool().any(dim=-1)]
@@ -68,4 +75,8 @@ def correction_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, m
         "ratio_min": flat.min() if flat.numel() else empty,
         "ratio_max": flat.max() if flat.numel() else empty,
         "zeroed": (flat == 0).sum().float(), "outside": outside,
+        # KL(sampler || trainer) by k1 and k3, and E[rho^2] for the chi-square divergence (module docstring)
+        "kl_k1_sum": -signed.sum() if delta.numel() else empty,
+        "kl_k3_sum": (ratio - 1 - signed).sum() if delta.numel() else empty,
+        "rho_squared_sum": ratio.square().sum() if delta.numel() else empty,
     }
