@@ -197,6 +197,8 @@ def _check_kl_in_reward(cfg, errors: list[str]) -> None:
 
 
 def _validate_algorithm_options(cfg, errors: list[str]) -> None:
+    from rlft.core.losses import LOSSES
+
     if cfg.entropy_coef_min > cfg.entropy_coef_max:
         errors.append(
             f"entropy_coef_min={cfg.entropy_coef_min} exceeds entropy_coef_max={cfg.entropy_coef_max}"
@@ -212,14 +214,14 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
             "set beta > 0 or sync_ref_model: false"
         )
     if (
-        cfg.loss_type == "vespo"
+        getattr(LOSSES.get(cfg.loss_type), "folds_sampling_weights", False)
         and cfg.use_vllm
         and cfg.vllm_importance_sampling_correction
         and cfg.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
     ):
         errors.append(
-            f"loss_type vespo folds the sampling correction into its sequence weight token by token: "
-            f"set vllm_importance_sampling_mode to token_truncate or token_mask (not "
+            f"loss_type {cfg.loss_type} folds the sampling correction into its sequence weight token by "
+            f"token: set vllm_importance_sampling_mode to token_truncate or token_mask (not "
             f"{cfg.vllm_importance_sampling_mode})"
         )
 

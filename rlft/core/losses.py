@@ -246,7 +246,8 @@ class LossSpec:
     rollout_is_weights, options) -> (prepared, metrics)` run before the term. `folds_sampling_weights`: the
     loss takes the sampling-correction weights in `prepare` instead of having them multiply its term.
     `clip_per_sequence`: its clip_ratio means are fractions of sequences (a step combines micro-batches by
-    their sequence counts, not their token counts)."""
+    their sequence counts, not their token counts). `level` / `level_note`: the importance_sampling_level its
+    paper uses, and what to say when a config picks the other (`notes`)."""
 
     name: str
     term: Callable
@@ -254,17 +255,30 @@ class LossSpec:
     prepare: Callable | None = None
     folds_sampling_weights: bool = False
     clip_per_sequence: bool = False
+    level: str | None = None
+    level_note: str = ""
 
     @property
     def aggregate(self) -> Callable:
         return AGGREGATIONS[self.aggregation]
+
+    def notes(self, level: str) -> list[str]:
+        """What the loss's paper did not combine it with, at importance_sampling_level `level`."""
+        if self.level is not None and level != self.level:
+            return [f"loss_type {self.name} {self.level_note} (now {level})"]
+        if level == "sequence" and self.aggregation in ("token_mean", "constant"):
+            return [f"importance_sampling_level: sequence with loss_type {self.name!r}: the loss sums "
+                    "per-token contributions, which effectively weights each sequence by its completion "
+                    "length instead of the per-sequence objective; GSPO's setup is loss_type: grpo"]
+        return []
 
 
 LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, term: Callable, aggregation: str, prepare: Callable | None = None,
-                  folds_sampling_weights: bool = False, clip_per_sequence: bool = False) -> LossSpec:
+                  folds_sampling_weights: bool = False, clip_per_sequence: bool = False,
+                  level: str | None = None, level_note: str = "") -> LossSpec:
     """Add a loss_type: `loss_type: <name>` in a config then selects it (the config's allowed values are this
     registry's keys). A new variant is its term, this one call, and its float64 reference test."""
     if aggregation not in AGGREGATIONS:
@@ -272,7 +286,7 @@ def register_loss(name: str, term: Callable, aggregation: str, prepare: Callable
     if name in LOSSES:
         raise ValueError(f"loss_type {name!r} is already registered")
     LOSSES[name] = spec = LossSpec(name, term, aggregation, prepare, folds_sampling_weights,
-                                   clip_per_sequence)
+                                   clip_per_sequence, level, level_note)
     return spec
 
 
@@ -282,8 +296,13 @@ register_loss("dapo", _clip_term, "token_mean")
 register_loss("dr_grpo", _clip_term, "constant")
 register_loss("cispo", _cispo_term, "token_mean")
 register_loss("sapo", _sapo_term, "sequence_mean")
-register_loss("luspo", _clip_term, "sequence_sum")
-register_loss("vespo", _vespo_term, "token_mean", prepare=_vespo_prepare, folds_sampling_weights=True)
+register_loss("luspo", _clip_term, "sequence_sum", level="sequence",
+              level_note="is GSPO's sequence-level loss weighted by length: the paper uses "
+                         "importance_sampling_level: sequence")
+register_loss("vespo", _vespo_term, "token_mean", prepare=_vespo_prepare, folds_sampling_weights=True,
+              level="token", level_note="computes its own sequence weight from token ratios; "
+                                        "importance_sampling_level only changes the clip metrics: leave it "
+                                        "at token")
 register_loss("rloo", _rloo_term, "sequence_mean", prepare=_rloo_prepare, clip_per_sequence=True)
 LOSS_TYPES = LOSSES  # the name tests and older code import
 

@@ -71,19 +71,9 @@ class Objective:
 
 
 def loss_notes(args) -> list[str]:
-    """Loss options combined in a way their papers did not (TRL warns about the same)."""
-    notes = []
-    if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
-        notes.append("loss_type luspo is GSPO's sequence-level loss weighted by length: the paper uses "
-                     "importance_sampling_level: sequence (now token)")
-    if args.loss_type == "vespo" and args.importance_sampling_level != "token":
-        notes.append("loss_type vespo computes its own sequence weight from token ratios; "
-                     "importance_sampling_level only changes the clip metrics: leave it at token")
-    if (args.importance_sampling_level == "sequence"
-            and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo")):
-        notes.append(f"importance_sampling_level: sequence with loss_type {args.loss_type!r}: the loss sums "
-                     "per-token contributions, which effectively weights each sequence by its completion "
-                     "length instead of the per-sequence objective; GSPO's setup is loss_type: grpo")
+    """Loss options combined in a way their papers did not (TRL warns about the same): each loss's own
+    (rlft/core/losses.py: LossSpec.notes), then the clip options'."""
+    notes = LOSSES[args.loss_type].notes(args.importance_sampling_level)
     if args.delta is not None and args.delta <= 1 + (args.epsilon_high or args.epsilon):
         notes.append(f"delta={args.delta} is not above 1 + epsilon_high: it also caps ratios the clip range "
                      "allows")
