@@ -11,6 +11,8 @@ import torch
 from rlft.core.importance import MODES, correction_stats, sampling_correction
 from rlft.core.losses import policy_loss
 
+TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # reference() below
+
 
 def reference(trainer, sampler, mask, mode, low, high):
     out = []
@@ -30,7 +32,7 @@ def reference(trainer, sampler, mask, mode, low, high):
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", TRL_MODES)
 @pytest.mark.parametrize("low, high", [(None, 3.0), (0.5, 2.0), (0.9, None)])
 def test_modes_match_the_float64_reference(mode, low, high):
     gen = torch.Generator().manual_seed(0)
@@ -50,7 +52,7 @@ def test_no_mismatch_means_weights_of_one_and_an_unchanged_loss():
     logps = -torch.rand(4, 6, dtype=torch.float64)
     mask = torch.ones(4, 6, dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
-    for mode in MODES:
+    for mode in MODES:  # every registered mode: no mismatch, weight 1
         weights = sampling_correction(logps, logps.clone(), mask, mode)
         assert torch.all(weights == 1)
         with_is, _ = policy_loss(logps, logps.detach(), adv, mask, rollout_is_weights=weights)
@@ -102,3 +104,54 @@ def test_the_mismatch_measures_are_kl_sampler_to_trainer_and_chi_square_in_float
     assert stats["rho_squared_sum"].item() / count - 1 == pytest.approx(chi2, rel=1e-12)
     same = correction_stats(trainer, trainer, mask, torch.ones(1, 4, dtype=torch.float64))
     assert same["kl_k1_sum"].item() == 0 and same["kl_k3_sum"].item() == 0  # one policy: no mismatch
+
+
+def _random_logps(rows: int, width: int, seed: int, spread: float):
+    gen = torch.Generator().manual_seed(seed)
+    trainer = -torch.rand(rows, width, generator=gen, dtype=torch.float64) * 3
+    sampler = trainer + spread * torch.randn(rows, width, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(rows, width, generator=gen) > 0.2).to(torch.float64)
+    return trainer, sampler, mask
+
+
+@pytest.mark.parametrize("low, high", [(0.5, 5.0), (None, 2.0)])
+def test_icepop_keeps_each_tokens_ratio_inside_two_bounds_and_zeroes_it_outside(low, high):
+    """IcePop (Ring-1T): M(k) = k if alpha <= k <= beta else 0, per token; alpha unset is 1 / beta."""
+    trainer, sampler, mask = _random_logps(6, 9, 3, spread=1.0)
+    got = sampling_correction(trainer, sampler, mask, "icepop", low, high)
+    alpha = 1 / high if low is None else low
+    want = []
+    for row_t, row_s, row_m in zip(trainer.tolist(), sampler.tolist(), mask.tolist()):
+        ratios = [math.exp((t - s) * m) for t, s, m in zip(row_t, row_s, row_m)]
+        want.append([k if alpha <= k <= high else 0.0 for k in ratios])
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert 0 < float((got == 0).double().mean()) < 1  # this draw has tokens on both sides of the bounds
+
+
+def test_geometric_masking_drops_a_sequence_whose_geometric_mean_ratio_leaves_the_bounds():
+    """The geometric-mean ratio exp(mean over the sequence's tokens of log rho): weight 1 inside [C_min, C_max]
+    (C_min unset: 1 / C_max), 0 outside, one weight per sequence; no reweighting."""
+    trainer, sampler, mask = _random_logps(8, 7, 5, spread=0.05)
+    got = sampling_correction(trainer, sampler, mask, "sequence_geometric_mask", None, 1.01)
+    want = []
+    for row_t, row_s, row_m in zip(trainer.tolist(), sampler.tolist(), mask.tolist()):
+        logs = [t - s for t, s, m in zip(row_t, row_s, row_m) if m]
+        geometric = math.exp(sum(logs) / max(len(logs), 1))
+        want.append([1.0 if 1 / 1.01 <= geometric <= 1.01 else 0.0])
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=0)
+    assert got.shape == (8, 1) and 0 < float(got.mean()) < 1
+
+
+def test_the_modes_are_a_registry_the_config_reads():
+    from rlft.config import ConfigError, GRPOConfig
+    from rlft.core.importance import CORRECTIONS
+
+    assert set(MODES) == set(CORRECTIONS) >= {"token_truncate", "token_mask", "sequence_truncate",
+                                              "sequence_mask", "icepop", "sequence_geometric_mask"}
+    GRPOConfig(vllm_importance_sampling_mode="icepop", vllm_importance_sampling_clip_min=0.5,
+               vllm_importance_sampling_clip_max=5.0)
+    with pytest.raises(ConfigError, match=r"vllm_importance_sampling_mode='tis' is not allowed; choose one of "
+                                          r"'token_truncate'.*'icepop', 'sequence_geometric_mask'"):
+        GRPOConfig(vllm_importance_sampling_mode="tis")
+    with pytest.raises(ConfigError, match="set a per-token vllm_importance_sampling_mode"):
+        GRPOConfig(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_geometric_mask")

@@ -197,6 +197,7 @@ def _check_kl_in_reward(cfg, errors: list[str]) -> None:
 
 
 def _validate_algorithm_options(cfg, errors: list[str]) -> None:
+    from rlft.core.importance import CORRECTIONS
     from rlft.core.losses import LOSSES
 
     if cfg.entropy_coef_min > cfg.entropy_coef_max:
@@ -217,11 +218,11 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
         getattr(LOSSES.get(cfg.loss_type), "folds_sampling_weights", False)
         and cfg.use_vllm
         and cfg.vllm_importance_sampling_correction
-        and cfg.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        and getattr(CORRECTIONS.get(cfg.vllm_importance_sampling_mode), "per_sequence", False)
     ):
         errors.append(
             f"loss_type {cfg.loss_type} folds the sampling correction into its sequence weight token by "
-            f"token: set vllm_importance_sampling_mode to token_truncate or token_mask (not "
+            f"token: set a per-token vllm_importance_sampling_mode (token_truncate, token_mask, icepop; not "
             f"{cfg.vllm_importance_sampling_mode})"
         )
 

@@ -10,7 +10,7 @@ from rlft.config.checks import check_grpo, normalize_grpo
 from rlft.config.common import _BaseConfig, config_class
 from rlft.config.options import NON_NEGATIVE, POSITIVE, Facts, above, between, one_of, option
 from rlft.core.advantages import ADVANTAGE_ESTIMATORS
-from rlft.core.importance import MODES as IS_MODES
+from rlft.core.importance import CORRECTIONS
 from rlft.core.losses import KL_ESTIMATORS, LOSSES
 
 SCALE_REWARDS = ("group", "batch", "none")
@@ -169,11 +169,14 @@ class _GRPOFields(_BaseConfig):
         help="rounds of tool results per completion (null: until no call or the budget ends)")
     vllm_importance_sampling_correction: bool = option(True, "weight the policy term by pi_old / pi_sampler")
     vllm_importance_sampling_mode: str = option(
-        "sequence_mask", check=one_of(IS_MODES),
-        help="token_truncate, token_mask, sequence_truncate, sequence_mask")
+        "sequence_mask", check=one_of(CORRECTIONS),
+        help="how the correction bounds pi_old / pi_sampler: TRL's token_truncate, token_mask, "
+             "sequence_truncate, sequence_mask; icepop (two-sided token mask), sequence_geometric_mask (a "
+             "sequence dropped when its geometric-mean ratio leaves the bounds); rlft/core/importance.py")
     vllm_importance_sampling_clip_max: float | None = option(
         3.0, "upper bound of the correction weight", check=POSITIVE)
-    vllm_importance_sampling_clip_min: float | None = option(None, "lower bound of the correction weight")
+    vllm_importance_sampling_clip_min: float | None = option(
+        None, "lower bound of the correction weight (icepop, sequence_geometric_mask: null is 1 / the upper)")
     off_policy_mask_threshold: float | None = option(
         None, check=NON_NEGATIVE,
         help="DeepSeek-V3.2: drop A < 0 completions whose sampler/policy KL exceeds this")

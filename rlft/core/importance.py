@@ -20,15 +20,72 @@ k3 = rho_t - 1 - log rho_t (unbiased because E_sampler[rho] = 1, and never negat
 the variance of an importance-weighted estimate (the measures verl logs as rollout_corr/kl, k3_kl,
 chi2_token).
 
-The four modes carry TRL's names (`vllm_importance_sampling_mode`): token_truncate, token_mask,
-sequence_truncate, sequence_mask. Tokens the engine could not score (NaN) get a ratio of exactly 1.
+The modes form a registry (`CORRECTIONS`, chosen by `vllm_importance_sampling_mode`), each a statistic of
+the per-token ratios (the token's own, the sequence's product, or the sequence's geometric mean) and a bound
+(truncate: clamp into [C_min, C_max]; mask: set to 0 outside it). TRL's four: token_truncate, token_mask,
+sequence_truncate, sequence_mask (the last is MIS). And two more:
+
+- `icepop`: each token's ratio kept where C_min <= rho_t <= C_max and 0 outside (the two-sided token mask);
+  C_min left unset is 1 / C_max. IcePop, from inclusionAI's Ring-1T report (Ling Team, 2025), which
+  uses [0.5, 5].
+- `sequence_geometric_mask`: a sequence is kept (weight 1 on each of its tokens) where its geometric-mean
+  ratio exp(mean_t log rho_t) lies in [C_min, C_max] and dropped (0) outside; no reweighting. The geometric
+  mean does not grow with length as the product does, so the bounds are tight: verl's preset keeps [0.999,
+  1.001]; C_min left unset is 1 / C_max. Liu, Li et al. 2025 (above), part 3 ("geometric-level RS").
+
+Tokens the engine could not score (NaN) get a ratio of exactly 1.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+@dataclass(frozen=True)
+class Correction:
+    """One mode: `statistic` "token" (each token's ratio), "product" (the sequence's prod_t rho_t) or
+    "geometric" (the sequence's exp(mean_t log rho_t)); `bound` "truncate" or "mask"; `two_sided`: an unset
+    C_min is 1 / C_max; `reweights`: the kept weight is the ratio (else 1: a rejection, no reweighting)."""
+
+    name: str
+    statistic: str
+    bound: str
+    two_sided: bool = False
+    reweights: bool = True
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.statistic != "token"
+
+
+CORRECTIONS: dict[str, Correction] = {}
+
+
+def register_correction(correction: Correction) -> Correction:
+    """Add a mode: `vllm_importance_sampling_mode: <name>` then selects it."""
+    if correction.name in CORRECTIONS:
+        raise ValueError(f"importance sampling mode {correction.name!r} is already registered")
+    CORRECTIONS[correction.name] = correction
+    return correction
+
+
+for _correction in (
+        Correction("token_truncate", "token", "truncate"), Correction("token_mask", "token", "mask"),
+        Correction("sequence_truncate", "product", "truncate"),
+        Correction("sequence_mask", "product", "mask"),
+        Correction("icepop", "token", "mask", two_sided=True),
+        Correction("sequence_geometric_mask", "geometric", "mask", two_sided=True, reweights=False)):
+    register_correction(_correction)
+MODES = tuple(CORRECTIONS)  # the name older code imports: TRL's four and rlft's
+
+
+def correction_bounds(mode: str, clip_min: float | None, clip_max: float | None) -> tuple[float, float]:
+    """[C_min, C_max] of `mode` (an unset bound is open; a two-sided mode's unset C_min is 1 / C_max)."""
+    if CORRECTIONS[mode].two_sided and clip_min is None and clip_max:
+        clip_min = 1.0 / clip_max
+    return (float("-inf") if clip_min is None else clip_min, float("inf") if clip_max is None else clip_max)
 
 
 def sampling_correction(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
@@ -36,20 +93,23 @@ def sampling_correction(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor
                         clip_max: float | None = 3.0) -> torch.Tensor:
     """Importance weights pi_theta_old / pi_sampler, bounded as `mode` says.
 
-    trainer_logps, sampler_logps, mask: [B, T]. Returns [B, T] for token_* modes, [B, 1] for sequence_*
-    modes (one ratio per completion, the product of its tokens' ratios). Differences at masked
-    positions count as 0; no gradient flows (the weights are constants of the loss)."""
-    if mode not in MODES:
-        raise ValueError(f"importance sampling mode {mode!r}: choose one of {MODES}")
+    trainer_logps, sampler_logps, mask: [B, T]. Returns [B, T] for per-token modes, [B, 1] for per-sequence
+    modes (one weight per completion). Differences at masked positions count as 0; no gradient flows (the
+    weights are constants of the loss)."""
+    if mode not in CORRECTIONS:
+        raise ValueError(f"importance sampling mode {mode!r}: choose one of {tuple(CORRECTIONS)}")
+    spec = CORRECTIONS[mode]
     diff = torch.nan_to_num((trainer_logps - sampler_logps).detach() * mask, nan=0.0)  # [B, T]
-    if mode.startswith("sequence"):
+    if spec.statistic == "product":
         diff = diff.sum(dim=-1, keepdim=True)  # [B, 1]: log prod_t rho_t
+    elif spec.statistic == "geometric":
+        diff = diff.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)  # mean log rho
     ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    low = float("-inf") if clip_min is None else clip_min
-    high = float("inf") if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    low, high = correction_bounds(mode, clip_min, clip_max)
+    if spec.bound == "truncate":
+        return torch.clamp(ratio, min=low, max=high)
+    kept = ratio if spec.reweights else torch.ones_like(ratio)
+    return kept.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 @torch.no_grad()

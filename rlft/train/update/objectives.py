@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from rlft.core.importance import correction_stats, sampling_correction
+from rlft.core.importance import CORRECTIONS, correction_stats, sampling_correction
 from rlft.core.losses import LOSSES, LossOptions, off_policy_sequence_mask, policy_loss
 from rlft.core.regularizers import entropy_bonus
 from rlft.train.update.metrics import CLIP_MEAN_KEYS
@@ -177,7 +177,7 @@ class PolicyObjective(Objective):
         args = u.args
         sequence_weights = (batch.rollout.sampling_logps is not None and batch.old_logps is None
                             and args.vllm_importance_sampling_correction
-                            and args.vllm_importance_sampling_mode.startswith("sequence"))
+                            and CORRECTIONS[args.vllm_importance_sampling_mode].per_sequence)
         return (LOSSES[args.loss_type].prepare is None and args.importance_sampling_level == "token"
                 and args.off_policy_mask_threshold is None and not u.entropy_bonus_on
                 and not sequence_weights)
