@@ -153,5 +153,5 @@ def test_the_modes_are_a_registry_the_config_reads():
     with pytest.raises(ConfigError, match=r"vllm_importance_sampling_mode='tis' is not allowed; choose one of "
                                           r"'token_truncate'.*'icepop', 'sequence_geometric_mask'"):
         GRPOConfig(vllm_importance_sampling_mode="tis")
-    with pytest.raises(ConfigError, match="set a per-token vllm_importance_sampling_mode"):
+    with pytest.raises(ConfigError, match="token_truncate or token_mask .or icepop; not sequence_geometric"):
         GRPOConfig(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_geometric_mask")

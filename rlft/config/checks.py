@@ -222,7 +222,7 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
     ):
         errors.append(
             f"loss_type {cfg.loss_type} folds the sampling correction into its sequence weight token by "
-            f"token: set a per-token vllm_importance_sampling_mode (token_truncate, token_mask, icepop; not "
+            f"token: set vllm_importance_sampling_mode to token_truncate or token_mask (or icepop; not "
             f"{cfg.vllm_importance_sampling_mode})"
         )
 
