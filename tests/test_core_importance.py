@@ -155,3 +155,16 @@ def test_the_modes_are_a_registry_the_config_reads():
         GRPOConfig(vllm_importance_sampling_mode="tis")
     with pytest.raises(ConfigError, match="token_truncate or token_mask .or icepop; not sequence_geometric"):
         GRPOConfig(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_geometric_mask")
+
+
+def test_the_stats_count_what_a_bound_clipped_apart_from_what_it_zeroed():
+    """Ratios 2, 1, 1, 10 (module reference): token_truncate at [0.5, 3] clips one (10 -> 3); token_mask zeroes
+    it instead, and clips none."""
+    trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64))
+    sampler = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.05]], dtype=torch.float64))
+    mask = torch.ones(2, 2, dtype=torch.float64)
+    for mode, clipped, zeroed in (("token_truncate", 1, 0), ("token_mask", 0, 1)):
+        weights = sampling_correction(trainer, sampler, mask, mode, 0.5, 3.0)
+        unbounded = sampling_correction(trainer, sampler, mask, mode, None, None)
+        stats = correction_stats(trainer, sampler, mask, weights, unbounded)
+        assert (stats["clipped"].item(), stats["zeroed"].item()) == (clipped, zeroed), mode

@@ -114,13 +114,18 @@ def sampling_correction(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor
 
 @torch.no_grad()
 def correction_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
-                     weights: torch.Tensor) -> dict[str, torch.Tensor]:
+                     weights: torch.Tensor, unbounded: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Sums/extremes of the mismatch for one micro-batch (combined over a step by the caller):
     |delta log-prob| over scored completion tokens and how many of their unbounded ratios lie outside
     [0.9, 1.1], and the importance weights (per token or per sequence), including how many were zeroed by a
-    *_mask mode."""
+    *_mask mode and, given the same mode's `unbounded` weights (no clip bounds), how many a bound clipped."""
     valid = mask.bool() & ~torch.isnan(sampler_logps)
     signed = (trainer_logps - sampler_logps)[valid]  # log rho per scored token
+    clipped = torch.tensor(0.0, device=mask.device)
+    if unbounded is not None:  # a bound moved the weight, and did not zero it (that is `zeroed`)
+        moved = (weights != unbounded) & (weights != 0)
+        kept = mask.bool().any(dim=-1, keepdim=True) if weights.shape[-1] == 1 else mask.bool()
+        clipped = (moved & kept).sum().float()
     delta, ratio = signed.abs(), signed.exp()
     outside = ((ratio < 0.9) | (ratio > 1.1)).sum().float()
     flat = weights.flatten() if weights.shape[-1] == 1 else weights[mask.bool()]
@@ -134,7 +139,7 @@ def correction_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, m
         "ratio_sum": flat.sum() if flat.numel() else empty, "ratio_count": torch.tensor(float(flat.numel())),
         "ratio_min": flat.min() if flat.numel() else empty,
         "ratio_max": flat.max() if flat.numel() else empty,
-        "zeroed": (flat == 0).sum().float(), "outside": outside,
+        "zeroed": (flat == 0).sum().float(), "outside": outside, "clipped": clipped,
         # KL(sampler || trainer) by k1 and k3, and E[rho^2] for the chi-square divergence (module docstring)
         "kl_k1_sum": -signed.sum() if delta.numel() else empty,
         "kl_k3_sum": (ratio - 1 - signed).sum() if delta.numel() else empty,

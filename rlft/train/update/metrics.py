@@ -135,14 +135,14 @@ def correction_metrics(parts: list[dict[str, torch.Tensor]], accelerator) -> dic
     device = accelerator.device
     sums = torch.stack([torch.stack([p[k].to(device).float() for k in (
         "delta_sum", "delta_count", "ratio_sum", "ratio_count", "zeroed", "outside", "kl_k1_sum", "kl_k3_sum",
-        "rho_squared_sum")]) for p in parts])
+        "rho_squared_sum", "clipped")]) for p in parts])
     highs = torch.stack([torch.stack([p["delta_max"].to(device).float(), p["ratio_max"].to(device).float(),
                                       -p["ratio_min"].to(device).float()]) for p in parts]).max(dim=0).values
     sums = sums.sum(dim=0)
     if accelerator.num_processes > 1:
         sums = accelerator.reduce(sums, "sum")
         highs = accelerator.gather(highs[None]).max(dim=0).values
-    delta_sum, delta_count, ratio_sum, ratio_count, zeroed, outside, k1, k3, rho_squared = sums.tolist()
+    delta_sum, delta_count, ratio_sum, ratio_count, zeroed, outside, k1, k3, rho2, clipped = sums.tolist()
     tokens = max(delta_count, 1)
     return {"sampling/sampling_logp_difference/mean": delta_sum / max(delta_count, 1),
             "sampling/sampling_logp_difference/max": highs[0].item(),
@@ -150,11 +150,13 @@ def correction_metrics(parts: list[dict[str, torch.Tensor]], accelerator) -> dic
             "sampling/importance_sampling_ratio/mean": ratio_sum / max(ratio_count, 1),
             "sampling/importance_sampling_ratio/max": highs[1].item(),
             "sampling/importance_sampling_zeroed_fraction": zeroed / max(ratio_count, 1),
+            # weights (tokens, or sequences for a per-sequence mode) a truncating bound moved
+            "sampling/importance_sampling_clipped_fraction": clipped / max(ratio_count, 1),
             # per token, before any bound: how far the trainer's distribution is from the sampler's
             "sampling/importance_sampling_ratio/outside_fraction": outside / tokens,
             # KL(sampler || trainer) per token (k1, k3) and the chi-square divergence: rlft/core/importance.py
             "sampling/kl_sampler_trainer/k1": k1 / tokens, "sampling/kl_sampler_trainer/k3": k3 / tokens,
-            "sampling/chi2_token": rho_squared / tokens - 1.0 if delta_count else 0.0}
+            "sampling/chi2_token": rho2 / tokens - 1.0 if delta_count else 0.0}
 
 
 class MetricWindow:

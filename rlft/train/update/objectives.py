@@ -152,8 +152,10 @@ class PolicyObjective(Objective):
                                           args.vllm_importance_sampling_clip_min,
                                           args.vllm_importance_sampling_cap
                                           or args.vllm_importance_sampling_clip_max)
-            if corrections is not None:
-                corrections.append(correction_stats(old, sampler, mask, weights))
+            if corrections is not None:  # (the unbounded weights: how many a bound clipped)
+                unbounded = sampling_correction(old, sampler, mask, args.vllm_importance_sampling_mode, None,
+                                                None)
+                corrections.append(correction_stats(old, sampler, mask, weights, unbounded))
         advantages = batch.advantages[rows]  # [b], or [b, C] per token (REINFORCE++)
         advantages = advantages if advantages.ndim == 1 else advantages[:, :width]
         off_policy = None
