@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlft.core.importance import MODES, correction_stats, sampling_correction
+from rlft.core.importance import CORRECTIONS, MODES, correction_stats, sampling_correction
 from rlft.core.losses import policy_loss
 
 TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # reference() below
@@ -168,3 +168,20 @@ def test_the_stats_count_what_a_bound_clipped_apart_from_what_it_zeroed():
         unbounded = sampling_correction(trainer, sampler, mask, mode, None, None)
         stats = correction_stats(trainer, sampler, mask, weights, unbounded)
         assert (stats["clipped"].item(), stats["zeroed"].item()) == (clipped, zeroed), mode
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stale_long_samples_keep_finite_bounded_weights_in_float32(mode):
+    """Samples 4 optimiser steps stale over 2,048 tokens: the per-sequence log ratio reaches +-400, past
+    float32's exp range (TRL threads #6945 / #7120: its sequence modes break here). Every weight stays finite
+    and within [0, C_max] (a truncated one within [C_min, C_max])."""
+    gen = torch.Generator().manual_seed(7)
+    trainer = -torch.rand(4, 2048, generator=gen) * 4
+    drift = torch.tensor([0.2, -0.2, 0.02, 0.0])[:, None]  # per-token log ratio of each sequence
+    sampler = trainer - drift
+    mask = torch.ones(4, 2048)
+    weights = sampling_correction(trainer, sampler, mask, mode, 0.5, 3.0)
+    assert torch.isfinite(weights).all() and weights.min() >= 0 and weights.max() <= 3.0
+    if CORRECTIONS[mode].bound == "truncate":
+        assert weights.min() >= 0.5
+    assert weights.flatten()[-1] == 1.0  # the fresh sequence keeps weight 1
