@@ -152,6 +152,55 @@ def run(variant: str, steps: int, quick: bool) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def alternate(run, args) -> dict[str, list[dict]]:
+    """`run(variant)` `args.repeats` times per variant, alternating rlft trl, trl rlft."""
+    runs = {v: [] for v in VARIANTS}
+    for repeat in range(args.repeats):
+        for variant in VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]:
+            runs[variant].append(run(variant))
+            print(f"{variant} run {repeat}: {[round(s['update_seconds'], 2) for s in runs[variant][-1]['steps']]} "
+                  f"s/step, peak RSS {runs[variant][-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+    return runs
+
+
+def summarize(runs: dict, spec: dict, args) -> dict:
+    """Medians of the measured steps (each run's first dropped), peak memory, first-step losses, the ratios."""
+    import torch
+    import transformers
+    import trl
+
+    summary = {}
+    for variant, done in runs.items():
+        seconds = [s["update_seconds"] for r in done for s in r["steps"][1:]]
+        summary[variant] = {"median_update_seconds": statistics.median(seconds), "update_seconds": seconds,
+                            "peak_rss_mb": max(r["peak_rss_mb"] for r in done),
+                            "first_loss": done[0]["losses"][0]}
+    r, t = summary["rlft"], summary["trl"]
+    return {"date": str(date.today()), "quick": args.quick, "spec": spec, "steps": args.steps,
+            "repeats": args.repeats, "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), "
+            f"torch threads {torch.get_num_threads()}, float32",
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "trl": trl.__version__},
+            "variants": summary,
+            "first_loss_relative_gap": abs(r["first_loss"] - t["first_loss"]) / abs(t["first_loss"]),
+            "time_ratio": r["median_update_seconds"] / t["median_update_seconds"],
+            "memory_ratio": r["peak_rss_mb"] / t["peak_rss_mb"]}
+
+
+def report(results: dict, spec: dict, out: str | None) -> None:
+    """Write the results JSON (when `out`) and print the table and the first-step losses."""
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    r, t = results["variants"]["rlft"], results["variants"]["trl"]
+    print(f"| shape | rlft s/step | TRL s/step | time rlft/TRL | rlft peak RSS MB | TRL peak RSS MB | memory rlft/TRL |\n"
+          f"| --- | --- | --- | --- | --- | --- | --- |\n"
+          f"| {spec['completions']} x {spec['length']} tokens, vocab {spec['vocab']:,} | "
+          f"{r['median_update_seconds']:.2f} | {t['median_update_seconds']:.2f} | {results['time_ratio']:.2f}x | "
+          f"{r['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {results['memory_ratio']:.2f}x |")
+    print(f"first-step loss rlft {r['first_loss']:.6f} vs TRL {t['first_loss']:.6f} "
+          f"(relative gap {results['first_loss_relative_gap']:.2e})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2, help="runs per variant, alternating rlft trl, trl rlft")
@@ -168,41 +217,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out_dir:
             print(json.dumps(worker(args.worker, spec, args.steps, out_dir)))
         return
-    import torch
-    import transformers
-    import trl
-
-    runs = {v: [] for v in VARIANTS}
-    for repeat in range(args.repeats):
-        for variant in VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]:
-            runs[variant].append(run(variant, args.steps, args.quick))
-            print(f"{variant} run {repeat}: {[round(s['update_seconds'], 2) for s in runs[variant][-1]['steps']]} "
-                  f"s/step, peak RSS {runs[variant][-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
-    summary = {}
-    for variant, done in runs.items():
-        seconds = [s["update_seconds"] for r in done for s in r["steps"][1:]]
-        summary[variant] = {"median_update_seconds": statistics.median(seconds), "update_seconds": seconds,
-                            "peak_rss_mb": max(r["peak_rss_mb"] for r in done),
-                            "first_loss": done[0]["losses"][0]}
-    gap = abs(summary["rlft"]["first_loss"] - summary["trl"]["first_loss"]) / abs(summary["trl"]["first_loss"])
-    results = {"date": str(date.today()), "quick": args.quick, "spec": spec, "steps": args.steps,
-               "repeats": args.repeats, "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), "
-               f"torch threads {torch.get_num_threads()}, float32",
-               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                            "trl": trl.__version__},
-               "variants": summary, "first_loss_relative_gap": gap,
-               "time_ratio": summary["rlft"]["median_update_seconds"] / summary["trl"]["median_update_seconds"],
-               "memory_ratio": summary["rlft"]["peak_rss_mb"] / summary["trl"]["peak_rss_mb"]}
+    runs = alternate(lambda variant: run(variant, args.steps, args.quick), args)
     out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results-distillation.json"))
-    if out:
-        Path(out).write_text(json.dumps(results, indent=2) + "\n")
-    r, t = summary["rlft"], summary["trl"]
-    print(f"| shape | rlft s/step | TRL s/step | time rlft/TRL | rlft peak RSS MB | TRL peak RSS MB | memory rlft/TRL |\n"
-          f"| --- | --- | --- | --- | --- | --- | --- |\n"
-          f"| {spec['completions']} x {spec['length']} tokens, vocab {spec['vocab']:,} | "
-          f"{r['median_update_seconds']:.2f} | {t['median_update_seconds']:.2f} | {results['time_ratio']:.2f}x | "
-          f"{r['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {results['memory_ratio']:.2f}x |")
-    print(f"first-step loss rlft {r['first_loss']:.6f} vs TRL {t['first_loss']:.6f} (relative gap {gap:.2e})")
+    report(summarize(runs, spec, args), spec, out)
 
 
 if __name__ == "__main__":

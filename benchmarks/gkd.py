@@ -26,17 +26,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
-import statistics
 import subprocess
 import sys
-from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.distillation import FULL, QUICK, build, clock  # noqa: E402 (the same models and clock)
+from benchmarks.distillation import (  # noqa: E402 (the same models, clock and report)
+    FULL,
+    QUICK,
+    alternate,
+    build,
+    clock,
+    report,
+    summarize,
+)
 
 VARIANTS = ("rlft", "trl")
 
@@ -98,29 +103,6 @@ def run(variant: str, steps: int, quick: bool, completions: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def summarize(runs: dict, spec: dict, args) -> dict:
-    import torch
-    import transformers
-    import trl
-
-    summary = {}
-    for variant, done in runs.items():
-        seconds = [s["update_seconds"] for r in done for s in r["steps"][1:]]
-        summary[variant] = {"median_update_seconds": statistics.median(seconds), "update_seconds": seconds,
-                            "peak_rss_mb": max(r["peak_rss_mb"] for r in done),
-                            "first_loss": done[0]["losses"][0]}
-    r, t = summary["rlft"], summary["trl"]
-    return {"date": str(date.today()), "quick": args.quick, "spec": spec, "steps": args.steps,
-            "repeats": args.repeats, "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), "
-            f"torch threads {torch.get_num_threads()}, float32",
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                         "trl": trl.__version__},
-            "variants": summary, "first_loss_relative_gap": abs(r["first_loss"] - t["first_loss"])
-            / abs(t["first_loss"]),
-            "time_ratio": r["median_update_seconds"] / t["median_update_seconds"],
-            "memory_ratio": r["peak_rss_mb"] / t["peak_rss_mb"]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2, help="runs per variant, alternating rlft trl, trl rlft")
@@ -138,24 +120,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out_dir:
             print(json.dumps(worker(args.worker, spec, args.steps, out_dir)))
         return
-    runs = {v: [] for v in VARIANTS}
-    for repeat in range(args.repeats):
-        for variant in VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]:
-            runs[variant].append(run(variant, args.steps, args.quick, args.completions))
-            print(f"{variant} run {repeat}: {[round(s['update_seconds'], 2) for s in runs[variant][-1]['steps']]} "
-                  f"s/step, peak RSS {runs[variant][-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
-    results = summarize(runs, spec, args)
+    runs = alternate(lambda variant: run(variant, args.steps, args.quick, args.completions), args)
     out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results-gkd.json"))
-    if out:
-        Path(out).write_text(json.dumps(results, indent=2) + "\n")
-    r, t = results["variants"]["rlft"], results["variants"]["trl"]
-    print(f"| shape | rlft s/step | TRL s/step | time rlft/TRL | rlft peak RSS MB | TRL peak RSS MB | memory rlft/TRL |\n"
-          f"| --- | --- | --- | --- | --- | --- | --- |\n"
-          f"| {spec['completions']} x {spec['length']} tokens, vocab {spec['vocab']:,} | "
-          f"{r['median_update_seconds']:.2f} | {t['median_update_seconds']:.2f} | {results['time_ratio']:.2f}x | "
-          f"{r['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {results['memory_ratio']:.2f}x |")
-    print(f"first-step loss rlft {r['first_loss']:.6f} vs TRL {t['first_loss']:.6f} "
-          f"(relative gap {results['first_loss_relative_gap']:.2e})")
+    report(summarize(runs, spec, args), spec, out)
 
 
 if __name__ == "__main__":
