@@ -314,7 +314,8 @@ def test_trl_module_path():
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("use_peft", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("use_peft", [pytest.param(True, id="lora"),  # (CI time: full weights under -m slow)
+                                      pytest.param(False, id="full", marks=pytest.mark.slow)])
 def test_vllm_in_the_producer_process_samples_on_schedule_and_matches_the_trainer(tmp_path, use_peft):
     """vLLM in the producer's own process: at rollout_lag 0 its float32 log-probs equal the trainer's after every
     push (LoRA merged into the producer's copy, full weights pushed); at lag 1 the schedule holds."""

@@ -260,7 +260,7 @@ def assert_two_process_run_matched_its_engines(tmp_path, result) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("lora_sync", ["adapter", "merged"])
+@pytest.mark.parametrize("lora_sync", ["adapter", pytest.param("merged", marks=pytest.mark.slow)])  # (CI time)
 def test_two_processes_each_generate_with_their_own_colocated_engine(tmp_path, shipped_policy_dir, lora_sync):
     from tests.test_distributed import launch
 
@@ -299,8 +299,9 @@ def sharded_launch(engine: str, config: str) -> subprocess.CompletedProcess:
 FULL_IN_BUCKETS = "use_peft: false\nlearning_rate: 1e-3\nvllm_sync_bucket_mb: 0.25\n"
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
-@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+@pytest.mark.parametrize("engine, mode", [  # (CI time, 2026-11-28: each engine once in the default run)
+    ("fsdp2", "lora"), ("zero3", "full"), pytest.param("fsdp2", "full", marks=pytest.mark.slow),
+    pytest.param("zero3", "lora", marks=pytest.mark.slow)])
 def test_sharded_training_syncs_whole_weights_into_each_colocated_engine(tmp_path, shipped_policy_dir, engine, mode):
     """FSDP2 / ZeRO-3 (persistence threshold 0: really sharded), 2 processes each with its own engine: LoRA
     (the adapter, its base weights once) or full weights in buckets gathered one at a time on both processes;
