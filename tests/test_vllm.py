@@ -316,6 +316,7 @@ def test_sharded_training_syncs_whole_weights_into_each_colocated_engine(tmp_pat
           f"{[r['sampling/sampling_logp_difference/max'] for r in rows]}")
 
 
+@pytest.mark.slow  # (CI time: 103 s; a server's pushes and sharded pushes each keep a default test)
 def test_sharded_training_pushes_adapters_and_bucketed_weights_to_a_shared_server(tmp_path, shipped_policy_dir):
     """FSDP2 and ZeRO-3: both processes gather for each sync (one bucket at a time), rank 0 sends over HTTP: a
     LoRA run (the adapter) and a full run (buckets) per engine, on one server."""
