@@ -90,7 +90,6 @@ def _gradient_of(policy_part):
     return gradient
 
 
-
 class PolicyObjective(Objective):
     """The policy-gradient loss of the GRPO family (module docstring), with its options (`LossOptions`: each
     loss's parameters, rlft/core/losses.py)."""
