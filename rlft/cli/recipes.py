@@ -39,24 +39,6 @@ PATH_FIELDS = (
 
 
 @dataclass
-class GRPOScriptArguments(ScriptArguments):
-    """`trl grpo`'s script arguments, plus rlft's train_dataset / eval_dataset."""
-
-    reward_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "a reward model (folder or hub id) used as the first reward "
-                                        "function"})
-    reward_funcs: list[str] | None = field(
-        default=None, metadata={"help": "reward functions: built-in names, module:function, or a reward "
-                                        "model folder"})
-    train_dataset: str | None = field(
-        default=None, metadata={"help": "training data: a .jsonl/.json/.csv/.parquet file, a dataset "
-                                        "folder, or a hub id"})
-    eval_dataset: str | None = field(
-        default=None, metadata={"help": "evaluation data, same forms as train_dataset; a mapping name: "
-                                        "data evaluates each"})
-
-
-@dataclass
 class RewardScriptArguments(ScriptArguments):
     """`trl reward`'s (and `trl distillation`'s) script arguments, plus rlft's train_dataset /
     eval_dataset."""
@@ -67,6 +49,18 @@ class RewardScriptArguments(ScriptArguments):
     eval_dataset: str | None = field(
         default=None, metadata={"help": "evaluation data, same forms as train_dataset; a mapping name: "
                                         "data evaluates each"})
+
+
+@dataclass
+class GRPOScriptArguments(RewardScriptArguments):
+    """`trl grpo`'s script arguments, plus rlft's train_dataset / eval_dataset (RewardScriptArguments')."""
+
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "a reward model (folder or hub id) used as the first reward "
+                                        "function"})
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "reward functions: built-in names, module:function, or a reward "
+                                        "model folder"})
 
 
 def make_parser(kind: str, **kwargs) -> TrlParser:
