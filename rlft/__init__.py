@@ -1,8 +1,9 @@
-"""rlft: reinforcement-learning fine-tuning of language models (GRPO, on-policy distillation and reward
-models).
+"""rlft: reinforcement-learning fine-tuning of language models (GRPO, on-policy distillation and
+reward models).
 
-The names a TRL script imports from `trl` are importable from `rlft` (docs/migration.md). Every name loads on
-first use (as TRL's lazy module does), so `import rlft` and `rlft --help` load neither torch nor transformers.
+The names a TRL script imports from `trl` are importable from `rlft` (docs/migration.md). Every name
+loads on first use (as TRL's lazy module does), so `import rlft` and `rlft --help` load neither
+torch nor transformers.
 """
 
 import logging
@@ -12,7 +13,8 @@ from rlft.kinds import KINDS as _KINDS
 
 # a library logs; the application configures handlers
 logging.getLogger("rlft").addHandler(logging.NullHandler())
-_paths.install()  # rlft.trainer.grpo_trainer, rlft.experimental.async_grpo, ... (TRL's module paths)
+# rlft.trainer.grpo_trainer, rlft.experimental.async_grpo, ... (TRL's module paths)
+_paths.install()
 
 __version__ = "0.2.0"
 

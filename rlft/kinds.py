@@ -1,11 +1,12 @@
-"""The trainer kinds, one row each: its command, config, trainer, script arguments, help and TRL's module
-paths.
+"""The trainer kinds, one row each: its command, config, trainer, script arguments, help and TRL's
+module paths.
 
-Everything that names a kind reads it from here: `rlft.__all__` and its lazy imports (rlft/__init__.py),
-`rlft <kind>` and its help (rlft/cli/commands.py), the recipe builder (rlft/cli/recipes.py) and TRL's module
-paths (`rlft.trainer.grpo_trainer`, `rlft.experimental.async_grpo`, ...: rlft/paths.py). A new kind is its
-own module(s) and one row. Rows hold "module:name" strings, so reading them imports nothing: `rlft --help`
-lists the commands without loading torch.
+Everything that names a kind reads it from here: `rlft.__all__` and its lazy imports
+(rlft/__init__.py), `rlft <kind>` and its help (rlft/cli/commands.py), the recipe builder
+(rlft/cli/recipes.py) and TRL's module paths (`rlft.trainer.grpo_trainer`,
+`rlft.experimental.async_grpo`, ...: rlft/paths.py). A new kind is its own module(s) and one row.
+Rows hold "module:name" strings, so reading them imports nothing: `rlft --help` lists the commands
+without loading torch.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class Kind:
     recipe: str = "rlft.cli.recipes:with_rewards"
     command: bool = True  # `rlft <name>` runs it
     trl_paths: tuple[str, ...] = ()  # TRL's modules (after "trl.") holding its config and trainer
-    deprecated_paths: tuple[str, ...] = ()  # TRL's deprecated aliases: a FutureWarning on use, as TRL's
-    extra_names: dict[str, str] = field(default_factory=dict)  # more names on those paths: "module:name"
+    # TRL's deprecated aliases: a FutureWarning on use, as TRL's
+    deprecated_paths: tuple[str, ...] = ()
+    # more names on those paths: "module:name"
+    extra_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def config_name(self) -> str:
@@ -50,13 +53,13 @@ class Kind:
         return {self.config_name: self.config, self.trainer_name: self.trainer, **self.extra_names}
 
 
-_FIELDS = ("Fields of every group below can be in the --config YAML or given here (options win over the "
-           "YAML)")
+_FIELDS = ("Fields of every group below can be in the --config YAML or given here (options win "
+           "over the YAML)")
 
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     Kind("grpo", "rlft.config:GRPOConfig", "rlft.train.grpo:GRPOTrainer", "GRPO training",
-         f"GRPO training. {_FIELDS}; TRL's `trl grpo` arguments are accepted; examples/configs/ holds "
-         "runnable configs.",
+         f"GRPO training. {_FIELDS}; TRL's `trl grpo` arguments are accepted; examples/configs/ "
+         "holds runnable configs.",
          trl_paths=("trainer.grpo_trainer", "trainer.grpo_config")),
     Kind("rloo", "rlft.config:RLOOConfig", "rlft.train.rloo:RLOOTrainer", "RLOO training (TRL's RLOOTrainer)",
          "RLOO training (TRL's RLOOTrainer: leave-one-out baseline, KL in the reward). "
@@ -64,28 +67,31 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          trl_paths=("trainer.rloo_trainer", "trainer.rloo_config")),
     Kind("reward", "rlft.config:RewardConfig", "rlft.train.reward:RewardTrainer",
          "Bradley-Terry reward-model training",
-         f"Bradley-Terry reward-model training. {_FIELDS}; TRL's `trl reward` arguments are accepted.",
+         f"Bradley-Terry reward-model training. {_FIELDS}; TRL's `trl reward` arguments are "
+         "accepted.",
          script_args="rlft.cli.recipes:RewardScriptArguments", recipe="",
          trl_paths=("trainer.reward_trainer", "trainer.reward_config"),
          extra_names={"DataCollatorForPreference": "rlft.data.preference_pairs:DataCollatorForPreference"}),
     Kind("distillation", "rlft.config:DistillationConfig", "rlft.train.distillation:DistillationTrainer",
          "On-policy distillation (TRL's DistillationTrainer)",
-         "On-policy distillation (TRL's DistillationTrainer: the student samples, the teacher scores every "
-         f"token, generalized JSD at beta). {_FIELDS}; TRL's `trl distillation` arguments are accepted; "
-         "teacher_model_name_or_path names the teacher.",
+         "On-policy distillation (TRL's DistillationTrainer: the student samples, the teacher "
+         f"scores every token, generalized JSD at beta). {_FIELDS}; TRL's `trl distillation` "
+         "arguments are accepted; teacher_model_name_or_path names the teacher.",
          script_args="rlft.cli.recipes:RewardScriptArguments", recipe="rlft.cli.recipes:with_teacher",
          trl_paths=("trainer.distillation_trainer", "trainer.distillation_config"),
          deprecated_paths=("experimental.distillation",)),
     Kind("gkd", "rlft.config:GKDConfig", "rlft.train.gkd:GKDTrainer",
          "Generalized knowledge distillation (TRL's experimental GKDTrainer)",
-         "GKD: each step on the student's own completions with probability lmbda, else on the dataset's "
-         f"(or the teacher's: seq_kd); the generalized JSD at beta. {_FIELDS}; `messages` datasets as TRL's.",
+         "GKD: each step on the student's own completions with probability lmbda, else on the "
+         f"dataset's (or the teacher's: seq_kd); the generalized JSD at beta. {_FIELDS}; "
+         "`messages` datasets as TRL's.",
          script_args="rlft.cli.recipes:RewardScriptArguments", recipe="rlft.cli.recipes:with_teacher",
          trl_paths=("experimental.gkd",)),
     Kind("server_distillation", "rlft.config:ServerDistillationConfig",
          "rlft.train.distillation:ServerDistillationTrainer",
          "Distillation from a served teacher (TRL's experimental ServerDistillationTrainer)",
-         "On-policy distillation from a teacher behind teacher_model_server_url (its top-k log-probs).",
+         "On-policy distillation from a teacher behind teacher_model_server_url (its top-k "
+         "log-probs).",
          command=False, trl_paths=("experimental.server_distillation",)),
     Kind("async_grpo", "rlft.config:AsyncGRPOConfig", "rlft.train.async_grpo:AsyncGRPOTrainer",
          "Async GRPO (TRL's experimental AsyncGRPOTrainer)",

@@ -1,10 +1,11 @@
 """TRL's module paths under rlft: `from rlft.trainer.grpo_trainer import GRPOTrainer`,
-`from rlft.experimental.async_grpo import AsyncGRPOTrainer`, ... work as TRL's do with the import changed.
+`from rlft.experimental.async_grpo import AsyncGRPOTrainer`, ... work as TRL's do with the import
+changed.
 
-The modules are made from the kind rows (rlft/kinds.py: `trl_paths`, `deprecated_paths`) by a finder on
-`sys.meta_path`; their names load on first use, so importing one loads no trainer until a name is asked for.
-A deprecated path (TRL's `trl.experimental.distillation`) warns as TRL does, with rlft's import in the
-message.
+The modules are made from the kind rows (rlft/kinds.py: `trl_paths`, `deprecated_paths`) by a finder
+on `sys.meta_path`; their names load on first use, so importing one loads no trainer until a name is
+asked for. A deprecated path (TRL's `trl.experimental.distillation`) warns as TRL does, with rlft's
+import in the message.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ for _kind in KINDS.values():
 
 
 def _module(fullname: str, names: dict[str, tuple[str, bool]]) -> types.ModuleType:
-    module = types.ModuleType(fullname, f"TRL's `trl.{fullname[5:]}` names, from rlft (rlft/kinds.py).")
+    module = types.ModuleType(fullname, f"TRL's `trl.{fullname[5:]}` names, from rlft "
+                                        "(rlft/kinds.py).")
     module.__all__ = sorted(names)
 
     def __getattr__(name: str):
@@ -34,9 +36,9 @@ def _module(fullname: str, names: dict[str, tuple[str, bool]]) -> types.ModuleTy
             raise AttributeError(f"module {fullname!r} has no attribute {name!r}")
         target, deprecated = names[name]
         if deprecated:
-            warnings.warn(f"This import path is deprecated (as in TRL, where it is removed in v2.0.0). The "
-                          f"`{name}` has been promoted to the stable API. Update your imports to `from rlft "
-                          f"import {name}`.", FutureWarning, stacklevel=2)
+            warnings.warn("This import path is deprecated (as in TRL, where it is removed in "
+                          f"v2.0.0). The `{name}` has been promoted to the stable API. Update your "
+                          f"imports to `from rlft import {name}`.", FutureWarning, stacklevel=2)
         return load(target)
 
     module.__getattr__ = __getattr__

@@ -1,4 +1,5 @@
-"""Third-party noise that rlft itself triggers, silenced unless asked for (`--verbose` or RLFT_VERBOSE=1).
+"""Third-party noise that rlft itself triggers, silenced unless asked for (`--verbose` or
+RLFT_VERBOSE=1).
 
 - Progress bars of transformers (loading and writing weights), datasets (preparing splits) and
   huggingface_hub: off for the `rlft` command, which prints its own progress; a Python caller's
@@ -37,7 +38,8 @@ def known_noise():
 
 
 def quiet_command_line(verbose_flag: bool) -> None:
-    """For the `rlft` command: progress bars and vLLM's INFO lines off, unless --verbose / RLFT_VERBOSE."""
+    """For the `rlft` command: progress bars and vLLM's INFO lines off, unless --verbose /
+    RLFT_VERBOSE."""
     if verbose_flag:
         os.environ[VERBOSE_ENV] = "1"
     if verbose():
@@ -46,8 +48,8 @@ def quiet_command_line(verbose_flag: bool) -> None:
     import torch
 
     if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        # what DeepSpeed would detect, said up front: it warns "Setting accelerator to CPU" when it has
-        # to guess
+        # what DeepSpeed would detect, said up front: it warns "Setting accelerator to CPU" when it
+        # has to guess
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import datasets
     import huggingface_hub.utils

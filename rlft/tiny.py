@@ -32,11 +32,12 @@ BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 ANSWER_TOKENS = ["<answer>", "</answer>"]
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] "
+    "}}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# ChatML with tools (Hermes / Qwen2.5 tool-call format): the tools listed in a system turn by name and
-# arguments, each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results in 'tool' turns.
+# ChatML with tools (Hermes / Qwen2.5 tool-call format): the tools listed in a system turn by name
+# and arguments, each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results in
+# 'tool' turns.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}"
@@ -61,8 +62,8 @@ def _tokenizer_corpus(seed: int, lines: int = 2000, tools: bool = False) -> list
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
         corpus.append(f"What is {a}+{b}? {words.capitalize()}. The answer is {a + b}!")
         if tools:
-            corpus.append(f'Tools: add(a, b)\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n'
-                          f'tool\n{a + b}')
+            corpus.append(f'Tools: add(a, b)\n{{"name": "add", "arguments": {{"a": {a}, "b": '
+                          f'{b}}}}}\ntool\n{a + b}')
     return corpus
 
 

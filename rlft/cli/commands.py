@@ -1,5 +1,5 @@
-"""The `rlft` command: grpo | rloo | reward | distillation (the kinds of rlft/kinds.py) | demo | doctor |
-plot | vllm-serve.
+"""The `rlft` command: grpo | rloo | reward | distillation (the kinds of rlft/kinds.py) | demo |
+doctor | plot | vllm-serve.
 
 Training subcommands take `--config run.yaml` plus `--field value` overrides for any
 config field (`rlft grpo --config run.yaml --learning_rate 1e-5`).
@@ -15,10 +15,10 @@ from rlft.kinds import KINDS, command_kinds
 
 
 def train_command(kind: str, argv: list[str]) -> int:
-    """`rlft grpo` / `rlft reward`: TRL's script arguments, training config, ModelConfig and dataset mixture
-    from `--config run.yaml` and `--field value` options; validated before the model loads; train, save the
-    model to output_dir (as `trl grpo` / `trl reward` do: its top level holds the model, checkpoint-N/ and
-    metrics.jsonl beside it)."""
+    """`rlft grpo` / `rlft reward`: TRL's script arguments, training config, ModelConfig and dataset
+    mixture from `--config run.yaml` and `--field value` options; validated before the model loads;
+    train, save the model to output_dir (as `trl grpo` / `trl reward` do: its top level holds the
+    model, checkpoint-N/ and metrics.jsonl beside it)."""
     from rlft.cli.recipes import build_trainer, make_parser, parse_run
 
     argv = [a for a in argv if a != "--verbose"]
@@ -26,7 +26,8 @@ def train_command(kind: str, argv: list[str]) -> int:
         parser = make_parser(kind, prog=f"rlft {kind}", description=KINDS[kind].help, allow_abbrev=False,
                              usage=f"rlft {kind} [--config run.yaml] [--field value ...]")
         parser.add_argument("--config",
-                            help="YAML file of fields of any of the groups below (TRL's recipe format)")
+                            help="YAML file of fields of any of the groups below (TRL's recipe "
+                                 "format)")
         parser.add_argument("--verbose", action="store_true", help="show third-party progress bars and logs")
         parser.print_help()
         return 0
@@ -46,12 +47,14 @@ def train_command(kind: str, argv: list[str]) -> int:
     trainer = build_trainer(kind, script_args, training_args, model_args, mixture_args)
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except Preempted:  # a checkpoint is written and said: the processes end together, then the exit status
+    # a checkpoint is written and said: the processes end together, then the exit status
+    except Preempted:
         accelerator = trainer.accelerator
         del trainer
         release_processes(accelerator)
         raise
-    final = training_args.output_dir  # where `trl grpo / rloo / reward` save it, beside the checkpoints
+    # where `trl grpo / rloo / reward` save it, beside the checkpoints
+    final = training_args.output_dir
     trainer.save_model(final)
     if trainer.accelerator.is_main_process:
         hint = f" (use it in GRPO: reward_funcs: [{final}])" if kind == "reward" else ""
@@ -105,15 +108,16 @@ def _cmd_vllm_serve(args, extra: list[str]) -> int:
 
 def _add_vllm_serve(sub) -> None:
     serve = sub.add_parser("vllm-serve",
-                           help="a vLLM server for use_vllm=True, vllm_mode='server' (TRL's trl vllm-serve)")
+                           help="a vLLM server for use_vllm=True, vllm_mode='server' (TRL's trl "
+                                "vllm-serve)")
     serve.add_argument("--model", required=True,
                        help="the policy's folder or hub id (the trainer pushes its weights)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="default loopback; 0.0.0.0 exposes the weight-reload route")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", default=None, help="the engine's weights, e.g. bfloat16 (default: the "
-                       "trainer's rule for dtype auto here: bfloat16 on a GPU that has it, else float32; "
-                       "vLLM's auto would run float32 as bfloat16 on a CPU)")
+    serve.add_argument("--dtype", default=None, help="the engine's weights, e.g. bfloat16 "
+                       "(default: the trainer's rule for dtype auto here: bfloat16 on a GPU that "
+                       "has it, else float32; vLLM's auto would run float32 as bfloat16 on a CPU)")
     serve.add_argument("--max_model_len", "--max-model-len", type=int, default=None)
     serve.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1)
     serve.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization", type=float, default=0.9)
@@ -121,33 +125,36 @@ def _add_vllm_serve(sub) -> None:
                        default=None, help="default: eager on CPU, compiled on GPU")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--enable_lora", "--enable-lora", action="store_true",
-                       help="LoRA on: a LoRA trainer then pushes only its adapter each sync, not the merged "
-                       "model")
+                       help="LoRA on: a LoRA trainer then pushes only its adapter each sync, not "
+                       "the merged model")
     serve.add_argument("--max_lora_rank", "--max-lora-rank", type=int, default=16,
-                       help="the largest adapter rank it can hold (vLLM accepts 1, 8, 16, 32, 64, ...)")
+                       help="the largest adapter rank it can hold (vLLM accepts 1, 8, 16, 32, 64, "
+                            "...)")
     serve.set_defaults(func=_cmd_vllm_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: GRPO, "
-                                     "RLOO, on-policy distillation and reward models.")
+    parser = argparse.ArgumentParser(prog="rlft", description="Reinforcement-learning fine-tuning: "
+                                     "GRPO, RLOO, on-policy distillation and reward models.")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true",
-                        help="show third-party progress bars and vLLM's INFO log (also: RLFT_VERBOSE=1)")
+                        help="show third-party progress bars and vLLM's INFO log (also: "
+                             "RLFT_VERBOSE=1)")
 
     for name in TRAINING:
         sub.add_parser(name, parents=[common], add_help=False,
-                       help=f"{KINDS[name].summary} from a YAML config and/or --field value options (rlft "
-                       f"{name} --help lists every field)")
+                       help=f"{KINDS[name].summary} from a YAML config and/or --field value "
+                       f"options (rlft {name} --help lists every field)")
 
     demo = sub.add_parser("demo", parents=[common],
                           help="GRPO with LoRA on the shipped tiny addition policy (CPU, minutes)")
     demo.add_argument("--task", choices=["addition", "calculator"], default="addition",
-                      help="calculator: the policy calls an add tool (multi-turn rollouts, docs/agents.md)")
+                      help="calculator: the policy calls an add tool (multi-turn rollouts, "
+                           "docs/agents.md)")
     demo.add_argument("--steps", type=int, default=None,
-                      help="optimizer steps (default 1000 for addition: about 2 minutes on 2 CPU cores; 300 "
-                      "for calculator)")
+                      help="optimizer steps (default 1000 for addition: about 2 minutes on 2 CPU "
+                      "cores; 300 for calculator)")
     demo.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--use_vllm", action="store_true",
@@ -158,11 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", parents=[common],
                             help="preflight checks for a grpo, reward or distillation config")
     doctor.add_argument("--config", required=True,
-                        help="the YAML you would pass to rlft grpo / rlft reward / rlft distillation")
+                        help="the YAML you would pass to rlft grpo / rlft reward / rlft "
+                             "distillation")
     doctor.add_argument("--kind", choices=["auto", "grpo", "reward", "distillation"], default="auto",
-                        help="auto: a config with reward-model fields (max_length, truncation, ...) is "
-                        "'reward'; one naming teacher_model_name_or_path without teacher_coef or "
-                        "reward_funcs 'distillation'")
+                        help="auto: a config with reward-model fields (max_length, truncation, "
+                        "...) is 'reward'; one naming teacher_model_name_or_path without "
+                        "teacher_coef or reward_funcs 'distillation'")
     doctor.set_defaults(func=_cmd_doctor)
 
     plot = sub.add_parser("plot", help="PNG curves from RUN_DIR/metrics.jsonl")
@@ -195,10 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"rlft {command}: {err}", file=sys.stderr)
         return 2
-    except OutputDirBusyError as err:  # another run holds output_dir: said plainly, nothing was written
+    # another run holds output_dir: said plainly, nothing was written
+    except OutputDirBusyError as err:
         print(f"rlft {command}: {err}", file=sys.stderr)
         return 1
-    except ValueError as err:  # a dataset problem is the user's to fix, like a config one: no traceback
+    # a dataset problem is the user's to fix, like a config one: no traceback
+    except ValueError as err:
         from rlft.data.prompts import DatasetError
 
         if not isinstance(err, DatasetError):

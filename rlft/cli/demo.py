@@ -5,8 +5,8 @@ training, every `eval_every` steps, and after. Two rewards: correctness (the ans
 `<answer>` tags equals a+b) and format (the whole completion is `<answer>...</answer>`).
 
 `rlft demo --task calculator`: the same problems with an `add` tool the policy calls (multi-turn
-rollouts, docs/agents.md), on the shipped tiny-calculator policy; rewards: the final answer is right,
-and the tool was called and worked.
+rollouts, docs/agents.md), on the shipped tiny-calculator policy; rewards: the final answer is
+right, and the tool was called and worked.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ CALCULATOR_KEY = "eval_rewards/answer_reward/mean"
 
 def demo_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False,
                 config_class=GRPOConfig, **extra) -> GRPOConfig:
-    """The demo's hyperparameters, in one place (docs/quickstart.md quotes them). The learning rate warms
-    up over the first 5% of `steps` to its peak (1.5e-3 LoRA, 6e-5 full fine-tuning) and decays to 0 along a
-    cosine by the last step, so a run of any length ends converged instead of on a noisy plateau;
-    `config_class` and `extra`: the same run as an AsyncGRPOConfig (benchmarks/async_grpo.py)."""
+    """The demo's hyperparameters, in one place (docs/quickstart.md quotes them). The learning rate
+    warms up over the first 5% of `steps` to its peak (1.5e-3 LoRA, 6e-5 full fine-tuning) and
+    decays to 0 along a cosine by the last step, so a run of any length ends converged instead of on
+    a noisy plateau; `config_class` and `extra`: the same run as an AsyncGRPOConfig
+    (benchmarks/async_grpo.py)."""
     return config_class(
         output_dir=output_dir, overwrite_output_dir=True, seed=seed, max_steps=steps,
         learning_rate=1.5e-3 if lora else 6e-5, lr_scheduler_type="cosine", warmup_ratio=0.05,
@@ -53,9 +54,9 @@ def demo_lora(lora: bool):
 
 def calculator_config(output_dir: str, steps: int, lora: bool, seed: int,
                       use_vllm: bool = False) -> GRPOConfig:
-    """The tool demo: completions hold a tool call, its result and the answer (~45 tokens, up to 64), at the
-    constant learning rate docs/agents.md measured it with (5e-4 LoRA, 3e-5 full), not the addition demo's
-    cosine."""
+    """The tool demo: completions hold a tool call, its result and the answer (~45 tokens, up to
+    64), at the constant learning rate docs/agents.md measured it with (5e-4 LoRA, 3e-5 full), not
+    the addition demo's cosine."""
     cfg = demo_config(output_dir, steps, lora, seed, use_vllm)
     cfg.learning_rate, cfg.lr_scheduler_type, cfg.warmup_ratio = (5e-4 if lora else 3e-5), "constant", 0.0
     cfg.max_completion_length, cfg.max_tool_calling_iterations, cfg.reward_weights = 64, 2, [1.0, 0.2]

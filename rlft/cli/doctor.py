@@ -20,16 +20,20 @@ from rich.table import Table
 from rlft.config import GRPOConfig, RewardConfig
 
 TRAPS_GRPO = [
-    ("loss shows 0", "expected with one update per rollout; rlft logs grad_norm and frac_reward_zero_std and "
-                     "says which case you are in (docs/troubleshooting.md)"),
-    ("'element 0 of tensors does not require grad'", "rlft enables input grads for checkpointing and checks "
+    ("loss shows 0", "expected with one update per rollout; rlft logs grad_norm and "
+                     "frac_reward_zero_std and says which case you are in "
+                     "(docs/troubleshooting.md)"),
+    ("'element 0 of tensors does not require "
+     "grad'", "rlft enables input grads for checkpointing and checks "
                                                      "gradient flow after the first backward"),
-    ("loss normalisation", "explicit loss_type; KL added per token before aggregation; normalisers global "
-                           "over accumulation and processes (docs/losses.md)"),
-    ("curves differ from docs", "every figure in docs/ is produced by a command written next to it"),
+    ("loss normalisation", "explicit loss_type; KL added per token before aggregation; normalisers "
+                           "global over accumulation and processes (docs/losses.md)"),
+    ("curves differ from "
+     "docs", "every figure in docs/ is produced by a command written next to it"),
 ]
 TRAPS_REWARD = [
-    ("LoRA reward model head frozen", "rlft sets task_type SEQ_CLS and checks the head is trainable"),
+    ("LoRA reward model head "
+     "frozen", "rlft sets task_type SEQ_CLS and checks the head is trainable"),
     ("fp16 loss blow-up", "scores and loss in float32; float16 weights get float32 master copies; "
                           "non-finite steps are skipped and counted"),
 ]
@@ -75,7 +79,8 @@ def detect_kind(config_path: str | None) -> str:
 
 @dataclasses.dataclass
 class Run:
-    """What `rlft grpo` / `rlft reward` would build from the config (rlft/cli/recipes.py), for the checks."""
+    """What `rlft grpo` / `rlft reward` would build from the config (rlft/cli/recipes.py), for the
+    checks."""
 
     script: Any
     cfg: Any
@@ -91,7 +96,8 @@ class Run:
         return dataset.select(range(min(len(dataset), rows)))
 
     def small(self, per_device: int):
-        """The config for a one-step trial: whole data in one micro-batch, no tracker, a scratch folder."""
+        """The config for a one-step trial: whole data in one micro-batch, no tracker, a scratch
+        folder."""
         from rlft.config.model_config import model_init_kwargs
 
         return dataclasses.replace(self.cfg, per_device_train_batch_size=per_device,
@@ -107,8 +113,8 @@ def _tokenizer_checks(report: Report, source: Any, tokenizer, needs_chat: bool) 
     raw = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(source))
     if raw.pad_token is None:
         report.add("FAIL", "pad token", f"the tokenizer has no pad token (eos={raw.eos_token!r}). "
-                   "Padding with eos hides where sequences end (a reward model scores the wrong token); "
-                   "add a distinct pad token: "
+                   "Padding with eos hides where sequences end (a reward model scores the wrong "
+                   "token); add a distinct pad token: "
                    "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the embeddings")
     else:
         report.add("PASS", "pad token", f"pad={raw.pad_token!r} eos={raw.eos_token!r}")
@@ -116,7 +122,8 @@ def _tokenizer_checks(report: Report, source: Any, tokenizer, needs_chat: bool) 
     status = "FAIL" if needs_chat and not has_template else ("PASS" if has_template else "INFO")
     report.add(status, "chat template", "present" if has_template else
                "none (BERT-style or base model): plain-text data only" + (
-                   "; the dataset is conversational, so this run cannot render it" if needs_chat else ""))
+                   "; the dataset is conversational, so this run cannot render "
+                   "it" if needs_chat else ""))
 
 
 def _summarise_trainable(model) -> str:
@@ -159,14 +166,15 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
     trainer = GRPOTrainer(source, reward_funcs, cfg, dataset, processing_class=tokenizer,
                           peft_config=get_peft_config(run.model_args))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    report.add("PASS", "model", f"{type(unwrapped).__name__}, {'LoRA' if trainer.is_peft else 'full'}; "
+    report.add("PASS", "model", f"{type(unwrapped).__name__}, "
+                                f"{'LoRA' if trainer.is_peft else 'full'}; "
                + _summarise_trainable(unwrapped))
     dtype = next(unwrapped.parameters()).dtype
     report.add("INFO", "dtype", f"weights {dtype}; log-probs and loss float32")
     batch = trainer._make_rollout(0)
-    report.add("INFO", "machine", f"matmul peak {trainer.throughput.peak / 1e9:,.0f} GFLOP/s in {dtype} on "
-               f"{trainer.accelerator.device} (measured: a square matmul, best of 5); this rollout used "
-               f"{batch.metrics['perf/mfu_generation']:.2g}% of it "
+    report.add("INFO", "machine", f"matmul peak {trainer.throughput.peak / 1e9:,.0f} GFLOP/s in "
+               f"{dtype} on {trainer.accelerator.device} (measured: a square matmul, best of 5); "
+               f"this rollout used {batch.metrics['perf/mfu_generation']:.2g}% of it "
                "(perf/mfu_* metrics are against this peak)")
     sample = batch.samples[0]
     report.add("PASS", "generation",
@@ -175,8 +183,9 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
     spread = ", ".join(f"{n} std {batch.metrics[f'rewards/{n}/std']:.3g}" for n in trainer.reward_names)
     report.add("FAIL" if zero >= 1.0 else ("WARN" if zero > 0.5 else "PASS"), "reward spread",
                f"{zero:.0%} of groups have zero spread ({spread})" + (
-                   ": no learning signal at all; advantages and gradients would be 0. Make rewards graded, "
-                   "the task easier, or raise num_generations/temperature" if zero >= 1.0 else ""))
+                   ": no learning signal at all; advantages and gradients would be 0. Make rewards "
+                   "graded, the task easier, or raise "
+                   "num_generations/temperature" if zero >= 1.0 else ""))
     signs = torch.tensor([1.0, -1.0]).repeat(batch.advantages.numel() // 2 + 1)[: batch.advantages.numel()]
 
     def backward():  # synthetic +-1 advantages: tests the wiring whatever the rewards were
@@ -191,45 +200,51 @@ def doctor_grpo(run: Run, report: Report, model=None, reward_funcs=None, train_d
     if cfg.use_vllm:
         _vllm_checks(report, trainer, batch.rollout, unwrapped)
     report.add("INFO", "loss", f"loss_type={cfg.loss_type!r}, beta={cfg.beta}, "
-               f"importance_sampling_level={cfg.importance_sampling_level!r} (formulas: docs/losses.md)")
+               f"importance_sampling_level={cfg.importance_sampling_level!r} (formulas: "
+               "docs/losses.md)")
     for trap, remedy in TRAPS_GRPO:
         report.add("INFO", f"trap: {trap}", remedy)
 
 
 def _truncation_check(report: Report, cfg) -> None:
-    """Sampling that truncates (top_p / top_k / min_p) while the trainer scores the full vocabulary."""
+    """Sampling that truncates (top_p / top_k / min_p) while the trainer scores the full
+    vocabulary."""
     from rlft.config.rules import replay_plan, truncation
 
     cut, (replayed, why) = truncation(cfg), replay_plan(cfg)
     if not cut.truncates:
         return
     if replayed:
-        report.add("PASS", "truncated sampling", f"top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}: "
+        report.add("PASS", "truncated sampling", f"top_k={cut.top_k}, top_p={cut.top_p}, "
+                                                 f"min_p={cut.min_p}: "
                    "the trainer renormalises over the tokens the sampler kept (ratio 1 on-policy)")
         return
-    why = why or (f"top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p} with replay_sampling_mask: "
-                  "false: the trainer scores the full vocabulary, so importance ratios carry the kept mass")
+    why = why or (f"top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p} with "
+                  "replay_sampling_mask: false: the trainer scores the full vocabulary, so "
+                  "importance ratios carry the kept mass")
     report.add("WARN", "truncated sampling", why + "; docs/vllm.md#truncated-sampling")
 
 
 def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
-    """Configurations known to make the sampler a different policy from the trainer with nothing correcting
-    it: an engine in another precision without vllm_importance_sampling_correction, and a mixture-of-experts
-    policy (the two route tokens to different experts; rlft does not replay the sampler's routes yet)."""
+    """Configurations known to make the sampler a different policy from the trainer with nothing
+    correcting it: an engine in another precision without vllm_importance_sampling_correction, and a
+    mixture-of-experts policy (the two route tokens to different experts; rlft does not replay the
+    sampler's routes yet)."""
     trainer_name = str(trainer_dtype).split(".")[-1]
     if cfg.use_vllm and cfg.vllm_dtype not in ("auto", trainer_name) \
             and not cfg.vllm_importance_sampling_correction:
-        report.add("WARN", "sampler precision", f"vllm_dtype={cfg.vllm_dtype} samples from {cfg.vllm_dtype} "
-                   f"weights while the trainer scores {trainer_name} ones, and "
-                   "vllm_importance_sampling_correction is off: the rollouts are off-policy by the precision "
-                   "gap and nothing weighs it. Set vllm_importance_sampling_correction: true (watch "
-                   "sampling/kl_sampler_trainer/k3), or vllm_dtype: auto")
+        report.add("WARN", "sampler precision", f"vllm_dtype={cfg.vllm_dtype} samples from "
+                   f"{cfg.vllm_dtype} weights while the trainer scores {trainer_name} ones, and "
+                   "vllm_importance_sampling_correction is off: the rollouts are off-policy by the "
+                   "precision gap and nothing weighs it. Set vllm_importance_sampling_correction: "
+                   "true (watch sampling/kl_sampler_trainer/k3), or vllm_dtype: auto")
     experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None)
     if experts and cfg.use_vllm:
         report.add("WARN", "mixture of experts",
-                   f"{experts} experts sampled by vLLM: its kernels may route a token to other experts than "
-                   "the trainer's, which changes its log-prob (routing replay is not built in rlft yet); "
-                   "keep vllm_importance_sampling_correction on and watch sampling/kl_sampler_trainer/k3")
+                   f"{experts} experts sampled by vLLM: its kernels may route a token to other "
+                   "experts than the trainer's, which changes its log-prob (routing replay is not "
+                   "built in rlft yet); keep vllm_importance_sampling_correction on and watch "
+                   "sampling/kl_sampler_trainer/k3")
 
 
 def _engine_mismatch(trainer, rollout) -> float:
@@ -241,8 +256,9 @@ def _engine_mismatch(trainer, rollout) -> float:
 
 
 def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
-    """The engine started and generated (above); its log-probs match the trainer's before and after one real
-    optimiser step (the gradients of the gradient-flow check), i.e. the weight sync works."""
+    """The engine started and generated (above); its log-probs match the trainer's before and after
+    one real optimiser step (the gradients of the gradient-flow check), i.e. the weight sync
+    works."""
     # inside a tool loop
     args, generator = trainer.args, getattr(trainer.generator, "engine", trainer.generator)
     exact = generator.dtype == next(unwrapped.parameters()).dtype == torch.float32
@@ -257,13 +273,14 @@ def _vllm_checks(report: Report, trainer, rollout, unwrapped) -> None:
     detail = (f"max |trainer - engine| log-prob: {before:.2g} at the start, "
               f"{after:.2g} after one optimiser step")
     if not exact:
-        report.add("INFO", "vLLM weight sync", detail + " (engine and trainer dtypes differ: expected; "
-                   "vllm_importance_sampling_correction weighs it)")
+        report.add("INFO", "vLLM weight sync", detail + " (engine and trainer dtypes differ: "
+                   "expected; vllm_importance_sampling_correction weighs it)")
     elif max(before, after) < 1e-4:
         report.add("PASS", "vLLM weight sync", detail)
     else:
-        report.add("FAIL", "vLLM weight sync", detail + ": the engine does not hold the trainer's weights "
-                   "(with dropout on, set disable_dropout: true; else report it with this output)")
+        report.add("FAIL", "vLLM weight sync", detail + ": the engine does not hold the trainer's "
+                   "weights (with dropout on, set disable_dropout: true; else report it with this "
+                   "output)")
 
 
 def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, tokenizer=None) -> None:
@@ -279,13 +296,15 @@ def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, toke
     if model_args.use_peft and model_args.lora_task_type != "SEQ_CLS":
         report.add("FAIL", "LoRA task type", f"lora_task_type={model_args.lora_task_type!r}: "
                    "with peft alone the score head would stay frozen at its random init. "
-                   "rlft sets SEQ_CLS when training, but make the config say so: lora_task_type: SEQ_CLS")
+                   "rlft sets SEQ_CLS when training, but make the config say so: lora_task_type: "
+                   "SEQ_CLS")
     trainer = RewardTrainer(source, run.small(len(dataset)), train_dataset=dataset,
                             processing_class=tokenizer, peft_config=get_peft_config(model_args))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     report.add("PASS", "score head trainable", ", ".join(trainer.head_parameters[:3]))
     report.add("PASS", "model", _summarise_trainable(unwrapped))
-    report.add("INFO", "dtype", f"weights {next(unwrapped.parameters()).dtype}; scores and loss float32")
+    report.add("INFO", "dtype", f"weights {next(unwrapped.parameters()).dtype}; scores and loss "
+                                "float32")
     batch = trainer.train_pairs.batch(list(range(len(trainer.train_pairs))), trainer.tokenizer.pad_token_id)
     _grad_check(report, unwrapped, lambda: trainer._pair_loss(batch)[0].backward())
     for trap, remedy in TRAPS_REWARD:
@@ -294,8 +313,8 @@ def doctor_reward(run: Run, report: Report, model=None, train_dataset=None, toke
 
 def doctor_distillation(run: Run, report: Report, model=None, train_dataset=None, tokenizer=None,
                         teacher_model=None) -> None:
-    """What `rlft distillation` would build: student and teacher load and share a vocabulary, one rollout,
-    and the divergence's gradient reaches every trainable parameter."""
+    """What `rlft distillation` would build: student and teacher load and share a vocabulary, one
+    rollout, and the divergence's gradient reaches every trainable parameter."""
     from rlft.config.model_config import get_peft_config, teacher_init_kwargs
     from rlft.data.prompts import is_conversational
     from rlft.train.distillation import DistillationTrainer
@@ -312,7 +331,8 @@ def doctor_distillation(run: Run, report: Report, model=None, train_dataset=None
     teacher = trainer.teacher_model
     kind = "LoRA" if trainer.is_peft else "full"
     report.add("PASS", "models", f"student {type(unwrapped).__name__} ({kind}; "
-               f"{_summarise_trainable(unwrapped)}), teacher {type(teacher).__name__}, one vocabulary")
+               f"{_summarise_trainable(unwrapped)}), teacher {type(teacher).__name__}, one "
+               "vocabulary")
     batch = trainer._make_rollout(0)
     report.add("PASS", "generation", f"{len(batch.samples)} completions, e.g. "
                f"{str(batch.samples[0]['completion'])[:80]!r}")
@@ -323,8 +343,8 @@ def doctor_distillation(run: Run, report: Report, model=None, train_dataset=None
         (divergence * rollout.loss_mask[:, :divergence.shape[1]]).sum().backward()
 
     _grad_check(report, unwrapped, backward)
-    report.add("INFO", "loss", f"beta={cfg.beta} (0 forward KL, 1 reverse KL, between: generalized JSD), "
-               f"temperature={cfg.temperature} (docs/distillation.md)")
+    report.add("INFO", "loss", f"beta={cfg.beta} (0 forward KL, 1 reverse KL, between: generalized "
+               f"JSD), temperature={cfg.temperature} (docs/distillation.md)")
 
 
 DOCTORS = {"grpo": doctor_grpo, "rloo": doctor_grpo, "reward": doctor_reward,
@@ -334,8 +354,8 @@ DOCTORS = {"grpo": doctor_grpo, "rloo": doctor_grpo, "reward": doctor_reward,
 def run_doctor(config_path: str | None = None, kind: str = "auto", argv: list[str] | None = None,
                console: Console | None = None, overrides: dict | None = None,
                **objects) -> tuple[int, Report]:
-    """Run every check; `argv` holds --field value options, `overrides` a dict of them; objects (model=,
-    reward_funcs=, train_dataset=, tokenizer=) replace the config's."""
+    """Run every check; `argv` holds --field value options, `overrides` a dict of them; objects
+    (model=, reward_funcs=, train_dataset=, tokenizer=) replace the config's."""
     from rlft.cli.recipes import parse_run
 
     kind = detect_kind(config_path) if kind == "auto" else kind

@@ -1,9 +1,11 @@
-"""`FIELD_HELP`: the one-line help of every field rlft declares, read back from the dataclasses (a read-only
-view; the text itself sits beside each field's default, in `field(metadata={"help": ...})`).
+"""`FIELD_HELP`: the one-line help of every field rlft declares, read back from the dataclasses (a
+read-only view; the text itself sits beside each field's default, in `field(metadata={"help":
+...})`).
 
-The classes read are those the command line parses and their siblings: every kind's config (rlft/kinds.py;
-rlft/config/common.py, rlft/config/grpo_fields.py), `ModelConfig` and the scripts' arguments. Fields of
-transformers' TrainingArguments that rlft does not declare keep transformers' help and are not listed.
+The classes read are those the command line parses and their siblings: every kind's config
+(rlft/kinds.py; rlft/config/common.py, rlft/config/grpo_fields.py), `ModelConfig` and the scripts'
+arguments. Fields of transformers' TrainingArguments that rlft does not declare keep transformers'
+help and are not listed.
 """
 
 from __future__ import annotations

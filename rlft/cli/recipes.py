@@ -1,5 +1,5 @@
-"""What `rlft grpo`, `rlft rloo`, `rlft reward` and `rlft distillation` run: TRL's `trl grpo` / `trl rloo` /
-`trl reward` / `trl distillation` scripts' arguments and steps.
+"""What `rlft grpo`, `rlft rloo`, `rlft reward` and `rlft distillation` run: TRL's `trl grpo` / `trl
+rloo` / `trl reward` / `trl distillation` scripts' arguments and steps.
 
 One YAML (`--config run.yaml`) and `--field value` options fill four dataclasses, as in TRL:
 the script arguments (data, reward functions), the training config, `ModelConfig` and
@@ -26,7 +26,8 @@ from rlft.data.mixtures import get_dataset
 from rlft.errors import ConfigError
 from rlft.kinds import KINDS, load
 
-# Fields that hold a path, read from the YAML's folder when they do not exist from the working directory.
+# Fields that hold a path, read from the YAML's folder when they do not exist from the working
+# directory.
 PATH_FIELDS = (
     "model_name_or_path",
     "train_dataset",
@@ -44,23 +45,24 @@ class RewardScriptArguments(ScriptArguments):
     eval_dataset."""
 
     train_dataset: str | None = field(
-        default=None, metadata={"help": "training data: a .jsonl/.json/.csv/.parquet file, a dataset "
-                                        "folder, or a hub id"})
+        default=None, metadata={"help": "training data: a .jsonl/.json/.csv/.parquet file, a "
+                                        "dataset folder, or a hub id"})
     eval_dataset: str | None = field(
-        default=None, metadata={"help": "evaluation data, same forms as train_dataset; a mapping name: "
-                                        "data evaluates each"})
+        default=None, metadata={"help": "evaluation data, same forms as train_dataset; a mapping "
+                                        "name: data evaluates each"})
 
 
 @dataclass
 class GRPOScriptArguments(RewardScriptArguments):
-    """`trl grpo`'s script arguments, plus rlft's train_dataset / eval_dataset (RewardScriptArguments')."""
+    """`trl grpo`'s script arguments, plus rlft's train_dataset / eval_dataset
+    (RewardScriptArguments')."""
 
     reward_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "a reward model (folder or hub id) used as the first reward "
-                                        "function"})
+        default=None, metadata={"help": "a reward model (folder or hub id) used as the first "
+                                        "reward function"})
     reward_funcs: list[str] | None = field(
-        default=None, metadata={"help": "reward functions: built-in names, module:function, or a reward "
-                                        "model folder"})
+        default=None, metadata={"help": "reward functions: built-in names, module:function, or a "
+                                        "reward model folder"})
 
 
 def make_parser(kind: str, **kwargs) -> TrlParser:
@@ -70,7 +72,8 @@ def make_parser(kind: str, **kwargs) -> TrlParser:
 
 
 def resolve_paths(values: dict[str, Any], base: Path, notes: list[str]) -> dict[str, Any]:
-    """Relative paths that do not exist from the working directory but do from `base` (the YAML's folder)."""
+    """Relative paths that do not exist from the working directory but do from `base` (the YAML's
+    folder)."""
     out = dict(values)
     for name in PATH_FIELDS:
         value = out.get(name)
@@ -80,8 +83,8 @@ def resolve_paths(values: dict[str, Any], base: Path, notes: list[str]) -> dict[
         if candidate.exists():
             out[name] = str(candidate)
             notes.append(
-                f"{name}: {value!r} does not exist from {Path.cwd()}; using {candidate} (relative to the "
-                "config file)"
+                f"{name}: {value!r} does not exist from {Path.cwd()}; using {candidate} (relative "
+                "to the config file)"
             )
     return out
 
@@ -92,9 +95,10 @@ def parse_run(
     config: str | None = None,
     overrides: dict[str, Any] | None = None,
 ):
-    """(script_args, training_args, model_args, mixture_args, notes) from a YAML and/or options. `overrides`
-    (a dict of field: value) win over both, for callers other than the command line."""
-    parser = make_parser(kind, allow_abbrev=False)  # a misspelt option is an error, never a prefix match
+    """(script_args, training_args, model_args, mixture_args, notes) from a YAML and/or options.
+    `overrides` (a dict of field: value) win over both, for callers other than the command line."""
+    # a misspelt option is an error, never a prefix match
+    parser = make_parser(kind, allow_abbrev=False)
     notes: list[str] = []
     values: dict[str, Any] = {}
     if config is not None:
@@ -110,7 +114,8 @@ def parse_run(
 
 
 def recipe_datasets(script_args, training_args, mixture_args):
-    """(train, eval) from train_dataset/eval_dataset, dataset_name or the mixture (TRL's precedence)."""
+    """(train, eval) from train_dataset/eval_dataset, dataset_name or the mixture (TRL's
+    precedence)."""
     from rlft.data.prompts import load_named_dataset, pick_split
 
     wants_eval = training_args.eval_strategy != "no"
@@ -126,8 +131,8 @@ def recipe_datasets(script_args, training_args, mixture_args):
         )
     else:
         raise ConfigError(
-            "no training data: set train_dataset (a file, a folder or a hub id), dataset_name, or a "
-            "datasets: list"
+            "no training data: set train_dataset (a file, a folder or a hub id), dataset_name, or "
+            "a datasets: list"
         )
     train = pick_split(loaded, script_args.dataset_train_split, "dataset_train_split")
     evaluation = script_args.eval_dataset
@@ -157,7 +162,8 @@ def build_trainer(kind: str, script_args, training_args, model_args, mixture_arg
 
 
 def plain(trainer, script_args, training_args, model_args, **common):
-    """`trl reward`'s trainer: the model and the common arguments (args, datasets, peft and quantization)."""
+    """`trl reward`'s trainer: the model and the common arguments (args, datasets, peft and
+    quantization)."""
     return trainer(model_args.model_name_or_path, **common)
 
 
@@ -170,7 +176,8 @@ def with_rewards(trainer, script_args, training_args, model_args, **common):
 
 
 def with_teacher(trainer, script_args, training_args, model_args, **common):
-    """`trl distillation`'s trainer: the teacher from teacher_model_name_or_path, loaded with ModelConfig's
-    attention and dtype, then teacher_model_init_kwargs (a served teacher loads none)."""
+    """`trl distillation`'s trainer: the teacher from teacher_model_name_or_path, loaded with
+    ModelConfig's attention and dtype, then teacher_model_init_kwargs (a served teacher loads
+    none)."""
     training_args.teacher_model_init_kwargs = teacher_init_kwargs(model_args, training_args)
     return trainer(model_args.model_name_or_path, training_args.teacher_model_name_or_path, **common)

@@ -1,12 +1,13 @@
-"""Normalising and checking a config: every problem found at once, each naming its field, value and fix.
+"""Normalising and checking a config: every problem found at once, each naming its field, value and
+fix.
 
-Run by the configs' `__post_init__` (before transformers' own checks, which name fields less clearly)
-and again by the trainers, so a config changed after construction is checked too: first each value's type,
-then each field's own check (its `option(check=...)` declaration: rlft/config/options.py), then the rules
-across fields. Each config class picks those: its `_check(errors)` calls its parent's
-(`super()._check(errors)`) and then the functions here for the fields it adds (`check_common`,
-`check_grpo`, `check_rloo`, `check_async`); `_normalize()` chains the same way. The rules a trainer applies
-again with the process count are in rlft/config/rules.py.
+Run by the configs' `__post_init__` (before transformers' own checks, which name fields less
+clearly) and again by the trainers, so a config changed after construction is checked too: first
+each value's type, then each field's own check (its `option(check=...)` declaration:
+rlft/config/options.py), then the rules across fields. Each config class picks those: its
+`_check(errors)` calls its parent's (`super()._check(errors)`) and then the functions here for the
+fields it adds (`check_common`, `check_grpo`, `check_rloo`, `check_async`); `_normalize()` chains
+the same way. The rules a trainer applies again with the process count are in rlft/config/rules.py.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from rlft.errors import ConfigError
 
 # accelerate's tracker names ("all": every one that is installed, as in transformers).
 TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
-# Largest learning rate accepted: far above any that trains, far below what overflows float32 optimizer state.
+# Largest learning rate accepted: far above any that trains, far below what overflows float32
+# optimizer state.
 MAX_LEARNING_RATE = 1e3
 
 
 def read_dict_value(name: str, value: Any) -> Any:
-    """A dict field given as a JSON/YAML string on the command line or in a config ('{min_lr: 1e-6}')."""
+    """A dict field given as a JSON/YAML string on the command line or in a config ('{min_lr:
+    1e-6}')."""
     if isinstance(value, str) and value.strip().startswith("{"):
         parsed = yaml.safe_load(value)
         if not isinstance(parsed, dict):
@@ -46,7 +49,8 @@ def to_dict(cfg) -> dict[str, Any]:
 
 
 def normalize_report_to(value: Any) -> list[str]:
-    """transformers' semantics: "none" -> [], "all" -> every installed tracker, a name -> [name], a list."""
+    """transformers' semantics: "none" -> [], "all" -> every installed tracker, a name -> [name], a
+    list."""
     if value is None or value == "none":
         return []
     if isinstance(
@@ -73,21 +77,25 @@ def _bf16_device() -> bool:
 
 
 def normalize_before(cfg) -> None:
-    """TRL/transformers spellings to one form, before any check runs (each config class its own fields)."""
+    """TRL/transformers spellings to one form, before any check runs (each config class its own
+    fields)."""
     cfg._normalize()
 
 
 def normalize_common(cfg) -> None:
-    """The fields every config has; every field that takes a mapping (its JSON / YAML string read)."""
+    """The fields every config has; every field that takes a mapping (its JSON / YAML string
+    read)."""
     for name in dict_fields(type(cfg)):
         setattr(cfg, name, read_dict_value(name, getattr(cfg, name)))
     cfg.report_to = normalize_report_to(cfg.report_to)
     cfg.disable_tqdm = bool(cfg.disable_tqdm)
     if cfg.activation_checkpointing is None and cfg.gradient_checkpointing is not None:
-        cfg.activation_checkpointing = cfg.gradient_checkpointing  # transformers 5's name; no FutureWarning
+        # transformers 5's name; no FutureWarning
+        cfg.activation_checkpointing = cfg.gradient_checkpointing
     if cfg.activation_checkpointing_kwargs is None and cfg.gradient_checkpointing_kwargs is not None:
         cfg.activation_checkpointing_kwargs = cfg.gradient_checkpointing_kwargs
-    if cfg.bf16 is None:  # TRL: "True unless fp16"; rlft: True where the device has bfloat16 (not on a CPU)
+    # TRL: "True unless fp16"; rlft: True where the device has bfloat16 (not on a CPU)
+    if cfg.bf16 is None:
         cfg.bf16 = not cfg.fp16 and not cfg.use_cpu and _bf16_device()
     if isinstance(cfg.pad_to_multiple_of, str) and cfg.pad_to_multiple_of != "auto":
         text = cfg.pad_to_multiple_of.lower()
@@ -96,7 +104,8 @@ def normalize_common(cfg) -> None:
         cfg.eval_steps = cfg.logging_steps  # transformers' rule
     elif cfg.eval_steps is not None and cfg.eval_strategy == "no":
         logging.getLogger("rlft").warning(
-            "eval_steps=%s is set but eval_strategy='no': no evaluation will run (set eval_strategy='steps')",
+            "eval_steps=%s is set but eval_strategy='no': no evaluation will run (set "
+            "eval_strategy='steps')",
             cfg.eval_steps,
         )
 
@@ -109,7 +118,8 @@ def normalize_grpo(cfg) -> None:
     cfg.scale_rewards = {True: "group", False: "none"}.get(value, value)  # TRL's spellings
     if cfg.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
         cfg.vllm_importance_sampling_clip_max = cfg.vllm_importance_sampling_cap
-    if cfg.token_budget is not None and cfg.token_budget <= 0:  # TRL: "<= 0 disables token budgeting"
+    # TRL: "<= 0 disables token budgeting"
+    if cfg.token_budget is not None and cfg.token_budget <= 0:
         cfg.token_budget = None
 
 
@@ -124,7 +134,8 @@ def _check_learning_rate(cfg, errors: list[str]) -> None:
         errors.append(f"learning_rate={rate!r} must be a finite number > 0")
     elif rate > MAX_LEARNING_RATE:
         errors.append(
-            f"learning_rate={rate!r} is far above any rate that trains (at most {MAX_LEARNING_RATE:g} "
+            f"learning_rate={rate!r} is far above any rate that trains (at most "
+            f"{MAX_LEARNING_RATE:g} "
             "is accepted; typical: 1e-6 to 1e-4 full fine-tuning, 1e-5 to 1e-3 LoRA)"
         )
 
@@ -141,21 +152,24 @@ def check_common(cfg, errors: list[str]) -> None:
     unknown = [r for r in cfg.report_to if r not in TRACKERS]
     if unknown:
         errors.append(
-            f"report_to has unknown tracker(s) {unknown}; use 'none', 'all' or any of {list(TRACKERS)}"
+            f"report_to has unknown tracker(s) {unknown}; use 'none', 'all' or any of "
+            f"{list(TRACKERS)}"
         )
     if not (
         cfg.pad_to_multiple_of in (None, "auto")
         or (isinstance(cfg.pad_to_multiple_of, int) and cfg.pad_to_multiple_of > 0)
     ):
-        errors.append(f"pad_to_multiple_of={cfg.pad_to_multiple_of!r} must be a positive int, 'auto' or null")
+        errors.append(f"pad_to_multiple_of={cfg.pad_to_multiple_of!r} must be a positive int, "
+                      "'auto' or null")
     errors.extend(unimplemented_errors(cfg))
 
 
 def check_grpo(cfg, errors: list[str]) -> None:
-    """The GRPO family's rules across fields (GRPOConfig, RLOOConfig, AsyncGRPOConfig, DistillationConfig)."""
+    """The GRPO family's rules across fields (GRPOConfig, RLOOConfig, AsyncGRPOConfig,
+    DistillationConfig)."""
     if cfg.num_generations is None or cfg.num_generations < cfg.min_generations:
-        why = (": group-relative advantages compare completions of the same prompt, so a group of 1 has no "
-               "signal")
+        why = (": group-relative advantages compare completions of the same prompt, so a group of "
+               "1 has no signal")
         errors.append(f"num_generations={cfg.num_generations!r} must be >= {cfg.min_generations}"
                       + (why if cfg.min_generations == 2 else ""))
         return
@@ -168,7 +182,8 @@ def check_rloo(cfg, errors: list[str]) -> None:
     """RLOOConfig's own fields."""
     clip = cfg.reward_clip_range
     if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
-        errors.append(f"reward_clip_range={list(clip)!r} must be two numbers (min, max) with min < max")
+        errors.append(f"reward_clip_range={list(clip)!r} must be two numbers (min, max) with min < "
+                      "max")
 
 
 def _check_replay(cfg, errors: list[str]) -> None:
@@ -189,11 +204,11 @@ def _check_kl_in_reward(cfg, errors: list[str]) -> None:
         return
     spec = ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator)
     if spec is not None and (spec.token_level or spec.kl_in_reward):
-        errors.append(f"kl_in_reward=True with advantage_estimator {cfg.advantage_estimator}: it puts the KL "
-                      "in its per-token rewards itself; set kl_in_reward: false")
+        errors.append(f"kl_in_reward=True with advantage_estimator {cfg.advantage_estimator}: it "
+                      "puts the KL in its per-token rewards itself; set kl_in_reward: false")
     if cfg.multi_objective_aggregation != "sum_then_normalize":
-        errors.append("kl_in_reward=True penalises the summed reward: use multi_objective_aggregation: "
-                      "sum_then_normalize")
+        errors.append("kl_in_reward=True penalises the summed reward: use "
+                      "multi_objective_aggregation: sum_then_normalize")
 
 
 def _validate_algorithm_options(cfg, errors: list[str]) -> None:
@@ -202,17 +217,18 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
 
     if cfg.entropy_coef_min > cfg.entropy_coef_max:
         errors.append(
-            f"entropy_coef_min={cfg.entropy_coef_min} exceeds entropy_coef_max={cfg.entropy_coef_max}"
+            f"entropy_coef_min={cfg.entropy_coef_min} exceeds "
+            f"entropy_coef_max={cfg.entropy_coef_max}"
         )
     if cfg.advantage_estimator == "reinforce_pp" and cfg.multi_objective_aggregation != "sum_then_normalize":
-        errors.append("advantage_estimator reinforce_pp whitens token-level returns of the summed reward: "
-                      "use multi_objective_aggregation: sum_then_normalize")
+        errors.append("advantage_estimator reinforce_pp whitens token-level returns of the summed "
+                      "reward: use multi_objective_aggregation: sum_then_normalize")
     _check_kl_in_reward(cfg, errors)
     _check_replay(cfg, errors)
     if cfg.sync_ref_model and cfg.kl_coef == 0:
         errors.append(
-            "sync_ref_model=True with beta=0: there is no reference model to update (the KL term is off); "
-            "set beta > 0 or sync_ref_model: false"
+            "sync_ref_model=True with beta=0: there is no reference model to update (the KL term "
+            "is off); set beta > 0 or sync_ref_model: false"
         )
     if (
         getattr(LOSSES.get(cfg.loss_type), "folds_sampling_weights", False)
@@ -221,9 +237,9 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
         and getattr(CORRECTIONS.get(cfg.vllm_importance_sampling_mode), "per_sequence", False)
     ):
         errors.append(
-            f"loss_type {cfg.loss_type} folds the sampling correction into its sequence weight token by "
-            f"token: set vllm_importance_sampling_mode to token_truncate or token_mask (or icepop; not "
-            f"{cfg.vllm_importance_sampling_mode})"
+            f"loss_type {cfg.loss_type} folds the sampling correction into its sequence weight "
+            "token by token: set vllm_importance_sampling_mode to token_truncate or token_mask "
+            f"(or icepop; not {cfg.vllm_importance_sampling_mode})"
         )
 
 
@@ -231,13 +247,15 @@ def _validate_vllm(cfg, errors: list[str]) -> None:
     low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
     if low is not None and high is not None and low > high:
         errors.append(
-            f"vllm_importance_sampling_clip_min={low} exceeds vllm_importance_sampling_clip_max={high}"
+            f"vllm_importance_sampling_clip_min={low} exceeds "
+            f"vllm_importance_sampling_clip_max={high}"
         )
 
 
 # ---- types --------------------------------------------------------------------------------------------
 def type_ok(value: Any, annotation: Any) -> bool:
-    """Whether `value` fits a field annotation (unions, lists, bool vs int); unknown annotations pass."""
+    """Whether `value` fits a field annotation (unions, lists, bool vs int); unknown annotations
+    pass."""
     if annotation is Any or value is None:
         return True
     origin = typing.get_origin(annotation)
@@ -269,8 +287,8 @@ def _validate_types(cfg, errors: list[str]) -> None:
 
 
 def check_async(cfg, errors: list[str]) -> None:
-    """AsyncGRPOConfig's own fields: the schedule's bound (at one optimiser step per rollout; the trainer
-    checks it again with its own), the producer's limits."""
+    """AsyncGRPOConfig's own fields: the schedule's bound (at one optimiser step per rollout; the
+    trainer checks it again with its own), the producer's limits."""
     if errors:
         return
     try:
@@ -279,13 +297,13 @@ def check_async(cfg, errors: list[str]) -> None:
         errors.append(str(err))
     if cfg.producer_cpus is not None and (not cfg.producer_cpus
                                           or any(not isinstance(c, int) or c < 0 for c in cfg.producer_cpus)):
-        errors.append(f"producer_cpus={cfg.producer_cpus!r} must be a non-empty list of CPU numbers, "
-                      "e.g. [1]")
+        errors.append(f"producer_cpus={cfg.producer_cpus!r} must be a non-empty list of CPU "
+                      "numbers, e.g. [1]")
 
 
 def validate(cfg):
-    """Check every field; raise one ConfigError listing all problems. The types first; then the config's
-    own `_check`, which runs the checks of its class and of each parent."""
+    """Check every field; raise one ConfigError listing all problems. The types first; then the
+    config's own `_check`, which runs the checks of its class and of each parent."""
     errors: list[str] = []
     _validate_types(cfg, errors)
     if errors:  # the checks below assume the types are right

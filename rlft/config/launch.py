@@ -1,9 +1,10 @@
-"""How this process joins the run: the accelerate process state that rlft's configs and trainers share.
+"""How this process joins the run: the accelerate process state that rlft's configs and trainers
+share.
 
-A config's `device` / `world_size` / `process_index` (TrainingArguments' properties) and the trainer's
-Accelerator must describe the same processes. On a machine without CUDA, accelerate only forms the gloo
-group of a multi-process launch (torchrun, `accelerate launch --multi_gpu`) when told cpu=True; without
-it every process would train alone as rank 0.
+A config's `device` / `world_size` / `process_index` (TrainingArguments' properties) and the
+trainer's Accelerator must describe the same processes. On a machine without CUDA, accelerate only
+forms the gloo group of a multi-process launch (torchrun, `accelerate launch --multi_gpu`) when told
+cpu=True; without it every process would train alone as rank 0.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ DEFAULT_DDP_TIMEOUT, CPU_DDP_TIMEOUT = 1800, 600  # seconds
 
 
 def collective_timeout(cfg) -> int:
-    """TrainingArguments' ddp_timeout; left at its default (30 min) on a machine without CUDA, 10 min: a CPU
-    rank that stops answering should not hold the others for half an hour."""
+    """TrainingArguments' ddp_timeout; left at its default (30 min) on a machine without CUDA, 10
+    min: a CPU rank that stops answering should not hold the others for half an hour."""
     import torch
 
     if cfg.ddp_timeout == DEFAULT_DDP_TIMEOUT and not torch.cuda.is_available():

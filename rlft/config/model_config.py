@@ -1,10 +1,10 @@
-"""TRL's `ModelConfig` (which model, its dtype, LoRA, k-bit loading) and the helpers scripts build from it:
-`get_peft_config`, `get_quantization_config`, `get_kbit_device_map`.
+"""TRL's `ModelConfig` (which model, its dtype, LoRA, k-bit loading) and the helpers scripts build
+from it: `get_peft_config`, `get_quantization_config`, `get_kbit_device_map`.
 
 One deliberate difference: `dtype` defaults to "auto", rlft's meaning: the precision rlft trains in
 (bf16/fp16 when set, else bfloat16 on a GPU that has it, float32 on a CPU). TRL's "float32" default
-pairs float32 weights with bf16 autocast; rlft trains in the weights' own dtype, so a float32 default
-would train in float32 on a GPU (docs/migration.md).
+pairs float32 weights with bf16 autocast; rlft trains in the weights' own dtype, so a float32
+default would train in float32 on a GPU (docs/migration.md).
 """
 
 from __future__ import annotations
@@ -15,27 +15,33 @@ from typing import Any
 from rlft.errors import ConfigError
 
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
-# peft takes target modules as a list of names or one string ("all-linear", a regex), as a YAML gives it.
+# peft takes target modules as a list of names or one string ("all-linear", a regex), as a YAML
+# gives it.
 WIDER_TYPES = {"lora_target_modules": str | list[str] | None}
 
 
 @dataclass
 class ModelConfig:
-    """The model and how to adapt it (TRL's names): `model_name_or_path`, `dtype`, LoRA and k-bit fields."""
+    """The model and how to adapt it (TRL's names): `model_name_or_path`, `dtype`, LoRA and k-bit
+    fields."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "policy (GRPO) or reward model: a local folder or a hub id"})
+        default=None, metadata={"help": "policy (GRPO) or reward model: a local folder or a hub "
+                                        "id"})
     model_revision: str = field(
         default="main", metadata={"help": "the model's hub revision (branch, tag or commit)"})
     dtype: str | None = field(
-        default="auto", metadata={"help": "weights dtype: auto (bf16/fp16 when set, else bfloat16 on a GPU "
-                                          "that has it, else float32), float32, bfloat16, float16"})
+        default="auto", metadata={"help": "weights dtype: auto (bf16/fp16 when set, else bfloat16 "
+                                          "on a GPU that has it, else float32), float32, bfloat16, "
+                                          "float16"})
     attn_implementation: str | None = field(
         default=None, metadata={"help": "transformers' attention implementation (eager, sdpa, "
                                         "flash_attention_2, ...)"})
-    use_peft: bool = field(default=False, metadata={"help": "train LoRA adapters instead of all weights"})
+    use_peft: bool = field(default=False, metadata={"help": "train LoRA adapters instead of all "
+                                                            "weights"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / "
+                                                          "r)"})
     lora_dropout: float = field(
         default=0.05, metadata={"help": "dropout on the LoRA path (set 0 with use_vllm: see "
                                         "disable_dropout)"})
@@ -43,22 +49,25 @@ class ModelConfig:
         default=None, metadata={"help": "module names to adapt, or all-linear (default: peft's "
                                         "per-architecture choice)"})
     lora_target_parameters: list[str] | None = field(
-        default=None, metadata={"help": "parameter names to adapt (peft's target_parameters, e.g. MoE "
-                                        "experts)"})
+        default=None, metadata={"help": "parameter names to adapt (peft's target_parameters, e.g. "
+                                        "MoE experts)"})
     lora_modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "modules trained in full beside the adapters"})
     lora_task_type: str = field(
-        default="CAUSAL_LM", metadata={"help": "peft task type; rlft sets CAUSAL_LM (GRPO) / SEQ_CLS "
-                                               "(reward, trains the head)"})
-    use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA: scale alpha / sqrt(r)"})
+        default="CAUSAL_LM", metadata={"help": "peft task type; rlft sets CAUSAL_LM (GRPO) / "
+                                               "SEQ_CLS (reward, trains the head)"})
+    use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA: scale alpha / "
+                                                              "sqrt(r)"})
     use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA"})
     load_in_8bit: bool = field(
-        default=False, metadata={"help": "bitsandbytes 8-bit base weights (LoRA only; needs a CUDA GPU)"})
-    load_in_4bit: bool = field(
-        default=False, metadata={"help": "bitsandbytes 4-bit base weights, QLoRA (LoRA only; needs a CUDA "
+        default=False, metadata={"help": "bitsandbytes 8-bit base weights (LoRA only; needs a CUDA "
                                          "GPU)"})
+    load_in_4bit: bool = field(
+        default=False, metadata={"help": "bitsandbytes 4-bit base weights, QLoRA (LoRA only; needs "
+                                         "a CUDA GPU)"})
     bnb_4bit_quant_type: str = field(
-        default="nf4", metadata={"help": "4-bit quantisation type: nf4 or fp4", "choices": ["fp4", "nf4"]}
+        default="nf4", metadata={"help": "4-bit quantisation type: nf4 or "
+                                         "fp4", "choices": ["fp4", "nf4"]}
     )
     use_bnb_nested_quant: bool = field(
         default=False, metadata={"help": "nested (double) quantisation of the 4-bit constants"})
@@ -74,7 +83,8 @@ class ModelConfig:
             errors.append("load_in_8bit and load_in_4bit are both true: pick one")
         if self.dtype is not None and self.dtype not in MODEL_DTYPES:
             errors.append(
-                f"dtype={self.dtype!r} is not allowed; choose one of {', '.join(map(repr, MODEL_DTYPES))}"
+                f"dtype={self.dtype!r} is not allowed; choose one of "
+                f"{', '.join(map(repr, MODEL_DTYPES))}"
             )
         if not 0 <= self.lora_dropout < 1:
             errors.append(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
@@ -83,7 +93,8 @@ class ModelConfig:
         if errors:
             raise ConfigError("invalid ModelConfig:\n  - " + "\n  - ".join(errors))
         if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1:
-            self.lora_target_modules = self.lora_target_modules[0]  # ["all-linear"] -> "all-linear", as TRL
+            # ["all-linear"] -> "all-linear", as TRL
+            self.lora_target_modules = self.lora_target_modules[0]
 
 
 def get_peft_config(model_args: ModelConfig):
@@ -112,8 +123,9 @@ def get_peft_config(model_args: ModelConfig):
 
 
 def get_quantization_config(model_args: ModelConfig):
-    """A transformers `BitsAndBytesConfig` for load_in_4bit / load_in_8bit, else None. Building one needs
-    no GPU; loading a model with it does (rlft/model/loading.py says so clearly where it cannot run)."""
+    """A transformers `BitsAndBytesConfig` for load_in_4bit / load_in_8bit, else None. Building one
+    needs no GPU; loading a model with it does (rlft/model/loading.py says so clearly where it
+    cannot run)."""
     from transformers import BitsAndBytesConfig
 
     if model_args.load_in_4bit:
@@ -152,7 +164,8 @@ def _loading_kwargs(model_args: ModelConfig) -> dict[str, Any]:
 
 
 def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
-    """TRL's scripts' model_init_kwargs: revision, attention, dtype from ModelConfig, then training_args'."""
+    """TRL's scripts' model_init_kwargs: revision, attention, dtype from ModelConfig, then
+    training_args'."""
     kwargs = _loading_kwargs(model_args)
     if model_args.model_revision != "main":
         kwargs["revision"] = model_args.model_revision
@@ -162,7 +175,8 @@ def model_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
 
 def teacher_init_kwargs(model_args: ModelConfig, training_args) -> dict | None:
     """`trl distillation`'s teacher kwargs: attention and dtype from ModelConfig, then
-    teacher_model_init_kwargs (the revision is teacher_model_revision's); a served teacher loads none."""
+    teacher_model_init_kwargs (the revision is teacher_model_revision's); a served teacher loads
+    none."""
     if training_args.teacher_model_server_url:
         return training_args.teacher_model_init_kwargs
     kwargs = {**_loading_kwargs(model_args), **(training_args.teacher_model_init_kwargs or {})}

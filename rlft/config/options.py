@@ -1,20 +1,21 @@
-"""One declaration per config field: `option(default, help, check=..., resume=..., rlft=..., no_effect=...,
-refused=...)` is the only place a field's facts are written down. Every table the code needs is a query of
-the declarations:
+"""One declaration per config field: `option(default, help, check=..., resume=..., rlft=...,
+no_effect=..., refused=...)` is the only place a field's facts are written down. Every table the
+code needs is a query of the declarations:
 
-- `options(cls)`: name -> `Facts` for every field of a config class that has any. A subclass's declaration
-  wins over its base's; a subclass that only changes a default keeps its base's facts. Fields transformers
-  declares (TrainingArguments') get theirs from `inherited_facts`, a class attribute beside the class that
-  states them (rlft/config/common.py for every config, a subclass for its own differences);
+- `options(cls)`: name -> `Facts` for every field of a config class that has any. A subclass's
+  declaration wins over its base's; a subclass that only changes a default keeps its base's facts.
+  Fields transformers declares (TrainingArguments') get theirs from `inherited_facts`, a class
+  attribute beside the class that states them (rlft/config/common.py for every config, a subclass
+  for its own differences);
 - `rlft_fields(cls)`: rlft's additions to TRL's fields (docs/migration.md says why each exists);
-- `may_change(cls)`: what a resumed run may change (it does not touch what is computed up to the resumed
-  step; a field with no effect may change too);
-- `dict_fields(cls)`: the fields the command line and YAML may give as a JSON / YAML mapping string (their
-  annotation takes a dict);
-- `no_effect(cls)` / `refused(cls)`: TRL's fields rlft does not act on, with the reason (accepted and
-  noted at the start / refused away from their default: rlft/config/compat.py);
-- `option_problems(cfg)`: each field's own check, one line per problem. The rules that relate several fields
-  stay with their class (`_check`, rlft/config/checks.py).
+- `may_change(cls)`: what a resumed run may change (it does not touch what is computed up to the
+  resumed step; a field with no effect may change too);
+- `dict_fields(cls)`: the fields the command line and YAML may give as a JSON / YAML mapping string
+  (their annotation takes a dict);
+- `no_effect(cls)` / `refused(cls)`: TRL's fields rlft does not act on, with the reason (accepted
+  and noted at the start / refused away from their default: rlft/config/compat.py);
+- `option_problems(cfg)`: each field's own check, one line per problem. The rules that relate
+  several fields stay with their class (`_check`, rlft/config/checks.py).
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-_KEY = "rlft_facts"  # the metadata key `option` uses; config_class moves it out (HfArgumentParser passes the
+# the metadata key `option` uses; config_class moves it out (HfArgumentParser passes the
+_KEY = "rlft_facts"
 # metadata to argparse's add_argument, which takes "help" only)
 
 
 @dataclass(frozen=True)
 class Check:
-    """A test of one field's value: `problem(name, value)` is None or the line that says what is wrong."""
+    """A test of one field's value: `problem(name, value)` is None or the line that says what is
+    wrong."""
 
     test: Callable[[Any], bool]
     says: str | Callable[[], str]
@@ -51,7 +54,8 @@ NON_NEGATIVE = Check(lambda v: v >= 0, "must be >= 0")
 
 
 def between(low: float, high: float, *, open_low: bool = False, note: str = "") -> Check:
-    """low <= value <= high (low < value where `open_low`); `note` follows the bounds in the message."""
+    """low <= value <= high (low < value where `open_low`); `note` follows the bounds in the
+    message."""
     shown = f"{'(' if open_low else '['}{low:g}, {high:g}]"
     return Check(lambda v: (low < v if open_low else low <= v) and v <= high, f"must be in {shown}{note}")
 
@@ -61,8 +65,8 @@ def above(low: float, note: str = "") -> Check:
 
 
 def one_of(allowed: Any) -> Check:
-    """The value is one of `allowed`: a collection read at check time (a registry a user may add to), or a
-    function returning one."""
+    """The value is one of `allowed`: a collection read at check time (a registry a user may add
+    to), or a function returning one."""
     def names() -> tuple:
         return tuple(allowed() if callable(allowed) else allowed)
 
@@ -77,7 +81,8 @@ class Facts:
     check: Check | None = None
     resume: bool = False  # True: a resumed run may change it
     rlft: bool = False  # True: rlft's own field, not TRL's or transformers'
-    no_effect: str | None = None  # why it changes nothing in rlft (accepted at any value, noted at the start)
+    # why it changes nothing in rlft (accepted at any value, noted at the start)
+    no_effect: str | None = None
     refused: str | None = None  # why a value away from the default is refused
 
 
@@ -95,8 +100,8 @@ def option(default: Any = MISSING, help: str | None = None, *, default_factory: 
 
 
 def take_facts(cls: type) -> None:
-    """Move the facts `option` put in the metadata of the fields `cls` declares to `cls._declared_facts`
-    (config_class calls it once the dataclass is made)."""
+    """Move the facts `option` put in the metadata of the fields `cls` declares to
+    `cls._declared_facts` (config_class calls it once the dataclass is made)."""
     declared = {}
     for f in cls.__dataclass_fields__.values():
         if _KEY in f.metadata:
@@ -116,8 +121,8 @@ def _merge(base: Facts | None, new: Facts) -> Facts:
 
 @functools.cache
 def options(cls: type) -> dict[str, Facts]:
-    """name -> Facts for each field of `cls` that has facts: the nearest class's own declaration or its
-    `inherited_facts` entry, merged down the class hierarchy (`_merge`)."""
+    """name -> Facts for each field of `cls` that has facts: the nearest class's own declaration or
+    its `inherited_facts` entry, merged down the class hierarchy (`_merge`)."""
     found: dict[str, Facts] = {}
     for klass in reversed(cls.__mro__):
         for table in (klass.__dict__.get("inherited_facts", {}), klass.__dict__.get("_declared_facts", {})):
@@ -145,7 +150,8 @@ def refused(cls: type) -> dict[str, str]:
     return {name: facts.refused for name, facts in options(cls).items() if facts.refused}
 
 
-# TrainingArguments' fields that __post_init__ turns into transformers' own objects (enums, configs).
+# TrainingArguments' fields that __post_init__ turns into transformers' own objects (enums,
+# configs).
 CONVERTED_BY_TRANSFORMERS = frozenset({
     "accelerator_config", "debug", "include_num_input_tokens_seen", "report_to", "fsdp", "fsdp_config",
     "deepspeed", "parallelism_config", "optim", "lr_scheduler_type", "logging_strategy", "save_strategy",
@@ -170,8 +176,8 @@ def field_types(cls: type) -> dict[str, Any]:
 
 @functools.cache
 def dict_fields(cls: type) -> tuple[str, ...]:
-    """The fields a JSON / YAML mapping string stands for (their annotation takes a dict), except those
-    transformers converts itself (where a string is a file's path)."""
+    """The fields a JSON / YAML mapping string stands for (their annotation takes a dict), except
+    those transformers converts itself (where a string is a file's path)."""
     return tuple(name for name, annotation in field_types(cls).items()
                  if _takes_dict(annotation) and name not in CONVERTED_BY_TRANSFORMERS)
 

@@ -1,6 +1,6 @@
-"""TRL's script-side surface: `ScriptArguments`, dataset mixtures (`DatasetMixtureConfig`, `get_dataset`)
-and `TrlParser`, an `HfArgumentParser` that also reads one `--config recipe.yaml` mixing the fields of
-every dataclass it parses.
+"""TRL's script-side surface: `ScriptArguments`, dataset mixtures (`DatasetMixtureConfig`,
+`get_dataset`) and `TrlParser`, an `HfArgumentParser` that also reads one `--config recipe.yaml`
+mixing the fields of every dataclass it parses.
 
 Semantics follow TRL 1.16's documentation: YAML values become the parser's defaults, command-line
 options win over them, an `env:` mapping in the YAML sets environment variables, and keys no
@@ -48,13 +48,14 @@ class ScriptArguments:
     def __post_init__(self):
         from rlft.config.recipe_types import check_field_types
 
-        check_field_types(self)  # subclasses' fields too (rlft grpo's reward_funcs, train_dataset, ...)
+        # subclasses' fields too (rlft grpo's reward_funcs, train_dataset, ...)
+        check_field_types(self)
 
 
 @dataclass
 class DatasetConfig:
-    """One dataset of a mixture: the arguments of `datasets.load_dataset`, plus the columns to keep and the
-    share of the mixture it should make up."""
+    """One dataset of a mixture: the arguments of `datasets.load_dataset`, plus the columns to keep
+    and the share of the mixture it should make up."""
 
     path: str
     name: str | None = None
@@ -86,21 +87,23 @@ class DatasetMixtureConfig:
         from rlft.config.recipe_types import check_field_types
 
         if not isinstance(self.datasets, list | tuple):
-            raise ConfigError(f"datasets={self.datasets!r} is a {type(self.datasets).__name__}; it takes a "
-                              "list of datasets (a YAML list of mappings with path:, split:, ...)")
+            raise ConfigError(f"datasets={self.datasets!r} is a {type(self.datasets).__name__}; it "
+                              "takes a list of datasets (a YAML list of mappings with path:, "
+                              "split:, ...)")
         self.datasets = [_dataset_config(index, entry) for index, entry in enumerate(self.datasets)]
         check_field_types(self)
 
 
 def _dataset_config(index: int, entry) -> DatasetConfig:
-    """A YAML `datasets:` entry (a mapping) as a DatasetConfig; an unknown key or a missing path is named."""
+    """A YAML `datasets:` entry (a mapping) as a DatasetConfig; an unknown key or a missing path is
+    named."""
     if not isinstance(entry, dict):
         return entry
     unknown = sorted(set(entry) - set(DatasetConfig.__dataclass_fields__))
     if unknown or "path" not in entry:
         raise ConfigError(
-            f"datasets[{index}]: {'unknown keys ' + str(unknown) if unknown else 'no path'}; a dataset "
-            f"takes {list(DatasetConfig.__dataclass_fields__)}"
+            f"datasets[{index}]: {'unknown keys ' + str(unknown) if unknown else 'no path'}; a "
+            f"dataset takes {list(DatasetConfig.__dataclass_fields__)}"
         )
     try:
         return DatasetConfig(**entry)
@@ -109,8 +112,8 @@ def _dataset_config(index: int, entry) -> DatasetConfig:
 
 
 class TrlParser(HfArgumentParser):
-    """`HfArgumentParser` plus `--config recipe.yaml`: `parse_args_and_config()` returns one instance per
-    dataclass, with the YAML's values as defaults and the command line's on top."""
+    """`HfArgumentParser` plus `--config recipe.yaml`: `parse_args_and_config()` returns one
+    instance per dataclass, with the YAML's values as defaults and the command line's on top."""
 
     def __init__(self, dataclass_types=None, **kwargs):
         if dataclass_types is None:
@@ -120,8 +123,8 @@ class TrlParser(HfArgumentParser):
         for dataclass_type in dataclass_types:
             if "config" in getattr(dataclass_type, "__dataclass_fields__", {}):
                 raise ValueError(
-                    f"{dataclass_type.__name__} has a field named 'config', which TrlParser keeps for "
-                    "the --config YAML path; rename the field"
+                    f"{dataclass_type.__name__} has a field named 'config', which TrlParser keeps "
+                    "for the --config YAML path; rename the field"
                 )
         super().__init__(dataclass_types=dataclass_types, **kwargs)
 
@@ -154,8 +157,8 @@ class TrlParser(HfArgumentParser):
         return output
 
     def set_defaults_with_config(self, **kwargs) -> list[str]:
-        """Make the values the parser's defaults (required ones optional); returns ['--key', 'value', ...] for
-        the keys no argument takes."""
+        """Make the values the parser's defaults (required ones optional); returns ['--key',
+        'value', ...] for the keys no argument takes."""
         used = set()
 
         def apply(parser: argparse.ArgumentParser) -> None:
@@ -178,13 +181,14 @@ class TrlParser(HfArgumentParser):
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hints.append(repr(key) + (f" (did you mean {close[0]!r}?)" if close else ""))
         return (
-            f"unknown field(s) in the config file: {', '.join(hints)}; remove them or add them to one of the "
-            f"dataclasses parsed ({', '.join(t.__name__ for t in self.dataclass_types)})"
+            f"unknown field(s) in the config file: {', '.join(hints)}; remove them or add them to "
+            f"one of the dataclasses parsed ({', '.join(t.__name__ for t in self.dataclass_types)})"
         )
 
 
 def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
-    """A YAML mapping of field: value; an `env:` mapping in it is applied to os.environ and removed."""
+    """A YAML mapping of field: value; an `env:` mapping in it is applied to os.environ and
+    removed."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -193,9 +197,11 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{where}: not valid YAML ({getattr(err, 'problem', err)})") from err
+        raise ConfigError(f"{path}:{where}: not valid YAML "
+                          f"({getattr(err, 'problem', err)})") from err
     if not isinstance(values, dict):
-        raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
+        raise ConfigError(f"{path}: expected a mapping of field: value, got "
+                          f"{type(values).__name__}")
     env = values.pop("env", {}) or {}
     if not isinstance(env, dict):
         raise ConfigError(f"{path}: env must be a mapping of VARIABLE: value")

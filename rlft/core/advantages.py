@@ -1,30 +1,34 @@
 """Advantage estimators over a step's sequence rewards, in a registry, with NaN-aware multi-reward
 aggregation.
 
-Rewards come as [N] with N = prompts x G (num_generations) and each prompt's completions contiguous. NaN means
-"not applicable" and is left out of every statistic; a completion whose reward is NaN gets advantage 0.
-Groups with zero spread (all rewards equal) give exactly 0 under every sequence-level estimator (not under
-reinforce_pp, whose batch-wide whitening and per-token KL move them too).
+Rewards come as [N] with N = prompts x G (num_generations) and each prompt's completions contiguous.
+NaN means "not applicable" and is left out of every statistic; a completion whose reward is NaN gets
+advantage 0. Groups with zero spread (all rewards equal) give exactly 0 under every sequence-level
+estimator (not under reinforce_pp, whose batch-wide whitening and per-token KL move them too).
 `std` is the unbiased (Bessel-corrected) sample standard deviation, as in TRL.
 
-ADVANTAGE_ESTIMATORS maps a name (the config's `advantage_estimator`) to an `EstimatorSpec`: the function
-`fn(rewards [N], num_generations, *, scale_rewards, eps, lengths) -> advantages [N]` (a spec is called like
-its function) and what it declares -- its level (sequence, or token: [N, C]), the inputs it needs beyond the
-rewards (lengths, mask, token KL) and whether the KL penalty is in its reward. `estimate(spec, inputs)` takes
-one `EstimatorInputs` built once per rollout; `register_estimator` adds one:
-    grpo                   DeepSeekMath (arXiv:2402.03300): (r_i - mean_g) / (std_g + eps); `scale_rewards`
+ADVANTAGE_ESTIMATORS maps a name (the config's `advantage_estimator`) to an `EstimatorSpec`: the
+function `fn(rewards [N], num_generations, *, scale_rewards, eps, lengths) -> advantages [N]` (a
+spec is called like its function) and what it declares -- its level (sequence, or token: [N, C]),
+the inputs it needs beyond the rewards (lengths, mask, token KL) and whether the KL penalty is in
+its reward. `estimate(spec, inputs)` takes one `EstimatorInputs` built once per rollout;
+`register_estimator` adds one:
+    grpo                   DeepSeekMath (arXiv:2402.03300): (r_i - mean_g) / (std_g + eps);
+    `scale_rewards`
                            batch / none divide by the batch's std or by nothing (TRL's options)
     dr_grpo                Dr. GRPO (arXiv:2503.20783): r_i - mean_g, never divided by a std
-    rloo                   RLOO (Ahmadian et al., arXiv:2402.14740): r_i - (1/(G-1)) sum_{j != i} r_j
-    reinforce_pp_baseline  REINFORCE++-baseline (arXiv:2501.03262): c_i = r_i - mean_g, then normalised
+    rloo                   RLOO (Ahmadian et al., arXiv:2402.14740): r_i - (1/(G-1)) sum_{j != i}
+    r_j reinforce_pp_baseline  REINFORCE++-baseline (arXiv:2501.03262): c_i = r_i - mean_g, then
+    normalised
                            over the batch, (c_i - mean(c)) / (std(c) + eps)
     opo                    OPO (arXiv:2505.23585): r_i - b_g with the length-weighted baseline
                            b_g = sum_j |o_j| r_j / sum_j |o_j| (needs `lengths`)
-    reinforce_pp           REINFORCE++ (arXiv:2501.03262), token level, the KL in its per-token rewards
-`kl_in_reward(spec)` is a sequence-level estimator with the KL penalty moved from the loss into the reward
-(RLOO, Ahmadian et al. 2024, arXiv:2402.14740, as TRL's RLOOTrainer computes it): each total reward clipped to
-`clip_range`, minus beta * sum_t (log pi_old - log pi_ref), then the estimator, then (with `normalize`)
-whitened over the rows that have a baseline.
+    reinforce_pp           REINFORCE++ (arXiv:2501.03262), token level, the KL in its per-token
+    rewards
+`kl_in_reward(spec)` is a sequence-level estimator with the KL penalty moved from the loss into the
+reward (RLOO, Ahmadian et al. 2024, arXiv:2402.14740, as TRL's RLOOTrainer computes it): each total
+reward clipped to `clip_range`, minus beta * sum_t (log pi_old - log pi_ref), then the estimator,
+then (with `normalize`) whitened over the rows that have a baseline.
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
                     eps: float = 1e-4, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """GRPO: centred by the group mean, divided by the group's std ("group"), the batch's ("batch") or not
-    ("none")."""
+    """GRPO: centred by the group mean, divided by the group's std ("group"), the batch's ("batch")
+    or not ("none")."""
     grouped = _grouped(rewards, group_size)
     mean, std, _ = _group_mean_std(grouped)
     centred = grouped - mean
@@ -87,8 +91,8 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards:
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
                     eps: float = 1e-4, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """RLOO: each reward minus the mean of the OTHER valid rewards of its group, r_i - (S - r_i) / (n - 1)
-    with S the group's sum over its n valid rewards; 0 where n < 2."""
+    """RLOO: each reward minus the mean of the OTHER valid rewards of its group, r_i - (S - r_i) /
+    (n - 1) with S the group's sum over its n valid rewards; 0 where n < 2."""
     grouped = _grouped(rewards, group_size)
     valid = ~torch.isnan(grouped)
     count = valid.sum(-1, keepdim=True)
@@ -100,8 +104,8 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: st
 
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group",
                                      eps: float = 1e-4, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """REINFORCE++-baseline: the group mean subtracted, then the centred values whitened over the whole
-    batch."""
+    """REINFORCE++-baseline: the group mean subtracted, then the centred values whitened over the
+    whole batch."""
     centred = grpo_advantages(rewards, group_size, scale_rewards="none")  # NaN rewards -> 0
     valid = ~torch.isnan(rewards)
     values = centred[valid]
@@ -113,8 +117,8 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_size: int, *, 
 
 def opo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4,
                    lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """OPO: each reward minus its group's length-weighted mean reward (the variance-optimal baseline for a
-    sequence-sum loss); lengths [N] are the completions' token counts."""
+    """OPO: each reward minus its group's length-weighted mean reward (the variance-optimal baseline
+    for a sequence-sum loss); lengths [N] are the completions' token counts."""
     if lengths is None:
         raise ValueError("the opo estimator needs the completion lengths (lengths=[N])")
     grouped = _grouped(rewards, group_size)
@@ -129,13 +133,15 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, *, scale_rew
                             eps: float = 1e-4, lengths: torch.Tensor | None = None,
                             mask: torch.Tensor | None = None, token_kl: torch.Tensor | None = None,
                             beta: float = 0.0) -> torch.Tensor:
-    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262), token level: each completion token's reward is
-    -beta * KL_t (the first-order estimate log pi_old - log pi_ref), the outcome reward is added at the last
-    completion token, the return is G_t = sum_{s >= t} r_s (gamma = 1), and the advantages are the returns
-    whitened over every completion token of the batch, (G - mean) / (std + eps), with no per-group baseline.
-    rewards [N], mask and token_kl [N, C] -> advantages [N, C] (0 off the mask and on NaN-reward rows)."""
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262), token level: each completion token's reward
+    is -beta * KL_t (the first-order estimate log pi_old - log pi_ref), the outcome reward is added
+    at the last completion token, the return is G_t = sum_{s >= t} r_s (gamma = 1), and the
+    advantages are the returns whitened over every completion token of the batch, (G - mean) / (std
+    + eps), with no per-group baseline. rewards [N], mask and token_kl [N, C] -> advantages [N, C]
+      (0 off the mask and on NaN-reward rows)."""
     if mask is None:
-        raise ValueError("reinforce_pp is a token-level estimator: it needs the completions' mask [N, C]")
+        raise ValueError("reinforce_pp is a token-level estimator: it needs the completions' mask "
+                         "[N, C]")
     mask = mask.to(rewards.dtype)
     scorable = ~torch.isnan(rewards)
     no_kl = token_kl is None or beta == 0
@@ -159,7 +165,8 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, *, scale_rew
 class EstimatorSpec:
     """An advantage estimator and what it declares; called like its function."""
 
-    fn: Callable[..., torch.Tensor]  # (rewards [N], group_size, *, scale_rewards, eps, lengths, ...) -> [N]
+    # (rewards [N], group_size, *, scale_rewards, eps, lengths, ...) -> [N]
+    fn: Callable[..., torch.Tensor]
     level: str = "sequence"  # "token": advantages [N, C], one per completion token
     needs: frozenset[str] = frozenset()  # inputs beyond the rewards: "lengths", "mask", "token_kl"
     kl_in_reward: bool = False  # beta weighs a KL penalty in the reward, so the loss has no KL term
@@ -173,7 +180,8 @@ class EstimatorSpec:
             raise ValueError(f"estimator level {self.level!r}: choose 'sequence' or 'token'")
         unknown = set(self.needs) - {"lengths", "mask", "token_kl"}
         if unknown:
-            raise ValueError(f"estimator needs {sorted(unknown)}: it may need lengths, mask, token_kl")
+            raise ValueError(f"estimator needs {sorted(unknown)}: it may need lengths, mask, "
+                             "token_kl")
 
     @property
     def token_level(self) -> bool:
@@ -195,9 +203,11 @@ class EstimatorInputs:
     eps: float = 1e-4
     lengths: torch.Tensor | None = None  # [N] trained tokens per completion
     mask: torch.Tensor | None = None  # [N, C] the tokens that carry a return / a KL estimate
-    token_kl: torch.Tensor | None = None  # [N, C] log pi_old - log pi_ref, 0 off the mask (None: beta 0)
+    # [N, C] log pi_old - log pi_ref, 0 off the mask (None: beta 0)
+    token_kl: torch.Tensor | None = None
     beta: float = 0.0
-    clip_range: tuple[float, float] | list[float] | None = None  # KL-in-reward: clip each total reward first
+    # KL-in-reward: clip each total reward first
+    clip_range: tuple[float, float] | list[float] | None = None
     normalize: bool = False  # KL-in-reward: whiten the advantages over the rows with a baseline
 
 
@@ -207,8 +217,8 @@ ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
 def register_estimator(name: str, fn: Callable[..., torch.Tensor] | EstimatorSpec, *, level: str = "sequence",
                        needs: tuple[str, ...] = ()) -> EstimatorSpec:
     """Add an estimator (a function, declared by `level` and `needs`, or a whole EstimatorSpec);
-    `advantage_estimator: <name>` in a config then selects it (the config's allowed values are this registry's
-    keys). A new one is its function, this call, and its float64 reference test."""
+    `advantage_estimator: <name>` in a config then selects it (the config's allowed values are this
+    registry's keys). A new one is its function, this call, and its float64 reference test."""
     if name in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage estimator {name!r} is already registered")
     spec = fn if isinstance(fn, EstimatorSpec) else EstimatorSpec(fn, level, frozenset(needs))
@@ -229,7 +239,8 @@ def _spec(estimator: str | EstimatorSpec) -> EstimatorSpec:
     if isinstance(estimator, EstimatorSpec):
         return estimator
     if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage_estimator={estimator!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        raise ValueError(f"advantage_estimator={estimator!r}: choose one of "
+                         f"{sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[estimator]
 
 
@@ -237,12 +248,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
                      estimator: str | EstimatorSpec = "grpo", lengths: torch.Tensor | None = None,
                      mask: torch.Tensor | None = None, token_kl: torch.Tensor | None = None, beta: float = 0.0
                      ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Advantages for rewards [N] (groups contiguous) by the named estimator. Returns (advantages [N], or
-    [N, C] for a token-level estimator, which alone receives mask, token_kl and beta; stats).
+    """Advantages for rewards [N] (groups contiguous) by the named estimator. Returns (advantages
+    [N], or [N, C] for a token-level estimator, which alone receives mask, token_kl and beta;
+    stats).
 
-    stats: reward_std_within_group (mean of the groups' stds), frac_reward_zero_std (fraction of groups whose
-    rewards are all equal, i.e. no learning signal), advantage_abs_mean (over completion tokens when
-    token-level).
+    stats: reward_std_within_group (mean of the groups' stds), frac_reward_zero_std (fraction of
+    groups whose rewards are all equal, i.e. no learning signal), advantage_abs_mean (over
+    completion tokens when token-level).
     """
     spec = _spec(estimator)
     _, std, count = _group_mean_std(_grouped(rewards, group_size))
@@ -296,15 +308,17 @@ def multi_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor | None,
         _, stats = group_advantages(total, group_size, scale_rewards, eps, estimator, lengths)
         stats["advantage_abs_mean"] = advantages.abs().mean().item()
     else:
-        raise ValueError(f"aggregation={aggregation!r}: choose 'sum_then_normalize' or 'normalize_then_sum'")
+        raise ValueError(f"aggregation={aggregation!r}: choose 'sum_then_normalize' or "
+                         "'normalize_then_sum'")
     return advantages, total, stats
 
 
 def kl_shaped_rewards(rewards: torch.Tensor, sequence_kl: torch.Tensor | None, beta: float,
                       clip_range: tuple[float, float] | list[float] | None = None) -> torch.Tensor:
-    """RLOO's reward (Ahmadian et al. 2024, arXiv:2402.14740; TRL 1.16's RLOOTrainer): clipped to `clip_range`
-    when given, minus beta times the sequence's KL estimate sum_t (log pi_old(o_t) - log pi_ref(o_t)) (the
-    first-order estimate, which can be negative). NaN (unscorable) stays NaN. [N], [N] -> [N]."""
+    """RLOO's reward (Ahmadian et al. 2024, arXiv:2402.14740; TRL 1.16's RLOOTrainer): clipped to
+    `clip_range` when given, minus beta times the sequence's KL estimate sum_t (log pi_old(o_t) -
+    log pi_ref(o_t)) (the first-order estimate, which can be negative). NaN (unscorable) stays NaN.
+    [N], [N] -> [N]."""
     if clip_range is not None:
         rewards = rewards.clamp(min=clip_range[0], max=clip_range[1])
     return rewards if sequence_kl is None or beta == 0 else rewards - beta * sequence_kl
@@ -325,8 +339,8 @@ def _kl_penalised(total: torch.Tensor, sequence_kl: torch.Tensor | None,
 
 def _whiten_with_baseline(advantages: torch.Tensor, shaped: torch.Tensor,
                           inputs: EstimatorInputs) -> torch.Tensor:
-    """Whitened over the rows that have a baseline (a scorable reward with another scorable one in its group:
-    TRL's nanmean / nanstd), when `normalize` asks."""
+    """Whitened over the rows that have a baseline (a scorable reward with another scorable one in
+    its group: TRL's nanmean / nanstd), when `normalize` asks."""
     if not inputs.normalize:
         return advantages
     scorable = ~torch.isnan(shaped).view(-1, inputs.group_size)
@@ -335,20 +349,21 @@ def _whiten_with_baseline(advantages: torch.Tensor, shaped: torch.Tensor,
 
 
 def kl_in_reward(spec: EstimatorSpec) -> EstimatorSpec:
-    """The sequence-level estimator `spec` with beta's KL penalty in the reward instead of the loss (module
-    docstring; RLOO as TRL computes it when `spec` is rloo)."""
+    """The sequence-level estimator `spec` with beta's KL penalty in the reward instead of the loss
+    (module docstring; RLOO as TRL computes it when `spec` is rloo)."""
     if spec.token_level or spec.kl_in_reward:
-        raise ValueError("this estimator puts the KL in its per-token rewards itself; it cannot take a "
-                         "sequence KL penalty in the reward too")
+        raise ValueError("this estimator puts the KL in its per-token rewards itself; it cannot "
+                         "take a sequence KL penalty in the reward too")
     return dataclasses.replace(spec, needs=spec.needs | {"mask", "token_kl"}, kl_in_reward=True,
                                shaping=_kl_penalised, finish=_whiten_with_baseline)
 
 
 def estimate(spec: EstimatorSpec,
              inputs: EstimatorInputs) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Advantages of one rollout: (advantages [N] or [N, C], total reward [N] for logging, stats). Without
-    shaping: `multi_reward_advantages`. With it (kl_in_reward): the weighted total (NaN where every reward is
-    NaN), shaped, the estimator, finished; `kl` in stats is the mean per-token KL estimate over the mask."""
+    """Advantages of one rollout: (advantages [N] or [N, C], total reward [N] for logging, stats).
+    Without shaping: `multi_reward_advantages`. With it (kl_in_reward): the weighted total (NaN
+    where every reward is NaN), shaped, the estimator, finished; `kl` in stats is the mean per-token
+    KL estimate over the mask."""
     token = dict(mask=inputs.mask, token_kl=inputs.token_kl, beta=inputs.beta) if spec.token_level else {}
     if spec.shaping is None:
         return multi_reward_advantages(inputs.rewards, inputs.weights, inputs.group_size,

@@ -1,8 +1,8 @@
 """Token-budget micro-batches: rows grouped by their token counts instead of a fixed number of rows.
 
-Long rows go alone, short rows together, so every micro-batch costs about the same memory. The step's
-loss is a sum over rows with global normalisers (rlft/core/losses.py), so how rows are grouped changes
-nothing but memory and speed.
+Long rows go alone, short rows together, so every micro-batch costs about the same memory. The
+step's loss is a sum over rows with global normalisers (rlft/core/losses.py), so how rows are
+grouped changes nothing but memory and speed.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 
 def budget_bins(tokens: torch.Tensor, budget: int) -> list[list[int]]:
-    """Rows in groups of at most `budget` tokens each: longest first, first fit (a row longer than the budget
-    goes alone). tokens: [N] prompt + completion tokens per row -> groups of row indices, each longest
-    first."""
+    """Rows in groups of at most `budget` tokens each: longest first, first fit (a row longer than
+    the budget goes alone). tokens: [N] prompt + completion tokens per row -> groups of row indices,
+    each longest first."""
     bins: list[list[int]] = []
     loads: list[int] = []
     for row in torch.argsort(tokens, descending=True, stable=True).tolist():
@@ -34,8 +34,9 @@ def budget_count(tokens: torch.Tensor, budget: int) -> int:
 
 
 def split_to(bins: list[list[int]], tokens: torch.Tensor, count: int) -> list[list[int]]:
-    """The same rows in `count` groups (at most the number of rows): the heaviest splittable group is halved
-    until there are enough (another process needs more micro-batches, and every process runs as many)."""
+    """The same rows in `count` groups (at most the number of rows): the heaviest splittable group
+    is halved until there are enough (another process needs more micro-batches, and every process
+    runs as many)."""
     bins = [list(b) for b in bins]
     while len(bins) < count:
         splittable = [b for b in bins if len(b) > 1]

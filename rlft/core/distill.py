@@ -1,28 +1,30 @@
 """On-policy distillation's per-token divergence, tile by tile from the two models' hidden states.
 
-Generalized Jensen-Shannon divergence (Agarwal et al. 2024, "On-Policy Distillation of Language Models:
-Learning from Self-Generated Mistakes", arXiv:2306.13649, GKD), as TRL's DistillationTrainer defines `beta`:
-with the student's and the teacher's next-token distributions at one position, both at temperature T,
+Generalized Jensen-Shannon divergence (Agarwal et al. 2024, "On-Policy Distillation of Language
+Models: Learning from Self-Generated Mistakes", arXiv:2306.13649, GKD), as TRL's DistillationTrainer
+defines `beta`: with the student's and the teacher's next-token distributions at one position, both
+at temperature T,
 
     p_s = softmax(z_s),  z_s = c_s (h_s W_s^T + b_s) / T          (the student's, differentiable)
     p_t = softmax(z_t),  z_t = c_t (h_t W_t^T + b_t) / T          (the teacher's, no gradient)
 
     beta = 0:      D = KL(p_t || p_s) = sum_j p_t,j (log p_t,j - log p_s,j)          (forward KL)
-    beta = 1:      D = KL(p_s || p_t) = sum_j p_s,j (log p_s,j - log p_t,j)   (reverse KL, TRL default)
-    0 < beta < 1:  m = (1 - beta) p_s + beta p_t
+    beta = 1:      D = KL(p_s || p_t) = sum_j p_s,j (log p_s,j - log p_t,j)   (reverse KL, TRL
+    default) 0 < beta < 1:  m = (1 - beta) p_s + beta p_t
                    D = beta KL(p_t || m) + (1 - beta) KL(p_s || m)
 
-(the mixture's formula goes to 0 at both ends; 0 and 1 are the two KLs, as TRL has them). c is a model's
-logit scale (and Gemma-2's softcapping k tanh(u / k) where set, rlft/core/fused_head.py). The gradient
-with respect to the student's logits, per position:
+(the mixture's formula goes to 0 at both ends; 0 and 1 are the two KLs, as TRL has them). c is a
+model's logit scale (and Gemma-2's softcapping k tanh(u / k) where set, rlft/core/fused_head.py).
+The gradient with respect to the student's logits, per position:
 
     beta = 0:      dD/dz_s = p_s - p_t
     beta = 1:      dD/dz_s = p_s (log p_s - log p_t - D)
     0 < beta < 1:  dD/dz_s = (1 - beta) p_s (log p_s - log m - KL(p_s || m))
 
-The vocabulary is never held for all positions: each tile of positions is projected through both heads,
-reduced to D (and the student's entropy, a metric) and dropped; the backward recomputes the tile. Logits
-are float32 whatever the models' dtype. Shapes: N positions, H_s / H_t hidden sizes, V vocabulary.
+The vocabulary is never held for all positions: each tile of positions is projected through both
+heads, reduced to D (and the student's entropy, a metric) and dropped; the backward recomputes the
+tile. Logits are float32 whatever the models' dtype. Shapes: N positions, H_s / H_t hidden sizes, V
+vocabulary.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class _TiledDivergence(torch.autograd.Function):
         n = hidden_s.shape[0]
         work = torch.promote_types(hidden_s.dtype, torch.float32)
         d = torch.empty(n, dtype=work, device=hidden_s.device)  # [N]
-        entropy, teacher_entropy = torch.empty_like(d), torch.empty_like(d)  # [N] each, at temperature T
+        # [N] each, at temperature T
+        entropy, teacher_entropy = torch.empty_like(d), torch.empty_like(d)
         with student.whole(), teacher.whole():
             for start in range(0, n, tile):
                 rows = slice(start, start + tile)
@@ -110,7 +113,8 @@ class _TiledDivergence(torch.autograd.Function):
 
 
 def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, keep_squashed: bool = False):
-    """log p_s, log p_t [t, V] float32 for one tile (and the student's tanh(c u / k) for the backward)."""
+    """log p_s, log p_t [t, V] float32 for one tile (and the student's tanh(c u / k) for the
+    backward)."""
     z_s, squashed = _logits(h_s, student.weight, student.bias, student.scale, student.softcap, temperature)
     z_t, _ = _logits(h_t, teacher.weight, teacher.bias, teacher.scale, teacher.softcap, temperature)
     log_ps = z_s - torch.logsumexp(z_s, dim=-1, keepdim=True)
@@ -119,7 +123,8 @@ def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, k
 
 
 class Divergence(NamedTuple):
-    """Per position [N]: D (differentiable) and both models' entropies at temperature T (metrics)."""
+    """Per position [N]: D (differentiable) and both models' entropies at temperature T
+    (metrics)."""
     value: torch.Tensor
     entropy: torch.Tensor
     teacher_entropy: torch.Tensor
@@ -128,13 +133,13 @@ class Divergence(NamedTuple):
 def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: Head, teacher: Head,
                      beta: float = 1.0, temperature: float = 1.0, tile: int | None = None) -> Divergence:
     """D [N] and the two entropies [N] at N positions from the student's hidden states [N, H_s]
-    (differentiable, as are the student head's weight and bias) and the teacher's [N, H_t] (no gradient).
-    Never allocates [N, V]. The heads must share the vocabulary (V)."""
+    (differentiable, as are the student head's weight and bias) and the teacher's [N, H_t] (no
+    gradient). Never allocates [N, V]. The heads must share the vocabulary (V)."""
     vocab, teacher_vocab = vocabulary_rows(student.weight), vocabulary_rows(teacher.weight)
     if vocab != teacher_vocab:
-        raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) differ: "
-                         "distillation compares their next-token distributions token by token, so both must "
-                         "use the same tokenizer")
+        raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) "
+                         "differ: distillation compares their next-token distributions token by "
+                         "token, so both must use the same tokenizer")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
     if hidden_s.shape[0] == 0:

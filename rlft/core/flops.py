@@ -1,19 +1,26 @@
 """Model FLOPs of a decoder-only transformer, for model FLOPs utilisation (MFU).
 
-Counting follows Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", arXiv:2001.08361, sec. 2.1)
-and PaLM's MFU (Chowdhery et al. 2022, arXiv:2204.02311, appendix B): a matmul with a weight of n parameters
-costs 2n FLOPs per token forward; backward costs twice the forward, so training costs 3x forward. Model FLOPs
-count the work the model needs, not what the hardware does: recomputation (gradient checkpointing) and padding
-are not counted, so they show up as lower utilisation.
+Counting follows Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", arXiv:2001.08361,
+sec. 2.1) and PaLM's MFU (Chowdhery et al. 2022, arXiv:2204.02311, appendix B): a matmul with a
+weight of n parameters costs 2n FLOPs per token forward; backward costs twice the forward, so
+training costs 3x forward. Model FLOPs count the work the model needs, not what the hardware does:
+recomputation (gradient checkpointing) and padding are not counted, so they show up as lower
+utilisation.
 
-Per token, forward, with hidden size h, L layers, q heads and k key/value heads of size d, MLP width m:
+Per token, forward, with hidden size h, L layers, q heads and k key/value heads of size d, MLP width
+m:
     attention projections   2 (h q d + 2 h k d + q d h)
-    attention scores        4 q d t   for a token attending to t positions (Q K^T and attn V); causal: the
+    attention scores        4 q d t   for a token attending to t positions (Q K^T and attn V);
+    causal: the
                             token at position t (1-based) attends to t positions
-    MLP (gated, 3 matrices) 2 * 3 h m; a mixture of experts: 2 * 3 h m_e per active expert + 2 h E (router),
-                            + 2 * 3 h m_s + 2 h for a shared expert (every layer counted as a MoE layer)
-    LM head                 2 h V, only at positions whose logits are computed (rlft's fused scoring projects
-                            completion positions only; generation projects one position per new token)
+    MLP (gated, 3 matrices) 2 * 3 h m; a mixture of experts: 2 * 3 h m_e per active expert + 2 h E
+    (router),
+                            + 2 * 3 h m_s + 2 h for a shared expert (every layer counted as a MoE
+                              layer)
+    LM head                 2 h V, only at positions whose logits are computed (rlft's fused scoring
+    projects
+                            completion positions only; generation projects one position per new
+                            token)
 Embedding lookups cost nothing.
 """
 
@@ -47,8 +54,8 @@ def layer_flops_per_token(config) -> float:
 
 
 def attention_score_flops(config, start: int, end: int) -> float:
-    """Forward attention-score FLOPs of the tokens at positions start+1 .. end of one causal sequence (each
-    attends to every position up to its own): 4 q d L * sum_{t=start+1}^{end} t."""
+    """Forward attention-score FLOPs of the tokens at positions start+1 .. end of one causal
+    sequence (each attends to every position up to its own): 4 q d L * sum_{t=start+1}^{end} t."""
     c = _text_config(config)
     q = c.num_attention_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // q
@@ -62,8 +69,8 @@ def lm_head_flops(config, positions: int) -> float:
 
 
 def scoring_flops(config, prompt_lengths: Sequence[int], completion_lengths: Sequence[int]) -> float:
-    """Forward FLOPs of scoring completions: every prompt + completion token through the layers, the LM head
-    at the completion positions only. Training (forward + backward) is 3x this."""
+    """Forward FLOPs of scoring completions: every prompt + completion token through the layers, the
+    LM head at the completion positions only. Training (forward + backward) is 3x this."""
     per_token = layer_flops_per_token(config)
     total = 0.0
     for p, c in zip(prompt_lengths, completion_lengths, strict=True):
@@ -73,9 +80,9 @@ def scoring_flops(config, prompt_lengths: Sequence[int], completion_lengths: Seq
 
 def generation_flops(config, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
                      group: int = 1) -> float:
-    """Forward FLOPs of sampling: each prompt prefilled once per group of `group` consecutive rows (its
-    completions share it; the LM head at its last position), then every new token through the layers and the
-    LM head."""
+    """Forward FLOPs of sampling: each prompt prefilled once per group of `group` consecutive rows
+    (its completions share it; the LM head at its last position), then every new token through the
+    layers and the LM head."""
     per_token = layer_flops_per_token(config)
     total = 0.0
     for row, (p, c) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):

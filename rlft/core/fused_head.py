@@ -3,48 +3,51 @@
 For hidden states h [N, H] at the positions that predict tokens y [N], an LM head (W [V, H], b [V]):
 
     u = h W^T + b                       raw logits                       [tile, V], never [N, V]
-    s = c * u;  s = k tanh(s / k)       logit scaling c; Gemma-2 final-logit softcapping k (when set)
-    z = s / T                           temperature T
+    s = c * u;  s = k tanh(s / k)       logit scaling c; Gemma-2 final-logit softcapping k (when
+    set) z = s / T                           temperature T
     log p(y) = z_y - logsumexp(z)
     H = logsumexp(z) - sum_j softmax(z)_j z_j                         (entropy, when asked)
 
-Each tile of positions is projected, reduced to its log-sum-exp and the target's logit, and dropped; backward
-recomputes each tile and accumulates dL/dh (per tile) and dL/dW, dL/db (over tiles) in float32. With
-g = dL/dlog p and e = dL/dH:
+Each tile of positions is projected, reduced to its log-sum-exp and the target's logit, and dropped;
+backward recomputes each tile and accumulates dL/dh (per tile) and dL/dW, dL/db (over tiles) in
+float32. With g = dL/dlog p and e = dL/dH:
 
     dL/dz_j = g ([j = y] - p_j) - e p_j (z_j - lse + H)
     dL/du   = dL/dz * c (1 - tanh^2(c u / k)) / T      (without softcapping: c / T)
 
 Truncated sampling -- top-k (Fan et al. 2018, arXiv:1805.04833), top-p (Holtzman et al. 2020,
 arXiv:1904.09751), min-p (Nguyen et al. 2024, arXiv:2407.01082) -- draws y from the distribution
-renormalised over the tokens the sampler kept, K; given those ids (`kept` [N, K], -1 padding), the log-prob
-is that distribution's (no ids at a position, or y not among them: the full one):
+renormalised over the tokens the sampler kept, K; given those ids (`kept` [N, K], -1 padding), the
+log-prob is that distribution's (no ids at a position, or y not among them: the full one):
 
     log p_K(y) = z_y - logsumexp_{j in K} z_j
     log m      = logsumexp_{j in K} z_j - logsumexp(z)      the log of the mass the sampler kept
-    dL/dz_j    = g ([j = y] - p_K,j [j in K]) - ...         (the entropy term stays the full distribution's)
+    dL/dz_j    = g ([j = y] - p_K,j [j in K]) - ...         (the entropy term stays the full
+    distribution's)
 
-A frozen head (LoRA: W and b take no gradient) needs dL/dh only, and that is linear in g: dL/dh = g a with
-a = dz/du ([j = y] - p) W, which the forward forms from its own tile of logits (one more matmul there) and
-keeps ([N, H], the size of h). The backward then scales a by g and recomputes nothing: two passes over the
-vocabulary instead of three. Not when the entropy's gradient is asked for (`entropy_grad`, an entropy bonus):
-that term's basis is another matmul, so the backward recomputes the tiles as before (as it does when an
-entropy gradient arrives unannounced).
+A frozen head (LoRA: W and b take no gradient) needs dL/dh only, and that is linear in g: dL/dh = g
+a with a = dz/du ([j = y] - p) W, which the forward forms from its own tile of logits (one more
+matmul there) and keeps ([N, H], the size of h). The backward then scales a by g and recomputes
+nothing: two passes over the vocabulary instead of three. Not when the entropy's gradient is asked
+for (`entropy_grad`, an entropy bonus): that term's basis is another matmul, so the backward
+recomputes the tiles as before (as it does when an entropy gradient arrives unannounced).
 
-A head that trains (full fine-tuning) needs dL/dW, which is not linear in a per-token basis; but a loss whose
-gradient at each token depends on that token's log-prob alone (GRPO's clipped token terms, with their
-constant normalisers) can say g while the tile's logits are still there (`predict`: log-probs -> dL/dlog p,
-the loss's own code run on them). The forward then forms dL/dh, dL/dW and dL/db itself, three passes over
-the vocabulary and no recomputation, and keeps them. The backward checks that the g it is given is the
-predicted one times one scalar c (gradient accumulation, a process count) and returns the kept gradients
-times c; any other g (a loss that was not token-separable after all) gets the recomputing backward, so the
-result is exact either way. On a CPU only: on a GPU the prediction (the loss's code once per tile) costs
-about what the saved pass saves (benchmarks/gpu/long-fused-h100.md).
+A head that trains (full fine-tuning) needs dL/dW, which is not linear in a per-token basis; but a
+loss whose gradient at each token depends on that token's log-prob alone (GRPO's clipped token
+terms, with their constant normalisers) can say g while the tile's logits are still there
+(`predict`: log-probs -> dL/dlog p, the loss's own code run on them). The forward then forms dL/dh,
+dL/dW and dL/db itself, three passes over the vocabulary and no recomputation, and keeps them. The
+backward checks that the g it is given is the predicted one times one scalar c (gradient
+accumulation, a process count) and returns the kept gradients times c; any other g (a loss that was
+not token-separable after all) gets the recomputing backward, so the result is exact either way. On
+a CPU only: on a GPU the prediction (the loss's code once per tile) costs about what the saved pass
+saves (benchmarks/gpu/long-fused-h100.md).
 
-Logits are float32 whatever the model's dtype (a bf16/fp16 matmul, then float32 from there on). This is the
-selective log-softmax of rlft/core/logprobs.py without ever holding a [B, T, V] tensor: the memory of a
-scoring pass is one tile of logits, not a sequence's (Liger-Kernel's fused linear cross-entropy and TRL 1.15's
-fused LM head are the same idea). Shapes in comments: N positions, H hidden size, V vocabulary.
+Logits are float32 whatever the model's dtype (a bf16/fp16 matmul, then float32 from there on). This
+is the selective log-softmax of rlft/core/logprobs.py without ever holding a [B, T, V] tensor: the
+memory of a scoring pass is one tile of logits, not a sequence's (Liger-Kernel's fused linear
+cross-entropy and TRL 1.15's fused LM head are the same idea). Shapes in comments: N positions, H
+hidden size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ import torch
 
 # float32 logits per tile (64 MiB): large enough that re-reading W per tile is amortised
 TILE_ELEMENTS = 1 << 24
-# on a GPU (256 MiB): a tile's matmuls are too small to fill the device at 64 MiB, and each tile is a dozen
-# kernel launches (benchmarks/gpu/README.md measures the choice)
+# on a GPU (256 MiB): a tile's matmuls are too small to fill the device at 64 MiB, and each tile is
+# a dozen kernel launches (benchmarks/gpu/README.md measures the choice)
 GPU_TILE_ELEMENTS = 1 << 26
 
 
@@ -70,8 +73,8 @@ def vocabulary_rows(weight: torch.Tensor) -> int:
 
 def tile_positions(vocab: int, tile_elements: int | None = None, device: torch.device | str | None = None,
                    ) -> int:
-    """Positions per tile so that one tile of float32 logits holds about `tile_elements` values (by default
-    TILE_ELEMENTS, GPU_TILE_ELEMENTS on a CUDA `device`)."""
+    """Positions per tile so that one tile of float32 logits holds about `tile_elements` values (by
+    default TILE_ELEMENTS, GPU_TILE_ELEMENTS on a CUDA `device`)."""
     if tile_elements is None:
         cuda = device is not None and torch.device(device).type == "cuda"
         tile_elements = GPU_TILE_ELEMENTS if cuda else TILE_ELEMENTS
@@ -81,9 +84,9 @@ def tile_positions(vocab: int, tile_elements: int | None = None, device: torch.d
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
             softcap: float | None, temperature: float, out: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """z [t, V] float32 and, with softcapping, tanh(c u / k) [t, V] (for the backward). In place where it
-    can be: one [t, V] float32 tensor, not one per step (a factor of 1 is skipped: it changes no bit); in
-    `out` ([>= t, V] float32, a Workspace's) when given."""
+    """z [t, V] float32 and, with softcapping, tanh(c u / k) [t, V] (for the backward). In place
+    where it can be: one [t, V] float32 tensor, not one per step (a factor of 1 is skipped: it
+    changes no bit); in `out` ([>= t, V] float32, a Workspace's) when given."""
     work = torch.promote_types(weight.dtype, torch.float32)  # float32 (float64 stays float64)
     if out is not None and weight.dtype == work:
         raw = torch.mm(hidden, weight.t(), out=out[:hidden.shape[0]])  # [t, V]
@@ -104,9 +107,10 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class Workspace:
-    """Two [tile, V] buffers a tile loop reuses: the logits and their exponentials. A fresh [tile, V] block
-    per tile is, on a CPU, a fresh mapping whose page faults cost about a third of the tile's matmul (64 MiB
-    is above glibc's largest mmap threshold); on a GPU it saves the allocator's work."""
+    """Two [tile, V] buffers a tile loop reuses: the logits and their exponentials. A fresh [tile,
+    V] block per tile is, on a CPU, a fresh mapping whose page faults cost about a third of the
+    tile's matmul (64 MiB is above glibc's largest mmap threshold); on a GPU it saves the
+    allocator's work."""
 
     def __init__(self, rows: int, weight: torch.Tensor, device: torch.device):
         work = torch.promote_types(weight.dtype, torch.float32)
@@ -114,8 +118,8 @@ class Workspace:
         self.e = torch.empty_like(self.z)
 
     def exp(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logsumexp [t], exp(z - max) [t, V] in the second buffer, its row sums [t]) of z [t, V], without
-        allocating a [t, V] tensor (torch.logsumexp allocates two)."""
+        """(logsumexp [t], exp(z - max) [t, V] in the second buffer, its row sums [t]) of z [t, V],
+        without allocating a [t, V] tensor (torch.logsumexp allocates two)."""
         top = z.amax(-1, keepdim=True)  # [t, 1]
         e = torch.sub(z, top, out=self.e[:z.shape[0]]).exp_()
         total = e.sum(-1)  # [t]
@@ -127,10 +131,11 @@ class Workspace:
 
 
 def _accumulate(total: torch.Tensor, grad_u: torch.Tensor, low: torch.Tensor, hidden: torch.Tensor) -> None:
-    """dL/dW (float32 `total` [V, H]) += dL/du^T h for one tile. On a GPU with a bfloat16/float16 model, the
-    product of `low` (dL/du in the model's dtype, as dL/dh uses it) and h in the tensor cores, accumulated in
-    float32 by the matmul itself (never rounded to the half type: summed over tiles, that rounding biases the
-    gradient); elsewhere the float32 (float64) dL/du times h cast up, as before."""
+    """dL/dW (float32 `total` [V, H]) += dL/du^T h for one tile. On a GPU with a bfloat16/float16
+    model, the product of `low` (dL/du in the model's dtype, as dL/dh uses it) and h in the tensor
+    cores, accumulated in float32 by the matmul itself (never rounded to the half type: summed over
+    tiles, that rounding biases the gradient); elsewhere the float32 (float64) dL/du times h cast
+    up, as before."""
     if total.device.type == "cuda" and low.dtype in (torch.float16, torch.bfloat16):
         torch.addmm(total, low.t(), hidden, out_dtype=torch.float32, out=total)
     else:
@@ -139,8 +144,8 @@ def _accumulate(total: torch.Tensor, grad_u: torch.Tensor, low: torch.Tensor, hi
 
 def kept_lse(z: torch.Tensor, kept: torch.Tensor, targets: torch.Tensor,
              lse: torch.Tensor) -> torch.Tensor:
-    """logsumexp of each row's kept logits: z [t, V], kept [t, K] token ids (-1: padding), targets [t];
-    `lse` [t] (the full one) where a row has no kept id or its target is not among them."""
+    """logsumexp of each row's kept logits: z [t, V], kept [t, K] token ids (-1: padding), targets
+    [t]; `lse` [t] (the full one) where a row has no kept id or its target is not among them."""
     valid = kept >= 0  # [t, K]
     has = valid.any(-1) & (kept == targets[:, None]).any(-1)  # [t]
     picked = z.gather(-1, kept.clamp(min=0)).masked_fill(~valid, float("-inf"))  # [t, K]
@@ -148,9 +153,9 @@ def kept_lse(z: torch.Tensor, kept: torch.Tensor, targets: torch.Tensor,
 
 
 class HeadGrads:
-    """dL/dh [N, H], dL/dW [V, H] and dL/db [V] of an LM head, filled tile by tile from each tile's dL/dz; W's
-    and b's accumulated in float32 (float64 stays float64). `needs`: the autograd function's
-    needs_input_grad for (hidden, weight, bias)."""
+    """dL/dh [N, H], dL/dW [V, H] and dL/db [V] of an LM head, filled tile by tile from each tile's
+    dL/dz; W's and b's accumulated in float32 (float64 stays float64). `needs`: the autograd
+    function's needs_input_grad for (hidden, weight, bias)."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, needs):
         need_h, need_w, need_b = needs
@@ -162,8 +167,8 @@ class HeadGrads:
             if need_b and bias is not None else None
 
     def add(self, rows: slice, grad_z: torch.Tensor, squashed: torch.Tensor | None, chain: float) -> None:
-        """One tile's dL/dz [t, V] (scaled in place) back through the logit transform -- dz/du = chain, times
-        1 - tanh^2 with softcapping -- and the head."""
+        """One tile's dL/dz [t, V] (scaled in place) back through the logit transform -- dz/du =
+        chain, times 1 - tanh^2 with softcapping -- and the head."""
         if squashed is not None:
             grad_z *= chain * (1 - squashed**2)
         elif chain != 1:
@@ -185,10 +190,10 @@ class HeadGrads:
 def _logp_grad_(z: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, used: torch.Tensor,
                 targets: torch.Tensor, kept: torch.Tensor | None, g: torch.Tensor,
                 e: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> torch.Tensor:
-    """dL/dz [t, V] of one tile, in p's memory (p = softmax(z) [t, V] is consumed; z [t, V] too when e is
-    given), for g = dL/dlog p [t, 1] and, when given, e = dL/dH [t, 1] (entropy [t]):
-    g ([j = y] - p_j) - e p_j (z_j - lse + H), with p renormalised over the kept ids on rows whose target is
-    among them. lse, used [t]: full and renormalising lse."""
+    """dL/dz [t, V] of one tile, in p's memory (p = softmax(z) [t, V] is consumed; z [t, V] too when
+    e is given), for g = dL/dlog p [t, 1] and, when given, e = dL/dH [t, 1] (entropy [t]):
+    g ([j = y] - p_j) - e p_j (z_j - lse + H), with p renormalised over the kept ids on rows whose
+    target is among them. lse, used [t]: full and renormalising lse."""
     if kept is not None:
         ids, renormalised = kept.clamp(min=0).long(), used != lse
         picked = z.gather(-1, ids).masked_fill(kept < 0, float("-inf"))  # [t, K]
@@ -206,16 +211,16 @@ def _logp_grad_(z: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, used: torch
     return grad_z
 
 
-MISPREDICTED = ("the LM head's gradient formed in the forward from the loss's predicted dL/dlog p does not "
-                "match the loss's gradient (a loss that is not token-separable, or an entropy term): "
-                "recomputed exactly, at the cost of the forward's extra passes")
+MISPREDICTED = ("the LM head's gradient formed in the forward from the loss's predicted dL/dlog p "
+                "does not match the loss's gradient (a loss that is not token-separable, or an "
+                "entropy term): recomputed exactly, at the cost of the forward's extra passes")
 # |g - c g_predicted| allowed per token: float32 rounding of the two ways of computing the same product
 SCALE_RTOL, SCALE_ATOL = 1e-5, 1e-6
 
 
 class FusedLoss:
-    """A trainable head's gradients formed in the forward from the loss's predicted dL/dlog p (`predicted`
-    [N]), and whether the g the backward is given is that one times a scalar."""
+    """A trainable head's gradients formed in the forward from the loss's predicted dL/dlog p
+    (`predicted` [N]), and whether the g the backward is given is that one times a scalar."""
 
     def __init__(self, grads: HeadGrads, predicted: torch.Tensor):
         self.grads, self.predicted = grads, predicted
@@ -231,7 +236,8 @@ class FusedLoss:
         return c if bool(((want - c * have).abs() <= bound).all()) else None
 
     def result(self, actual: torch.Tensor | None) -> tuple | None:
-        """(dL/dh, dL/dW, dL/db) for the backward's g, or None when it is not a multiple of the predicted."""
+        """(dL/dh, dL/dW, dL/db) for the backward's g, or None when it is not a multiple of the
+        predicted."""
         c = self.scale(actual)
         if c is None:
             return None
@@ -247,7 +253,8 @@ class _TiledLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, kept, temperature, scale, softcap, tile, with_entropy,
                 whole, basis, predict):
-        ctx.set_materialize_grads(False)  # an output the loss leaves out (the logged entropy): None, no work
+        # an output the loss leaves out (the logged entropy): None, no work
+        ctx.set_materialize_grads(False)
         with whole():
             return _TiledLogProbs._forward(ctx, hidden, weight, bias, targets, kept, temperature, scale,
                                            softcap, tile, with_entropy, whole, basis, predict)
@@ -257,17 +264,21 @@ class _TiledLogProbs(torch.autograd.Function):
                  whole, basis, predict):
         n = hidden.shape[0]
         work = torch.promote_types(hidden.dtype, torch.float32)
-        logps = torch.zeros(n, dtype=work, device=hidden.device)  # [N] (zeros: what `predict` reads ahead)
-        lses, used = torch.empty_like(logps), torch.empty_like(logps)  # [N] full and renormalising lse
+        # [N] (zeros: what `predict` reads ahead)
+        logps = torch.zeros(n, dtype=work, device=hidden.device)
+        # [N] full and renormalising lse
+        lses, used = torch.empty_like(logps), torch.empty_like(logps)
         entropy = torch.empty_like(logps) if with_entropy else None  # [N]
-        frozen = HeadGrads(hidden, weight, bias, (True, False, False)) if basis else None  # a [N, H]
+        # a [N, H]
+        frozen = HeadGrads(hidden, weight, bias, (True, False, False)) if basis else None
         ones = torch.ones(min(tile, n), 1, dtype=work, device=hidden.device) if basis else None
         fused = None if predict is None else \
             FusedLoss(HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3]), torch.empty_like(logps))
         space = Workspace(min(tile, n), weight, hidden.device)
         for start in range(0, n, tile):
             rows = slice(start, start + tile)
-            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature, space.z)  # [t, V]
+            # [t, V]
+            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature, space.z)
             lse, e, total = space.exp(z)  # [t], exp(z - max) [t, V], [t]
             lses[rows] = lse
             used[rows] = lse if kept is None else kept_lse(z, kept[rows], targets[rows], lse)
@@ -298,14 +309,17 @@ class _TiledLogProbs(torch.autograd.Function):
         if grad_logps is None:
             grad_logps = torch.zeros_like(lses)
         nothing = (None,) * 12  # W, b and the settings
-        if basis is not None and grad_entropy is None:  # a frozen head: dL/dh = g a, nothing recomputed
+        # a frozen head: dL/dh = g a, nothing recomputed
+        if basis is not None and grad_entropy is None:
             return ((basis.to(grad_logps.dtype) * grad_logps[:, None]).to(hidden.dtype), *nothing)
         fused, ctx.fused = ctx.fused, None
         if fused is not None:
             grads = fused.result(grad_logps) if grad_entropy is None else None
-            if grads is not None:  # the g the loss predicted, times c: the forward's gradients, times c
+            # the g the loss predicted, times c: the forward's gradients, times c
+            if grads is not None:
                 return (*grads, *nothing[2:])
-            if bool(torch.isfinite(grad_logps).all()):  # (a non-finite step is skipped: nothing to say)
+            # (a non-finite step is skipped: nothing to say)
+            if bool(torch.isfinite(grad_logps).all()):
                 warnings.warn(MISPREDICTED, stacklevel=2)
         with ctx.settings[4]():
             return _TiledLogProbs._backward(ctx, grad_logps, grad_entropy, hidden, weight, bias, targets,
@@ -318,7 +332,8 @@ class _TiledLogProbs(torch.autograd.Function):
         space = Workspace(min(tile, hidden.shape[0]), weight, hidden.device)
         for start in range(0, hidden.shape[0], tile):
             rows = slice(start, start + tile)
-            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature, space.z)  # [t, V]
+            # [t, V]
+            z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature, space.z)
             e = None if grad_entropy is None else grad_entropy[rows, None].to(z.dtype)
             p = space.probabilities(z, lses[rows])  # [t, V]
             grad_z = _logp_grad_(z, p, lses[rows], used[rows], targets[rows],
@@ -334,14 +349,15 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                          entropy_grad: bool = False, predict: Callable | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) [N] (float32) and, with `entropy`, the entropy [N] of each position's next-token
-    distribution, from hidden states [N, H] and an LM head weight [V, H] (bias [V]). Differentiable in hidden,
-    weight and bias; the entropy only when it is used in the loss (its gradient is exact too). Never allocates
-    [N, V]. `whole()`: a context in which the weight is whole, entered around the forward and the backward
-    tile loops (a partitioned weight gathered for them). `entropy_grad`: the entropy's gradient will be asked
-    for (an entropy bonus; otherwise a frozen head's backward takes dL/dh from the forward, module
-    docstring). `predict`: log-probs [N] -> the loss's dL/dlog p [N], for a loss whose gradient at a token
-    depends on that token's log-prob alone (a trainable head then forms its gradients in the forward)."""
+    """log p(targets) [N] (float32) and, with `entropy`, the entropy [N] of each position's
+    next-token distribution, from hidden states [N, H] and an LM head weight [V, H] (bias [V]).
+    Differentiable in hidden, weight and bias; the entropy only when it is used in the loss (its
+    gradient is exact too). Never allocates [N, V]. `whole()`: a context in which the weight is
+    whole, entered around the forward and the backward tile loops (a partitioned weight gathered for
+    them). `entropy_grad`: the entropy's gradient will be asked for (an entropy bonus; otherwise a
+    frozen head's backward takes dL/dh from the forward, module docstring). `predict`: log-probs [N]
+    -> the loss's dL/dlog p [N], for a loss whose gradient at a token depends on that token's
+    log-prob alone (a trainable head then forms its gradients in the forward)."""
     logps, ent, _ = fused_kept_logprobs(hidden, weight, targets, None, bias, temperature, logit_scale,
                                         softcap, entropy, tile, whole, entropy_grad, predict)
     return logps, ent
@@ -354,8 +370,9 @@ def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
                         whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                         entropy_grad: bool = False, predict: Callable | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`fused_token_logprobs` renormalised over each position's kept token ids (`kept` [N, K], -1 padding;
-    None: the full vocabulary), and the log of the kept mass [N] (0 where nothing was kept; no gradient)."""
+    """`fused_token_logprobs` renormalised over each position's kept token ids (`kept` [N, K], -1
+    padding; None: the full vocabulary), and the log of the kept mass [N] (0 where nothing was kept;
+    no gradient)."""
     if hidden.shape[0] == 0:
         empty = hidden.sum(-1).float()  # [0], still connected to the graph
         return empty, (empty if entropy else None), empty.detach()
@@ -363,9 +380,9 @@ def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     grad = torch.is_grad_enabled() and not (entropy and entropy_grad)
     trains = weight.requires_grad or (bias is not None and bias.requires_grad)
     frozen = grad and hidden.requires_grad and not trains
-    # a frozen head's basis needs no prediction; on a GPU the prediction's per-tile kernels and syncs cost
-    # what the saved pass saves (H100, Qwen2.5-0.5B: 131 vs 129 ms for the head, a 16% slower 2 x 8,192
-    # step; benchmarks/gpu/long-fused-h100.md), so only a CPU uses it
+    # a frozen head's basis needs no prediction; on a GPU the prediction's per-tile kernels and
+    # syncs cost what the saved pass saves (H100, Qwen2.5-0.5B: 131 vs 129 ms for the head, a 16%
+    # slower 2 x 8,192 step; benchmarks/gpu/long-fused-h100.md), so only a CPU uses it
     predict = predict if grad and trains and hidden.device.type == "cpu" else None
     return _TiledLogProbs.apply(hidden, weight, bias, targets, kept, float(temperature), float(logit_scale),
                                 softcap, int(tile), bool(entropy), whole, frozen, predict)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-CPU_CHUNK_ELEMENTS = 1 << 20  # float32 elements per block on a CPU: 4 MiB, a block that stays in cache
+# float32 elements per block on a CPU: 4 MiB, a block that stays in cache
+CPU_CHUNK_ELEMENTS = 1 << 20
 ACCELERATOR_CHUNK_POSITIONS = 1024  # on a GPU, fewer and larger blocks: kernel launches dominate
 
 
@@ -71,7 +72,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for b, t in _blocks(*token_ids.shape, ctx.chunk_size):
             # d logp_y / d z_v = (1[v == y] - softmax_v) / T
-            grad = -torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])  # [b, t, vocab]
+            # [b, t, vocab]
+            grad = -torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])
             grad.scatter_add_(-1, token_ids[b, t, None], torch.ones_like(grad[..., :1]))
             grad *= grad_out[b, t, None] / ctx.temperature
             grad_logits[b, t] = grad.to(logits.dtype)
@@ -86,7 +88,8 @@ def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, tempera
     Differentiable with respect to `logits`; extra memory stays O(chunk_size * vocab).
     """
     if logits.shape[:-1] != token_ids.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} disagree")
+        raise ValueError(f"logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} "
+                         "disagree")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0")
     return _SelectiveLogSoftmax.apply(logits, token_ids, float(temperature), int(chunk_size))
@@ -123,11 +126,12 @@ class _Entropy(torch.autograd.Function):
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
                         chunk_size: int = 1024) -> torch.Tensor:
-    """Per-position entropy H = logsumexp(s) - sum_v p_v s_v of p = softmax(s), s = logits / T, float32,
-    chunked.
+    """Per-position entropy H = logsumexp(s) - sum_v p_v s_v of p = softmax(s), s = logits / T,
+    float32, chunked.
 
-    logits: [batch, seq, vocab] -> [batch, seq]. Differentiable (dH/dz_v = -p_v (s_v - E_p[s]) / T, for an
-    entropy bonus); pass `logits.detach()` for a metric. Extra memory stays O(chunk_size * vocab).
+    logits: [batch, seq, vocab] -> [batch, seq]. Differentiable (dH/dz_v = -p_v (s_v - E_p[s]) / T,
+    for an entropy bonus); pass `logits.detach()` for a metric. Extra memory stays O(chunk_size *
+    vocab).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0")
@@ -136,10 +140,11 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
 
 def kept_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, kept: torch.Tensor,
                      temperature: float = 1.0) -> torch.Tensor:
-    """log p_K(y): softmax(logits / T) renormalised over each position's kept token ids (what a top-k /
-    top-p / min-p sampler drew from), gathered at `token_ids`; dense, a reference for the fused head's tiled
-    path (rlft/core/fused_head.py). logits [..., V], token_ids [...], kept [..., K] (-1 padding; a position
-    with no id, or whose token is not among them, gets the full softmax) -> [...] float32."""
+    """log p_K(y): softmax(logits / T) renormalised over each position's kept token ids (what a
+    top-k / top-p / min-p sampler drew from), gathered at `token_ids`; dense, a reference for the
+    fused head's tiled path (rlft/core/fused_head.py). logits [..., V], token_ids [...], kept [...,
+    K] (-1 padding; a position with no id, or whose token is not among them, gets the full softmax)
+    -> [...] float32."""
     z = logits.to(_work_dtype(logits)) / temperature
     lse = torch.logsumexp(z, dim=-1)
     valid = kept >= 0
@@ -150,8 +155,9 @@ def kept_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, kept: torch.
 
 
 def finite_ids(scores: torch.Tensor) -> torch.Tensor:
-    """The token ids a sampler kept at each row of its processed scores [B, V] (the finite ones: top-k /
-    top-p / min-p set the rest to -inf), as [B, K] padded with -1, K the largest count in the batch."""
+    """The token ids a sampler kept at each row of its processed scores [B, V] (the finite ones:
+    top-k / top-p / min-p set the rest to -inf), as [B, K] padded with -1, K the largest count in
+    the batch."""
     finite = torch.isfinite(scores)  # [B, V]
     counts = finite.sum(-1)  # [B]
     width = max(int(counts.max()) if counts.numel() else 0, 1)

@@ -6,32 +6,39 @@ r_it = pi(o_it) / pi_old(o_it), advantage A_i, per-token term l_it.
 Per-token terms
     clip  (PPO/GRPO):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
     cispo (MiniMax-M1, arXiv:2506.13585): l = -sg[min(r, 1 + eps_high)] A log pi(o_it)
-    sapo  (arXiv:2511.20347): l = -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else tau_neg
-    rloo  (Ahmadian et al. 2024, arXiv:2402.14740, as TRL 1.16's RLOOTrainer): a sequence-level PPO clip on
-          rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it))), l_i = -min(rho_i A_i, clip(rho_i) A_i),
-          averaged over sequences (the sequence_mean aggregation of a constant-per-sequence term)
-    vespo (arXiv:2602.10693): l = -sg[phi(w_i)] A log pi(o_it), phi(w) = e^lam w^k e^(-lam w) (phi(1) = 1),
+    sapo  (arXiv:2511.20347): l = -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else
+    tau_neg rloo  (Ahmadian et al. 2024, arXiv:2402.14740, as TRL 1.16's RLOOTrainer): a
+    sequence-level PPO clip on
+          rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it))), l_i = -min(rho_i A_i, clip(rho_i)
+          A_i), averaged over sequences (the sequence_mean aggregation of a constant-per-sequence
+          term)
+    vespo (arXiv:2602.10693): l = -sg[phi(w_i)] A log pi(o_it), phi(w) = e^lam w^k e^(-lam w)
+    (phi(1) = 1),
           w_i = prod_t r_it (times the sampling-correction weights), (k, lam) by the sign of A
           (`vespo_weights`)
     delta (INTELLECT-2, arXiv:2505.07291): the unclipped ratio of the clip term is capped too,
-          l = -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A): with A < 0 a huge r is bounded.
-    keep  (off-policy sequence masking, DeepSeek-V3.2 arXiv:2512.02556, `off_policy_sequence_mask`): the
+          l = -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A): with A < 0 a huge r is
+          bounded.
+    keep  (off-policy sequence masking, DeepSeek-V3.2 arXiv:2512.02556, `off_policy_sequence_mask`):
+    the
           policy term of a masked sequence is 0; it still counts in the normaliser.
     + beta * KL_it (when beta > 0), added per token BEFORE aggregation, so the KL term is
-      normalised exactly like the policy term. With kl_importance_weighted, KL_it is multiplied by the
-      importance ratio r_it (with its gradient): the samples come from pi_old, so r_it * KL_it is the
-      importance-sampled estimate of KL(pi_theta || pi_ref) (TRL's `use_bias_correction_kl`; the KL
-      "unbiased KL estimate" of the DeepSeek-V3.2 report, arXiv:2512.02556).
+      normalised exactly like the policy term. With kl_importance_weighted, KL_it is multiplied by
+      the importance ratio r_it (with its gradient): the samples come from pi_old, so r_it * KL_it
+      is the importance-sampled estimate of KL(pi_theta || pi_ref) (TRL's `use_bias_correction_kl`;
+      the KL "unbiased KL estimate" of the DeepSeek-V3.2 report, arXiv:2512.02556).
 
 Aggregations (the normaliser; N and T are counts over the WHOLE optimiser step: all
 gradient-accumulation micro-batches and all processes, passed as num_sequences / num_items)
     sequence_mean  (grpo, sapo; DeepSeekMath arXiv:2402.03300):  (1/N) sum_i (1/|o_i|) sum_t l_it
-    token_mean     (dapo, bnpo, cispo; DAPO arXiv:2503.14476):    (1/T) sum_it l_it,  T = sum_i |o_i|
-    constant       (dr_grpo; Dr. GRPO arXiv:2503.20783):          (1/(N * L_max)) sum_it l_it
-    sequence_sum   (luspo; LUSPO arXiv:2602.05261):               (1/N) sum_i sum_t l_it  (each sequence
+    token_mean     (dapo, bnpo, cispo; DAPO arXiv:2503.14476):    (1/T) sum_it l_it,  T = sum_i
+    |o_i| constant       (dr_grpo; Dr. GRPO arXiv:2503.20783):          (1/(N * L_max)) sum_it l_it
+    sequence_sum   (luspo; LUSPO arXiv:2602.05261):               (1/N) sum_i sum_t l_it  (each
+    sequence
                    weighted by its length: GSPO's sequence loss without its length bias)
-The mask m_it may be narrower than the completion (top_entropy_quantile keeps the high-entropy tokens only,
-`high_entropy_mask`): T and |o_i| then count the kept tokens, as they count completion tokens.
+The mask m_it may be narrower than the completion (top_entropy_quantile keeps the high-entropy
+tokens only, `high_entropy_mask`): T and |o_i| then count the kept tokens, as they count completion
+tokens.
 
 Sequence-level importance sampling (GSPO, arXiv:2507.18071) replaces r_it by
     s_i = exp((1/|o_i|) sum_t (log pi(o_it) - log pi_old(o_it)))   for every t of completion i.
@@ -89,8 +96,9 @@ def _vespo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
 
 
 def _rloo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tuple[dict, dict]:
-    """RLOO's sequence ratio rho_i = exp(sum_t m_it (log pi(o_it) - log pi_old(o_it))) -- a SUM of log-ratios
-    (TRL 1.16's RLOOTrainer), unlike GSPO's mean -- and its clip metrics, counted per sequence."""
+    """RLOO's sequence ratio rho_i = exp(sum_t m_it (log pi(o_it) - log pi_old(o_it))) -- a SUM of
+    log-ratios (TRL 1.16's RLOOTrainer), unlike GSPO's mean -- and its clip metrics, counted per
+    sequence."""
     ratio = torch.exp(((logps - old_logps) * mask).sum(-1, keepdim=True))  # [B, 1]
     with torch.no_grad():
         low = ((ratio < 1 - opts.epsilon_low) & (adv < 0)).float()
@@ -102,14 +110,17 @@ def _rloo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tupl
 
 
 def _rloo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
-    """-min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i), one value per sequence ([B, 1])."""
+    """-min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i), one value per sequence ([B,
+    1])."""
     rho = prepared["ratio"]
     term = -torch.min(rho * adv, torch.clamp(rho, 1 - opts.epsilon_low, 1 + opts.eps_high) * adv)
-    return torch.where(adv == 0, torch.zeros_like(term), term)  # inf * 0 where the summed log-ratio overflows
+    # inf * 0 where the summed log-ratio overflows
+    return torch.where(adv == 0, torch.zeros_like(term), term)
 
 
 def _vespo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tuple[dict, dict]:
-    """VESPO's sequence weight phi, computed before the term (it folds in the sampling-correction weights)."""
+    """VESPO's sequence weight phi, computed before the term (it folds in the sampling-correction
+    weights)."""
     phi = vespo_weights(logps - old_logps, mask, adv, rollout_is_weights, opts.vespo_k_pos,
                         opts.vespo_lambda_pos, opts.vespo_k_neg, opts.vespo_lambda_neg)
     return {"phi": phi}, {"vespo/phi_seq_mean": phi.mean()}
@@ -118,13 +129,15 @@ def _vespo_prepare(logps, old_logps, mask, adv, rollout_is_weights, opts) -> tup
 def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                   rollout_is_weights: torch.Tensor | None = None, k_pos: float = 2.0, lambda_pos: float = 3.0,
                   k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
-    """VESPO's gamma weight phi(w) = exp(lam + k log w - lam w) of the sequence ratio w (arXiv:2602.10693).
+    """VESPO's gamma weight phi(w) = exp(lam + k log w - lam w) of the sequence ratio w
+    (arXiv:2602.10693).
 
-    log w_i = sum_t m_it clamp(log r_it, -20, 20) + sum_t m_it log(rho_it), clamped to [log 1e-8, 20], where
-    rho are the sampling-correction weights (pi_old / pi_sampler) when another engine sampled. (k, lam) are
-    (k_pos, lambda_pos) for A_i >= 0, else (k_neg, lambda_neg); lam is floored at 1e-4. phi(1) = 1, it peaks
-    at w = k / lam and falls smoothly on both sides: a soft trust region instead of a hard clip. No gradient:
-    it only scales the REINFORCE term. log_ratio, mask: [B, L]; advantages: [B] or [B, 1] -> [B, 1].
+    log w_i = sum_t m_it clamp(log r_it, -20, 20) + sum_t m_it log(rho_it), clamped to [log 1e-8,
+    20], where rho are the sampling-correction weights (pi_old / pi_sampler) when another engine
+    sampled. (k, lam) are (k_pos, lambda_pos) for A_i >= 0, else (k_neg, lambda_neg); lam is floored
+    at 1e-4. phi(1) = 1, it peaks at w = k / lam and falls smoothly on both sides: a soft trust
+    region instead of a hard clip. No gradient: it only scales the REINFORCE term. log_ratio, mask:
+    [B, L]; advantages: [B] or [B, 1] -> [B, 1].
     """
     low = math.log(1e-8)
     log_w = (torch.clamp(log_ratio.detach(), -20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
@@ -140,7 +153,8 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch
 
 
 def _sequence_sign(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A completion's advantage as [B, 1]: itself, or per-token advantages' mean over the completion."""
+    """A completion's advantage as [B, 1]: itself, or per-token advantages' mean over the
+    completion."""
     if advantages.ndim == 2 and advantages.shape[1] > 1:
         return (advantages * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     return advantages.reshape(-1, 1)
@@ -149,15 +163,19 @@ def _sequence_sign(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 @torch.no_grad()
 def off_policy_sequence_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor,
                              mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): keep completion i unless its
-    advantage is negative AND its mean per-token KL(pi_sampler || pi_theta) estimate exceeds `threshold`:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): keep completion i unless
+    its advantage is negative AND its mean per-token KL(pi_sampler || pi_theta) estimate exceeds
+    `threshold`:
 
-        keep_i = [A_i >= 0] or [(1/|o_i|) sum_t m_it (log pi_sampler(o_it) - log pi_theta(o_it)) <= threshold]
+        keep_i = [A_i >= 0] or [(1/|o_i|) sum_t m_it (log pi_sampler(o_it) - log pi_theta(o_it)) <=
+        threshold]
 
-    A token the sampler could not score (NaN) adds no evidence (counted as 0). [B], [B, L] x3 -> [B, 1] (0/1).
+    A token the sampler could not score (NaN) adds no evidence (counted as 0). [B], [B, L] x3 -> [B,
+    1] (0/1).
     """
     gap = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)  # [B, L]
-    mean_gap = (gap * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    # [B, 1]
+    mean_gap = (gap * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     return ((_sequence_sign(advantages, mask) >= 0) | (mean_gap <= threshold)).to(logps.dtype)
 
 
@@ -190,10 +208,10 @@ AGGREGATIONS: dict[str, Callable] = {
 class LossOptions:
     """Every setting of the GRPO-family loss, built once per run (`from_config`), read by the terms.
 
-    epsilon_low / epsilon_high: the clip range (epsilon_high None: symmetric); delta: INTELLECT-2's cap;
-    beta, kl_estimator, kl_importance_weighted: the KL term; importance_sampling_level: token or sequence
-    (GSPO); max_completion_length: Dr. GRPO's constant normaliser; sapo_*: SAPO's temperatures;
-    vespo_*: VESPO's (k, lam).
+    epsilon_low / epsilon_high: the clip range (epsilon_high None: symmetric); delta: INTELLECT-2's
+    cap; beta, kl_estimator, kl_importance_weighted: the KL term; importance_sampling_level: token
+    or sequence (GSPO); max_completion_length: Dr. GRPO's constant normaliser; sapo_*: SAPO's
+    temperatures; vespo_*: VESPO's (k, lam).
     """
 
     epsilon_low: float = 0.2
@@ -217,8 +235,8 @@ class LossOptions:
 
     @classmethod
     def from_config(cls, args) -> LossOptions:
-        """From a GRPOConfig (TRL's field names: epsilon, use_bias_correction_kl, ...; the KL weight is
-        `kl_coef`: GRPO's beta)."""
+        """From a GRPOConfig (TRL's field names: epsilon, use_bias_correction_kl, ...; the KL weight
+        is `kl_coef`: GRPO's beta)."""
         return cls(epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
                    beta=args.kl_coef,
                    kl_estimator=args.kl_estimator, kl_importance_weighted=args.use_bias_correction_kl,
@@ -241,13 +259,14 @@ class LossOptions:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """One loss_type: its per-token term `term(ratio, logps, adv, options, prepared) -> [B, L] or [B, 1]`, its
-    aggregation (a key of AGGREGATIONS), and an optional `prepare(logps, old_logps, mask, adv,
-    rollout_is_weights, options) -> (prepared, metrics)` run before the term. `folds_sampling_weights`: the
-    loss takes the sampling-correction weights in `prepare` instead of having them multiply its term.
-    `clip_per_sequence`: its clip_ratio means are fractions of sequences (a step combines micro-batches by
-    their sequence counts, not their token counts). `level` / `level_note`: the importance_sampling_level its
-    paper uses, and what to say when a config picks the other (`notes`)."""
+    """One loss_type: its per-token term `term(ratio, logps, adv, options, prepared) -> [B, L] or
+    [B, 1]`, its aggregation (a key of AGGREGATIONS), and an optional `prepare(logps, old_logps,
+    mask, adv, rollout_is_weights, options) -> (prepared, metrics)` run before the term.
+    `folds_sampling_weights`: the loss takes the sampling-correction weights in `prepare` instead of
+    having them multiply its term. `clip_per_sequence`: its clip_ratio means are fractions of
+    sequences (a step combines micro-batches by their sequence counts, not their token counts).
+    `level` / `level_note`: the importance_sampling_level its paper uses, and what to say when a
+    config picks the other (`notes`)."""
 
     name: str
     term: Callable
@@ -267,9 +286,10 @@ class LossSpec:
         if self.level is not None and level != self.level:
             return [f"loss_type {self.name} {self.level_note} (now {level})"]
         if level == "sequence" and self.aggregation in ("token_mean", "constant"):
-            return [f"importance_sampling_level: sequence with loss_type {self.name!r}: the loss sums "
-                    "per-token contributions, which effectively weights each sequence by its completion "
-                    "length instead of the per-sequence objective; GSPO's setup is loss_type: grpo"]
+            return [f"importance_sampling_level: sequence with loss_type {self.name!r}: the loss "
+                    "sums per-token contributions, which effectively weights each sequence by its "
+                    "completion length instead of the per-sequence objective; GSPO's setup is "
+                    "loss_type: grpo"]
         return []
 
 
@@ -279,8 +299,9 @@ LOSSES: dict[str, LossSpec] = {}
 def register_loss(name: str, term: Callable, aggregation: str, prepare: Callable | None = None,
                   folds_sampling_weights: bool = False, clip_per_sequence: bool = False,
                   level: str | None = None, level_note: str = "") -> LossSpec:
-    """Add a loss_type: `loss_type: <name>` in a config then selects it (the config's allowed values are this
-    registry's keys). A new variant is its term, this one call, and its float64 reference test."""
+    """Add a loss_type: `loss_type: <name>` in a config then selects it (the config's allowed values
+    are this registry's keys). A new variant is its term, this one call, and its float64 reference
+    test."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r}: choose one of {sorted(AGGREGATIONS)}")
     if name in LOSSES:
@@ -301,8 +322,8 @@ register_loss("luspo", _clip_term, "sequence_sum", level="sequence",
                          "importance_sampling_level: sequence")
 register_loss("vespo", _vespo_term, "token_mean", prepare=_vespo_prepare, folds_sampling_weights=True,
               level="token", level_note="computes its own sequence weight from token ratios; "
-                                        "importance_sampling_level only changes the clip metrics: leave it "
-                                        "at token")
+                                        "importance_sampling_level only changes the clip metrics: "
+                                        "leave it at token")
 register_loss("rloo", _rloo_term, "sequence_mean", prepare=_rloo_prepare, clip_per_sequence=True)
 LOSS_TYPES = LOSSES  # the name tests and older code import
 
@@ -322,18 +343,19 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
                 num_sequences: float | torch.Tensor | None = None,
                 rollout_is_weights: torch.Tensor | None = None, keep: torch.Tensor | None = None,
                 with_metrics: bool = True, **option_values) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO-family loss for one micro-batch, scaled so that micro-batch losses SUM to the step loss.
+    """The GRPO-family loss for one micro-batch, scaled so that micro-batch losses SUM to the step
+    loss.
 
-    logps, old_logps, ref_logps, completion_mask: [B, L]; advantages: [B]. `options` (LossOptions, built once
-    per run) or its fields as keyword arguments (epsilon_low=..., beta=..., vespo={"k_pos": ...}).
-    num_items: completion tokens in the whole optimiser step (default: this micro-batch's count).
-    num_sequences: completions in the whole optimiser step (default: B).
+    logps, old_logps, ref_logps, completion_mask: [B, L]; advantages: [B]. `options` (LossOptions,
+    built once per run) or its fields as keyword arguments (epsilon_low=..., beta=...,
+    vespo={"k_pos": ...}). num_items: completion tokens in the whole optimiser step (default: this
+    micro-batch's count). num_sequences: completions in the whole optimiser step (default: B).
     bnpo and dapo are the same aggregation here: with a global num_items, normalising "per
     batch" and "per step" coincide (TRL's bnpo normalises per micro-batch instead).
-    rollout_is_weights: [B, L] or [B, 1] importance weights pi_old / pi_sampler for completions sampled by
-    another engine (rlft/core/importance.py); they multiply the policy term, not the KL term (TRL's order);
-    under vespo they enter the sequence weight w instead. keep: [B, 1] or [B, L] 0/1 multiplying the
-    policy term (`off_policy_sequence_mask`).
+    rollout_is_weights: [B, L] or [B, 1] importance weights pi_old / pi_sampler for completions
+    sampled by another engine (rlft/core/importance.py); they multiply the policy term, not the KL
+    term (TRL's order); under vespo they enter the sequence weight w instead. keep: [B, 1] or [B, L]
+    0/1 multiplying the policy term (`off_policy_sequence_mask`).
     Returns (loss, metrics) with metrics as detached masked means over this micro-batch ({} without
     `with_metrics`: the loss alone, as a prediction of its gradient needs it).
     """
@@ -370,7 +392,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     if not with_metrics:
         return loss, {}
     metrics = {**_metrics(ratio.expand_as(logps).detach(), adv, mask, opts, kl), **extra_metrics}
-    if kl is not None:  # the KL share of `loss`, aggregated the same way (policy part = loss - kl_loss)
+    # the KL share of `loss`, aggregated the same way (policy part = loss - kl_loss)
+    if kl is not None:
         metrics["kl_loss"] = spec.aggregate(opts.beta * kl.detach(), mask, n_seq, n_tok, max_len)
     return loss, metrics
 

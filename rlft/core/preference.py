@@ -19,9 +19,10 @@ def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tenso
                        margin: torch.Tensor | None = None,
                        center_rewards_coefficient: float | None = None
                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """chosen_scores, rejected_scores, margin: [B] -> (loss, {accuracy, margin, ...}); `margin` in the metrics
-    is TRL's: the mean score difference chosen - rejected (not the margin column)."""
-    work = torch.promote_types(chosen_scores.dtype, torch.float32)  # float32 (float64 stays float64)
+    """chosen_scores, rejected_scores, margin: [B] -> (loss, {accuracy, margin, ...}); `margin` in
+    the metrics is TRL's: the mean score difference chosen - rejected (not the margin column)."""
+    # float32 (float64 stays float64)
+    work = torch.promote_types(chosen_scores.dtype, torch.float32)
     chosen = chosen_scores.to(work).reshape(-1)  # [B]
     rejected = rejected_scores.to(work).reshape(-1)  # [B]
     diff = chosen - rejected

@@ -1,25 +1,28 @@
-"""Attention over a packed sequence, one block of queries at a time: the rows of a micro-batch concatenated
-with no padding, and a group's shared prompt held once.
+"""Attention over a packed sequence, one block of queries at a time: the rows of a micro-batch
+concatenated with no padding, and a group's shared prompt held once.
 
 A packed sequence of T tokens is tiled, in order, by blocks. A block's queries are its own tokens
-[start, start + length); each attends causally to the block's earlier tokens and, in full, to the block's
-prefix [prefix_start, prefix_start + prefix_length) (a prompt its completions share; none for a row packed
-whole). So for query i of a block with prefix p and own tokens s:
+[start, start + length); each attends causally to the block's earlier tokens and, in full, to the
+block's prefix [prefix_start, prefix_start + prefix_length) (a prompt its completions share; none
+for a row packed whole). So for query i of a block with prefix p and own tokens s:
 
     attention(q_i) = softmax(q_i [k_p ; k_s[:i+1]]^T * scale) [v_p ; v_s[:i+1]]
 
-which is exactly what the row (prompt + completion) computes on its own: a row never sees another row, and
-a completion sees its prompt and its own past. Each block is one scaled_dot_product_attention call, so the
-work is sum over blocks of length x (prefix + length), not T^2 as one masked attention over the packed
-sequence would cost; gradients flow to a shared prefix from every block that reads it (summed).
+which is exactly what the row (prompt + completion) computes on its own: a row never sees another
+row, and a completion sees its prompt and its own past. Each block is one
+scaled_dot_product_attention call, so the work is sum over blocks of length x (prefix + length), not
+T^2 as one masked attention over the packed sequence would cost; gradients flow to a shared prefix
+from every block that reads it (summed).
 
 Two kernels compute it (`kernel()` says which one a tensor gets):
 
-  "varlen flash"  on a GPU in float16/bfloat16, where torch has `torch.nn.attention.varlen.varlen_attn`:
-                  every block in one flash-attention call, each block's keys [prefix ; own] gathered into
-                  one key sequence, the causal mask aligned to the bottom right (query i of a block sees
-                  the prefix and its own keys up to i, the equation above);
-  "sdpa per block" elsewhere: one scaled_dot_product_attention per block (is_causal for a block without a
+  "varlen flash"  on a GPU in float16/bfloat16, where torch has
+  `torch.nn.attention.varlen.varlen_attn`:
+                  every block in one flash-attention call, each block's keys [prefix ; own] gathered
+                  into one key sequence, the causal mask aligned to the bottom right (query i of a
+                  block sees the prefix and its own keys up to i, the equation above);
+  "sdpa per block" elsewhere: one scaled_dot_product_attention per block (is_causal for a block
+  without a
                   prefix, a lower-right causal bias with one), a Python loop over the blocks.
 """
 
@@ -38,7 +41,8 @@ try:  # torch >= 2.10, CUDA only; its keyword arguments changed between releases
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - older torch
     varlen_attn = None
-LAST_KERNEL: str | None = None  # the kernel the latest packed attention ran (said once by the trainer)
+# the kernel the latest packed attention ran (said once by the trainer)
+LAST_KERNEL: str | None = None
 _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 
@@ -46,11 +50,12 @@ _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is 
 class Block:
     start: int  # the block's own tokens: [start, start + length), causal among themselves
     length: int
-    prefix_start: int = 0  # tokens each query of the block sees in full (a shared prompt): 0 tokens = none
+    # tokens each query of the block sees in full (a shared prompt): 0 tokens = none
+    prefix_start: int = 0
     prefix_length: int = 0
-    # torch's lower-right causal mask object for a block with a prefix (no [L, S] tensor is built), made with
-    # the block, outside the forward: it is a tensor subclass, which cannot be created inside a region under
-    # selective checkpointing's dispatch mode (recompute_attention: false)
+    # torch's lower-right causal mask object for a block with a prefix (no [L, S] tensor is built),
+    # made with the block, outside the forward: it is a tensor subclass, which cannot be created
+    # inside a region under selective checkpointing's dispatch mode (recompute_attention: false)
     mask: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -63,7 +68,8 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
                       dropout: float = 0.0, scaling: float | None = None,
                       rlft_blocks: list[Block] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """A transformers attention function (`AttentionInterface`): query [1, H, T, D], key / value
-    [1, H_kv, T, D] (grouped-query heads repeated here) -> ([1, T, H, D], None). `rlft_blocks` tile [0, T)."""
+    [1, H_kv, T, D] (grouped-query heads repeated here) -> ([1, T, H, D], None). `rlft_blocks` tile
+    [0, T)."""
     if rlft_blocks is None:
         raise ValueError("segment attention needs the packed sequence's blocks (rlft_blocks=)")
     if kwargs.get("softcap") is not None:
@@ -75,15 +81,19 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     LAST_KERNEL = kernel(query, dropout, window, scaling)
     if LAST_KERNEL == "varlen flash":
         return _varlen(query, key, value, rlft_blocks, scaling), None
-    gqa = query.shape[1] != key.shape[1]  # grouped-query heads: SDPA repeats the kv heads, no copy here
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, T, H, D]
+    # grouped-query heads: SDPA repeats the kv heads, no copy here
+    gqa = query.shape[1] != key.shape[1]
+    # [1, T, H, D]
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     for block in rlft_blocks:
         own = slice(block.start, block.start + block.length)
         q, k, v = query[:, :, own], key[:, :, own], value[:, :, own]
         if block.prefix_length == 0:
             part = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                                   enable_gqa=gqa)
-        else:  # the prefix in full, then causal: a lower-right causal mask over [prefix ; own], never built
+        # the prefix in full, then causal: a lower-right causal mask over [prefix ; own], never
+        # built
+        else:
             prefix = slice(block.prefix_start, block.prefix_start + block.prefix_length)
             k = torch.cat([key[:, :, prefix], k], dim=2)
             v = torch.cat([value[:, :, prefix], v], dim=2)
@@ -97,8 +107,8 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 def one_call(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a packed attention on tensors of this device and dtype runs as one varlen call (no loop over
-    the blocks), the head size and options permitting."""
+    """Whether a packed attention on tensors of this device and dtype runs as one varlen call (no
+    loop over the blocks), the head size and options permitting."""
     return varlen_attn is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
@@ -108,15 +118,16 @@ def kernel(query: torch.Tensor, dropout: float = 0.0, window: int | None = None,
     "sdpa per block"."""
     flash = (varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
              and dropout == 0.0 and window is None and query.shape[-1] <= 256 and query.shape[-1] % 8 == 0)
-    if flash and "scale" not in _VARLEN_ARGS:  # the first release takes no scale: the default one only
+    # the first release takes no scale: the default one only
+    if flash and "scale" not in _VARLEN_ARGS:
         flash = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-9
     return "varlen flash" if flash else "sdpa per block"
 
 
 @lru_cache(maxsize=16)
 def _varlen_layout(blocks: tuple[Block, ...], device: torch.device):
-    """For the blocks: the key positions (each block's prefix, then its own tokens), the cumulative query and
-    key lengths (int32) and the longest of each."""
+    """For the blocks: the key positions (each block's prefix, then its own tokens), the cumulative
+    query and key lengths (int32) and the longest of each."""
     keys, cu_q, cu_k = [], [0], [0]
     for b in blocks:
         keys += list(range(b.prefix_start, b.prefix_start + b.prefix_length))

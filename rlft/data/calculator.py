@@ -1,9 +1,10 @@
-"""The tool demo task: the addition problems of `rlft.data.addition`, with an `add` tool the policy may call.
+"""The tool demo task: the addition problems of `rlft.data.addition`, with an `add` tool the policy
+may call.
 
-A correct episode: the policy calls `<tool_call>{"name": "add", "arguments": {"a": A, "b": B}}</tool_call>`,
-reads the tool's result and answers `<answer>N</answer>`; it may also answer directly (and, being tiny,
-is then often wrong). Used by `examples/build_tiny_tool_policy.py` (the shipped tiny-calculator) and
-`rlft demo --task calculator`.
+A correct episode: the policy calls `<tool_call>{"name": "add", "arguments": {"a": A, "b":
+B}}</tool_call>`, reads the tool's result and answers `<answer>N</answer>`; it may also answer
+directly (and, being tiny, is then often wrong). Used by `examples/build_tiny_tool_policy.py` (the
+shipped tiny-calculator) and `rlft demo --task calculator`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ rows = addition_rows  # the same prompts and `answer` column
 
 
 def episode(a: int, b: int, use_tool: bool) -> list[dict]:
-    """The messages of a correct episode, with or without the tool (what the warm-start imitates)."""
+    """The messages of a correct episode, with or without the tool (what the warm-start
+    imitates)."""
     answer = {"role": "assistant", "content": f"<answer>{a + b}</answer>"}
     if not use_tool:
         return [*prompt_messages(a, b), answer]
@@ -47,5 +49,6 @@ def answer_reward(completions, answer, **kwargs) -> list[float]:
 
 
 def tool_use_reward(completions, **kwargs) -> list[float]:
-    """1 when the completion holds a tool result that is not an error (the tool was called and worked)."""
+    """1 when the completion holds a tool result that is not an error (the tool was called and
+    worked)."""
     return [float(any(m["role"] == "tool" and '"error"' not in m["content"] for m in c)) for c in completions]

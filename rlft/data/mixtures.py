@@ -1,5 +1,6 @@
-"""TRL's dataset mixtures (`datasets:` in a recipe, `DatasetMixtureConfig`): `get_dataset` loads each entry
-(a local folder offline, as every local dataset rlft loads) and mixes them in their fractions."""
+"""TRL's dataset mixtures (`datasets:` in a recipe, `DatasetMixtureConfig`): `get_dataset` loads
+each entry (a local folder offline, as every local dataset rlft loads) and mixes them in their
+fractions."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ if TYPE_CHECKING:
 
 
 def _mixture_shares(sizes: list[int], fractions: list[float]) -> list[int]:
-    """Rows taken from each dataset: the largest mixture in which each dataset makes up its share of the whole
-    (fractions normalised to sum to 1) without repeating a row; the first rows of each are kept."""
+    """Rows taken from each dataset: the largest mixture in which each dataset makes up its share of
+    the whole (fractions normalised to sum to 1) without repeating a row; the first rows of each are
+    kept."""
     weights = [f / sum(fractions) for f in fractions]
     total = min(size / w for size, w in zip(sizes, weights) if w > 0)
     return [round(w * total) for w in weights]
@@ -44,12 +46,13 @@ def get_dataset(mixture_config: DatasetMixtureConfig):
     if any(f is not None for f in fractions):
         if any(f is None for f in fractions):
             raise ConfigError(
-                "datasets: fraction is set for some datasets of the mixture and not others; set it for "
-                "every one or none"
+                "datasets: fraction is set for some datasets of the mixture and not others; set it "
+                "for every one or none"
             )
         if mixture_config.streaming:
             raise ConfigError(
-                "datasets: fraction needs the datasets' lengths, which streaming datasets do not have"
+                "datasets: fraction needs the datasets' lengths, which streaming datasets do not "
+                "have"
             )
         counts = _mixture_shares([len(d) for d in loaded], fractions)
         loaded = [d.select(range(n)) for d, n in zip(loaded, counts)]

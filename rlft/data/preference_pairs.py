@@ -33,16 +33,16 @@ class PairReport:
     def lines(self, max_length: int | None, policy: str) -> list[str]:
         out = []
         if self.truncated:
-            out.append(f"{self.truncated} of {self.total} pairs exceed max_length={max_length} tokens "
-                       f"and were truncated with truncation={policy!r} "
+            out.append(f"{self.truncated} of {self.total} pairs exceed max_length={max_length} "
+                       f"tokens and were truncated with truncation={policy!r} "
                        f"(first: row {self.first_rows['truncated']})")
         if self.identical:
-            out.append(f"{self.identical} pairs have chosen identical to rejected and were left out "
-                       f"(first: row {self.first_rows['identical']})")
+            out.append(f"{self.identical} pairs have chosen identical to rejected and were left "
+                       f"out (first: row {self.first_rows['identical']})")
         if self.identical_after_truncation:
-            out.append(f"{self.identical_after_truncation} pairs became identical after truncation and were "
-                       "left out; raise max_length or use truncation='keep_end' (first: row "
-                       f"{self.first_rows['identical_after_truncation']})")
+            out.append(f"{self.identical_after_truncation} pairs became identical after truncation "
+                       "and were left out; raise max_length or use truncation='keep_end' (first: "
+                       f"row {self.first_rows['identical_after_truncation']})")
         return out
 
     def note(self, kind: str, row: int) -> None:
@@ -57,9 +57,9 @@ def _render(value: Any, prompt: Any, tokenizer, row: int, column: str,
                            "every pair needs non-empty chosen and rejected responses")
     if is_conversational(value) or is_conversational(prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(f"row {row}: '{column}' is a list of chat messages but the tokenizer has no "
-                               "chat template (BERT-style encoders have none); give plain-text pairs or set "
-                               "tokenizer.chat_template")
+            raise DatasetError(f"row {row}: '{column}' is a list of chat messages but the "
+                               "tokenizer has no chat template (BERT-style encoders have none); "
+                               "give plain-text pairs or set tokenizer.chat_template")
         messages = (prompt or []) + (value if isinstance(value, list)
                                      else [{"role": "assistant", "content": value}])
         return tokenizer.apply_chat_template(messages, tokenize=False, **(template_kwargs or {}))
@@ -79,13 +79,15 @@ def _truncate(ids: list[int], max_length: int | None, policy: str, row: int) -> 
 
 
 class DataCollatorForPreference:
-    """TRL's preference collator: examples with `chosen_ids`, `rejected_ids` (and optionally `margin`) -> a
-    batch of the chosen rows then the rejected rows, right-padded with `pad_token_id` (to a multiple of
-    `pad_to_multiple_of`): `input_ids`, `attention_mask` [2B, L] and `margin` [B]."""
+    """TRL's preference collator: examples with `chosen_ids`, `rejected_ids` (and optionally
+    `margin`) -> a batch of the chosen rows then the rejected rows, right-padded with `pad_token_id`
+    (to a multiple of `pad_to_multiple_of`): `input_ids`, `attention_mask` [2B, L] and `margin`
+    [B]."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, return_tensors: str = "pt"):
         if return_tensors != "pt":
-            raise ValueError(f"return_tensors={return_tensors!r}: only 'pt' (torch tensors) is supported")
+            raise ValueError(f"return_tensors={return_tensors!r}: only 'pt' (torch tensors) is "
+                             "supported")
         self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -111,15 +113,16 @@ class PreferencePairs:
         self.tokenized = next((names for names in TOKENIZED_NAMES
                                if all(c in dataset.column_names for c in names)), None)
         if self.tokenized == TOKENIZED_NAMES[1]:
-            warnings.warn("the columns chosen_input_ids / rejected_input_ids are TRL's older names, "
-                          "which TRL says will not be supported in v1: rename them chosen_ids / rejected_ids",
+            warnings.warn("the columns chosen_input_ids / rejected_input_ids are TRL's older "
+                          "names, which TRL says will not be supported in v1: rename them "
+                          "chosen_ids / rejected_ids",
                           FutureWarning, stacklevel=3)
         missing = [c for c in ("chosen", "rejected") if c not in dataset.column_names]
         if missing and not self.tokenized:
             raise DatasetError(f"preference dataset lacks column(s) {missing}; "
                                f"columns found: {dataset.column_names}. "
-                               "A pair needs 'chosen' and 'rejected' (and optionally 'prompt', 'margin'), or "
-                               f"pre-tokenized {list(TOKENIZED_NAMES[0])}")
+                               "A pair needs 'chosen' and 'rejected' (and optionally 'prompt', "
+                               f"'margin'), or pre-tokenized {list(TOKENIZED_NAMES[0])}")
         self.chosen: list[list[int]] = []
         self.rejected: list[list[int]] = []
         self.margins: list[float] | None = [] if "margin" in dataset.column_names else None
@@ -136,7 +139,8 @@ class PreferencePairs:
             ids = [example[c] for c in self.tokenized]
             for column, value in zip(self.tokenized, ids):
                 if not value or not all(isinstance(t, int) for t in value):
-                    raise DatasetError(f"row {row}: '{column}' must be a non-empty list of token ids")
+                    raise DatasetError(f"row {row}: '{column}' must be a non-empty list of token "
+                                       "ids")
             return None if ids[0] == ids[1] else ids
         prompt = example.get("prompt")
         kwargs = example.get("chat_template_kwargs") or {}  # TRL's per-row template arguments
@@ -181,7 +185,7 @@ class PreferencePairs:
 
     def batch(self, indices: list[int], pad_id: int, pad_to_multiple_of: int | None = None,
               collator=None) -> dict[str, torch.Tensor]:
-        """Chosen rows then rejected rows, right-padded: input_ids/attention_mask [2B, L], margin [B]; a
-        TRL-style data collator given to the trainer builds the batch instead."""
+        """Chosen rows then rejected rows, right-padded: input_ids/attention_mask [2B, L], margin
+        [B]; a TRL-style data collator given to the trainer builds the batch instead."""
         collator = collator or DataCollatorForPreference(pad_id, pad_to_multiple_of)
         return collator(self.examples(indices))

@@ -27,7 +27,8 @@ class DatasetError(RlftError, ValueError):
 
 
 def _load_named(source: str):
-    """A local file, a local dataset folder, or a hub dataset id ('name' or 'name:config', split 'train').
+    """A local file, a local dataset folder, or a hub dataset id ('name' or 'name:config', split
+    'train').
 
     Local files and folders go through `datasets.load_dataset` exactly as a hub id does, with the
     network off for them (datasets would otherwise make a request even for a local file)."""
@@ -41,7 +42,8 @@ def _load_named(source: str):
                                f"use one of {sorted(FILE_FORMATS)}")
         data = path.read_bytes()
         if not data.strip():
-            raise DatasetError(f"dataset file {path} is empty; it needs one row per line (jsonl) or a table")
+            raise DatasetError(f"dataset file {path} is empty; it needs one row per line (jsonl) "
+                               "or a table")
         if fmt != "parquet":
             _check_utf8(path, data)
         try:
@@ -58,8 +60,8 @@ def _load_named(source: str):
         return loaded
     name, _, config = source.partition(":")
     if path.suffix in FILE_FORMATS or "/" not in name:
-        raise DatasetError(f"dataset {source!r} is neither an existing file or folder nor a hub dataset id "
-                           "('org/name', or 'org/name:config'); check the path")
+        raise DatasetError(f"dataset {source!r} is neither an existing file or folder nor a hub "
+                           "dataset id ('org/name', or 'org/name:config'); check the path")
     try:
         return datasets.load_dataset(name, config or None)
     except Exception as err:  # offline, private, misspelled: datasets' own message says which
@@ -68,16 +70,17 @@ def _load_named(source: str):
 
 
 def _check_utf8(path: Path, data: bytes) -> None:
-    """A text dataset file must be UTF-8: pyarrow reads other bytes without a word and fails later, on the
-    first access to the row, naming neither file nor line."""
+    """A text dataset file must be UTF-8: pyarrow reads other bytes without a word and fails later,
+    on the first access to the row, naming neither file nor line."""
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
         byte = data[err.start]
-        raise DatasetError(f"dataset file {path}: line {line} is not valid UTF-8 (byte 0x{byte:02x} at "
-                           f"column {column}); save the file as UTF-8 or fix that line") from None
+        raise DatasetError(f"dataset file {path}: line {line} is not valid UTF-8 (byte "
+                           f"0x{byte:02x} at column {column}); save the file as UTF-8 or fix that "
+                           "line") from None
 
 
 def _first_bad_line(path: Path) -> str | None:
@@ -104,8 +107,8 @@ def _first_bad_line(path: Path) -> str | None:
 
 @contextlib.contextmanager
 def offline_datasets():
-    """datasets' offline flag on for one local load: datasets reads `datasets.config.HF_HUB_OFFLINE` at call
-    time, and without it counts a download (a network request) even for a local file."""
+    """datasets' offline flag on for one local load: datasets reads `datasets.config.HF_HUB_OFFLINE`
+    at call time, and without it counts a download (a network request) even for a local file."""
     import datasets.config
 
     saved = datasets.config.HF_HUB_OFFLINE
@@ -117,13 +120,13 @@ def offline_datasets():
 
 
 def load_dataset_any(source: Any, split: str = "train"):
-    """A `datasets.Dataset` / `IterableDataset`, a `DatasetDict` (its `split`), a list of dicts, or a name
-    (`_load_named`). Anything else is an error naming the type."""
+    """A `datasets.Dataset` / `IterableDataset`, a `DatasetDict` (its `split`), a list of dicts, or
+    a name (`_load_named`). Anything else is an error naming the type."""
     import datasets
 
     if source is None:
-        raise DatasetError("`train_dataset` is required: pass train_dataset= (a datasets.Dataset, a file, "
-                           "a folder or a hub dataset id)")
+        raise DatasetError("`train_dataset` is required: pass train_dataset= (a datasets.Dataset, "
+                           "a file, a folder or a hub dataset id)")
     if isinstance(source, str | Path):
         source = _load_named(str(source))
     if isinstance(source, datasets.Dataset | datasets.IterableDataset):
@@ -138,31 +141,37 @@ def load_dataset_any(source: Any, split: str = "train"):
             raise DatasetError("the dataset is an empty list")
         if not all(isinstance(row, dict) for row in source):
             bad = next(i for i, row in enumerate(source) if not isinstance(row, dict))
-            raise DatasetError(f"row {bad} of the dataset list is a {type(source[bad]).__name__}, not a dict")
+            raise DatasetError(f"row {bad} of the dataset list is a {type(source[bad]).__name__}, "
+                               "not a dict")
         return datasets.Dataset.from_list(source)
-    raise DatasetError(f"unsupported dataset type {type(source).__name__}: pass a datasets.Dataset, "
-                       "IterableDataset, DatasetDict, a list of dicts, a file path, a dataset folder or "
-                       "a hub dataset id")
+    raise DatasetError(f"unsupported dataset type {type(source).__name__}: pass a "
+                       "datasets.Dataset, IterableDataset, DatasetDict, a list of dicts, a file "
+                       "path, a dataset folder or a hub dataset id")
 
 
 def load_named_dataset(name: str, config: str | None = None, streaming: bool = False):
-    """`datasets.load_dataset(name, config, streaming=...)`: a hub dataset id, or a local folder laid out like
-    a hub dataset repository (data files named by split, or a README with `configs`) through the same call,
-    offline for the local folder. Returns the DatasetDict (or IterableDatasetDict) of every split."""
+    """`datasets.load_dataset(name, config, streaming=...)`: a hub dataset id, or a local folder
+    laid out like a hub dataset repository (data files named by split, or a README with `configs`)
+    through the same call, offline for the local folder. Returns the DatasetDict (or
+    IterableDatasetDict) of every split."""
     import datasets
 
     local = Path(name).exists()
     try:
         with offline_datasets() if local else contextlib.nullcontext():
             return datasets.load_dataset(name, config, streaming=streaming)
-    except Exception as err:  # missing, private, offline, bad config: datasets' own message says which
+    # missing, private, offline, bad config: datasets' own message says which
+    except Exception as err:
         where = "local folder" if local else "hub dataset"
-        raise DatasetError(f"dataset_name {name!r}" + (f" (dataset_config {config!r})" if config else "") +
-                           f" could not be loaded as a {where}: {type(err).__name__}: {err}") from err
+        raise DatasetError(f"dataset_name {name!r}" + (" (dataset_config "
+                                                       f"{config!r})" if config else "") +
+                           f" could not be loaded as a {where}: {type(err).__name__}: "
+                           f"{err}") from err
 
 
 def pick_split(loaded, split: str, field_name: str, hint: str = ""):
-    """One split of a loaded DatasetDict, or an error naming the splits there are and the field to set."""
+    """One split of a loaded DatasetDict, or an error naming the splits there are and the field to
+    set."""
     if split not in loaded:
         raise DatasetError(f"the dataset has the splits {list(loaded)} and no {split!r}: "
                            f"set {field_name} to one of them{hint}")
@@ -170,9 +179,9 @@ def pick_split(loaded, split: str, field_name: str, hint: str = ""):
 
 
 def load_eval_datasets(source: Any) -> dict[str | None, Any]:
-    """None -> {}; a dict of datasets or a DatasetDict -> {name: dataset}, several named eval sets (metrics
-    `eval_<name>_*`, as TRL and transformers name them); else {None: dataset}. A file or hub id is one set
-    (its 'test' split when it has several)."""
+    """None -> {}; a dict of datasets or a DatasetDict -> {name: dataset}, several named eval sets
+    (metrics `eval_<name>_*`, as TRL and transformers name them); else {None: dataset}. A file or
+    hub id is one set (its 'test' split when it has several)."""
     if source is None:
         return {}
     if isinstance(source, dict):  # DatasetDict and IterableDatasetDict are dicts too
@@ -181,8 +190,8 @@ def load_eval_datasets(source: Any) -> dict[str | None, Any]:
 
 
 def materialize(dataset, rows_needed: int | None, whole: bool = False):
-    """An IterableDataset (streaming) is read only as far as the run needs, which requires max_steps (an eval
-    set, `whole`, is read to its end); returns (Dataset, streamed?)."""
+    """An IterableDataset (streaming) is read only as far as the run needs, which requires max_steps
+    (an eval set, `whole`, is read to its end); returns (Dataset, streamed?)."""
     import itertools
 
     import datasets
@@ -195,8 +204,8 @@ def materialize(dataset, rows_needed: int | None, whole: bool = False):
             raise DatasetError("the eval IterableDataset yielded no rows")
         return datasets.Dataset.from_list(rows), True
     if rows_needed is None:
-        raise DatasetError("an IterableDataset (streaming) has no length: set max_steps so rlft knows how "
-                           "many rows to read")
+        raise DatasetError("an IterableDataset (streaming) has no length: set max_steps so rlft "
+                           "knows how many rows to read")
     rows = list(itertools.islice(iter(dataset), rows_needed))
     if not rows:
         raise DatasetError("the IterableDataset yielded no rows")
@@ -209,29 +218,31 @@ def is_conversational(prompt: Any) -> bool:
 
 def render_prompt(prompt: Any, tokenizer, row: int, chat_template_kwargs: dict | None = None,
                   filled_later: bool = False) -> str:
-    """The prompt as the policy reads it (a chat template for messages). `filled_later`: an environment's
-    reset() adds to every prompt, so chat messages may all be empty."""
+    """The prompt as the policy reads it (a chat template for messages). `filled_later`: an
+    environment's reset() adds to every prompt, so chat messages may all be empty."""
     if isinstance(prompt, str):
         if not prompt:
             raise DatasetError(f"row {row}: empty prompt")
         return prompt
     if is_conversational(prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(f"row {row}: the prompt is a list of chat messages but the tokenizer has no "
-                               "chat template; set tokenizer.chat_template or give prompts as plain strings")
+            raise DatasetError(f"row {row}: the prompt is a list of chat messages but the "
+                               "tokenizer has no chat template; set tokenizer.chat_template or "
+                               "give prompts as plain strings")
         for index, message in enumerate(prompt):
             if message.get("role") not in CHAT_ROLES:
                 raise DatasetError(f"row {row}: message {index} has role {message.get('role')!r}; "
                                    f"use one of {CHAT_ROLES}")
             if message.get("content") is None and not message.get("tool_calls"):
-                raise DatasetError(f"row {row}: message {index} ({message['role']}) has no 'content'")
+                raise DatasetError(f"row {row}: message {index} ({message['role']}) has no "
+                                   "'content'")
         if not filled_later and not any(_said(message) for message in prompt):
-            raise DatasetError(f"row {row}: every message of the prompt is empty (the policy would answer "
-                               "the chat template alone); fill its content or drop the row")
+            raise DatasetError(f"row {row}: every message of the prompt is empty (the policy would "
+                               "answer the chat template alone); fill its content or drop the row")
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                              **(chat_template_kwargs or {}))
-    raise DatasetError(f"row {row}: prompt must be a string or a list of {{'role', 'content'}} messages, "
-                       f"got {type(prompt).__name__}")
+    raise DatasetError(f"row {row}: prompt must be a string or a list of {{'role', 'content'}} "
+                       f"messages, got {type(prompt).__name__}")
 
 
 def _said(message: dict) -> bool:
@@ -248,20 +259,22 @@ class PromptSet:
                  context_length: int | None, chat_template_kwargs: dict | None = None,
                  filled_later: bool = False):
         if "prompt" not in dataset.column_names:
-            raise DatasetError(f"dataset has no 'prompt' column; columns found: {dataset.column_names}. "
+            raise DatasetError("dataset has no 'prompt' column; columns found: "
+                               f"{dataset.column_names}. "
                                "Rename the column holding prompts to 'prompt'")
         if len(dataset) == 0:
             raise DatasetError("dataset is empty")
         clash = [c for c in dataset.column_names if c in REWARD_ARGUMENTS]
         if clash:
-            raise DatasetError(f"dataset column(s) {clash} have the names of arguments rlft passes to reward "
-                               f"functions ({', '.join(REWARD_ARGUMENTS)}); rename them")
+            raise DatasetError(f"dataset column(s) {clash} have the names of arguments rlft passes "
+                               f"to reward functions ({', '.join(REWARD_ARGUMENTS)}); rename them")
         self.rows = dataset.to_list()
         self.extra_columns = [c for c in dataset.column_names if c != "prompt"]
         self.texts = [render_prompt(r["prompt"], tokenizer, i, {**(chat_template_kwargs or {}),
                                                                 **(r.get("chat_template_kwargs") or {})},
                                     filled_later)
-                      for i, r in enumerate(self.rows)]  # a row's own chat_template_kwargs win (TRL's column)
+                      # a row's own chat_template_kwargs win (TRL's column)
+                      for i, r in enumerate(self.rows)]
         encoded = tokenizer(self.texts, add_special_tokens=False)["input_ids"]
         self.token_ids: list[list[int]] = encoded
         self._check_lengths(max_prompt_length, max_completion_length, context_length)
@@ -271,12 +284,13 @@ class PromptSet:
         longest = max(range(len(lengths)), key=lengths.__getitem__)
         if max_prompt_length is not None and lengths[longest] > max_prompt_length:
             over = sum(n > max_prompt_length for n in lengths)
-            raise DatasetError(f"{over} prompt(s) exceed max_prompt_length={max_prompt_length} tokens "
-                               f"(row {longest} has {lengths[longest]}); raise max_prompt_length or "
-                               "shorten/filter those rows")
+            raise DatasetError(f"{over} prompt(s) exceed max_prompt_length={max_prompt_length} "
+                               f"tokens (row {longest} has {lengths[longest]}); raise "
+                               "max_prompt_length or shorten/filter those rows")
         if context_length is not None and lengths[longest] + max_completion_length > context_length:
-            raise DatasetError(f"row {longest}: prompt of {lengths[longest]} tokens + max_completion_length="
-                               f"{max_completion_length} exceeds the model's context of {context_length} "
+            raise DatasetError(f"row {longest}: prompt of {lengths[longest]} tokens + "
+                               f"max_completion_length={max_completion_length} exceeds the model's "
+                               f"context of {context_length} "
                                "tokens; lower max_completion_length or shorten the prompt")
 
     def __len__(self) -> int:
@@ -294,7 +308,8 @@ class PromptSet:
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
-    """A deterministic shuffle per epoch, so a resumed run sees the same prompts in the same order."""
+    """A deterministic shuffle per epoch, so a resumed run sees the same prompts in the same
+    order."""
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(num_rows, generator=generator).tolist()
 

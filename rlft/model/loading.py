@@ -27,7 +27,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 class ModelFileError(ConfigError):
-    """A model file that cannot be read (truncated, corrupt); the message names the file and what to do."""
+    """A model file that cannot be read (truncated, corrupt); the message names the file and what to
+    do."""
 
 
 def bad_weight_files(folder: Path) -> list[str]:
@@ -45,8 +46,8 @@ def bad_weight_files(folder: Path) -> list[str]:
 
 
 def from_pretrained(auto_class, source, **kwargs):
-    """`auto_class.from_pretrained`, with a truncated or corrupt weight file named (transformers' error does
-    not)."""
+    """`auto_class.from_pretrained`, with a truncated or corrupt weight file named (transformers'
+    error does not)."""
     try:
         return auto_class.from_pretrained(str(source), **kwargs)
     except Exception as err:
@@ -55,9 +56,9 @@ def from_pretrained(auto_class, source, **kwargs):
         folder = Path(str(source))
         problems = bad_weight_files(folder) if folder.is_dir() else []
         shown = "; ".join(problems) or f"{source}: {err}"
-        raise ModelFileError(f"the model's weights cannot be read: {shown}. The file is truncated or corrupt "
-                             "(an interrupted download or copy): download or copy it again, or re-save the "
-                             "model") from err
+        raise ModelFileError(f"the model's weights cannot be read: {shown}. The file is truncated "
+                             "or corrupt (an interrupted download or copy): download or copy it "
+                             "again, or re-save the model") from err
 
 
 class GradientFlowError(RlftError, RuntimeError):
@@ -65,8 +66,9 @@ class GradientFlowError(RlftError, RuntimeError):
 
 
 def shipped_policy_path(name: str = "tiny-adder") -> Path:
-    """Folder of a warm-started tiny policy shipped inside the package: tiny-adder (the addition task) or
-    tiny-calculator (the same task with an add tool, examples/build_tiny_tool_policy.py)."""
+    """Folder of a warm-started tiny policy shipped inside the package: tiny-adder (the addition
+    task) or tiny-calculator (the same task with an add tool,
+    examples/build_tiny_tool_policy.py)."""
     return Path(str(resources.files("rlft") / "assets" / name))
 
 
@@ -86,22 +88,24 @@ def resolve_dtype(dtype: str = "auto", bf16: bool | None = None, fp16: bool | No
 
 
 def training_dtype(args, device: torch.device | None = None) -> torch.dtype:
-    """The dtype the weights load and train in: `model_init_kwargs["dtype"]` when given (not "auto"), else
-    bf16 / fp16, else float32 (the config resolves bf16=None to the device's: rlft/config/checks.py)."""
+    """The dtype the weights load and train in: `model_init_kwargs["dtype"]` when given (not
+    "auto"), else bf16 / fp16, else float32 (the config resolves bf16=None to the device's:
+    rlft/config/checks.py)."""
     asked = (args.model_init_kwargs or {}).get("dtype", (args.model_init_kwargs or {}).get("torch_dtype"))
     if isinstance(asked, torch.dtype):
         return asked
     if asked not in (None, "auto"):
         if asked not in ("float32", "bfloat16", "float16", "float64"):
-            raise ConfigError(f"model_init_kwargs dtype={asked!r}: use 'auto', 'float32', 'bfloat16' or "
-                              "'float16' ('float64' for runs that check arithmetic, slowly)")
+            raise ConfigError(f"model_init_kwargs dtype={asked!r}: use 'auto', 'float32', "
+                              "'bfloat16' or 'float16' ('float64' for runs that check arithmetic, "
+                              "slowly)")
         return getattr(torch, asked)
     return resolve_dtype("auto", args.bf16, args.fp16, device)
 
 
 def check_quantization(init_kwargs: dict) -> None:
-    """bitsandbytes k-bit loading (quantization_config, load_in_4bit/8bit) needs its package and a CUDA GPU:
-    say so before transformers fails deep inside from_pretrained."""
+    """bitsandbytes k-bit loading (quantization_config, load_in_4bit/8bit) needs its package and a
+    CUDA GPU: say so before transformers fails deep inside from_pretrained."""
     quantization = init_kwargs.get("quantization_config")
     if quantization is None:
         return
@@ -114,19 +118,23 @@ def check_quantization(init_kwargs: dict) -> None:
     missing = importlib.util.find_spec("bitsandbytes") is None
     if missing or not torch.cuda.is_available():
         where = "the bitsandbytes package is not installed" + ("" if torch.cuda.is_available() else
-                                                               " and this machine has no CUDA GPU") \
+                                                               " and this machine has no CUDA "
+                                                               "GPU") \
             if missing else "this machine has no CUDA GPU"
-        raise ConfigError(f"quantization_config asks for bitsandbytes k-bit weights (QLoRA: load_in_4bit / "
-                         f"load_in_8bit), which need bitsandbytes and a CUDA GPU; {where}. Train without "
-                         "quantization here (LoRA on full-precision weights), or run on a GPU machine with "
-                         "`pip install bitsandbytes`")
+        raise ConfigError("quantization_config asks for bitsandbytes k-bit weights (QLoRA: "
+                         "load_in_4bit / load_in_8bit), which need bitsandbytes and a CUDA GPU; "
+                         f"{where}. Train without "
+                         "quantization here (LoRA on full-precision weights), or run on a GPU "
+                         "machine with `pip install bitsandbytes`")
 
 
 def load_tokenizer(name_or_path: str | Path, padding_side: str = "left", trust_remote_code: bool = False):
-    """AutoTokenizer with a pad token (eos when the tokenizer has none) and the requested padding side."""
+    """AutoTokenizer with a pad token (eos when the tokenizer has none) and the requested padding
+    side."""
     path = Path(str(name_or_path))
     if path.is_dir() and not any((path / f).exists() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): "
+        raise FileNotFoundError(f"{path} holds no tokenizer files "
+                                f"({', '.join(TOKENIZER_FILES[:3])}, ...): "
                                 "save the tokenizer beside the model (tokenizer.save_pretrained) "
                                 "or pass processing_class=")
     _check_model_path(name_or_path)
@@ -142,8 +150,8 @@ def _looks_local(name: str) -> bool:
 def ensure_pad_token(tokenizer, where: str = "the tokenizer"):
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer of {where} has neither a pad nor an eos token; add a pad token "
-                             "(tokenizer.add_special_tokens({'pad_token': ...})) "
+            raise ValueError(f"tokenizer of {where} has neither a pad nor an eos token; add a pad "
+                             "token (tokenizer.add_special_tokens({'pad_token': ...})) "
                              "or set pad_token in the config")
         logger.info("tokenizer has no pad token; using eos %r as pad", tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
@@ -151,21 +159,23 @@ def ensure_pad_token(tokenizer, where: str = "the tokenizer"):
 
 
 def prepare_tokenizer(processing_class, source, args, padding_side: str):
-    """The run's tokenizer: the one passed in or loaded from `source`, with the config's chat_template_path,
-    pad_token and eos_token applied, and a pad token guaranteed."""
+    """The run's tokenizer: the one passed in or loaded from `source`, with the config's
+    chat_template_path, pad_token and eos_token applied, and a pad token guaranteed."""
     if processing_class is None:
         if source is None:
             raise ValueError("the model object has no name_or_path to load a tokenizer from: "
                              "pass processing_class=")
         processing_class = load_tokenizer(source, padding_side, args.trust_remote_code)
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor wraps its tokenizer
+    # a processor wraps its tokenizer
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
     tokenizer.padding_side = padding_side
     if args.chat_template_path:
         template = Path(args.chat_template_path)
         if template.is_dir():
             template = template / "chat_template.jinja"
         if not template.is_file():
-            raise FileNotFoundError(f"chat_template_path={args.chat_template_path!r}: no such template file")
+            raise FileNotFoundError(f"chat_template_path={args.chat_template_path!r}: no such "
+                                    "template file")
         tokenizer.chat_template = template.read_text()
     for field in ("pad_token", "eos_token"):
         value = getattr(args, field)
@@ -176,13 +186,14 @@ def prepare_tokenizer(processing_class, source, args, padding_side: str):
 
 
 def _check_in_vocabulary(tokenizer, field: str, value: str, source) -> None:
-    """A pad / eos token the vocabulary lacks would have no id (transformers sets it all the same)."""
+    """A pad / eos token the vocabulary lacks would have no id (transformers sets it all the
+    same)."""
     token_id = tokenizer.convert_tokens_to_ids(value)
     if token_id is None or (token_id == tokenizer.unk_token_id and value != tokenizer.unk_token):
-        raise ConfigError(f"{field}={value!r} is not a token of the tokenizer of {source}: name one it has "
-                          f"(its eos token is {tokenizer.eos_token!r}), or add it to the tokenizer "
-                          "(tokenizer.add_special_tokens) and resize the model's embeddings, then pass "
-                          "processing_class=")
+        raise ConfigError(f"{field}={value!r} is not a token of the tokenizer of {source}: name "
+                          f"one it has (its eos token is {tokenizer.eos_token!r}), or add it to "
+                          "the tokenizer (tokenizer.add_special_tokens) and resize the model's "
+                          "embeddings, then pass processing_class=")
 
 
 def _init_kwargs(dtype: torch.dtype, model_init_kwargs: dict | None, trust_remote_code: bool) -> dict:
@@ -199,15 +210,16 @@ def _init_kwargs(dtype: torch.dtype, model_init_kwargs: dict | None, trust_remot
 
 def _check_model_path(model) -> None:
     if not Path(str(model)).exists() and _looks_local(str(model)):
-        raise FileNotFoundError(f"model path {model} does not exist (and is not a hub id 'org/name')")
+        raise FileNotFoundError(f"model path {model} does not exist (and is not a hub id "
+                                "'org/name')")
 
 
 def load_causal_lm(model, dtype: torch.dtype, model_init_kwargs: dict | None = None,
                    trust_remote_code: bool = False) -> PreTrainedModel:
     if isinstance(model, torch.nn.Module):
         if model_init_kwargs:
-            raise ValueError("model_init_kwargs only applies when the model is given as a name or path; "
-                             "the model passed in is already loaded")
+            raise ValueError("model_init_kwargs only applies when the model is given as a name or "
+                             "path; the model passed in is already loaded")
         return model
     _check_model_path(model)
     return from_pretrained(AutoModelForCausalLM, model,
@@ -233,7 +245,8 @@ def check_single_score(model) -> None:
     if labels != 1:
         raise ValueError(f"reward models require `num_labels=1`; this one has num_labels={labels} "
                          "(one score per sequence is what Bradley-Terry trains). "
-                         "Load it with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)")
+                         "Load it with AutoModelForSequenceClassification.from_pretrained(..., "
+                         "num_labels=1)")
 
 
 def context_length(model, trust_remote_code: bool = False) -> int | None:
@@ -254,10 +267,10 @@ def disable_dropout(model) -> None:
 
 
 def cast_lm_head_to_fp32(model) -> None:
-    """ScaleRL's float32 LM head (arXiv:2510.13786): the head's weights and its input in float32, so the
-    logits behind the log-probs are computed in full precision. A head tied to the input embeddings (TRL's
-    rule) makes the shared weight float32; the embeddings' output is cast back to the model's dtype, so only
-    the logits change precision."""
+    """ScaleRL's float32 LM head (arXiv:2510.13786): the head's weights and its input in float32, so
+    the logits behind the log-probs are computed in full precision. A head tied to the input
+    embeddings (TRL's rule) makes the shared weight float32; the embeddings' output is cast back to
+    the model's dtype, so only the logits change precision."""
     head = model.get_output_embeddings()
     original = head.weight.dtype
     head.float()
@@ -304,15 +317,15 @@ def enable_checkpointing(model, kwargs: dict | None = None) -> None:
 
 
 def router_loss_coef(model, asked: float | None) -> float:
-    """A Mixture-of-Experts policy's router load-balancing coefficient (TRL's rule): the config's own
-    `router_aux_loss_coef` unless asked otherwise; 0 for a model without router logits (asking is then an
-    error)."""
+    """A Mixture-of-Experts policy's router load-balancing coefficient (TRL's rule): the config's
+    own `router_aux_loss_coef` unless asked otherwise; 0 for a model without router logits (asking
+    is then an error)."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     moe = hasattr(config, "output_router_logits")
     if asked and not moe:
-        raise ConfigError(f"router_aux_loss_coef={asked} is set but {type(model).__name__} is not a "
-                          "Mixture-of-Experts model (its config has no output_router_logits); "
+        raise ConfigError(f"router_aux_loss_coef={asked} is set but {type(model).__name__} is not "
+                          "a Mixture-of-Experts model (its config has no output_router_logits); "
                           "leave router_aux_loss_coef unset")
     if not moe:
         return 0.0
@@ -337,9 +350,9 @@ def parameter_summary(model) -> dict:
 
 
 def check_gradient_flow(model_or_grads) -> None:
-    """After a backward pass: every trainable parameter must hold a finite, non-zero gradient. Takes a model
-    (its param.grad) or (name, full gradient) pairs (rlft/train/engines/: TrainingEngine.grads, for
-    DeepSpeed)."""
+    """After a backward pass: every trainable parameter must hold a finite, non-zero gradient. Takes
+    a model (its param.grad) or (name, full gradient) pairs (rlft/train/engines/:
+    TrainingEngine.grads, for DeepSpeed)."""
     if isinstance(model_or_grads, torch.nn.Module):
         grads = [(name, p.grad) for name, p in trainable_parameters(model_or_grads)]
     else:
@@ -348,7 +361,8 @@ def check_gradient_flow(model_or_grads) -> None:
     if not trainable:
         raise GradientFlowError(
             "the model has no trainable parameters. Likely cause: every parameter was frozen "
-            "(requires_grad=False) or LoRA target_modules matched nothing; check lora_target_modules.")
+            "(requires_grad=False) or LoRA target_modules matched nothing; check "
+            "lora_target_modules.")
     missing, zero, nonfinite = [], [], []
     for name, grad in grads:
         if grad is None:
@@ -361,13 +375,14 @@ def check_gradient_flow(model_or_grads) -> None:
             zero.append(name)
     problems = []
     if missing:
-        problems.append(f"{len(missing)} got no gradient at all (e.g. {missing[:3]}): they are not connected "
-                        "to the loss (unused module, detached graph, or checkpointing without input grads)")
+        problems.append(f"{len(missing)} got no gradient at all (e.g. {missing[:3]}): they are not "
+                        "connected to the loss (unused module, detached graph, or checkpointing "
+                        "without input grads)")
     if nonfinite:
-        problems.append(f"{len(nonfinite)} got inf/NaN gradients (e.g. {nonfinite[:3]}): lower the learning "
-                        "rate or use float32/bfloat16 instead of float16")
+        problems.append(f"{len(nonfinite)} got inf/NaN gradients (e.g. {nonfinite[:3]}): lower the "
+                        "learning rate or use float32/bfloat16 instead of float16")
     if zero and len(zero) == len(trainable):
-        problems.append(f"all {len(zero)} got exactly zero gradients (e.g. {zero[:3]}): the loss does not "
-                        "depend on them (all advantages zero, or every completion masked)")
+        problems.append(f"all {len(zero)} got exactly zero gradients (e.g. {zero[:3]}): the loss "
+                        "does not depend on them (all advantages zero, or every completion masked)")
     if problems:
         raise GradientFlowError("gradient check after the first backward failed: " + "; ".join(problems))

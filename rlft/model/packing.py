@@ -1,13 +1,15 @@
-"""Packed, padding-free scoring inputs: the rows of a micro-batch as one sequence with no padding, each row's
-positions starting at 0, and (`share_prompts`) the prompt of rows that share it held once, each completion
-attending to it and to its own past with positions continuing from the prompt's end. The attention is rlft's
-segment attention (rlft/core/segments.py), which a model scored packed takes as "rlft_segments:<its own>":
-the segments in a packed scoring forward, its own attention everywhere else (generation, padded forwards).
+"""Packed, padding-free scoring inputs: the rows of a micro-batch as one sequence with no padding,
+each row's positions starting at 0, and (`share_prompts`) the prompt of rows that share it held
+once, each completion attending to it and to its own past with positions continuing from the
+prompt's end. The attention is rlft's segment attention (rlft/core/segments.py), which a model
+scored packed takes as "rlft_segments:<its own>": the segments in a packed scoring forward, its own
+attention everywhere else (generation, padded forwards).
 
-The log-probs and gradients are those of scoring each (prompt, completion) on its own, to float rounding
-(tests/test_packing.py), with tokens nobody needs never computed: a micro-batch of one 2,048-token completion
-and fifteen of 96 behind 64-token prompts is 4.5k tokens packed instead of 34k padded, and 8 completions of
-64 behind one 3,072-token prompt are 3.6k tokens with the prompt shared instead of 25k.
+The log-probs and gradients are those of scoring each (prompt, completion) on its own, to float
+rounding (tests/test_packing.py), with tokens nobody needs never computed: a micro-batch of one
+2,048-token completion and fifteen of 96 behind 64-token prompts is 4.5k tokens packed instead of
+34k padded, and 8 completions of 64 behind one 3,072-token prompt are 3.6k tokens with the prompt
+shared instead of 25k.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class Packed:
 
 
 def _real(rollout, rows: list[int]) -> list[tuple[list[int], list[int]]]:
-    """Each row's (prompt tokens, completion tokens): the completion up to and including its end (EOS)."""
+    """Each row's (prompt tokens, completion tokens): the completion up to and including its end
+    (EOS)."""
     prompts = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids[rows].cpu(),
                                                              rollout.prompt_mask[rows].cpu())]
     lengths = rollout.completion_mask[rows].sum(dim=1).tolist()
@@ -45,7 +48,8 @@ def _real(rollout, rows: list[int]) -> list[tuple[list[int], list[int]]]:
 
 
 def _groups(pairs, share_prompts: bool) -> list[list[int]]:
-    """Indices of `pairs` in packing order: rows with the same prompt together when prompts are shared."""
+    """Indices of `pairs` in packing order: rows with the same prompt together when prompts are
+    shared."""
     if not share_prompts:
         return [[i] for i in range(len(pairs))]
     groups: dict[tuple, list[int]] = {}
@@ -55,7 +59,8 @@ def _groups(pairs, share_prompts: bool) -> list[list[int]]:
 
 
 def pack_rows(rollout, rows, share_prompts: bool = True) -> Packed:
-    """The rows `rows` (an index tensor or a list) of a rollout packed for scoring (module docstring)."""
+    """The rows `rows` (an index tensor or a list) of a rollout packed for scoring (module
+    docstring)."""
     rows = rows.tolist() if torch.is_tensor(rows) else list(rows)
     pairs = _real(rollout, rows)
     ids, positions, blocks, predict, targets, at_row, at_col = [], [], [], [], [], [], []
@@ -76,7 +81,8 @@ def pack_rows(rollout, rows, share_prompts: bool = True) -> Packed:
                 blocks.append(Block(start, len(prompt) + len(completion)))
                 ids += prompt
                 positions += range(len(prompt))
-                first = start + len(prompt) - 1  # the hidden state predicting the completion's first token
+                # the hidden state predicting the completion's first token
+                first = start + len(prompt) - 1
             else:
                 blocks.append(Block(start, len(completion), prompt_start, len(prompt)))
                 first = prompt_start + len(prompt) - 1
@@ -101,9 +107,9 @@ _STATE = threading.local()  # .packed: this thread is running a packed scoring f
 
 
 def _delegating(original: str):
-    """An attention function and a mask function named "rlft_segments:<original>": rlft's segment attention
-    for a packed scoring forward (`rlft_blocks` passed), the original everywhere else (generation, a padded
-    forward, whatever else the model is used for)."""
+    """An attention function and a mask function named "rlft_segments:<original>": rlft's segment
+    attention for a packed scoring forward (`rlft_blocks` passed), the original everywhere else
+    (generation, a padded forward, whatever else the model is used for)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -112,8 +118,8 @@ def _delegating(original: str):
             return segment_attention(module, query, key, value, attention_mask, rlft_blocks=rlft_blocks,
                                      **kwargs)
         if getattr(_STATE, "packed", False):
-            raise ValueError("the model's layers do not pass attention keyword arguments through, so its "
-                             "attention cannot be told the packed sequence's rows")
+            raise ValueError("the model's layers do not pass attention keyword arguments through, "
+                             "so its attention cannot be told the packed sequence's rows")
         return ALL_ATTENTION_FUNCTIONS[original](module, query, key, value, attention_mask, **kwargs)
 
     def mask(*args, **kwargs):  # a packed forward needs no mask: the blocks say who sees whom
@@ -125,11 +131,12 @@ def _delegating(original: str):
 
 
 def install(model) -> None:
-    """Make the attention of `model` (the transformers model `install_scoring` patched) "rlft_segments:<its
-    own>" for good, not just for a forward: a gradient-checkpointed layer recomputes its forward during the
-    backward, outside any block of code a forward ran in. The implementation name is not saved with the
-    model (config.json keeps none). Raises ValueError for an attention implementation it cannot wrap
-    (eager, whose function each model file defines for itself: load the model with sdpa)."""
+    """Make the attention of `model` (the transformers model `install_scoring` patched)
+    "rlft_segments:<its own>" for good, not just for a forward: a gradient-checkpointed layer
+    recomputes its forward during the backward, outside any block of code a forward ran in. The
+    implementation name is not saved with the model (config.json keeps none). Raises ValueError for
+    an attention implementation it cannot wrap (eager, whose function each model file defines for
+    itself: load the model with sdpa)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -140,8 +147,8 @@ def install(model) -> None:
             continue
         if current not in ALL_ATTENTION_FUNCTIONS or current not in ALL_MASK_ATTENTION_FUNCTIONS:
             raise ValueError(f"packed scoring wraps a registered attention implementation (sdpa, "
-                             f"flash_attention_2, flex_attention), not {current!r}: load the model with "
-                             "attn_implementation='sdpa'")
+                             f"flash_attention_2, flex_attention), not {current!r}: load the model "
+                             "with attn_implementation='sdpa'")
         name = f"{IMPLEMENTATION}:{current}"
         attention, mask = _delegating(current)
         AttentionInterface.register(name, attention)

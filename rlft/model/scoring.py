@@ -1,14 +1,15 @@
 """Scoring a policy's completion tokens without `[B, T, V]` logits: the model's forward, asked with
-`rlft_score=`, runs the backbone and turns the hidden states of the completion positions into per-token
-log-probs (and entropy) tile by tile through the LM head (rlft/core/fused_head.py). Without `rlft_score` the
-forward is the original one, so generation and everything else is unchanged.
+`rlft_score=`, runs the backbone and turns the hidden states of the completion positions into
+per-token log-probs (and entropy) tile by tile through the LM head (rlft/core/fused_head.py).
+Without `rlft_score` the forward is the original one, so generation and everything else is
+unchanged.
 
-The forward is patched on the transformers model itself (before or after peft wraps it), so every wrapper
-calls it as usual: DDP (gradient sync), FSDP2 (unsharding hooks) and DeepSpeed go through their own forward.
-The LM head is used as a plain weight when it is an `nn.Linear` (an FSDP2 DTensor weight is made whole for the
-tile loop, with its gradient sharded back; a ZeRO-3 partitioned one is gathered around the forward and the
-backward tile loops); a head that peft adapts is called as a module, one checkpointed tile at a time, so its
-adapters apply.
+The forward is patched on the transformers model itself (before or after peft wraps it), so every
+wrapper calls it as usual: DDP (gradient sync), FSDP2 (unsharding hooks) and DeepSpeed go through
+their own forward. The LM head is used as a plain weight when it is an `nn.Linear` (an FSDP2 DTensor
+weight is made whole for the tile loop, with its gradient sharded back; a ZeRO-3 partitioned one is
+gathered around the forward and the backward tile loops); a head that peft adapts is called as a
+module, one checkpointed tile at a time, so its adapters apply.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from rlft.model.packing import Packed, install, pack_rows, packed_forward
 
 @dataclass
 class Score:
-    """What `model(..., rlft_score=Score(...))` scores: `targets` [b, c] (the completion tokens, the last c
-    positions of the input), `mask` [b, c] (which of them are real), at `temperature`."""
+    """What `model(..., rlft_score=Score(...))` scores: `targets` [b, c] (the completion tokens, the
+    last c positions of the input), `mask` [b, c] (which of them are real), at `temperature`."""
 
     targets: torch.Tensor
     mask: torch.Tensor
@@ -40,27 +41,30 @@ class Score:
     entropy: bool = False  # also the entropy of each position's distribution
     router_loss: bool = False  # a Mixture-of-Experts policy's load-balancing loss
     tile: int | None = None  # positions per tile (None: sized to the vocabulary)
-    # [b, c, K] the token ids a truncating sampler kept at each position (-1 padding): log-probs are then
-    # renormalised over them (rlft/core/fused_head.py); None: the full vocabulary
+    # [b, c, K] the token ids a truncating sampler kept at each position (-1 padding): log-probs are
+    # then renormalised over them (rlft/core/fused_head.py); None: the full vocabulary
     kept: torch.Tensor | None = None
-    # the rows packed into one sequence (rlft/model/packing.py): the hidden states are read where it says
+    # the rows packed into one sequence (rlft/model/packing.py): the hidden states are read where it
+    # says
     packed: Packed | None = None
-    # distillation: the divergence to a teacher at the scored positions (and the log-probs unless `logps` is
-    # False)
+    # distillation: the divergence to a teacher at the scored positions (and the log-probs unless
+    # `logps` is False)
     teacher: TeacherStates | None = None
     logps: bool = True
     entropy_grad: bool = False  # the entropy's gradient will be asked for (an entropy bonus)
-    # log-probs [b, c] -> the loss's dL/dlog p [b, c], for a loss whose gradient at a token reads that token's
-    # log-prob alone: a trainable LM head then forms its gradients in the forward (rlft/core/fused_head.py)
+    # log-probs [b, c] -> the loss's dL/dlog p [b, c], for a loss whose gradient at a token reads
+    # that token's log-prob alone: a trainable LM head then forms its gradients in the forward
+    # (rlft/core/fused_head.py)
     loss_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
 class TeacherStates:
     """A teacher's view of the scored positions, in the order the student's are read (the completion
-    mask's), and the divergence's beta: a local teacher's last hidden states [n, H_t] (no gradient) and LM
-    head (rlft/core/distill.py), or a served teacher's support ids and log-probs [n, K] (-1 padding) and
-    whether the rest of the vocabulary is one more bucket (rlft/core/sparse_distill.py)."""
+    mask's), and the divergence's beta: a local teacher's last hidden states [n, H_t] (no gradient)
+    and LM head (rlft/core/distill.py), or a served teacher's support ids and log-probs [n, K] (-1
+    padding) and whether the rest of the vocabulary is one more bucket
+    (rlft/core/sparse_distill.py)."""
 
     hidden: torch.Tensor | None
     head: Head | None
@@ -75,14 +79,17 @@ class Scored:
     logps: torch.Tensor  # [b, c], 0 at masked positions
     entropy: torch.Tensor | None  # [b, c]
     aux_loss: torch.Tensor | None
-    kept_logmass: torch.Tensor | None = None  # [b, c] log of the mass the sampler kept (with `kept`)
+    # [b, c] log of the mass the sampler kept (with `kept`)
+    kept_logmass: torch.Tensor | None = None
     tokens: int = 0  # tokens the backbone ran on: padding included, a packed shared prompt once
     divergence: torch.Tensor | None = None  # [b, c] with a teacher: each token's divergence to it
-    teacher_entropy: torch.Tensor | None = None  # [b, c] with a teacher: its entropy at each position
+    # [b, c] with a teacher: its entropy at each position
+    teacher_entropy: torch.Tensor | None = None
 
 
 def head_settings(config) -> tuple[float, float | None]:
-    """(logit scale, final-logit softcap) as the model's own forward applies them before the softmax."""
+    """(logit scale, final-logit softcap) as the model's own forward applies them before the
+    softmax."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     scale = getattr(text, "logit_scale", None)
     for name in ("output_multiplier", "lm_head_multiplier"):
@@ -93,15 +100,16 @@ def head_settings(config) -> tuple[float, float | None]:
 
 
 def install_scoring(model) -> None:
-    """Give `model` (a transformers causal LM, or a peft model around one) the `rlft_score=` forward.
-    Idempotent."""
+    """Give `model` (a transformers causal LM, or a peft model around one) the `rlft_score=`
+    forward. Idempotent."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(model, "_rlft_scoring", False):
         return
 
     @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
     def forward(self, *args, rlft_score: Score | None = None, **kwargs):
-        if rlft_score is None:  # the class's forward: a deep copy of the model (a reference) calls its own
+        # the class's forward: a deep copy of the model (a reference) calls its own
+        if rlft_score is None:
             return type(self).forward(self, *args, **kwargs)
         return score_forward(self, rlft_score, *args, **kwargs)
 
@@ -119,7 +127,8 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
     mask, packed = score.mask.bool(), score.packed
     if packed is None:
         width = score.targets.shape[1]
-        hidden = outputs.last_hidden_state[:, -(width + 1):-1]  # [b, c, H]: position t predicts token t + 1
+        # [b, c, H]: position t predicts token t + 1
+        hidden = outputs.last_hidden_state[:, -(width + 1):-1]
         hidden, targets = hidden[mask], score.targets[mask]  # [n, H], [n]
         kept = None if score.kept is None else score.kept[mask]  # [n, K]
     else:  # one packed sequence: the positions that predict each scored token
@@ -137,7 +146,8 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
 
     divergence = teacher_entropy = None
     if score.teacher is not None:
-        divergence, entropy, teacher_entropy = _divergence(head, hidden, score, scale, softcap)  # [n] each
+        # [n] each
+        divergence, entropy, teacher_entropy = _divergence(head, hidden, score, scale, softcap)
         divergence, teacher_entropy = place(divergence), place(teacher_entropy).detach()
         if not score.logps:
             entropy = place(entropy).detach()
@@ -154,9 +164,9 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
 
 
 def _plain_weight(head, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The head's weight and bias when it can be used as a plain matrix (not peft-adapted); an FSDP2 DTensor
-    weight made whole (differentiably: its gradient is sharded back). `sharded`: FSDP2's own subclass of
-    the linear layer too (a peft layer is no nn.Linear)."""
+    """The head's weight and bias when it can be used as a plain matrix (not peft-adapted); an FSDP2
+    DTensor weight made whole (differentiably: its gradient is sharded back). `sharded`: FSDP2's own
+    subclass of the linear layer too (a peft layer is no nn.Linear)."""
     if not (isinstance(head, torch.nn.Linear) if sharded else type(head) is torch.nn.Linear):
         return None
     weight, bias = head.weight, head.bias
@@ -167,8 +177,9 @@ def _plain_weight(head, sharded: bool = False) -> tuple[torch.Tensor, torch.Tens
 
 
 def _gathered(*params):
-    """A ZeRO-3 partitioned weight made whole for the tile loops (forward and backward), unless DeepSpeed
-    holds it whole already (a head tied to the embeddings, in use); a no-op without ZeRO-3."""
+    """A ZeRO-3 partitioned weight made whole for the tile loops (forward and backward), unless
+    DeepSpeed holds it whole already (a head tied to the embeddings, in use); a no-op without
+    ZeRO-3."""
     params = [p for p in params if p is not None and hasattr(p, "ds_id")]
     if not params:
         return contextlib.nullcontext
@@ -186,8 +197,8 @@ def _gathered(*params):
 
 def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float, softcap: float | None,
                  predict=None):
-    """(log-probs [n], entropy [n] or None, log kept mass [n]). `predict`: [n] log-probs -> the loss's
-    dL/dlog p [n] (Score.loss_grad)."""
+    """(log-probs [n], entropy [n] or None, log kept mass [n]). `predict`: [n] log-probs -> the
+    loss's dL/dlog p [n] (Score.loss_grad)."""
     plain = _plain_weight(head)
     if plain is not None:
         weight, bias = plain
@@ -202,8 +213,8 @@ def _divergence(head, hidden, score: Score, scale: float, softcap: float | None)
     (rlft/core/distill.py; a served teacher's: rlft/core/sparse_distill.py)."""
     plain = _plain_weight(head, sharded=True)
     if plain is None:
-        raise ValueError("distillation reads the student's LM head as a weight; an LM head adapted by peft "
-                         "is not supported: leave lm_head out of the LoRA target_modules")
+        raise ValueError("distillation reads the student's LM head as a weight; an LM head adapted "
+                         "by peft is not supported: leave lm_head out of the LoRA target_modules")
     weight, bias = plain
     teacher = score.teacher
     student = Head(weight, bias, scale, softcap, _gathered(weight, bias))
@@ -216,10 +227,11 @@ def _divergence(head, hidden, score: Score, scale: float, softcap: float | None)
 
 @torch.no_grad()
 def teacher_states(teacher, ids, mask, position_ids, completion_mask, beta: float) -> TeacherStates:
-    """The teacher's hidden states at the positions that predict each real completion token of this padded
-    batch (the last `c` columns; completion_mask [b, c]), and its LM head. Its backbone only: the teacher's
-    [B, T, V] logits are never formed."""
-    inner = getattr(teacher, "module", teacher)  # a DeepSpeed inference engine (ZeRO-3) wraps the model
+    """The teacher's hidden states at the positions that predict each real completion token of this
+    padded batch (the last `c` columns; completion_mask [b, c]), and its LM head. Its backbone only:
+    the teacher's [B, T, V] logits are never formed."""
+    # a DeepSpeed inference engine (ZeRO-3) wraps the model
+    inner = getattr(teacher, "module", teacher)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     backbone = getattr(inner, inner.base_model_prefix)
     outputs = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
@@ -230,8 +242,8 @@ def teacher_states(teacher, ids, mask, position_ids, completion_mask, beta: floa
         raise ValueError("the teacher's LM head must be a plain linear layer (not adapted by peft)")
     weight, bias = plain
     scale, softcap = head_settings(inner.config)
-    # the parameters themselves (read inside the divergence's autograd function: no graph), not detached
-    # copies: a ZeRO-3 gather fills the parameter in place
+    # the parameters themselves (read inside the divergence's autograd function: no graph), not
+    # detached copies: a ZeRO-3 gather fills the parameter in place
     return TeacherStates(hidden, Head(weight, bias, scale, softcap, _gathered(weight, bias)), beta)
 
 
@@ -280,23 +292,25 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
                packing: str | None = None, teacher=None, beta: float = 1.0,
                with_logps: bool = False, entropy_grad: bool = False,
                loss_grad: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Scored:
-    """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index tensor),
-    from a model with `install_scoring`; renormalised over the sampler's kept tokens where the rollout
-    carries them (`sampling_kept`). Padded, the batch is cut to its own longest completion (c <= C, rounded
-    up to `pad_to_multiple_of` when it is an int) and its longest prompt: columns that are padding in every
-    row cost a forward pass and change nothing. `packing` "rows" / "prompts": the rows packed into one
-    sequence without padding, prompts shared by rows held once with "prompts" (rlft/model/packing.py). With a
-    `teacher` model (same vocabulary) or served teacher (its `support`): `Scored.divergence` [b, c], each
-    token's divergence from the teacher at `beta` (rlft/core/distill.py), and the student's entropy, instead
-    of log-probs (as well, with `with_logps`); padded. `entropy_grad`: the entropy's gradient will be asked
-    for (an entropy bonus; rlft/core/fused_head.py). `loss_grad`: the loss's dL/dlog p as a function of the
+    """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index
+    tensor), from a model with `install_scoring`; renormalised over the sampler's kept tokens where
+    the rollout carries them (`sampling_kept`). Padded, the batch is cut to its own longest
+    completion (c <= C, rounded up to `pad_to_multiple_of` when it is an int) and its longest
+    prompt: columns that are padding in every row cost a forward pass and change nothing. `packing`
+    "rows" / "prompts": the rows packed into one sequence without padding, prompts shared by rows
+    held once with "prompts" (rlft/model/packing.py). With a `teacher` model (same vocabulary) or
+    served teacher (its `support`): `Scored.divergence` [b, c], each token's divergence from the
+    teacher at `beta` (rlft/core/distill.py), and the student's entropy, instead of log-probs (as
+    well, with `with_logps`); padded. `entropy_grad`: the entropy's gradient will be asked for (an
+    entropy bonus; rlft/core/fused_head.py). `loss_grad`: the loss's dL/dlog p as a function of the
     log-probs [b, c], for a token-separable loss (Score.loss_grad)."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
     if packing is not None and teacher is None:
         listed = _row_list(rows, rollout.completion_ids.shape[0])
         packed = pack_rows(rollout, listed, packing == "prompts")
-        if packed.targets.numel():  # (no token to score: the padded forward keeps the graph connected)
+        # (no token to score: the padded forward keeps the graph connected)
+        if packed.targets.numel():
             return _score_packed(model, rollout, listed, width, packed, temperature, entropy, router_loss,
                                  tile, entropy_grad, loss_grad)
     if isinstance(pad_to_multiple_of, int):
@@ -311,7 +325,8 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     score = Score(completion_ids, completion_mask[:, :width], temperature, entropy, router_loss, tile,
                   None if kept is None else kept[rows, :width], entropy_grad=entropy_grad,
                   loss_grad=loss_grad)
-    if teacher is not None and not isinstance(teacher, torch.nn.Module):  # rollout/teacher_server.py
+    # rollout/teacher_server.py
+    if teacher is not None and not isinstance(teacher, torch.nn.Module):
         score.teacher = TeacherStates(None, None, beta, *teacher.support(rollout, rows, width), teacher.tail)
     elif teacher is not None:
         score.teacher = teacher_states(teacher, ids, mask, position_ids, completion_mask[:, :width], beta)
@@ -343,8 +358,9 @@ def _score_packed(model, rollout, rows: list[int], width: int, packed: Packed, t
 
 
 def _scoring_model(model):
-    """The transformers model inside whatever wraps it (DDP, DeepSpeed, peft): the one `install_scoring`
-    patched (its own attribute: wrappers forward attribute lookups to what they wrap)."""
+    """The transformers model inside whatever wraps it (DDP, DeepSpeed, peft): the one
+    `install_scoring` patched (its own attribute: wrappers forward attribute lookups to what they
+    wrap)."""
     for module in model.modules():
         if vars(module).get("_rlft_scoring", False):
             return module

@@ -1,4 +1,5 @@
-"""Reward functions: TRL's calling convention, built-ins (TRL's and rlft's), and reward models as rewards."""
+"""Reward functions: TRL's calling convention, built-ins (TRL's and rlft's), and reward models as
+rewards."""
 
 from rlft.rewards.builtins import (
     accuracy_reward,

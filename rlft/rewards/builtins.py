@@ -71,8 +71,9 @@ def _math_verify_timeouts() -> dict:
 
 
 def _verify_latex(text: str, gold, parse_kw: dict, verify_kw: dict) -> tuple[float | None, str, str]:
-    """(reward, gold as parsed, answer as parsed): math-verify equivalence of the LaTeX answer in `text` (a
-    `\\boxed{}` answer tried first) with `gold`; None when the gold does not parse (not applicable)."""
+    """(reward, gold as parsed, answer as parsed): math-verify equivalence of the LaTeX answer in
+    `text` (a `\\boxed{}` answer tried first) with `gold`; None when the gold does not parse (not
+    applicable)."""
     from math_verify import LatexExtractionConfig, parse, verify
     from math_verify.parser import NormalizationConfig
 
@@ -94,11 +95,13 @@ def _log_parsed(log_extra, solution, golds: list[str], answers: list[str]) -> No
 
 
 def accuracy_reward(completions, solution, log_extra=None, **kwargs) -> list[float | None]:
-    """TRL's `accuracy_reward`: math-verify equivalence of the completion with the `solution` column.
+    """TRL's `accuracy_reward`: math-verify equivalence of the completion with the `solution`
+    column.
 
-    The gold solution is parsed as LaTeX/expressions; when it does not parse the row is not applicable
-    (None). The completion must state its answer in LaTeX (a `\\boxed{}` answer is tried first). With
-    `log_extra` (passed by the trainer) the parsed gold and answer go to the completions log.
+    The gold solution is parsed as LaTeX/expressions; when it does not parse the row is not
+    applicable (None). The completion must state its answer in LaTeX (a `\\boxed{}` answer is tried
+    first). With `log_extra` (passed by the trainer) the parsed gold and answer go to the
+    completions log.
     """
     parse_kw, verify_kw = _math_verify_timeouts()
     results = [_verify_latex(completion_text(c), gold, parse_kw, verify_kw)
@@ -109,9 +112,10 @@ def accuracy_reward(completions, solution, log_extra=None, **kwargs) -> list[flo
 
 def reasoning_accuracy_reward(completions, solution, reasoning_delimiters: list[str] | None = None,
                               log_extra=None, **kwargs) -> list[float | None]:
-    """TRL's `reasoning_accuracy_reward`: `accuracy_reward` on the text after the reasoning, i.e. after the
-    first delimiter found (default `</think>`). A completion whose reasoning never ends scores 0.0 (not None:
-    an unfinished reasoning is penalised); a gold that does not parse gives None."""
+    """TRL's `reasoning_accuracy_reward`: `accuracy_reward` on the text after the reasoning, i.e.
+    after the first delimiter found (default `</think>`). A completion whose reasoning never ends
+    scores 0.0 (not None: an unfinished reasoning is penalised); a gold that does not parse gives
+    None."""
     delimiters = reasoning_delimiters or ["</think>"]
     parse_kw, verify_kw = _math_verify_timeouts()
     results = []
@@ -130,8 +134,8 @@ THINK_FORMAT = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | 
 
 
 def think_format_reward(completions, **kwargs) -> list[float]:
-    """TRL's `think_format_reward`: 1.0 when the completion opens with one `<think>...</think>` block (and no
-    second `<think>`), else 0.0."""
+    """TRL's `think_format_reward`: 1.0 when the completion opens with one `<think>...</think>`
+    block (and no second `<think>`), else 0.0."""
     return [float(THINK_FORMAT.match(completion_text(c)) is not None) for c in completions]
 
 
@@ -153,8 +157,9 @@ class _RepetitionPenalty:
 
 
 def get_repetition_penalty_reward(ngram_size: int, max_penalty: float) -> Callable:
-    """TRL's repetition penalty (Demystifying Long CoT, arXiv:2502.03373): max_penalty times the share of
-    repeated n-grams among a completion's token n-grams; 0 for completions shorter than one n-gram."""
+    """TRL's repetition penalty (Demystifying Long CoT, arXiv:2502.03373): max_penalty times the
+    share of repeated n-grams among a completion's token n-grams; 0 for completions shorter than one
+    n-gram."""
     if max_penalty > 0:
         raise ValueError(f"max_penalty={max_penalty} must be <= 0 (it is a penalty)")
     return _RepetitionPenalty(ngram_size, max_penalty)
@@ -173,17 +178,19 @@ class _CosineScaled:
                 out.append(None)
                 continue
             low, high = self.correct if correct else self.wrong
-            progress = min(len(ids) / self.max_len, 1.0)  # past max_len the schedule stays at its end
+            # past max_len the schedule stays at its end
+            progress = min(len(ids) / self.max_len, 1.0)
             out.append(float(low + 0.5 * (high - low) * (1.0 + math.cos(progress * math.pi))))
         return out
 
 
 def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0, max_value_wrong: float = -0.5,
                              min_value_correct: float = 0.5, max_value_correct: float = 1.0) -> Callable:
-    """TRL's cosine length-scaled correctness (arXiv:2502.03373, App. C.1): with p = min(len / max_len, 1),
-    r = v_lo + (v_hi - v_lo)(1 + cos(p pi)) / 2; correct: (v_lo, v_hi) = (min_value_correct,
-    max_value_correct), shorter is better; wrong: (max_value_wrong, min_value_wrong), shorter is penalised
-    more. None where the gold does not parse (accuracy_reward's None)."""
+    """TRL's cosine length-scaled correctness (arXiv:2502.03373, App. C.1): with p = min(len /
+    max_len, 1), r = v_lo + (v_hi - v_lo)(1 + cos(p pi)) / 2; correct: (v_lo, v_hi) =
+    (min_value_correct, max_value_correct), shorter is better; wrong: (max_value_wrong,
+    min_value_wrong), shorter is penalised more. None where the gold does not parse
+    (accuracy_reward's None)."""
     return _CosineScaled(max_len, (max_value_wrong, min_value_wrong), (min_value_correct, max_value_correct))
 
 def math_verify_reward(completions, solution=None, answer=None, **kwargs) -> list[float | None]:
@@ -205,7 +212,8 @@ def math_verify_reward(completions, solution=None, answer=None, **kwargs) -> lis
             out.append(None)
             continue
         text = completion_text(completion)
-        tagged = ANSWER_TAG_RE.findall(text)  # text inside <answer> tags parses to nothing: extract first
+        # text inside <answer> tags parses to nothing: extract first
+        tagged = ANSWER_TAG_RE.findall(text)
         candidate = tagged[-1] if tagged else text
         predicted = parse(candidate, parsing_timeout=None)
         out.append(float(bool(predicted) and verify(gold_parsed, predicted, timeout_seconds=None)))
@@ -213,7 +221,8 @@ def math_verify_reward(completions, solution=None, answer=None, **kwargs) -> lis
 
 
 def format_reward(completions, pattern: str = DEFAULT_FORMAT, **kwargs) -> list[float]:
-    """1.0 when the whole completion matches `pattern` (default: optional <think>, then <answer>)."""
+    """1.0 when the whole completion matches `pattern` (default: optional <think>, then
+    <answer>)."""
     regex = re.compile(pattern, re.DOTALL)
     return [float(regex.match(completion_text(c)) is not None) for c in completions]
 
@@ -245,7 +254,8 @@ def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int
         -1                                   if L > L_max
     """
     if not 0 < soft_punish_cache <= max_completion_len:
-        raise ValueError(f"soft_punish_cache={soft_punish_cache} must be in (0, max_completion_len]")
+        raise ValueError(f"soft_punish_cache={soft_punish_cache} must be in (0, "
+                         "max_completion_len]")
     return _SoftOverlong(max_completion_len, soft_punish_cache)
 
 

@@ -5,10 +5,10 @@ A reward function is called with keyword arguments `prompts`, `completions`,
 `log_metric(name, value)` and every extra dataset column, and returns one float or None (not
 applicable) per completion. `async def` functions run concurrently.
 
-A reward function that runs long is named: every `REPORT_SECONDS` a warning says which one is still running
-and for how long; with `reward_timeout` the calls run in a worker thread and the run stops with an error
-naming the one still running once the rollout's rewards take longer (Python cannot stop a thread: a hung
-function's thread is left running, as a daemon).
+A reward function that runs long is named: every `REPORT_SECONDS` a warning says which one is still
+running and for how long; with `reward_timeout` the calls run in a worker thread and the run stops
+with an error naming the one still running once the rollout's rewards take longer (Python cannot
+stop a thread: a hung function's thread is left running, as a daemon).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ import torch
 from rlft.errors import RlftError
 from rlft.rewards.builtins import BUILTIN_REWARDS, get_soft_overlong_punishment
 
-MAX_REWARD = 1e15  # squared deviations overflow float32 near 1.8e19; this keeps a wide margin below that
-REPORT_SECONDS = 60.0  # how often a reward function still running is named (a module constant tests shrink)
+# squared deviations overflow float32 near 1.8e19; this keeps a wide margin below that
+MAX_REWARD = 1e15
+# how often a reward function still running is named (a module constant tests shrink)
+REPORT_SECONDS = 60.0
 
 
 class RewardFunctionError(RlftError, RuntimeError):
@@ -46,8 +48,8 @@ def reward_name(func: Any) -> str:
 
 
 def resolve_reward(spec: Any, max_completion_length: int, processing_class=None) -> Callable:
-    """A callable, a loaded sequence-classification model, a built-in name, 'module.path:function', a
-    reward-model folder or a hub model id."""
+    """A callable, a loaded sequence-classification model, a built-in name, 'module.path:function',
+    a reward-model folder or a hub model id."""
     import torch.nn
 
     if isinstance(spec, torch.nn.Module):
@@ -71,7 +73,8 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
                 sys.path.insert(0, os.getcwd())
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
-            raise RewardFunctionError(f"reward function {spec!r} could not be imported: {err}") from err
+            raise RewardFunctionError(f"reward function {spec!r} could not be imported: "
+                                      f"{err}") from err
     if Path(spec).is_dir() or (spec.count("/") == 1 and not Path(spec).suffix and not spec.startswith(".")):
         from rlft.rewards.reward_model import RewardModelScorer
 
@@ -80,13 +83,14 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
         except (OSError, ValueError) as err:
             raise RewardFunctionError(f"reward model {spec!r} could not be loaded: {err}") from err
     known = sorted([*BUILTIN_REWARDS, "soft_overlong", "get_soft_overlong_punishment"])
-    raise RewardFunctionError(f"reward function {spec!r} is not a built-in ({known}), not 'module:function' "
-                              "or 'module.function', not a reward-model folder and not a hub model id "
-                              "'org/name'")
+    raise RewardFunctionError(f"reward function {spec!r} is not a built-in ({known}), not "
+                              "'module:function' or 'module.function', not a reward-model folder "
+                              "and not a hub model id 'org/name'")
 
 
 def _dotted(spec: str) -> bool:
-    """'my_lib.rewards.custom_reward' (TRL's scripts' form): identifiers joined by dots, no path separator."""
+    """'my_lib.rewards.custom_reward' (TRL's scripts' form): identifiers joined by dots, no path
+    separator."""
     parts = spec.split(".")
     return len(parts) > 1 and "/" not in spec and all(p.isidentifier() for p in parts)
 
@@ -98,10 +102,12 @@ def resolve_rewards(specs: Any, weights: list[float] | None, processing_classes:
 
     specs = list(specs) if isinstance(specs, list | tuple) else ([] if specs is None else [specs])
     if not specs:
-        raise ConfigError("No reward source provided: pass reward_funcs (a function, a built-in name, "
-                          "a reward model), or an environment_factory whose environment defines get_reward")
+        raise ConfigError("No reward source provided: pass reward_funcs (a function, a built-in "
+                          "name, a reward model), or an environment_factory whose environment "
+                          "defines get_reward")
     if weights is not None and len(weights) != len(specs):
-        raise ConfigError(f"reward_weights has {len(weights)} values but reward_funcs has {len(specs)}: "
+        raise ConfigError(f"reward_weights has {len(weights)} values but reward_funcs has "
+                          f"{len(specs)}: "
                           "give one weight per reward function")
     if processing_classes is None:
         classes = [None] * len(specs)
@@ -120,10 +126,10 @@ def resolve_rewards(specs: Any, weights: list[float] | None, processing_classes:
 
 
 def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) -> list[str]:
-    """Each reward function's keywords against what it will be passed: the dataset's extra columns and the
-    standard arguments. A required keyword that nothing supplies is an error now (not a TypeError at the
-    first step); a keyword with a default that nothing supplies but that is close to a column or argument
-    name is likely a typo: one warning each."""
+    """Each reward function's keywords against what it will be passed: the dataset's extra columns
+    and the standard arguments. A required keyword that nothing supplies is an error now (not a
+    TypeError at the first step); a keyword with a default that nothing supplies but that is close
+    to a column or argument name is likely a typo: one warning each."""
     import difflib
 
     from rlft.data.prompts import REWARD_ARGUMENTS
@@ -143,9 +149,10 @@ def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) 
             where = f"no dataset column (columns: {columns or 'only prompt'}) and no argument rlft passes " \
                     f"({', '.join(REWARD_ARGUMENTS)})."
             if param.default is param.empty:
-                raise RewardFunctionError(f"reward function {name!r} requires keyword {param.name!r}, "
-                                          f"which matches {where}{hint}")
-            # a defaulted keyword like no column is a parameter (format_reward's pattern), not a typo
+                raise RewardFunctionError(f"reward function {name!r} requires keyword "
+                                          f"{param.name!r}, which matches {where}{hint}")
+            # a defaulted keyword like no column is a parameter (format_reward's pattern), not a
+            # typo
             if near:
                 warnings.append(f"reward function {name!r}: keyword {param.name!r} matches {where} "
                                 f"It will always get its default {param.default!r}.{hint}")
@@ -153,8 +160,8 @@ def check_keywords(funcs: list[Callable], names: list[str], columns: list[str]) 
 
 
 class RewardLog:
-    """What reward functions log during one rollout: `log_metric(name, value)` scalars (averaged, and over
-    processes) and `log_extra(column, values)` columns for the completions log."""
+    """What reward functions log during one rollout: `log_metric(name, value)` scalars (averaged,
+    and over processes) and `log_extra(column, values)` columns for the completions log."""
 
     def __init__(self):
         self.scalars: dict[str, list[float]] = {}
@@ -192,8 +199,8 @@ def _is_async(func: Callable) -> bool:
 
 
 class Running:
-    """Which reward functions are running now and since when; shared by the thread calling them and the one
-    watching them."""
+    """Which reward functions are running now and since when; shared by the thread calling them and
+    the one watching them."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -218,8 +225,8 @@ class Running:
 
 def _invoke_all(funcs: list[Callable], names: list[str], kwargs: dict[str, Any],
                 running: Running | None = None) -> list[Any]:
-    """Call sync functions in order, async ones concurrently; exceptions come back as values. `running` learns
-    which function runs when."""
+    """Call sync functions in order, async ones concurrently; exceptions come back as values.
+    `running` learns which function runs when."""
     running = running or Running()
     results: list[Any] = [None] * len(funcs)
     pending = []
@@ -249,14 +256,15 @@ def _log_waiting(name: str, seconds: float, step: Any, message: str) -> None:
 
 def _still_running(running: Running, step: Any, timeout: float | None,
                    report: Callable = _log_waiting) -> None:
-    """Name each reward function still running: report(name, seconds, step, message) (the trainer's: the
-    console, the run's log and its trackers; Python's `rlft` logger otherwise)."""
+    """Name each reward function still running: report(name, seconds, step, message) (the trainer's:
+    the console, the run's log and its trackers; Python's `rlft` logger otherwise)."""
     limit = (f"reward_timeout={timeout:g} s stops the run" if timeout is not None else
-             "no reward_timeout: set one to stop the run when a reward function hangs; Ctrl-C twice stops "
-             "it now")
+             "no reward_timeout: set one to stop the run when a reward function hangs; Ctrl-C "
+             "twice stops it now")
     for name, seconds in running.now():
         report(name, seconds, step,
-               f"reward function {name!r} is still running after {seconds:.0f} s at step {step} ({limit})")
+               f"reward function {name!r} is still running after {seconds:.0f} s at step {step} "
+               f"({limit})")
 
 
 def _timed_out(running: Running, step: Any, timeout: float) -> RewardFunctionError:
@@ -264,17 +272,18 @@ def _timed_out(running: Running, step: Any, timeout: float) -> RewardFunctionErr
     names = ", ".join(repr(name) for name, _ in late) or "the reward functions"
     took = f"; it has run {late[0][1]:.1f} s" if late else ""
     return RewardFunctionError(
-        f"reward function {names} did not return within reward_timeout={timeout:g} s at step {step}{took}. "
-        "The run stops here (its thread is left running in the background). Make the function faster or "
-        "give it its own time limit (a request timeout, a sandbox limit), or raise reward_timeout (null: no "
-        "limit)")
+        f"reward function {names} did not return within reward_timeout={timeout:g} s at step "
+        f"{step}{took}. "
+        "The run stops here (its thread is left running in the background). Make the function "
+        "faster or give it its own time limit (a request timeout, a sandbox limit), or raise "
+        "reward_timeout (null: no limit)")
 
 
 def _watched(work: Callable[[], Any], running: Running, step: Any, timeout: float | None,
              report: Callable = _log_waiting) -> Any:
-    """work(), naming what still runs every REPORT_SECONDS. Without a timeout it runs in this thread and a
-    watcher thread names it; with one it runs in a daemon thread, in this thread's grad mode, and this
-    thread stops waiting after `timeout` seconds with an error naming what still runs."""
+    """work(), naming what still runs every REPORT_SECONDS. Without a timeout it runs in this thread
+    and a watcher thread names it; with one it runs in a daemon thread, in this thread's grad mode,
+    and this thread stops waiting after `timeout` seconds with an error naming what still runs."""
     if timeout is None:
         done = threading.Event()
 
@@ -323,16 +332,18 @@ def _check(name: str, values: Any, expected: int, step: int, completions: list,
         values = values.tolist()
     if not isinstance(values, list | tuple) or len(values) != expected:
         got = len(values) if isinstance(values, list | tuple) else type(values).__name__
-        raise RewardFunctionError(f"reward function {name!r} returned {got} values at step {step}; it must "
-                                  f"return a list with one float (or None) per completion: {expected}")
+        raise RewardFunctionError(f"reward function {name!r} returned {got} values at step {step}; "
+                                  "it must return a list with one float (or None) per completion: "
+                                  f"{expected}")
     out = []
     for row, value in enumerate(values):
         if value is None:
             out.append(float("nan"))
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise RewardFunctionError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) "
-                                      f"for completion {row} at step {step}: {completions[row]!r}; "
+            raise RewardFunctionError(f"reward function {name!r} returned {value!r} "
+                                      f"({type(value).__name__}) for completion {row} at step "
+                                      f"{step}: {completions[row]!r}; "
                                       "return float or None")
         if math.isnan(value) and not allow_nan:
             raise RewardFunctionError(f"reward function {name!r} returned NaN for completion {row} "
@@ -340,10 +351,10 @@ def _check(name: str, values: Any, expected: int, step: int, completions: list,
                                       "Return None for 'not applicable', or set "
                                       "allow_nan_rewards: true to treat NaN the same way")
         if math.isinf(value) or abs(value) > MAX_REWARD:
-            raise RewardFunctionError(f"reward function {name!r} returned {value!r} for completion {row} "
-                                      f"at step {step}: {completions[row]!r}. Rewards must be finite and "
-                                      f"below {MAX_REWARD:g} in magnitude (group statistics would overflow); "
-                                      "rescale the reward")
+            raise RewardFunctionError(f"reward function {name!r} returned {value!r} for completion "
+                                      f"{row} at step {step}: {completions[row]!r}. Rewards must "
+                                      f"be finite and below {MAX_REWARD:g} in magnitude (group "
+                                      "statistics would overflow); rescale the reward")
         out.append(float(value))
     return out
 
@@ -352,9 +363,10 @@ def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, c
                     completion_ids: list[list[int]], columns: dict[str, list], trainer_state: Any,
                     reward_log: RewardLog, allow_nan: bool = False,
                     timeout: float | None = None, report: Callable = _log_waiting) -> torch.Tensor:
-    """Call every reward function once on the whole rollout -> rewards [N, F] (NaN = not applicable).
-    `timeout` (reward_timeout): seconds they may take together before the run stops naming the one still
-    running; `report(name, seconds, step, message)` hears every REPORT_SECONDS which one still runs."""
+    """Call every reward function once on the whole rollout -> rewards [N, F] (NaN = not
+    applicable). `timeout` (reward_timeout): seconds they may take together before the run stops
+    naming the one still running; `report(name, seconds, step, message)` hears every REPORT_SECONDS
+    which one still runs."""
     kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
                   trainer_state=trainer_state, log_extra=reward_log.log_extra,
                   log_metric=reward_log.log_metric)
@@ -371,9 +383,9 @@ def compute_rewards(funcs: list[Callable], names: list[str], *, prompts: list, c
         row = int(unscored[0])
         shown = {k: v[row] for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)}
         logging.getLogger("rlft").warning(
-            "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at least "
-            "one reward function returns a valid reward (%d of %d completions have none; they get no "
-            "advantage)",
+            "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that "
+            "at least one reward function returns a valid reward (%d of %d completions have none; "
+            "they get no advantage)",
             {**shown, "prompt": prompts[row], "completion": completions[row]}, len(unscored),
             len(completions))
     return rewards
@@ -384,10 +396,11 @@ def _repeat(values: list, times: int) -> list:
 
 
 class RewardScorer:
-    """A rollout's rewards from every reward function, called as TRL calls them: the completions decoded (or,
-    for multi-turn rollouts, as the chat messages the rollout recorded), each prompt's dataset columns
-    repeated
-    for its `group` completions, the rollout's own per-row values (environments, rollout_func keys)."""
+    """A rollout's rewards from every reward function, called as TRL calls them: the completions
+    decoded (or, for multi-turn rollouts, as the chat messages the rollout recorded), each prompt's
+    dataset columns repeated
+    for its `group` completions, the rollout's own per-row values (environments, rollout_func
+    keys)."""
 
     def __init__(self, funcs: list[Callable], names: list[str], tokenizer, trainer_state: Any,
                  allow_nan: bool = False, timeout: float | None = None, report: Callable = _log_waiting):
@@ -397,8 +410,8 @@ class RewardScorer:
 
     def __call__(self, rollout, prompts: dict, group: int,
                  reward_log: RewardLog | None = None) -> tuple[torch.Tensor, list]:
-        """(rewards [N, F], the completions the functions received) for the rows of `rollout`, whose prompts
-        are the PromptSet batch `prompts`."""
+        """(rewards [N, F], the completions the functions received) for the rows of `rollout`, whose
+        prompts are the PromptSet batch `prompts`."""
         mask = rollout.completion_mask.bool()
         ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), mask.cpu())]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -408,7 +421,8 @@ class RewardScorer:
         if rollout.completions is not None:  # multi-turn: the assistant and tool messages
             completions = rollout.completions
         columns = {k: _repeat(v, group) for k, v in prompts.items() if k not in ("prompts", "prompt_ids")}
-        columns.update({"environments": None, **rollout.extra})  # TRL passes environments=None without them
+        # TRL passes environments=None without them
+        columns.update({"environments": None, **rollout.extra})
         rewards = compute_rewards(self.funcs, self.names, prompts=repeated_prompts, completions=completions,
                                   completion_ids=ids, columns=columns, trainer_state=self.trainer_state,
                                   reward_log=reward_log or RewardLog(), allow_nan=self.allow_nan,

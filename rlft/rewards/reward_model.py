@@ -17,7 +17,8 @@ class RewardModelScorer:
     """Callable reward: `scorer(prompts=..., completions=...) -> list[float]`.
 
     `model`: a folder, a hub model id, or a loaded sequence-classification model (TRL's reward_funcs
-    entries); `tokenizer`: its processing class (TRL's reward_processing_classes), else loaded with it."""
+    entries); `tokenizer`: its processing class (TRL's reward_processing_classes), else loaded with
+    it."""
 
     def __init__(self, model, tokenizer=None, batch_size: int = 16, max_length: int | None = None):
         source = (model if isinstance(model, str | Path)

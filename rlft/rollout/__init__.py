@@ -1,8 +1,9 @@
-"""Rollout engines behind one protocol (`RolloutEngine`, rlft/rollout/base.py): `engine(model, prompt_ids,
-num_generations, greedy=False) -> Rollout`, `on_weights_changed()`, `close()`.
+"""Rollout engines behind one protocol (`RolloutEngine`, rlft/rollout/base.py): `engine(model,
+prompt_ids, num_generations, greedy=False) -> Rollout`, `on_weights_changed()`, `close()`.
 
-`make_generator(args, tokenizer)` builds the engine a config asks for from a small table; the trainer never
-knows which one runs: transformers' `generate` (`hf.py`, the default) or vLLM (`vllm.py`, `use_vllm=True`).
+`make_generator(args, tokenizer)` builds the engine a config asks for from a small table; the
+trainer never knows which one runs: transformers' `generate` (`hf.py`, the default) or vLLM
+(`vllm.py`, `use_vllm=True`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ ENGINES = {(False, None): _hf, (True, "colocate"): _vllm_colocate, (True, "serve
 
 def make_generator(args, tokenizer, model=None, source=None, synced: bool = False,
                    full_weights=None) -> RolloutEngine:
-    """The rollout engine for a GRPOConfig (`model`: the policy, `source`: where it was loaded from; `synced`:
-    the weights are sharded over the processes (FSDP2, ZeRO-3), so every process runs every forward pass;
-    `full_weights(model)`: a context inside which every process holds the weights whole, entered by all
-    processes together; a vLLM engine reads its weight sync there)."""
+    """The rollout engine for a GRPOConfig (`model`: the policy, `source`: where it was loaded from;
+    `synced`: the weights are sharded over the processes (FSDP2, ZeRO-3), so every process runs
+    every forward pass; `full_weights(model)`: a context inside which every process holds the
+    weights whole, entered by all processes together; a vLLM engine reads its weight sync there)."""
     build = ENGINES[(True, args.vllm_mode) if args.use_vllm else (False, None)]
     return build(args, tokenizer, model, source, synced, full_weights)

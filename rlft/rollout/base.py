@@ -1,14 +1,15 @@
-"""The one protocol every rollout engine meets: transformers' generate (`hf.py`), vLLM colocated (`vllm.py`)
-or as a server (`vllm_server.py`), and the tool loop around any of them (`multiturn.py`); and `Rollout`, what
-every engine returns: a carrier whose row operations are written once, over its declared fields.
+"""The one protocol every rollout engine meets: transformers' generate (`hf.py`), vLLM colocated
+(`vllm.py`) or as a server (`vllm_server.py`), and the tool loop around any of them
+(`multiturn.py`); and `Rollout`, what every engine returns: a carrier whose row operations are
+written once, over its declared fields.
 
-The trainer calls the engine for completions and tells it when the policy's weights changed (after each
-applied optimiser step and after a resume); an engine holding its own copy of the weights (vLLM) syncs before
-its next generation, one reading the live model (generate) has nothing to do.
+The trainer calls the engine for completions and tells it when the policy's weights changed (after
+each applied optimiser step and after a resume); an engine holding its own copy of the weights
+(vLLM) syncs before its next generation, one reading the live model (generate) has nothing to do.
 
-Row carriers (`Rows`): each field says in its metadata what it holds per row (`rows(kind, ...)`), and
-`select(rows)`, `split(size)`, `cat(parts)`, `to(device)`, `tensors()` / `from_tensors()` follow from that, so
-no caller rebuilds a carrier field by field and no field is dropped on the way:
+Row carriers (`Rows`): each field says in its metadata what it holds per row (`rows(kind, ...)`),
+and `select(rows)`, `split(size)`, `cat(parts)`, `to(device)`, `tensors()` / `from_tensors()` follow
+from that, so no caller rebuilds a carrier field by field and no field is dropped on the way:
     left     [N, T] tensor, left-padded (prompts): `cat` pads on the left to the widest part
     right    [N, T] (or [N]) tensor, right-padded (completions, per-token values)
     row      [N, ...] tensor, nothing to pad
@@ -33,9 +34,9 @@ PAD_TOKEN = "pad_token"  # a `pad` that stands for the pad token id given to `ca
 
 def rows(kind: str, *, pad: float | str = 0, saved: bool = False, stored: torch.dtype | None = None,
          default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A carrier field: what it holds per row (`kind`, module docstring), the value `cat` pads with (a number,
-    or PAD_TOKEN), whether `tensors()` saves it (checkpoints), and `stored`: the dtype a bool flag is saved as
-    (read back as bool)."""
+    """A carrier field: what it holds per row (`kind`, module docstring), the value `cat` pads with
+    (a number, or PAD_TOKEN), whether `tensors()` saves it (checkpoints), and `stored`: the dtype a
+    bool flag is saved as (read back as bool)."""
     if kind not in KINDS:
         raise ValueError(f"row kind {kind!r}: choose one of {KINDS}")
     meta = {"rows": kind, "pad": pad, "saved": saved, "stored": stored}
@@ -53,8 +54,8 @@ def _pick(value, rows):
 
 
 def _pad_cat(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
-    """Rows of several [n, T, ...] tensors as one, each padded with `value` to the widest T (on the left with
-    `left`) and the widest of every later dimension (on the right); [n] ones: cat."""
+    """Rows of several [n, T, ...] tensors as one, each padded with `value` to the widest T (on the
+    left with `left`) and the widest of every later dimension (on the right); [n] ones: cat."""
     device = tensors[0].device
     tensors = [t.to(device) for t in tensors]
     if tensors[0].ndim < 2:
@@ -85,7 +86,8 @@ class Rows:
         raise ValueError(f"{type(self).__name__} has no per-row field set")
 
     def select(self, rows) -> Rows:
-        """The carrier's rows `rows` (a slice, or row numbers in the order wanted) in every per-row field."""
+        """The carrier's rows `rows` (a slice, or row numbers in the order wanted) in every per-row
+        field."""
         out = {}
         for name, meta in self._fields():
             value, kind = getattr(self, name), meta["rows"]
@@ -109,7 +111,8 @@ class Rows:
 
     @classmethod
     def cat(cls, parts: list[Rows], pad_token_id: int = 0) -> Rows:
-        """The rows of several carriers as one, in order; padded fields padded to the widest part."""
+        """The rows of several carriers as one, in order; padded fields padded to the widest
+        part."""
         if len(parts) == 1:
             return parts[0]
         out = {}
@@ -119,7 +122,8 @@ class Rows:
                 out[name] = values[0]
                 continue
             if any(v is None for v in values):
-                raise ValueError(f"{cls.__name__}.cat: {name} is set in some parts and not in others")
+                raise ValueError(f"{cls.__name__}.cat: {name} is set in some parts and not in "
+                                 "others")
             pad = pad_token_id if meta["pad"] == PAD_TOKEN else meta["pad"]
             if kind in ("left", "right", "row"):
                 out[name] = _pad_cat(values, pad, left=kind == "left")
@@ -148,7 +152,8 @@ class Rows:
         return dataclasses.replace(self, **out)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The saved fields (`rows(saved=True)`) by name, nested carriers' flattened in, for a checkpoint."""
+        """The saved fields (`rows(saved=True)`) by name, nested carriers' flattened in, for a
+        checkpoint."""
         out = {}
         for name, meta in self._fields():
             value = getattr(self, name)
@@ -160,7 +165,8 @@ class Rows:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], device=None, **others) -> Rows:
-        """The carrier `tensors()` saved, on `device`; fields that are not saved come from `others`."""
+        """The carrier `tensors()` saved, on `device`; fields that are not saved come from
+        `others`."""
         out = dict(others)
         for name, meta in cls._fields():
             if name in out:
@@ -182,28 +188,35 @@ def _nested_type(cls: type, name: str) -> type:
 
 @dataclass
 class Rollout(Rows):
-    """What an engine returns for prompts x num_generations: rows in groups, each prompt's completions
-    consecutive."""
+    """What an engine returns for prompts x num_generations: rows in groups, each prompt's
+    completions consecutive."""
 
-    prompt_ids: torch.Tensor = rows("left", pad=PAD_TOKEN, saved=True)  # [N, P] each prompt G times in a row
+    # [N, P] each prompt G times in a row
+    prompt_ids: torch.Tensor = rows("left", pad=PAD_TOKEN, saved=True)
     prompt_mask: torch.Tensor = rows("left", saved=True)  # [N, P]
     completion_ids: torch.Tensor = rows("right", pad=PAD_TOKEN, saved=True)  # [N, C]
-    completion_mask: torch.Tensor = rows("right", saved=True)  # [N, C] 1 up to and including the first EOS
-    truncated: torch.Tensor = rows("row", saved=True, stored=torch.uint8)  # [N] bool: no EOS in the budget
+    # [N, C] 1 up to and including the first EOS
+    completion_mask: torch.Tensor = rows("right", saved=True)
+    # [N] bool: no EOS in the budget
+    truncated: torch.Tensor = rows("row", saved=True, stored=torch.uint8)
     # [N, C] the engine's log-prob of each sampled token (vLLM, the async producer, rollout_func)
     sampling_logps: torch.Tensor | None = rows("right", pad=0.0, saved=True, default=None)
-    # Multi-turn rollouts: 1 where the policy sampled the token, 0 for tool output and chat-template glue,
-    # which the policy reads (attention: completion_mask) but is not trained on (loss: loss_mask).
+    # Multi-turn rollouts: 1 where the policy sampled the token, 0 for tool output and chat-template
+    # glue, which the policy reads (attention: completion_mask) but is not trained on (loss:
+    # loss_mask).
     tool_mask: torch.Tensor | None = rows("right", saved=True, default=None)  # [N, C]
     # per row, the completion as chat messages (what reward functions receive)
     completions: list | None = rows("list", default=None)
-    extra: dict[str, list] = rows("columns", default_factory=dict)  # per-row values for reward functions
-    stats: dict[str, torch.Tensor] = rows("tensors", default_factory=dict)  # per-row counts: tool calls,...
-    # [N, C, K] int32: the token ids a truncating sampler (top-k / top-p / min-p) kept at each position, -1
-    # padding (a position without any: the full vocabulary); the trainer renormalises over them
+    # per-row values for reward functions
+    extra: dict[str, list] = rows("columns", default_factory=dict)
+    # per-row counts: tool calls,...
+    stats: dict[str, torch.Tensor] = rows("tensors", default_factory=dict)
+    # [N, C, K] int32: the token ids a truncating sampler (top-k / top-p / min-p) kept at each
+    # position, -1 padding (a position without any: the full vocabulary); the trainer renormalises
+    # over them
     sampling_kept: torch.Tensor | None = rows("right", pad=-1, saved=True, default=None)
-    # [N] the teacher each row is distilled from, by its index in the run's teachers (several teachers:
-    # rlft/train/update/teachers.py)
+    # [N] the teacher each row is distilled from, by its index in the run's teachers (several
+    # teachers: rlft/train/update/teachers.py)
     teacher_index: torch.Tensor | None = rows("row", saved=True, default=None)
 
     @property
@@ -214,9 +227,10 @@ class Rollout(Rows):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """`engine(model, prompt_ids, num_generations, greedy=False) -> Rollout` (groups of num_generations
-    consecutive rows per prompt), `on_weights_changed()`, `close()`; `holds_own_weights` says whether the
-    engine keeps a copy of the weights (so the trainer need not make its own whole for a rollout)."""
+    """`engine(model, prompt_ids, num_generations, greedy=False) -> Rollout` (groups of
+    num_generations consecutive rows per prompt), `on_weights_changed()`, `close()`;
+    `holds_own_weights` says whether the engine keeps a copy of the weights (so the trainer need not
+    make its own whole for a rollout)."""
 
     holds_own_weights: bool
 
@@ -229,8 +243,8 @@ class RolloutEngine(Protocol):
 
 
 def holds_own_weights(engine) -> bool:
-    """The engine's `holds_own_weights`; a bare callable engine (a test stub, a user's own) reads the live
-    model."""
+    """The engine's `holds_own_weights`; a bare callable engine (a test stub, a user's own) reads
+    the live model."""
     return bool(getattr(engine, "holds_own_weights", False))
 
 
@@ -242,7 +256,7 @@ def weights_changed(engine) -> None:
 
 
 def engine_metrics(engine) -> dict[str, float]:
-    """What the engine measured since it was last asked (vLLM: weight-sync seconds and bytes); {} for engines
-    that measure nothing."""
+    """What the engine measured since it was last asked (vLLM: weight-sync seconds and bytes); {}
+    for engines that measure nothing."""
     metrics = getattr(engine, "metrics", None)
     return metrics() if metrics is not None else {}

@@ -1,16 +1,17 @@
 """TRL's `environment_factory` and `rollout_func`.
 
-Environment (TRL's shape): `factory()` returns an object with `reset(**row) -> str | None` (called once per
-rollout row with the dataset row; a string is appended to the prompt's last user message), public methods
-that are the row's tools (schemas from their signatures and docstrings, like `tools=`), and optionally
-`get_reward() -> float`, which makes the environment a reward source (named after its class, weight 1).
-Instances are pooled and reused: one per completion row at a time. Reward functions receive them as
-`environments=`.
+Environment (TRL's shape): `factory()` returns an object with `reset(**row) -> str | None` (called
+once per rollout row with the dataset row; a string is appended to the prompt's last user message),
+public methods that are the row's tools (schemas from their signatures and docstrings, like
+`tools=`), and optionally `get_reward() -> float`, which makes the environment a reward source
+(named after its class, weight 1). Instances are pooled and reused: one per completion row at a
+time. Reward functions receive them as `environments=`.
 
 `rollout_func(prompts, trainer) -> dict`: the escape hatch that replaces generation. It gets this
 process's prompts (each once) and returns, for num_generations completions per prompt in a row,
-`prompt_ids`, `completion_ids`, `logprobs` (or None) and optionally `env_mask` (1 = trained, 0 = tokens the
-policy did not generate); any other key is a per-row list passed to reward functions under that name.
+`prompt_ids`, `completion_ids`, `logprobs` (or None) and optionally `env_mask` (1 = trained, 0 =
+tokens the policy did not generate); any other key is a per-row list passed to reward functions
+under that name.
 """
 
 from __future__ import annotations
@@ -29,37 +30,40 @@ RESERVED = ("reset", "get_reward")
 
 
 class Environments:
-    """Pools of environment instances: one factory (every row uses it), or TRL's dict of named factories,
-    where each row's `environment` column picks its environment and only that environment's tools are in its
-    prompt."""
+    """Pools of environment instances: one factory (every row uses it), or TRL's dict of named
+    factories, where each row's `environment` column picks its environment and only that
+    environment's tools are in its prompt."""
 
     def __init__(self, factories, tools: list):
         self.multi = isinstance(factories, dict)
         factories = factories if self.multi else {None: factories}
         if not factories:
-            raise ConfigError("environment_factory is an empty dict: give at least one name: factory")
+            raise ConfigError("environment_factory is an empty dict: give at least one name: "
+                              "factory")
         self.factories, self.tools = dict(factories), list(tools)
         self.pools, self.kinds, self.schemas, self.tools_of = {}, {}, {}, {}
         for name, factory in self.factories.items():
             if not callable(factory):
-                raise ConfigError(f"environment_factory{'' if name is None else f'[{name!r}]'} must be a "
-                                  f"callable returning an environment, got {factory!r}")
+                raise ConfigError(f"environment_factory{'' if name is None else f'[{name!r}]'} "
+                                  f"must be a callable returning an environment, got {factory!r}")
             probe = factory()
             kind = type(probe)
             if not callable(getattr(probe, "reset", None)):
                 raise ConfigError(f"environment {kind.__name__} has no reset() method: define "
-                                  "reset(self, **row), returning None or a string appended to the prompt")
+                                  "reset(self, **row), returning None or a string appended to the "
+                                  "prompt")
             self.pools[name], self.kinds[name] = [probe], kind
             # the probe's bound methods (TRL's `_env_tools`)
             self.tools_of[name] = self.tools + _methods(probe)
-            self.schemas[name] = tool_schemas(self.tools_of[name])  # checked once, the same per instance
+            # checked once, the same per instance
+            self.schemas[name] = tool_schemas(self.tools_of[name])
         self.owners = list(dict.fromkeys(k for k in self.kinds.values()
                                          if callable(getattr(k, "get_reward", None))))
 
     @property
     def all_schemas(self) -> list[dict]:
-        """Every environment's tools once (the up-front rendering of prompts; each row's own is rendered
-        later)."""
+        """Every environment's tools once (the up-front rendering of prompts; each row's own is
+        rendered later)."""
         seen = {}
         for schemas in self.schemas.values():
             for schema in schemas:
@@ -67,18 +71,20 @@ class Environments:
         return list(seen.values())
 
     def names(self, rows: list[dict]) -> list:
-        """Each row's environment: the `environment` column with a dict of factories, else the one factory."""
+        """Each row's environment: the `environment` column with a dict of factories, else the one
+        factory."""
         if not self.multi:
             return [None] * len(rows)
         for index, row in enumerate(rows):
             if row.get("environment") not in self.factories:
                 raise ConfigError(f"row {index} has environment={row.get('environment')!r}, "
-                                  "which is not among the environments passed to environment_factory: "
-                                  f"{list(self.factories)}")
+                                  "which is not among the environments passed to "
+                                  f"environment_factory: {list(self.factories)}")
         return [row["environment"] for row in rows]
 
     def take(self, names: list) -> list:
-        """One instance per row, reused across batches; a pool grows only when a batch needs more at once."""
+        """One instance per row, reused across batches; a pool grows only when a batch needs more at
+        once."""
         handed, out = {}, []
         for name in names:
             pool, index = self.pools[name], handed.get(name, 0)
@@ -90,7 +96,8 @@ class Environments:
         return out
 
     def __getitem__(self, row: int):
-        """The instance that served row `row` of the latest rollout (TRL's `trainer.environments[row]`)."""
+        """The instance that served row `row` of the latest rollout (TRL's
+        `trainer.environments[row]`)."""
         return getattr(self, "latest", [])[row]
 
     def __len__(self) -> int:
@@ -108,21 +115,23 @@ class Environments:
         returned."""
         prompts = []
         for index, (env, row) in enumerate(zip(envs, rows, strict=True)):
-            # `environment` only routes the row (TRL's control field): reset gets the dataset's columns
+            # `environment` only routes the row (TRL's control field): reset gets the dataset's
+            # columns
             columns = {k: v for k, v in row.items() if not (self.multi and k == "environment")}
             observation = env.reset(**columns)
             prompt = row["prompt"]
             if observation is not None:
                 if not isinstance(observation, str):
-                    raise ConfigError(f"{type(env).__name__}.reset() returned {type(observation).__name__} "
-                                      f"for row {index}: return None or a string to append to the prompt")
+                    raise ConfigError(f"{type(env).__name__}.reset() returned "
+                                      f"{type(observation).__name__} for row {index}: return None "
+                                      "or a string to append to the prompt")
                 prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
             prompts.append(prompt)
         return prompts
 
     def reward_functions(self) -> list:
-        """Each environment class that owns its reward, as a reward function (TRL's: named after the class,
-        weight 1); a row whose environment is another class gets None from it."""
+        """Each environment class that owns its reward, as a reward function (TRL's: named after the
+        class, weight 1); a row whose environment is another class gets None from it."""
         return [_owned_reward(kind) for kind in self.owners]
 
 
@@ -145,20 +154,21 @@ def _owned_reward(kind):
 
 def function_rollout(func, prompts: list, num_generations: int, eos_ids: list[int], pad_id: int,
                      max_length: int, device) -> Rollout:
-    """Call a user's rollout_func (bound to its trainer: `func(prompts)`) and check what it returned, naming
-    the key and row that is wrong."""
+    """Call a user's rollout_func (bound to its trainer: `func(prompts)`) and check what it
+    returned, naming the key and row that is wrong."""
     out = func(prompts)
     if not isinstance(out, dict):
-        raise ConfigError(f"rollout_func returned {type(out).__name__}; return a dict with prompt_ids, "
-                          "completion_ids and logprobs")
+        raise ConfigError(f"rollout_func returned {type(out).__name__}; return a dict with "
+                          "prompt_ids, completion_ids and logprobs")
     missing = [k for k in ("prompt_ids", "completion_ids", "logprobs") if k not in out]
     if missing:
         raise ConfigError(f"rollout_func's dict lacks {missing} (logprobs may be None)")
     rows = len(prompts) * num_generations
     for key, value in out.items():
         if value is not None and (not isinstance(value, list | tuple) or len(value) != rows):
-            raise ConfigError(f"rollout_func's {key!r} must be a list of {rows} rows ({len(prompts)} "
-                              f"prompts x num_generations={num_generations}), got {_size(value)}")
+            raise ConfigError(f"rollout_func's {key!r} must be a list of {rows} rows "
+                              f"({len(prompts)} prompts x num_generations={num_generations}), got "
+                              f"{_size(value)}")
     completions = [list(map(int, ids)) for ids in out["completion_ids"]]
     for key in ("logprobs", "env_mask"):
         for row, values in enumerate(out.get(key) or []):
@@ -167,8 +177,8 @@ def function_rollout(func, prompts: list, num_generations: int, eos_ids: list[in
                                   f"{len(completions[row])} completion tokens")
     for row, ids in enumerate(completions):
         if not ids or len(ids) > max_length:
-            raise ConfigError(f"rollout_func's completion row {row} has {len(ids)} tokens; each needs 1 to "
-                              f"max_completion_length={max_length}")
+            raise ConfigError(f"rollout_func's completion row {row} has {len(ids)} tokens; each "
+                              f"needs 1 to max_completion_length={max_length}")
     prompt_ids, prompt_mask = left_pad([list(map(int, p)) for p in out["prompt_ids"]], pad_id)
     ids, mask = right_pad(completions, pad_id)
     logps = right_pad([list(map(float, r)) for r in out["logprobs"]], 0.0, torch.float32)[0] \

@@ -34,7 +34,8 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 def completion_mask_from(completion_ids: torch.Tensor,
                          eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask every token up to and including the first EOS; flag rows that never emit one."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [N, C]
+    # [N, C]
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
     has_eos = is_eos.any(dim=1)
     first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), completion_ids.shape[1] - 1)  # [N]
     positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
@@ -42,19 +43,19 @@ def completion_mask_from(completion_ids: torch.Tensor,
 
 
 def cache_keyword(model) -> str:
-    """The name of the KV-cache argument of the model's forward and generate: `cache` from transformers 5.24
-    (which warns about the old name), `past_key_values` before."""
+    """The name of the KV-cache argument of the model's forward and generate: `cache` from
+    transformers 5.24 (which warns about the old name), `past_key_values` before."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
 
 def shared_prompt_cache(model, prompt_ids: list[list[int]], copies: int, pad_token_id: int, device):
-    """The KV cache of every prompt but its last token, computed once per prompt and repeated `copies`
-    times in place (row i*copies + j holds prompt i, as in the repeated batch). `generate` then runs only
-    the last prompt token and the completion: the same tokens as a full prefill (tested), with 1/copies
-    of the prefill work. None when a prompt has a single token (its row would be all padding), or when the
-    model's cache cannot be repeated per row (hybrid / linear-attention layers, e.g. NemotronH): then
-    generate prefills every row itself."""
+    """The KV cache of every prompt but its last token, computed once per prompt and repeated
+    `copies` times in place (row i*copies + j holds prompt i, as in the repeated batch). `generate`
+    then runs only the last prompt token and the completion: the same tokens as a full prefill
+    (tested), with 1/copies of the prefill work. None when a prompt has a single token (its row
+    would be all padding), or when the model's cache cannot be repeated per row (hybrid /
+    linear-attention layers, e.g. NemotronH): then generate prefills every row itself."""
     if min(len(ids) for ids in prompt_ids) < 2:
         return None
     cache = DynamicCache(config=model.config)
@@ -79,16 +80,17 @@ RESHAPING = {"num_return_sequences": "num_generations sets the completions per p
 
 
 def check_generation_kwargs(kwargs: dict | None) -> dict:
-    """generation_kwargs for transformers' generate: every key a GenerationConfig field or a generate()
-    argument, none that reshapes generate's output; an unknown one is an error naming it (generate would fail
-    later)."""
+    """generation_kwargs for transformers' generate: every key a GenerationConfig field or a
+    generate() argument, none that reshapes generate's output; an unknown one is an error naming it
+    (generate would fail later)."""
     from transformers import GenerationConfig
 
     kwargs = dict(kwargs or {})
     unknown = sorted(set(kwargs) - set(GenerationConfig().to_dict()) - set(GENERATE_ARGUMENTS))
     if unknown:
-        raise ConfigError(f"generation_kwargs {unknown} are neither GenerationConfig fields nor generate() "
-                          "arguments; remove them (with use_vllm they would be vLLM SamplingParams fields)")
+        raise ConfigError(f"generation_kwargs {unknown} are neither GenerationConfig fields nor "
+                          "generate() arguments; remove them (with use_vllm they would be vLLM "
+                          "SamplingParams fields)")
     for key, why in RESHAPING.items():
         if kwargs.get(key) not in (None, False, 1):
             raise ConfigError(f"generation_kwargs {key}={kwargs[key]!r} is not supported: {why}")
@@ -97,16 +99,16 @@ def check_generation_kwargs(kwargs: dict | None) -> dict:
 
 WARPER_FIELDS = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
                  "eta_cutoff")
-# generate() arguments and GenerationConfig fields under which generate does more than draw one token per row
-# from the processed scores: with any of them set it samples itself
+# generate() arguments and GenerationConfig fields under which generate does more than draw one
+# token per row from the processed scores: with any of them set it samples itself
 OWN_SAMPLING = ("assistant_model", "prompt_lookup_num_tokens", "custom_generate", "penalty_alpha",
                 "dola_layers", "assistant_early_exit", "watermarking_config")
 
 
 def sampling_warpers(settings: dict, device="cpu") -> list:
-    """transformers' own warpers for `settings` (generate's keywords over the model's generation config), in
-    the order generate applies them, for a chain rlft places itself (so that a recorder can follow them, and
-    a sampler after that)."""
+    """transformers' own warpers for `settings` (generate's keywords over the model's generation
+    config), in the order generate applies them, for a chain rlft places itself (so that a recorder
+    can follow them, and a sampler after that)."""
     from transformers.generation import logits_process as lp
 
     get, warpers = settings.get, []
@@ -136,15 +138,16 @@ def effective_sampling(model, sampling: dict) -> dict:
 
 
 def draws_itself(settings: dict) -> bool:
-    """Whether rlft's TokenSampler can draw the tokens for these settings: one token per row from the
-    processed scores (no beams, no assisted or contrastive decoding, no watermark, no custom decoding
-    loop)."""
+    """Whether rlft's TokenSampler can draw the tokens for these settings: one token per row from
+    the processed scores (no beams, no assisted or contrastive decoding, no watermark, no custom
+    decoding loop)."""
     return (settings.get("num_beams") or 1) == 1 and not any(settings.get(key) for key in OWN_SAMPLING)
 
 
-# From this many vocabulary entries rlft draws sampled tokens itself: torch.multinomial's one exponential per
-# entry then costs more than a millisecond a token for 16 rows on a CPU (54 ms at 151,936;
-# benchmarks/sampling.py). Below, generate samples as in transformers and TRL (a seed gives their samples).
+# From this many vocabulary entries rlft draws sampled tokens itself: torch.multinomial's one
+# exponential per entry then costs more than a millisecond a token for 16 rows on a CPU (54 ms at
+# 151,936; benchmarks/sampling.py). Below, generate samples as in transformers and TRL (a seed gives
+# their samples).
 DRAW_FROM_VOCABULARY = 4096
 
 
@@ -156,25 +159,28 @@ def vocabulary_size(model) -> int:
 
 
 class TokenSampler:
-    """The last logits processor of a sampled generate run that rlft makes with do_sample=False: it draws
-    each row's next token from the processed scores by inversion (rlft/core/sampling.py: the distribution
-    torch.multinomial draws from, without one exponential per vocabulary entry) and leaves that token the
-    row's only finite score, so generate's argmax takes it."""
+    """The last logits processor of a sampled generate run that rlft makes with do_sample=False: it
+    draws each row's next token from the processed scores by inversion (rlft/core/sampling.py: the
+    distribution torch.multinomial draws from, without one exponential per vocabulary entry) and
+    leaves that token the row's only finite score, so generate's argmax takes it."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        # in place (generate reads only what the chain returns): no [rows, vocab] block allocated per token
+        # in place (generate reads only what the chain returns): no [rows, vocab] block allocated
+        # per token
         probs = scores.float()
-        probs = probs.sub_(probs.amax(-1, keepdim=True)).exp_()  # unnormalised: the sampler takes any scale
+        # unnormalised: the sampler takes any scale
+        probs = probs.sub_(probs.amax(-1, keepdim=True)).exp_()
         uniforms = torch.rand(scores.shape[0], dtype=torch.float64, device=scores.device)
         ids = inverse_cdf_sample(probs, uniforms)
         return probs.fill_(float("-inf")).scatter_(1, ids[:, None], 0.0)
 
 
 class SamplerRecorder:
-    """A logits processor placed after the sampling warpers, so it sees the scores generate samples from: at
-    every step it keeps the ids the step kept (`kept`: the finite scores; top-k / top-p / min-p set the rest
-    to -inf) and reads the token the previous step sampled (the last of `input_ids`) to keep its log-prob
-    under that step's distribution; `finish` reads the last one."""
+    """A logits processor placed after the sampling warpers, so it sees the scores generate samples
+    from: at every step it keeps the ids the step kept (`kept`: the finite scores; top-k / top-p /
+    min-p set the rest to -inf) and reads the token the previous step sampled (the last of
+    `input_ids`) to keep its log-prob under that step's distribution; `finish` reads the last
+    one."""
 
     def __init__(self, logps: bool = True, kept: bool = False):
         self.record_logps, self.record_kept = logps, kept
@@ -193,15 +199,16 @@ class SamplerRecorder:
             self.logps.append(self.previous.gather(1, tokens[:, None]).squeeze(1))
 
     def finish(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
-        """([N, C] log-probs of the generated tokens or None, [N, C, K] kept ids (-1 past each completion's
-        end) or None)."""
+        """([N, C] log-probs of the generated tokens or None, [N, C, K] kept ids (-1 past each
+        completion's end) or None)."""
         logps = kept = None
         if self.record_logps:
             if completion_ids.shape[1]:
                 self._read(completion_ids[:, -1])
             logps = torch.stack(self.logps, dim=1)[:, :completion_ids.shape[1]] if self.logps else \
                 torch.zeros(completion_ids.shape)
-            # past a completion's end generate samples padding, which truncation may have removed (-inf)
+            # past a completion's end generate samples padding, which truncation may have removed
+            # (-inf)
             logps = logps.masked_fill(completion_mask.to(logps.device) == 0, 0.0)
         if self.record_kept:
             width = max([k.shape[1] for k in self.kept] or [1])
@@ -216,13 +223,14 @@ class SamplerRecorder:
 class HFGenerator:
     """Sampling with `model.generate`; one call per rollout for all prompts x num_generations.
 
-    With the default dynamic cache each prompt is prefilled once per group, not num_generations times
-    (`shared_prompt_prefill`); `cache_implementation` is passed to generate as in TRL. With `synced` (FSDP2,
-    ZeRO-3) generate runs with synced_gpus, as every sharded forward needs every process. `replay_mask`: each
-    completion token comes with the ids the sampler kept (rlft/rollout/truncation.py); `return_logps` (a
-    rollout producer): with its log-prob under the distribution it was sampled from. Sampled tokens are drawn
-    by rlft's TokenSampler where the vocabulary is large (`draw_tokens`: None decides by
-    `DRAW_FROM_VOCABULARY`; True always; False never: generate's torch.multinomial, the same distribution)."""
+    With the default dynamic cache each prompt is prefilled once per group, not num_generations
+    times (`shared_prompt_prefill`); `cache_implementation` is passed to generate as in TRL. With
+    `synced` (FSDP2, ZeRO-3) generate runs with synced_gpus, as every sharded forward needs every
+    process. `replay_mask`: each completion token comes with the ids the sampler kept
+    (rlft/rollout/truncation.py); `return_logps` (a rollout producer): with its log-prob under the
+    distribution it was sampled from. Sampled tokens are drawn by rlft's TokenSampler where the
+    vocabulary is large (`draw_tokens`: None decides by `DRAW_FROM_VOCABULARY`; True always; False
+    never: generate's torch.multinomial, the same distribution)."""
 
     def __init__(self, tokenizer, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int | None = None, repetition_penalty: float = 1.0,
@@ -240,12 +248,13 @@ class HFGenerator:
             self.sampling["min_p"] = min_p
         if cache_implementation is not None:
             self.sampling["cache_implementation"] = cache_implementation
-        if synced:  # sharded weights: a process that finished keeps running forward passes until all have
+        # sharded weights: a process that finished keeps running forward passes until all have
+        if synced:
             self.sampling["synced_gpus"] = True
         # TRL's: passed to generate, win over the rest
         self.sampling.update(check_generation_kwargs(generation_kwargs))
-        # Not with sharded weights (whether a process prefills is decided per process, and all must take
-        # part), nor with beam search (generate expands each row into beams itself)
+        # Not with sharded weights (whether a process prefills is decided per process, and all must
+        # take part), nor with beam search (generate expands each row into beams itself)
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and \
             not synced and self.sampling.get("num_beams", 1) == 1
         self.return_logps, self.replay_mask = False, replay_mask
@@ -259,10 +268,10 @@ class HFGenerator:
         pass
 
     def _settings(self, model, greedy: bool, device) -> tuple[dict, SamplerRecorder | None]:
-        """generate's keywords. Sampled: rlft's own chain after the user's processors (the warpers generate
-        would apply, a recorder when it records, and the TokenSampler that draws the token, generate then
-        taking it with do_sample=False); where generate must sample itself (beams, assisted decoding, a
-        watermark) and nothing records, generate's own sampling."""
+        """generate's keywords. Sampled: rlft's own chain after the user's processors (the warpers
+        generate would apply, a recorder when it records, and the TokenSampler that draws the token,
+        generate then taking it with do_sample=False); where generate must sample itself (beams,
+        assisted decoding, a watermark) and nothing records, generate's own sampling."""
         unset = self.unset_warpers
         if greedy:
             return dict(self.sampling, do_sample=False, **unset), None
@@ -290,7 +299,8 @@ class HFGenerator:
         was_training = model.training
         model.eval()
         sampling, recorder = self._settings(model, greedy, device)
-        if max_new_tokens is not None:  # a later turn of a multi-turn rollout: what is left of the budget
+        # a later turn of a multi-turn rollout: what is left of the budget
+        if max_new_tokens is not None:
             sampling["max_new_tokens"] = max_new_tokens
         cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \
             if self.shared_prompt_prefill and num_generations > 1 else None

@@ -1,8 +1,8 @@
-"""The tool-calling loop around a rollout engine: generate a turn, run its tool calls, append the tool
-messages as tokens, generate the next turn, until no row calls a tool, `max_tool_calling_iterations`
-rounds of tools have run, or the completion budget (`max_completion_length`, tool output included) is
-spent. Same protocol as the engines, plus per-row tool sets (an environment's methods are its own row's
-tools).
+"""The tool-calling loop around a rollout engine: generate a turn, run its tool calls, append the
+tool messages as tokens, generate the next turn, until no row calls a tool,
+`max_tool_calling_iterations` rounds of tools have run, or the completion budget
+(`max_completion_length`, tool output included) is spent. Same protocol as the engines, plus per-row
+tool sets (an environment's methods are its own row's tools).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from rlft.rollout.truncation import kept_tensor
 @dataclass
 class Toolset:
     functions: dict  # name -> callable
-    schemas: list[dict]  # what the prompt was rendered with (and what parse_response casts arguments by)
+    # what the prompt was rendered with (and what parse_response casts arguments by)
+    schemas: list[dict]
 
 
 @dataclass
@@ -31,7 +32,8 @@ class _Row:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1: sampled by the policy
     logps: list[float] = field(default_factory=list)
-    kept: list[list[int] | None] = field(default_factory=list)  # per token: the ids the sampler kept
+    # per token: the ids the sampler kept
+    kept: list[list[int] | None] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     pending: list[ToolCall] = field(default_factory=list)  # calls of the last turn not yet answered
     ended: bool = False  # the last turn ended with EOS
@@ -41,8 +43,8 @@ class _Row:
 
 
 class ToolLoop:
-    """`loop(model, prompt_ids, num_generations, greedy, toolsets=None) -> Rollout` with `tool_mask`,
-    `completions` (each row as assistant / tool messages) and per-row `stats`."""
+    """`loop(model, prompt_ids, num_generations, greedy, toolsets=None) -> Rollout` with
+    `tool_mask`, `completions` (each row as assistant / tool messages) and per-row `stats`."""
 
     def __init__(self, engine, tokenizer, toolset: Toolset, max_completion_length: int,
                  max_iterations: int | None = None, timeout: float = 30.0,
@@ -85,8 +87,8 @@ class ToolLoop:
         return self._assemble(rows, first)
 
     def _absorb(self, rows: list[_Row], out: Rollout) -> None:
-        """Append each row's newly generated turn (cut to what is left of the budget) and parse its tool
-        calls."""
+        """Append each row's newly generated turn (cut to what is left of the budget) and parse its
+        tool calls."""
         for i, row in enumerate(rows):
             ids = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
             room = self.max_length - len(row.ids)
@@ -110,9 +112,9 @@ class ToolLoop:
             row.messages.append({**message, "tool_calls": valid} if valid else message)
 
     def _answer(self, rows: list[_Row]) -> list[_Row]:
-        """Run every pending call of every row at once; append the tool messages as tokens (mask 0). A row
-        whose tool results would leave no room for another token stops here, its calls counted but
-        unanswered."""
+        """Run every pending call of every row at once; append the tool messages as tokens (mask 0).
+        A row whose tool results would leave no room for another token stops here, its calls counted
+        but unanswered."""
         jobs = [(call, row.toolset.functions) for row in rows for call in row.pending]
         results, going, start = self.runner.run(jobs), [], 0
         for row in rows:

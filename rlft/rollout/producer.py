@@ -1,16 +1,18 @@
 """A rollout producer in its own process: generation overlapped with training (AsyncGRPOTrainer,
 docs/async.md).
 
-`ProcessProducer` starts `python -m rlft.rollout.producer_worker` with a copy of the policy and the engine the
-config asks for (transformers' generate, vLLM in that process, or a vLLM server it talks to), then sends it,
-in order, weight pushes (the trainable tensors as a safetensors file) and rollout requests; it answers each
-request with the completions' token ids and the sampler's per-token log-probs, tagged with the version of the
-weights that sampled them. Because the producer serves its requests strictly in order, which weights sample
-which rollout is decided by the trainer alone: the schedule is reproducible.
+`ProcessProducer` starts `python -m rlft.rollout.producer_worker` with a copy of the policy and the
+engine the config asks for (transformers' generate, vLLM in that process, or a vLLM server it talks
+to), then sends it, in order, weight pushes (the trainable tensors as a safetensors file) and
+rollout requests; it answers each request with the completions' token ids and the sampler's
+per-token log-probs, tagged with the version of the weights that sampled them. Because the producer
+serves its requests strictly in order, which weights sample which rollout is decided by the trainer
+alone: the schedule is reproducible.
 
-Faults are errors, never hangs: a producer that exits, stops signalling for `heartbeat_stale_after_s`, spends
-longer than `request_timeout` on one rollout, or raises, stops the trainer with a message naming it. The
-producer exits when the trainer closes it or dies (rlft/rollout/producer_worker.py).
+Faults are errors, never hangs: a producer that exits, stops signalling for
+`heartbeat_stale_after_s`, spends longer than `request_timeout` on one rollout, or raises, stops the
+trainer with a message naming it. The producer exits when the trainer closes it or dies
+(rlft/rollout/producer_worker.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from rlft.rollout.hf import eos_token_ids
 from rlft.rollout.producer_worker import SPEC_FILE
 from rlft.rollout.weight_sync import bucket_bytes_of, save_engine_folder, whole_tensors
 
-# torchrun / accelerate's variables: the producer must not take itself for one of the trainer's processes
+# torchrun / accelerate's variables: the producer must not take itself for one of the trainer's
+# processes
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP",
                       "ACCELERATE_USE_DEEPSPEED")
@@ -48,8 +51,8 @@ class ProducerError(RlftError, RuntimeError):
 
 @dataclass
 class Produced:
-    """One answered request: completions (token ids up to and including EOS), the sampler's log-probs, the
-    version of the weights that sampled them, and the producer's timings."""
+    """One answered request: completions (token ids up to and including EOS), the sampler's
+    log-probs, the version of the weights that sampled them, and the producer's timings."""
 
     key: str
     version: int
@@ -58,7 +61,8 @@ class Produced:
     seconds: float = 0.0  # generating
     arrived: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
-    kept: list[list[list[int]]] | None = None  # per row, per token: the ids a truncating sampler kept
+    # per row, per token: the ids a truncating sampler kept
+    kept: list[list[list[int]]] | None = None
 
 
 def _spec_args(args) -> dict:
@@ -82,14 +86,15 @@ def _peft_spec(model) -> dict | None:
 
 
 def trainable_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """What a weight push sends: the parameters that train (LoRA: the adapters; full fine-tuning: all)."""
+    """What a weight push sends: the parameters that train (LoRA: the adapters; full fine-tuning:
+    all)."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 class ProcessProducer:
-    """The rollout producer process and the trainer's end of its pipe. `full_weights`: the training engine's
-    gather when it shards the weights (FSDP2, ZeRO-3), else None; `device`: the trainer's (where
-    transformers' engine generates and rollouts are built; default: the model's)."""
+    """The rollout producer process and the trainer's end of its pipe. `full_weights`: the training
+    engine's gather when it shards the weights (FSDP2, ZeRO-3), else None; `device`: the trainer's
+    (where transformers' engine generates and rollouts are built; default: the model's)."""
 
     holds_own_weights = True
 
@@ -116,18 +121,20 @@ class ProcessProducer:
 
     # ---- start, stop -----------------------------------------------------------------------------
     def start(self, model, version: int) -> None:
-        """Save the policy as it is now (weights of `version`) for the producer to load, start it and wait
-        until its engine is ready."""
+        """Save the policy as it is now (weights of `version`) for the producer to load, start it
+        and wait until its engine is ready."""
         from rlft.rollout.vllm import engine_weights
 
-        self.folder.mkdir(parents=True, exist_ok=True)  # close() removes it; a restart starts here again
+        # close() removes it; a restart starts here again
+        self.folder.mkdir(parents=True, exist_ok=True)
         weights = whole_tensors(model, engine_weights, self.full_weights, bucket_bytes_of(self.args))
         save_engine_folder(model, self.folder / "model", weights)
         self.tokenizer.save_pretrained(self.folder / "model")
         spec = {"args": _spec_args(self.args), "dtype": str(next(model.parameters()).dtype).split(".")[-1],
                 "peft": _peft_spec(model), "parent": os.getpid(), "cpus": self.args.producer_cpus,
                 "threads": self.args.producer_threads, "version": version,
-                "device": str(self.device)}  # transformers' engine generates on the trainer's device
+                # transformers' engine generates on the trainer's device
+                "device": str(self.device)}
         (self.folder / SPEC_FILE).write_text(json.dumps(spec))
         self.ready, self.error, self.beat, self.results, self.begun = False, None, time.monotonic(), {}, {}
         self.submitted = set()
@@ -138,7 +145,8 @@ class ProcessProducer:
         weakref.finalize(self, _stop, self.proc)
         threading.Thread(target=self._read, daemon=True).start()
         self._wait_for("ready", self.args.vllm_server_timeout)
-        self.dirty, self.label = spec["peft"] is not None, version  # LoRA: the adapters are not in the folder
+        # LoRA: the adapters are not in the folder
+        self.dirty, self.label = spec["peft"] is not None, version
         if self.dirty:
             self.push(model, version)
 
@@ -154,8 +162,8 @@ class ProcessProducer:
 
     @torch.no_grad()
     def push(self, model, version: int) -> None:
-        """The producer's next requests are sampled from the weights `model` has now (labelled `version`):
-        the trainable tensors as a file, queued behind the requests already sent."""
+        """The producer's next requests are sampled from the weights `model` has now (labelled
+        `version`): the trainable tensors as a file, queued behind the requests already sent."""
         from safetensors.torch import save_file
 
         if not self.dirty:  # e.g. a skipped step: the same weights, under the new version
@@ -167,7 +175,8 @@ class ProcessProducer:
         # the names are read outside the gather: FSDP2's whole copies inside it do not train
         names = {name for name, _ in trainable_tensors(model)}
         chosen = lambda m: [(n, p) for n, p in m.named_parameters() if n in names]  # noqa: E731
-        tensors = {name: t.detach().contiguous() for name, t in whole_tensors(  # save_file copies to the CPU
+        # save_file copies to the CPU
+        tensors = {name: t.detach().contiguous() for name, t in whole_tensors(
             model, chosen, self.full_weights, bucket_bytes_of(self.args)).items()}
         path = self.folder / f"weights-{self.pushes}.safetensors"
         save_file(tensors, str(path))
@@ -187,8 +196,9 @@ class ProcessProducer:
         return self.label
 
     def take(self, key: str) -> Produced:
-        """The answer to request `key`, waiting for it; a producer that fails, dies or stops answering is an
-        error within heartbeat_stale_after_s (or request_timeout for one slow rollout)."""
+        """The answer to request `key`, waiting for it; a producer that fails, dies or stops
+        answering is an error within heartbeat_stale_after_s (or request_timeout for one slow
+        rollout)."""
         if key not in self.submitted:
             raise KeyError(f"no request {key!r} was sent to {self.name}")
         with self.cond:
@@ -217,8 +227,8 @@ class ProcessProducer:
 
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
                  seed: int = 0, version: int = -1) -> Rollout:
-        """The RolloutEngine protocol (evaluation): the current weights, pushed if they changed, then one
-        request, waited for."""
+        """The RolloutEngine protocol (evaluation): the current weights, pushed if they changed,
+        then one request, waited for."""
         self.push(model, version)
         key = f"call-{time.monotonic_ns()}"
         self.submit(key, prompt_ids, num_generations, seed, greedy)
@@ -241,7 +251,8 @@ class ProcessProducer:
         for line in stream:
             try:
                 message = json.loads(line)
-            except ValueError:  # something a library printed before the producer took over its output
+            # something a library printed before the producer took over its output
+            except ValueError:
                 sys.stderr.write(line)
                 continue
             with self.cond:
@@ -271,12 +282,13 @@ class ProcessProducer:
                 self._check(startup=True)
                 if time.monotonic() > deadline:
                     self.close()
-                    raise ProducerError(f"{self.name} did not start within vllm_server_timeout={timeout} s")
+                    raise ProducerError(f"{self.name} did not start within "
+                                        f"vllm_server_timeout={timeout} s")
                 self.cond.wait(0.2)
 
     def _check(self, startup: bool = False) -> None:
-        """Raise if the producer failed, exited, stopped signalling, or spends too long on one request (a
-        rollout or a weight load). Called with `cond` held."""
+        """Raise if the producer failed, exited, stopped signalling, or spends too long on one
+        request (a rollout or a weight load). Called with `cond` held."""
         code = self.proc.poll()
         if code is not None and self.error is None:
             self.cond.wait(1.0)  # let the reader take in a last message (the traceback) first
@@ -288,12 +300,13 @@ class ProcessProducer:
         if not startup and now - self.beat > self.args.heartbeat_stale_after_s:
             self.proc.kill()  # a stopped process cannot read a request to stop
             raise ProducerError(f"{self.name} has not signalled for {now - self.beat:.0f} s "
-                                f"(heartbeat_stale_after_s={self.args.heartbeat_stale_after_s}): stopped or "
-                                "hung; it was stopped")
+                                f"(heartbeat_stale_after_s={self.args.heartbeat_stale_after_s}): "
+                                "stopped or hung; it was stopped")
         begun = min(self.begun.values(), default=None)
         if begun is not None and now - begun > self.args.request_timeout:
             self.proc.kill()
-            raise ProducerError(f"{self.name} spent over request_timeout={self.args.request_timeout} s on "
+            raise ProducerError(f"{self.name} spent over "
+                                f"request_timeout={self.args.request_timeout} s on "
                                 "one request; it was stopped")
 
 

@@ -1,24 +1,27 @@
 """The rollout producer's own process (`python -m rlft.rollout.producer_worker FOLDER`), started by
 `ProcessProducer` (rlft/rollout/producer.py).
 
-It builds the policy from FOLDER (the model as the trainer held it at start, LoRA adapters included), an
-engine from the trainer's config (transformers' generate, vLLM in this process, or a vLLM server) and then
-serves its standard input in order, one JSON object per line:
+It builds the policy from FOLDER (the model as the trainer held it at start, LoRA adapters
+included), an engine from the trainer's config (transformers' generate, vLLM in this process, or a
+vLLM server) and then serves its standard input in order, one JSON object per line:
 
-  {"type": "weights", "version": v, "path": file}   load the trainable tensors of version v, delete the file
-                                                    (path null: the weights did not change, only the version)
+  {"type": "weights", "version": v, "path": file}   load the trainable tensors of version v, delete
+  the file
+                                                    (path null: the weights did not change, only the
+                                                    version)
   {"type": "generate", "key": k, "prompt_ids": [...], "num_generations": G, "greedy": b, "seed": s}
   {"type": "stop"}
 
 and answers on its standard output (anything else this process prints goes to standard error):
 
-  {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin"/"done", "key": k} around a request,
-  {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]],
+  {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin"/"done", "key": k} around a
+  request, {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]],
    "kept": [[[...]]] or null, "seconds": ...},
   {"type": "error", "message": traceback}
 
-No pickle crosses the pipe. Each rollout is sampled after `torch.manual_seed(seed)`: the same weights, prompts
-and seed give the same completions. The process ends when its standard input closes or its parent dies.
+No pickle crosses the pipe. Each rollout is sampled after `torch.manual_seed(seed)`: the same
+weights, prompts and seed give the same completions. The process ends when its standard input closes
+or its parent dies.
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ class Channel:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this process when the trainer dies (PR_SET_PDEATHSIG); elsewhere, and as a
-    second guard, a thread exits when the parent process changes."""
+    """Linux: the kernel kills this process when the trainer dies (PR_SET_PDEATHSIG); elsewhere, and
+    as a second guard, a thread exits when the parent process changes."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except (OSError, AttributeError):
@@ -68,7 +71,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _inbox() -> queue.Queue:
-    """Standard input read by a thread; its end (the trainer closed it or died) ends this process."""
+    """Standard input read by a thread; its end (the trainer closed it or died) ends this
+    process."""
     inbox: queue.Queue = queue.Queue()
 
     def read():
@@ -82,7 +86,8 @@ def _inbox() -> queue.Queue:
 
 
 def _build(folder: Path, spec: dict):
-    """The policy (as the trainer built it, from the saved folder) and the engine the config asks for."""
+    """The policy (as the trainer built it, from the saved folder) and the engine the config asks
+    for."""
     import torch
     from transformers import AutoTokenizer
 
@@ -111,10 +116,10 @@ def _build(folder: Path, spec: dict):
 
 
 def recorded_logps_match(args) -> bool:
-    """Whether log-probs recorded inside generate are the trainer's softmax(logits / T): not when a processor
-    that runs before the recorder changes the logits (repetition penalty, generation_kwargs such as
-    no_repeat_ngram_size or bad_words_ids) or beams reorder the rows; then the producer scores its completions
-    with a forward pass instead."""
+    """Whether log-probs recorded inside generate are the trainer's softmax(logits / T): not when a
+    processor that runs before the recorder changes the logits (repetition penalty,
+    generation_kwargs such as no_repeat_ngram_size or bad_words_ids) or beams reorder the rows; then
+    the producer scores its completions with a forward pass instead."""
     return args.repetition_penalty == 1.0 and not args.generation_kwargs
 
 
@@ -132,8 +137,8 @@ def _load_weights(model, path: str) -> None:
 
 
 def _logprobs(model, rollout, args) -> list:
-    """The sampler's log-prob of each token: the engine's own (vLLM), else the policy's scoring forward on the
-    weights that sampled (teacher forcing, at the sampling temperature)."""
+    """The sampler's log-prob of each token: the engine's own (vLLM), else the policy's scoring
+    forward on the weights that sampled (teacher forcing, at the sampling temperature)."""
     import torch
 
     from rlft.model.scoring import score_rows
@@ -181,7 +186,8 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
             engine.close()
             return
         if message["type"] == "weights":
-            if message["path"] is not None:  # None: the same weights under a new version (a skipped step)
+            # None: the same weights under a new version (a skipped step)
+            if message["path"] is not None:
                 key, started = f"weights-{message['version']}", time.perf_counter()
                 channel.send({"type": "begin", "key": key})
                 _load_weights(model, message["path"])

@@ -1,14 +1,15 @@
-"""The vLLM server's side of rlft's network weight sync: a worker extension (`rlft vllm-serve` starts vLLM
-with `--worker-extension-cls rlft.rollout.vllm_receiver.WeightReceiver`) whose methods the trainer calls
-through vLLM's `POST /collective_rpc` development route, so weights travel over the server's own HTTP
-endpoint and the trainer and server share no filesystem.
+"""The vLLM server's side of rlft's network weight sync: a worker extension (`rlft vllm-serve`
+starts vLLM with `--worker-extension-cls rlft.rollout.vllm_receiver.WeightReceiver`) whose methods
+the trainer calls through vLLM's `POST /collective_rpc` development route, so weights travel over
+the server's own HTTP endpoint and the trainer and server share no filesystem.
 
-- `rlft_receive(session, filename, payload)`: one file of a transfer (a bucket of weights as safetensors, or
-  an adapter's file), base64 in the JSON body (the route takes only strings), written atomically into a
-  staging folder on the server's host; returns that folder. Buckets go to a folder per worker (tensor
-  parallelism: each worker loads and deletes its own copy); an adapter's files to one folder all share.
-- `rlft_load_received(session)`: loads the staged buckets into the model in place (vLLM's `reload_weights`,
-  one bucket file in memory at a time), then deletes them.
+- `rlft_receive(session, filename, payload)`: one file of a transfer (a bucket of weights as
+  safetensors, or an adapter's file), base64 in the JSON body (the route takes only strings),
+  written atomically into a staging folder on the server's host; returns that folder. Buckets go to
+  a folder per worker (tensor parallelism: each worker loads and deletes its own copy); an adapter's
+  files to one folder all share.
+- `rlft_load_received(session)`: loads the staged buckets into the model in place (vLLM's
+  `reload_weights`, one bucket file in memory at a time), then deletes them.
 - `rlft_drop_received(session)`: deletes a staging folder (an adapter vLLM has loaded, superseded).
 """
 
@@ -27,8 +28,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def staging_root() -> Path:
-    """Where received files wait to be loaded, on the server's host: $RLFT_RECEIVE_DIR, else shared memory (or
-    the temporary directory where there is none)."""
+    """Where received files wait to be loaded, on the server's host: $RLFT_RECEIVE_DIR, else shared
+    memory (or the temporary directory where there is none)."""
     if os.environ.get("RLFT_RECEIVE_DIR"):
         return Path(os.environ["RLFT_RECEIVE_DIR"])
     shm = Path("/dev/shm")
@@ -78,7 +79,8 @@ class WeightReceiver:
     def rlft_load_received(self, session: str) -> int:
         folder = self._buckets(session)
         if not folder.is_dir():
-            raise FileNotFoundError(f"rlft weight transfer: nothing received for session {session!r}")
+            raise FileNotFoundError("rlft weight transfer: nothing received for session "
+                                    f"{session!r}")
         count = len(list(folder.glob("bucket-*.safetensors")))
         try:
             self.reload_weights(weights_iterator=staged_weights(folder))

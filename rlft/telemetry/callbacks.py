@@ -1,13 +1,13 @@
-"""TRL's `LogCompletionsCallback`: every `freq` optimiser steps (default: eval_steps), the policy completes
-the first `num_prompts` prompts of the evaluation set, and the table of every (step, prompt, completion) so
-far goes to the run's `completions.jsonl` and to the trackers the run reports to (wandb and trackio as a
-table, tensorboard as text).
+"""TRL's `LogCompletionsCallback`: every `freq` optimiser steps (default: eval_steps), the policy
+completes the first `num_prompts` prompts of the evaluation set, and the table of every (step,
+prompt, completion) so far goes to the run's `completions.jsonl` and to the trackers the run reports
+to (wandb and trackio as a table, tensorboard as text).
 
 `LogCompletionsCallback(trainer, generation_config=None, num_prompts=None, freq=None)`, added with
-`trainer.add_callback(...)`, as in TRL's distillation and GKD scripts. The prompts are rendered as the
-trainer renders its own (a chat template for message lists) and split over the processes; generation runs
-on the policy as it trains (every process takes part: sharded engines gather the weights for it), greedy
-unless `generation_config` says otherwise.
+`trainer.add_callback(...)`, as in TRL's distillation and GKD scripts. The prompts are rendered as
+the trainer renders its own (a chat template for message lists) and split over the processes;
+generation runs on the policy as it trains (every process takes part: sharded engines gather the
+weights for it), greedy unless `generation_config` says otherwise.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ class LogCompletionsCallback(TrainerCallback):
                  num_prompts: int | None = None, freq: int | None = None):
         sets = load_eval_datasets(getattr(trainer, "eval_dataset", None))
         if not sets:
-            raise ConfigError("Trainer must have an evaluation dataset to use the LogCompletionsCallback "
-                              "(eval_dataset= with a 'prompt' column)")
+            raise ConfigError("Trainer must have an evaluation dataset to use the "
+                              "LogCompletionsCallback (eval_dataset= with a 'prompt' column)")
         dataset = next(iter(sets.values()))
         if "prompt" not in dataset.column_names:
-            raise ConfigError(f"LogCompletionsCallback reads the evaluation set's 'prompt' column; it has "
-                              f"{dataset.column_names}")
+            raise ConfigError("LogCompletionsCallback reads the evaluation set's 'prompt' column; "
+                              f"it has {dataset.column_names}")
         if num_prompts is not None:
             dataset = dataset.select(range(min(num_prompts, len(dataset))))
         self.trainer, self.freq, self.generation_config = trainer, freq, generation_config
@@ -75,8 +75,8 @@ class LogCompletionsCallback(TrainerCallback):
 
     @torch.no_grad()
     def _complete(self, prompts: list[str]) -> list[str]:
-        """This process's completions, in batches of per_device_eval_batch_size; a process with no prompt
-        still generates once (sharded engines gather weights with every process)."""
+        """This process's completions, in batches of per_device_eval_batch_size; a process with no
+        prompt still generates once (sharded engines gather weights with every process)."""
         trainer = self.trainer
         tokenizer, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
         engine, config = getattr(trainer, "engine", None), self._config(tokenizer)

@@ -1,12 +1,14 @@
-"""How close a run is to the machine's limit: the device's measured matmul peak (a probe, once per process)
-and the model FLOPs utilisation of each phase of a GRPO step (rlft/core/flops.py counts the FLOPs).
+"""How close a run is to the machine's limit: the device's measured matmul peak (a probe, once per
+process) and the model FLOPs utilisation of each phase of a GRPO step (rlft/core/flops.py counts the
+FLOPs).
 
-The peak is measured, not looked up: a square matmul in the training dtype, timed after a warm-up, best of a
-few runs. On a GPU this lands near the datasheet's dense peak; on a CPU it is what the cores and their vector
-units (AVX-512, AMX) deliver to torch. `rlft doctor` prints it; every GRPO step logs
+The peak is measured, not looked up: a square matmul in the training dtype, timed after a warm-up,
+best of a few runs. On a GPU this lands near the datasheet's dense peak; on a CPU it is what the
+cores and their vector units (AVX-512, AMX) deliver to torch. `rlft doctor` prints it; every GRPO
+step logs
 
-    perf/mfu_fwd_bwd                  training forward + backward (the optimiser step's micro-batches), in %
-    perf/mfu_generation               sampling the step's completions, in %
+    perf/mfu_fwd_bwd                  training forward + backward (the optimiser step's
+    micro-batches), in % perf/mfu_generation               sampling the step's completions, in %
     perf/forwarded_tok_s_fwd_bwd      prompt + completion tokens trained per second (this process)
     perf/generated_tok_s              completion tokens sampled per second (this process)
 """
@@ -23,10 +25,11 @@ from rlft.core.flops import generation_flops, mfu, scoring_flops
 
 @functools.cache
 def matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
-    """FLOP/s of an n x n matmul on `device` in `dtype` (n = 4096 on an accelerator, 1024 on a CPU): best of 5
-    timed runs after one warm-up. Cached per (device, dtype) for the process."""
+    """FLOP/s of an n x n matmul on `device` in `dtype` (n = 4096 on an accelerator, 1024 on a CPU):
+    best of 5 timed runs after one warm-up. Cached per (device, dtype) for the process."""
     size = 1024 if device == "cpu" else 4096
-    generator = torch.Generator(device).manual_seed(0)  # its own: the run's RNG streams stay untouched
+    # its own: the run's RNG streams stay untouched
+    generator = torch.Generator(device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=generator).to(dtype)
     b = torch.randn(size, size, device=device, generator=generator).to(dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

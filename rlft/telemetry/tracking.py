@@ -2,8 +2,8 @@
 
 Only the main process writes. On resume, lines of `metrics.jsonl` past the resumed step are
 dropped, so the file reads as one uninterrupted run. Trackers file the run where transformers'
-integrations (`report_to` in a TRL script) would: under `run_name` and the project those integrations
-read (`tracker_target`).
+integrations (`report_to` in a TRL script) would: under `run_name` and the project those
+integrations read (`tracker_target`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 logger = logging.getLogger("rlft")
-console = Console(stderr=True, soft_wrap=True)  # a note is one line in a log file, not cut at 80 columns
+# a note is one line in a log file, not cut at 80 columns
+console = Console(stderr=True, soft_wrap=True)
 
 
 def _jsonable(value: Any) -> Any:
@@ -32,7 +33,8 @@ def _jsonable(value: Any) -> Any:
 
 
 def _rows(text: str) -> list[dict]:
-    """jsonl rows; a partial last line (a kill mid-append) is dropped, a bad line elsewhere is an error."""
+    """jsonl rows; a partial last line (a kill mid-append) is dropped, a bad line elsewhere is an
+    error."""
     lines = [line for line in text.splitlines() if line.strip()]
     rows = []
     for number, line in enumerate(lines):
@@ -64,8 +66,8 @@ class RunLog:
         self.trackers = [r for r in report_to if r != "none"]
         self.progress = None
         self.total_steps = total_steps
-        # Not a terminal (a log file, CI, SLURM, nohup): the rich bar would draw nothing, so one plain line
-        # per logged row goes to stderr instead.
+        # Not a terminal (a log file, CI, SLURM, nohup): the rich bar would draw nothing, so one
+        # plain line per logged row goes to stderr instead.
         self.plain = show_progress and not console.is_terminal
         if not self.is_main:
             return
@@ -81,9 +83,9 @@ class RunLog:
             self.progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """Drop rows past the resumed step, and the end-of-run summary an interrupted run wrote at it (the
-        resumed run logs those steps again). Written to a temporary file and renamed into place: a kill during
-        the rewrite leaves the old file whole, never a cut one."""
+        """Drop rows past the resumed step, and the end-of-run summary an interrupted run wrote at
+        it (the resumed run logs those steps again). Written to a temporary file and renamed into
+        place: a kill during the rewrite leaves the old file whole, never a cut one."""
         for path in (self.metrics_path, self.samples_path):
             if not path.exists():
                 continue
@@ -142,9 +144,10 @@ class RunLog:
 
 
 def end_trackers(accelerator) -> None:
-    """Finish every tracker once (accelerate's end_training). accelerate finishes trackio's run object but
-    leaves it trackio's current run, which trackio's exit hook then finished again (a second "Run finished"
-    line); and a later end_training (Trainer.end) would finish them all again."""
+    """Finish every tracker once (accelerate's end_training). accelerate finishes trackio's run
+    object but leaves it trackio's current run, which trackio's exit hook then finished again (a
+    second "Run finished" line); and a later end_training (Trainer.end) would finish them all
+    again."""
     accelerator.end_training()
     accelerator.trackers = []
     trackio = sys.modules.get("trackio")
@@ -153,8 +156,9 @@ def end_trackers(accelerator) -> None:
 
 
 class Messages:
-    """Where a trainer's parts say what they have to say: the open run's log (console and run log, on the main
-    process) while `train()` runs, Python's `rlft` logger otherwise (construction, evaluate() on its own)."""
+    """Where a trainer's parts say what they have to say: the open run's log (console and run log,
+    on the main process) while `train()` runs, Python's `rlft` logger otherwise (construction,
+    evaluate() on its own)."""
 
     def __init__(self):
         self.run: RunLog | None = None
@@ -172,8 +176,9 @@ class Messages:
             logger.warning(message)
 
     def waiting(self, name: str, seconds: float, step, message: str) -> None:
-        """A reward function still running (called from its watcher thread): said on the console and in the
-        run's log, and its seconds so far to the trackers (`rewards/<name>/running_seconds`)."""
+        """A reward function still running (called from its watcher thread): said on the console and
+        in the run's log, and its seconds so far to the trackers
+        (`rewards/<name>/running_seconds`)."""
         self.warn(message)
         if self.run is not None:
             self.run.track({f"rewards/{name}/running_seconds": seconds}, int(step or 0))
@@ -191,9 +196,12 @@ def plain_line(row: dict, total_steps: int) -> str:
     return f"rlft step {row['step']}/{total_steps} {text}".rstrip()
 
 
-# ---- trackers: where transformers' integrations file a run -----------------------------------------------
-DEFAULT_PROJECT = "huggingface"  # transformers' default project (WandbCallback, TrainingArguments.project)
-# Trackers whose project transformers' integration reads from an environment variable (with its default).
+# ---- trackers: where transformers' integrations file a run
+# ----------------------------------------------- transformers' default project (WandbCallback,
+# TrainingArguments.project)
+DEFAULT_PROJECT = "huggingface"
+# Trackers whose project transformers' integration reads from an environment variable (with its
+# default).
 PROJECT_VARIABLES = {"wandb": "WANDB_PROJECT", "comet_ml": "COMET_PROJECT_NAME", "swanlab": "SWANLAB_PROJECT"}
 # The keyword each tracker's init takes the run name as (accelerate passes init_kwargs on to it).
 RUN_NAME_KEYWORDS = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
@@ -201,12 +209,16 @@ RUN_NAME_KEYWORDS = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "
 
 def tracker_target(tracker: str, config: dict) -> tuple[str, dict]:
     """(project, init keywords) for one tracker, as transformers' integration chooses them:
-      wandb     project WANDB_PROJECT (default "huggingface"), run name `run_name` (None: wandb names it)
-      trackio   project the config's `project` field (TrainingArguments', default "huggingface"), run name
-                `run_name` (None: trackio names it), resume="allow" (a resumed run continues its trackio run)
-      tensorboard  the log folder: TENSORBOARD_LOGGING_DIR, else <output_dir>/runs/<run_name>, without a
+      wandb     project WANDB_PROJECT (default "huggingface"), run name `run_name` (None: wandb
+      names it) trackio   project the config's `project` field (TrainingArguments', default
+      "huggingface"), run name
+                `run_name` (None: trackio names it), resume="allow" (a resumed run continues its
+                trackio run)
+      tensorboard  the log folder: TENSORBOARD_LOGGING_DIR, else <output_dir>/runs/<run_name>,
+      without a
                 run_name <output_dir>/runs/<date>_<host> (transformers' default_logdir)
-    The other trackers: their integration's project variable where it has one, else "huggingface"."""
+    The other trackers: their integration's project variable where it has one, else
+    "huggingface"."""
     run_name = config.get("run_name")
     if tracker == "tensorboard":
         folder = os.environ.get("TENSORBOARD_LOGGING_DIR")
@@ -228,8 +240,8 @@ def tracker_target(tracker: str, config: dict) -> tuple[str, dict]:
 
 
 def start_trackers(accelerator, config: dict) -> None:
-    """`init_trackers` once per project (accelerate gives every tracker of one call the same project; wandb's
-    and trackio's can differ), each tracker with its run name in init_kwargs."""
+    """`init_trackers` once per project (accelerate gives every tracker of one call the same
+    project; wandb's and trackio's can differ), each tracker with its run name in init_kwargs."""
     wanted = list(accelerator.log_with)
     groups: dict[str, dict[str, dict]] = {}
     for tracker in wanted:

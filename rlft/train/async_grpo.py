@@ -1,14 +1,16 @@
-"""AsyncGRPOTrainer: generation overlapped with training, on a reproducible schedule (docs/async.md).
+"""AsyncGRPOTrainer: generation overlapped with training, on a reproducible schedule
+(docs/async.md).
 
 GRPOTrainer with the producer source (`rollout_source` left at null, or `producer`;
-rlft/train/sources/async_source.py): a producer process holds its own copy of the policy and generates the
-rollouts of later steps while the trainer trains; step t trains on completions sampled rollout_lag rollouts
-earlier, requested with seeds that depend on (seed, rollout) only, so runs repeat and resume exactly.
+rlft/train/sources/async_source.py): a producer process holds its own copy of the policy and
+generates the rollouts of later steps while the trainer trains; step t trains on completions sampled
+rollout_lag rollouts earlier, requested with seeds that depend on (seed, rollout) only, so runs
+repeat and resume exactly.
 
-Each completion carries the sampler's per-token log-probs. The loss is GRPO's with the trainer's current
-policy as pi_old (ratio 1 at the first update, as in synchronous GRPO) and each token weighted by
-pi_old / pi_sampler, truncated (`vllm_importance_sampling_*`, rlft/core/importance.py; decoupled PPO,
-Hilton et al. 2021, as AReaL uses it): the staleness is corrected, not ignored.
+Each completion carries the sampler's per-token log-probs. The loss is GRPO's with the trainer's
+current policy as pi_old (ratio 1 at the first update, as in synchronous GRPO) and each token
+weighted by pi_old / pi_sampler, truncated (`vllm_importance_sampling_*`, rlft/core/importance.py;
+decoupled PPO, Hilton et al. 2021, as AReaL uses it): the staleness is corrected, not ignored.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
 
 # TRL's AsyncGRPOTrainer arguments rlft does not build
-REFUSED = {"rollout_worker": "a custom rollout worker", "weight_transfer": "a custom weight transfer"}
+REFUSED = {"rollout_worker": "a custom rollout "
+                             "worker", "weight_transfer": "a custom weight transfer"}
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
-    """TRL 1.16's `trl.experimental.async_grpo.AsyncGRPOTrainer` names: `AsyncGRPOTrainer(model, reward_funcs,
-    args=AsyncGRPOConfig(...), train_dataset=...).train()`; everything GRPOTrainer takes except tools,
-    environments and rollout_func."""
+    """TRL 1.16's `trl.experimental.async_grpo.AsyncGRPOTrainer` names: `AsyncGRPOTrainer(model,
+    reward_funcs, args=AsyncGRPOConfig(...), train_dataset=...).train()`; everything GRPOTrainer
+    takes except tools, environments and rollout_func."""
 
     _tag_names = ["trl", "async-grpo", "rlft"]
     _name = "AsyncGRPO"
@@ -34,9 +37,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
                  **kwargs):
         args = args or AsyncGRPOConfig(output_dir=default_output_dir(model, "AsyncGRPO"))
         if not isinstance(args, AsyncGRPOConfig):
-            raise ConfigError(f"AsyncGRPOTrainer takes an AsyncGRPOConfig, got {type(args).__name__}")
+            raise ConfigError("AsyncGRPOTrainer takes an AsyncGRPOConfig, got "
+                              f"{type(args).__name__}")
         for name, what in REFUSED.items():
             if kwargs.pop(name, None) is not None:
-                raise ConfigError(f"{what} with AsyncGRPOTrainer is not built yet (the producer process "
-                                  "would have to run it); use GRPOTrainer")
+                raise ConfigError(f"{what} with AsyncGRPOTrainer is not built yet (the producer "
+                                  "process would have to run it); use GRPOTrainer")
         super().__init__(model, reward_funcs, args, train_dataset, **kwargs)

@@ -1,10 +1,11 @@
-"""On-policy distillation under TRL 1.16's names (`DistillationTrainer`, `DistillationConfig`; Agarwal et al.
-2024, arXiv:2306.13649): the student samples a completion per prompt from its current weights (transformers'
-generate, vLLM colocated or served, tools: GRPO's rollout sources), the teacher scores every completion token,
-and the loss is the token-mean generalized Jensen-Shannon divergence at `beta` between their next-token
-distributions (0 forward KL, 1 reverse KL), computed tile by tile over the vocabulary from the two models'
-hidden states (rlft/core/distill.py, rlft/train/update/distill_objective.py). No reward function, no
-advantage, no reference model; generation, LoRA, sharded engines, exact resume and logging are GRPO's.
+"""On-policy distillation under TRL 1.16's names (`DistillationTrainer`, `DistillationConfig`;
+Agarwal et al. 2024, arXiv:2306.13649): the student samples a completion per prompt from its current
+weights (transformers' generate, vLLM colocated or served, tools: GRPO's rollout sources), the
+teacher scores every completion token, and the loss is the token-mean generalized Jensen-Shannon
+divergence at `beta` between their next-token distributions (0 forward KL, 1 reverse KL), computed
+tile by tile over the vocabulary from the two models' hidden states (rlft/core/distill.py,
+rlft/train/update/distill_objective.py). No reward function, no advantage, no reference model;
+generation, LoRA, sharded engines, exact resume and logging are GRPO's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from rlft.train.update.distill_objective import DistillationObjective
 
 
 class DistillationTrainer(GRPOTrainer):
-    """TRL-compatible on-policy distillation: `DistillationTrainer(model, teacher_model, args, train_dataset,
+    """TRL-compatible on-policy distillation: `DistillationTrainer(model, teacher_model, args,
+    train_dataset,
     ...).train()`; `teacher_model` a hub id, a folder or a loaded model (else the config's
     teacher_model_name_or_path)."""
 
@@ -29,16 +31,17 @@ class DistillationTrainer(GRPOTrainer):
                  quantization_config=None, peft_config=None, tools=None):
         args = args or DistillationConfig(output_dir=default_output_dir(model, "Distillation"))
         if not isinstance(args, DistillationConfig):
-            raise ConfigError(f"DistillationTrainer takes a DistillationConfig, got {type(args).__name__}: "
+            raise ConfigError("DistillationTrainer takes a DistillationConfig, got "
+                              f"{type(args).__name__}: "
                               "its beta is the divergence's (GRPOConfig's is a KL weight)")
         super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, None, callbacks,
                          optimizers, quantization_config, peft_config, tools, teacher_model=teacher_model)
 
 
 class ServerDistillationTrainer(DistillationTrainer):
-    """TRL's experimental ServerDistillationTrainer: DistillationTrainer whose teacher is always served
-    (`teacher_model_server_url`), with TRL's signature (no teacher_model) and ServerDistillationConfig's
-    defaults (loss_top_k 1)."""
+    """TRL's experimental ServerDistillationTrainer: DistillationTrainer whose teacher is always
+    served (`teacher_model_server_url`), with TRL's signature (no teacher_model) and
+    ServerDistillationConfig's defaults (loss_top_k 1)."""
 
     _tag_names = ["trl", "server-distillation", "rlft"]
     _name = "ServerDistillation"

@@ -44,7 +44,8 @@ class Flow:
         self.control = TrainerControl()
         self.handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], model, processing_class,
                                        optimizer, scheduler)
-        self.loss_sum = 0.0  # sum of every step's loss since step 0 (train_loss), kept across resume
+        # sum of every step's loss since step 0 (train_loss), kept across resume
+        self.loss_sum = 0.0
         self.started = time.perf_counter()
         self.start_step = 0
 

@@ -1,18 +1,20 @@
-"""Generalized knowledge distillation under TRL 1.16's experimental names (`GKDTrainer`, `GKDConfig`;
-Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
-arXiv:2306.13649).
+"""Generalized knowledge distillation under TRL 1.16's experimental names (`GKDTrainer`,
+`GKDConfig`; Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes", arXiv:2306.13649).
 
-Each rollout is, with probability `lmbda`, the student's own completions of its prompts (on-policy, from the
-current weights: GRPO's rollout engines, vLLM included); otherwise the teacher's completions (`seq_kd`:
-sequence-level KD) or the dataset's (supervised KD). Whatever the completions, the loss is distillation's
-(rlft/train/update/distill_objective.py): the generalized Jensen-Shannon divergence at `beta` of every
-completion token, at temperature 1, a token mean over the optimiser step. The draw is seeded by the run's seed
-and the rollout's index, so every process, a resumed run and a rerun take the same one (TRL draws with
-Python's global `random` once per micro-batch on each process).
+Each rollout is, with probability `lmbda`, the student's own completions of its prompts (on-policy,
+from the current weights: GRPO's rollout engines, vLLM included); otherwise the teacher's
+completions (`seq_kd`: sequence-level KD) or the dataset's (supervised KD). Whatever the
+completions, the loss is distillation's (rlft/train/update/distill_objective.py): the generalized
+Jensen-Shannon divergence at `beta` of every completion token, at temperature 1, a token mean over
+the optimiser step. The draw is seeded by the run's seed and the rollout's index, so every process,
+a resumed run and a rerun take the same one (TRL draws with Python's global `random` once per
+micro-batch on each process).
 
-Datasets: TRL's `messages` column (a conversation; its last message, the assistant's, is the completion)
-or `prompt` + `completion` columns (conversational or plain text). A dataset completion is the tokens the
-chat template gives the last turn after the prompt's generation prompt, cut at `max_new_tokens`.
+Datasets: TRL's `messages` column (a conversation; its last message, the assistant's, is the
+completion) or `prompt` + `completion` columns (conversational or plain text). A dataset completion
+is the tokens the chat template gives the last turn after the prompt's generation prompt, cut at
+`max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ KINDS_OF_COMPLETION = ("student", "teacher", "dataset")
 
 
 def gkd_rows(dataset):
-    """A GKD dataset as prompt + completion rows: `messages` split before its last message (which must be
-    the assistant's); `prompt` + `completion` kept as they are."""
+    """A GKD dataset as prompt + completion rows: `messages` split before its last message (which
+    must be the assistant's); `prompt` + `completion` kept as they are."""
     if dataset is None:
         return None
     if isinstance(dataset, dict):  # named evaluation sets (a DatasetDict too)
@@ -60,8 +62,8 @@ def gkd_rows(dataset):
 def _split_messages(row: dict, index: int) -> dict:
     messages = row["messages"]
     if not isinstance(messages, list) or len(messages) < 2 or messages[-1].get("role") != "assistant":
-        raise DatasetError(f"row {index}: 'messages' must be a conversation of at least two messages that "
-                           "ends with the assistant's (the completion distilled on)")
+        raise DatasetError(f"row {index}: 'messages' must be a conversation of at least two "
+                           "messages that ends with the assistant's (the completion distilled on)")
     return {"prompt": messages[:-1], "completion": messages[-1:]}
 
 
@@ -83,9 +85,9 @@ class GKDSource(SourceBase):
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
         if tools or environment_factory is not None or rollout_func is not None:
-            raise ConfigError("GKDTrainer samples the student's completions with the rollout engine alone: "
-                              "tools=, environment_factory= and rollout_func= are not taken (use "
-                              "DistillationTrainer, which takes them)")
+            raise ConfigError("GKDTrainer samples the student's completions with the rollout "
+                              "engine alone: tools=, environment_factory= and rollout_func= are "
+                              "not taken (use DistillationTrainer, which takes them)")
 
     @property
     def engine(self):
@@ -126,7 +128,8 @@ class GKDSource(SourceBase):
         return self.teacher_engine(self.teacher, prompts["prompt_ids"], 1)
 
     def _dataset(self, prompts: dict) -> Rollout:
-        """The dataset's completions of these prompts, as a rollout: each one's tokens after its prompt."""
+        """The dataset's completions of these prompts, as a rollout: each one's tokens after its
+        prompt."""
         width, rows = self.args.max_completion_length, []
         for prompt, completion, ids in zip(prompts["prompts"], prompts["completion"], prompts["prompt_ids"]):
             tokens = self._completion_tokens(prompt, completion, ids)
@@ -142,8 +145,8 @@ class GKDSource(SourceBase):
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated).to(self.device)
 
     def _completion_tokens(self, prompt, completion, prompt_ids: list[int]) -> list[int]:
-        """A plain completion's tokens and EOS; a conversational one's, the chat template's rendering of the
-        last turn after the prompt's generation prompt."""
+        """A plain completion's tokens and EOS; a conversational one's, the chat template's
+        rendering of the last turn after the prompt's generation prompt."""
         tokenizer = self.tokenizer
         if not is_conversational(completion):
             text = tokenizer(str(completion), add_special_tokens=False)["input_ids"]
@@ -152,16 +155,18 @@ class GKDSource(SourceBase):
         whole = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False, **kwargs)
         ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
         if ids[:len(prompt_ids)] != list(prompt_ids):
-            raise DatasetError("a completion's chat rendering does not begin with its prompt's: this chat "
-                               "template renders the last assistant turn differently from a generation "
-                               "prompt; give 'prompt' and 'completion' as plain text")
+            raise DatasetError("a completion's chat rendering does not begin with its prompt's: "
+                               "this chat template renders the last assistant turn differently "
+                               "from a generation prompt; give 'prompt' and 'completion' as plain "
+                               "text")
         return ids[len(prompt_ids):]
 
 
 
 class GKDTrainer(DistillationTrainer):
-    """TRL-compatible GKD: `GKDTrainer(model, teacher_model, args, train_dataset=...).train()`; the teacher
-    defaults to the config's teacher_model_name_or_path, else the student's own checkpoint (TRL's)."""
+    """TRL-compatible GKD: `GKDTrainer(model, teacher_model, args, train_dataset=...).train()`; the
+    teacher defaults to the config's teacher_model_name_or_path, else the student's own checkpoint
+    (TRL's)."""
 
     _tag_names = ["trl", "gkd", "rlft"]
     _name = "GKD"
@@ -179,8 +184,9 @@ class GKDTrainer(DistillationTrainer):
                   "formatting_func": formatting_func}
         given = sorted(name for name, value in unused.items() if value is not None)
         if given:
-            raise ConfigError(f"GKDTrainer: {', '.join(given)} are SFTTrainer's hooks, which rlft's loop "
-                              "does not call (it tokenizes prompts and completions itself); leave them out")
+            raise ConfigError(f"GKDTrainer: {', '.join(given)} are SFTTrainer's hooks, which "
+                              "rlft's loop does not call (it tokenizes prompts and completions "
+                              "itself); leave them out")
         if teacher_model is None and args.teacher_model_name_or_path is None \
                 and not args.teacher_model_server_url:
             teacher_model = model if isinstance(model, str) else getattr(model, "name_or_path", None)

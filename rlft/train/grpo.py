@@ -1,8 +1,9 @@
-"""GRPOTrainer: rollout -> rewards -> advantages -> policy update -> log -> checkpoint, from parts it owns:
+"""GRPOTrainer: rollout -> rewards -> advantages -> policy update -> log -> checkpoint, from parts
+it owns:
 
     source      where rollouts come from: prompts in order, the engine / tool loop / environments /
-                rollout_func, the reward functions (rlft/train/sources/rollout_source.py; `rollout_source`,
-                dynamic sampling)
+                rollout_func, the reward functions (rlft/train/sources/rollout_source.py;
+                `rollout_source`, dynamic sampling)
     advantages  the config's EstimatorSpec over every process's rewards
                 (rlft/train/update/rollout_advantages.py)
     scorer      log-probs of a rollout under the policy and the reference
@@ -10,11 +11,11 @@
     updater     the policy's optimiser step on a batch: the loss, then the guarded step
                 (rlft/train/update/updater.py)
 
-One rollout (generation batch) holds per_device_train_batch_size x steps_per_generation completions per
-process and feeds steps_per_generation / gradient_accumulation_steps optimiser steps, each on its own slice,
-repeated num_iterations times (TRL's semantics). With more than one optimiser step per rollout, the old
-policy's log-probs are computed once per rollout. The loop keeps a transformers TrainerState and fires
-TrainerCallback events (rlft/train/flow.py, rlft/train/loop.py).
+One rollout (generation batch) holds per_device_train_batch_size x steps_per_generation completions
+per process and feeds steps_per_generation / gradient_accumulation_steps optimiser steps, each on
+its own slice, repeated num_iterations times (TRL's semantics). With more than one optimiser step
+per rollout, the old policy's log-probs are computed once per rollout. The loop keeps a transformers
+TrainerState and fires TrainerCallback events (rlft/train/flow.py, rlft/train/loop.py).
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ from rlft.train.update.rollout_logprobs import PolicyScorer
 from rlft.train.update.updater import PolicyUpdater
 
 ZERO_LOSS_NOTE = (
-    "loss is ~0 while grad_norm > 0: expected. With one update per rollout the ratio is exactly 1, so the "
-    "surrogate's value is -mean(advantages), which is 0 per group; its gradient is not. Watch reward and "
-    "grad_norm, not loss (docs/troubleshooting.md#loss-shows-0)."
+    "loss is ~0 while grad_norm > 0: expected. With one update per rollout the ratio is exactly 1, "
+    "so the surrogate's value is -mean(advantages), which is 0 per group; its gradient is not. "
+    "Watch reward and grad_norm, not loss (docs/troubleshooting.md#loss-shows-0)."
 )
 
 
@@ -71,21 +72,24 @@ def default_output_dir(model, suffix: str) -> str:
 
 
 def _stop_message(args):
-    return lambda in_a_row, reason: (f"{in_a_row} consecutive steps were non-finite (max_nonfinite_steps="
-                                     f"{args.max_nonfinite_steps}); stopping. {reason}")
+    return lambda in_a_row, reason: (f"{in_a_row} consecutive steps were non-finite "
+                                     f"(max_nonfinite_steps={args.max_nonfinite_steps}); stopping. "
+                                     f"{reason}")
 
 
 class GRPOTrainer(TrainLoop, GRPOSurface):
-    """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`; `tools`,
-    `environment_factory` and `rollout_func` as in TRL (rlft/train/sources/generation.py)."""
+    """TRL-compatible GRPO: `GRPOTrainer(model, reward_funcs, args, train_dataset, ...).train()`;
+    `tools`, `environment_factory` and `rollout_func` as in TRL
+    (rlft/train/sources/generation.py)."""
 
     _tag_names = ["trl", "grpo", "rlft"]
     _name = "GRPO"
-    # The trainer's way where the config leaves it open (null): its rollout source and where beta's KL goes.
+    # The trainer's way where the config leaves it open (null): its rollout source and where beta's
+    # KL goes.
     default_rollout_source = "generate"
     default_kl_in_reward = False
-    # What the update optimises (rlft/train/update/objectives.py): its loss, whether it needs reward functions
-    # or a teacher, what the progress shows.
+    # What the update optimises (rlft/train/update/objectives.py): its loss, whether it needs reward
+    # functions or a teacher, what the progress shows.
     objective = PolicyObjective
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
@@ -95,8 +99,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         self.args = args = validate(args or GRPOConfig(output_dir=default_output_dir(model, "GRPO")))
         if args.min_generations < 2 and not self.objective.needs_teacher:
             raise ConfigError(f"{type(self).__name__} takes a GRPO-family config, not a "
-                              f"{type(args).__name__} (its beta is a divergence's, not a KL weight): use "
-                              "DistillationTrainer")
+                              f"{type(args).__name__} (its beta is a divergence's, not a KL "
+                              "weight): use DistillationTrainer")
         # before LoRA init: adapter weights must not depend on earlier RNG use
         run_state.seed_everything(args.seed)
         self.accelerator = run_state.make_accelerator(args)
@@ -136,18 +140,20 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         args = self.args
         reward_funcs = [*(reward_funcs if isinstance(reward_funcs, list | tuple) else
                           [] if reward_funcs is None else [reward_funcs]), *own]
-        if not reward_funcs and not self.objective.needs_rewards:  # the objective's signal is elsewhere
+        # the objective's signal is elsewhere
+        if not reward_funcs and not self.objective.needs_rewards:
             self.reward_funcs, self.reward_names, self.reward_weights = [], [], torch.zeros(0)
             self.reward_processing_classes = []
             return
         weights = None if args.reward_weights is None else [*args.reward_weights, *[1.0] * len(own)]
         self.reward_funcs, self.reward_names, self.reward_weights = resolve_rewards(
             reward_funcs, weights, processing_classes, args.max_completion_length)
-        self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]  # TRL's
+        # TRL's
+        self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.reward_funcs]
 
     def _setup_prompts(self, train_dataset, model, setup) -> None:
-        """The generation batch (TRL's steps_per_generation / generation_batch_size), the prompts and the
-        run's length."""
+        """The generation batch (TRL's steps_per_generation / generation_batch_size), the prompts
+        and the run's length."""
         args, processes = self.args, self.accelerator.num_processes
         batch = generation_batch(args, processes)
         self.rows_per_step, self.steps_per_rollout = batch.rows_per_step, batch.steps_per_rollout
@@ -165,8 +171,9 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         check_chat_prompts(self.train_prompts, setup)
         self.rollouts_per_epoch = len(self.train_prompts) // (self.prompts_per_rollout * processes)
         if self.rollouts_per_epoch == 0:
-            raise ConfigError(f"train_dataset has {len(self.train_prompts)} prompts, fewer than one "
-                              f"generation batch needs ({self.prompts_per_rollout * processes})")
+            raise ConfigError(f"train_dataset has {len(self.train_prompts)} prompts, fewer than "
+                              "one generation batch needs "
+                              f"({self.prompts_per_rollout * processes})")
         self.total_steps = args.max_steps if args.max_steps > 0 else \
             int(args.num_train_epochs * self.rollouts_per_epoch) * self.steps_per_rollout
 
@@ -176,7 +183,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                              quantization_config, self._tag_names)
         teacher = load_teacher(teacher, args, training_dtype(args, self.accelerator.device), policy.model,
                                self.tokenizer)
-        self.teacher_model = prepare_teacher(teacher, self.engine)  # (None, local, served, or several)
+        # (None, local, served, or several)
+        self.teacher_model = prepare_teacher(teacher, self.engine)
         self._setup_notes += policy.notes
         self.is_peft, self.param_summary = policy.is_peft, policy.param_summary
         self.router_aux_loss_coef = policy.router_aux_loss_coef
@@ -187,7 +195,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         self.ref_model = None if policy.reference is None else self.engine.prepare_reference(policy.reference)
 
     def _compose(self, source, setup, rollout_func) -> None:
-        """The parts: the estimator, the scorer, the guarded optimiser and the policy updater, the source."""
+        """The parts: the estimator, the scorer, the guarded optimiser and the policy updater, the
+        source."""
         args, acc = self.args, self.accelerator
         kl_in_reward = self.default_kl_in_reward if args.kl_in_reward is None else args.kl_in_reward
         self.estimator = estimator_spec(args, kl_in_reward)
@@ -197,7 +206,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             self.model, self.optimizer, self.scheduler, self.engine, acc, self.flow, self.messages,
             max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
             counter="steps_skipped", stop_message=_stop_message(args),
-            on_applied=lambda: weights_changed(self.generator))  # an engine with its own weights syncs
+            # an engine with its own weights syncs
+            on_applied=lambda: weights_changed(self.generator))
         self.scorer = PolicyScorer(self.model, self.ref_model, acc, args, self.messages, self.teacher_model)
         objective = self.objective.build(args, self.estimator.kl_in_reward)
         self.updater = PolicyUpdater(self.scorer, self.optim, args, acc, objective, self.throughput,
@@ -218,7 +228,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             self.source = DynamicSampling(self.source, args, acc, self.reward_weights,
                                           self.tokenizer.pad_token_id, self.messages)
 
-    # ---- the loop (rlft/train/loop.py runs the steps) ------------------------------------------------
+    # ---- the loop (rlft/train/loop.py runs the steps)
+    # ------------------------------------------------
     @property
     def steps_per_epoch(self) -> int:
         return self.rollouts_per_epoch * self.steps_per_rollout
@@ -228,31 +239,37 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         return self.eval_datasets
 
     def _announce(self) -> None:
-        self.log.info(f"{self._name}: {self.total_steps} steps, {self.param_summary['trainable']:,} "
-                      f"trainable of {self.param_summary['total']:,} parameters "
+        self.log.info(f"{self._name}: {self.total_steps} steps, "
+                      f"{self.param_summary['trainable']:,} trainable of "
+                      f"{self.param_summary['total']:,} parameters "
                       f"({'LoRA' if self.is_peft else 'full'}), engine {self.engine.name} on "
                       f"{self.accelerator.num_processes} process(es)")
         for note in [*self._setup_notes, *filter(None, self._notes)]:
             self.log.warn(note)
-        weights_changed(self.generator)  # a resume may have loaded other weights than the engine holds
+        # a resume may have loaded other weights than the engine holds
+        weights_changed(self.generator)
         self.source.open()
 
     def _end(self, stopping: bool = False) -> None:
         self.source.close()
-        if stopping:  # the process exits: a colocated vLLM engine frees its memory and processes now
+        # the process exits: a colocated vLLM engine frees its memory and processes now
+        if stopping:
             self.generator.close()
 
     def _step(self, step: int) -> dict[str, float]:
-        """One GRPO step: a new rollout every steps_per_rollout steps (rollout -> rewards -> advantages), then
-        one policy update on this step's part of it, then the reference sync (sync_ref_model)."""
+        """One GRPO step: a new rollout every steps_per_rollout steps (rollout -> rewards ->
+        advantages), then one policy update on this step's part of it, then the reference sync
+        (sync_ref_model)."""
         started, spr = time.perf_counter(), self.steps_per_rollout
         if self._batch is None or step % spr == 0:
             self._batch = self._make_rollout(step // spr)  # rollout -> rewards -> advantages
         batch, part = self._batch, (step % spr) % (spr // self.args.num_iterations)
-        metrics = {**batch.metrics, **self.updater.step(batch.part(part, self.rows_per_step))}  # update
+        # update
+        metrics = {**batch.metrics, **self.updater.step(batch.part(part, self.rows_per_step))}
         metrics.update(self.updater.sync_reference(step + 1))  # sync_ref_model (TR-DPO)
         metrics.update(self.source.step_metrics(step))
-        metrics.update(self.scorer.tally())  # tokens the step's scoring forwards computed, packed or padded
+        # tokens the step's scoring forwards computed, packed or padded
+        metrics.update(self.scorer.tally())
         seconds = time.perf_counter() - started
         metrics.update({"step_time": seconds, "time/step_seconds": seconds,
                         "num_tokens": self.state.num_input_tokens_seen,
@@ -262,12 +279,13 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
     def _make_rollout(self, rollout_index: int) -> RolloutBatch:
         """rollout -> rewards -> advantages: what the rollout's optimiser steps train on."""
         scored = self.source.rollout(rollout_index)  # rollout -> rewards
-        advantages, total, stats, everyone = self.advantages(scored.rewards, scored.rollout)  # advantages
+        # advantages
+        advantages, total, stats, everyone = self.advantages(scored.rewards, scored.rollout)
         return self._batch_of(scored, advantages, total, stats, everyone)
 
     def _batch_of(self, scored: ScoredRollout, advantages, total, stats, everyone) -> RolloutBatch:
-        """The batch: masks, the old and reference log-probs the update needs, the rollout's metrics and
-        samples."""
+        """The batch: masks, the old and reference log-probs the update needs, the rollout's metrics
+        and samples."""
         args, acc, rollout = self.args, self.accelerator, scored.rollout
         timing, tokens = timing_metrics(scored.timing)
         if args.mask_truncated_completions:
@@ -275,7 +293,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         old = self.scorer.policy_logps(rollout) \
             if self.steps_per_rollout > 1 and self.updater.objective.uses_old_logps else None
         self.scorer.forget()  # the rollout's log-probs are in the batch now, or not needed
-        self.scorer.prepare(rollout)  # what its forwards read from the rows (several teachers: each row's)
+        # what its forwards read from the rows (several teachers: each row's)
+        self.scorer.prepare(rollout)
         ref = self.scorer.reference_logps(rollout) if args.kl_coef > 0 and self.kl_in_loss else None
         metrics = rollout_metrics(*everyone, self.reward_weights, self.reward_names, stats)
         reward_log = RewardLog()
@@ -294,7 +313,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         return RolloutBatch(rollout, advantages.to(acc.device), old, ref, samples, metrics)
 
     def _after_step(self, step: int, metrics: dict[str, float]) -> None:
-        """log -> evaluate -> checkpoint (a checkpoint inside a rollout holds the rest of that rollout)."""
+        """log -> evaluate -> checkpoint (a checkpoint inside a rollout holds the rest of that
+        rollout)."""
         control, window, batch = self.flow.control, self._window, self._batch
         window.add(metrics)
         if control.should_log and window.rows:
@@ -312,8 +332,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         self.flow.fire("on_save")
 
     def _parts(self, step: int) -> PartState:
-        """What a checkpoint holds besides the model files: the run's record, the policy update's counters and
-        moved reference, the source's state, and the rest of a rollout in progress."""
+        """What a checkpoint holds besides the model files: the run's record, the policy update's
+        counters and moved reference, the source's state, and the rest of a rollout in progress."""
         run = PartState(state={"num_processes": self.accelerator.num_processes, "config": self._record,
                                "config_hash": runs.config_hash(self._record), "loss_sum": self.flow.loss_sum,
                                "metric_window": self._window.rows})
@@ -330,9 +350,9 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         return logged
 
     def _final_row(self) -> dict:
-        """The summary row transformers logs at the end (train_runtime, train_loss, ...), holding the metrics
-        of the steps since the last log, as TRL's does: no step's metrics are lost and log_history[-1] has
-        them."""
+        """The summary row transformers logs at the end (train_runtime, train_loss, ...), holding
+        the metrics of the steps since the last log, as TRL's does: no step's metrics are lost and
+        log_history[-1] has them."""
         window, batch = self._window, self._batch
         summary = self.flow.summary(self.rows_per_step * self.accelerator.num_processes)
         if not window.rows:
@@ -349,24 +369,26 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             self._zero_signal_steps += 1
             if self._zero_signal_steps == self.args.zero_signal_warning_steps:
                 self.log.warn(
-                    f"every group had zero reward spread for {self._zero_signal_steps} logged steps: "
-                    "advantages and gradients are exactly 0, nothing is learned. Make the task easier or the "
-                    "rewards graded, raise num_generations or temperature, or start from a better model "
-                    "(docs/troubleshooting.md)")
+                    f"every group had zero reward spread for {self._zero_signal_steps} logged "
+                    "steps: advantages and gradients are exactly 0, nothing is learned. Make the "
+                    "task easier or the rewards graded, raise num_generations or temperature, or "
+                    "start from a better model (docs/troubleshooting.md)")
         else:
             self._zero_signal_steps = 0
 
-    # ---- evaluation, resume, save ----------------------------------------------------------------------
+    # ---- evaluation, resume, save
+    # ----------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Completions for every eval prompt (greedy; num_generations_eval sampled ones when set), scored by
-        every reward function -> `<prefix>_reward`, `<prefix>_rewards/<name>/mean`, and the loss on them ->
-        `<prefix>_loss` (0 for greedy completions without KL: one per prompt has no advantage). A dict of
-        datasets is evaluated per name with prefix `<prefix>_<name>`."""
+        """Completions for every eval prompt (greedy; num_generations_eval sampled ones when set),
+        scored by every reward function -> `<prefix>_reward`, `<prefix>_rewards/<name>/mean`, and
+        the loss on them -> `<prefix>_loss` (0 for greedy completions without KL: one per prompt has
+        no advantage). A dict of datasets is evaluated per name with prefix `<prefix>_<name>`."""
         datasets = self.eval_datasets if eval_dataset is None else load_eval_datasets(eval_dataset)
         if not datasets:
-            raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or the call)")
+            raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or "
+                              "the call)")
         metrics = {}
         with self.source.session():
             for name, dataset in datasets.items():
@@ -407,13 +429,14 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         return metrics
 
     def _eval_loss(self, rollout, rewards: torch.Tensor, group: int) -> float:
-        """The loss on evaluation completions (TRL's `eval_loss`): advantages within each prompt's `group`
-        completions, the policy on-policy (ratio 1), plus the KL term when beta > 0."""
+        """The loss on evaluation completions (TRL's `eval_loss`): advantages within each prompt's
+        `group` completions, the policy on-policy (ratio 1), plus the KL term when beta > 0."""
         advantages = self.advantages.local(rewards, rollout, group)
         return self.updater.eval_loss(rollout, advantages, self.kl_in_loss)
 
     def _resume(self, resume_from_checkpoint) -> int:
-        """The first step to run; restores the parts' state, the rollout in flight and the logging window."""
+        """The first step to run; restores the parts' state, the rollout in flight and the logging
+        window."""
         path = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         self._window, self._batch = MetricWindow(), None
         reward_models = {name: f.model for f, name in zip(self.reward_funcs, self.reward_names)

@@ -1,6 +1,7 @@
-"""What scripts and TRL's tests call on a GRPO trainer beyond `train()`: TRL's GRPOTrainer helper methods
-under their names and signatures (thin wrappers over rlft/core/, where the maths lives), and the attributes
-TRL users and older rlft code read off the trainer, each a view of the part that owns it."""
+"""What scripts and TRL's tests call on a GRPO trainer beyond `train()`: TRL's GRPOTrainer helper
+methods under their names and signatures (thin wrappers over rlft/core/, where the maths lives), and
+the attributes TRL users and older rlft code read off the trainer, each a view of the part that owns
+it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def _counter(name: str) -> property:
 
 
 class GRPOSurface(TrainerSurface):
-    """`get_high_entropy_mask`, `get_off_policy_mask`, `get_gamma_weights`; `aux_loss_enabled`, `generator`,
+    """`get_high_entropy_mask`, `get_off_policy_mask`, `get_gamma_weights`; `aux_loss_enabled`,
+    `generator`,
     ..."""
 
     entropy_coef, last_entropy, ref_syncs = _counter("entropy_coef"), _counter("last_entropy"), \
@@ -27,8 +29,9 @@ class GRPOSurface(TrainerSurface):
     def get_high_entropy_mask(
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
     ) -> torch.Tensor:
-        """TRL's: True where a token's entropy reaches the `threshold` quantile of every process's unpadded
-        entropies (threshold = 1 - top_entropy_quantile); padding is never True. [B, T] x2 -> [B, T] bool."""
+        """TRL's: True where a token's entropy reaches the `threshold` quantile of every process's
+        unpadded entropies (threshold = 1 - top_entropy_quantile); padding is never True. [B, T] x2
+        -> [B, T] bool."""
         local = entropies[mask.bool()].float()
         gathered = self.accelerator.gather(
             self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)
@@ -78,7 +81,8 @@ class GRPOSurface(TrainerSurface):
 
     @property
     def aux_loss_enabled(self) -> bool:
-        """A Mixture-of-Experts policy whose router load-balancing loss is added (TRL's attribute)."""
+        """A Mixture-of-Experts policy whose router load-balancing loss is added (TRL's
+        attribute)."""
         return self.router_aux_loss_coef != 0.0
 
     @property
@@ -87,8 +91,9 @@ class GRPOSurface(TrainerSurface):
 
     @property
     def _logs(self) -> dict:
-        """TRL's view of the latest generation batch (what its completions table shows): prompt, completion,
-        rewards per function, advantages, and the `log_extra` columns reward functions added."""
+        """TRL's view of the latest generation batch (what its completions table shows): prompt,
+        completion, rewards per function, advantages, and the `log_extra` columns reward functions
+        added."""
         samples = getattr(self, "_latest_samples", [])
         known = {"prompt", "completion", "reward", "advantage", *self.reward_names}
         extra = {k: [s[k] for s in samples] for k in (samples[0] if samples else {}) if k not in known}
@@ -101,10 +106,12 @@ class GRPOSurface(TrainerSurface):
         """TRL's name: each environment's reusable instances (a single factory's under None)."""
         return {} if self.environments is None else self.environments.pools
 
-    # ---- views of the parts --------------------------------------------------------------------------------
+    # ---- views of the parts
+    # --------------------------------------------------------------------------------
     @property
     def generator(self):
-        """The rollout engine the source generates with (settable: a test stub, a user's own engine)."""
+        """The rollout engine the source generates with (settable: a test stub, a user's own
+        engine)."""
         return self.source.engine
 
     @generator.setter
@@ -118,7 +125,8 @@ class GRPOSurface(TrainerSurface):
 
     @property
     def kl_in_loss(self) -> bool:
-        """beta weighs a per-token KL term of the loss, unless the estimator puts the KL in the reward."""
+        """beta weighs a per-token KL term of the loss, unless the estimator puts the KL in the
+        reward."""
         return self.advantages.kl_in_loss
 
     @property

@@ -1,20 +1,22 @@
-"""The frame both trainers share: resume, announce, the steps with transformers' callback events, the final
-summary row; each trainer supplies its own step (GRPO: rollout -> rewards -> advantages -> policy update;
-reward model: pairs -> scores -> Bradley-Terry loss -> update) and what follows it (log -> evaluate ->
-checkpoint).
+"""The frame both trainers share: resume, announce, the steps with transformers' callback events,
+the final summary row; each trainer supplies its own step (GRPO: rollout -> rewards -> advantages ->
+policy update; reward model: pairs -> scores -> Bradley-Terry loss -> update) and what follows it
+(log -> evaluate -> checkpoint).
 
 A trainer using it provides:
   _resume(resume_from_checkpoint) -> the first step to run (and restores its own carried state)
   _announce()                     the run's opening lines (after the run log exists)
-  _step(step) -> metrics          one optimiser step's work; a skipped (non-finite) step returns its counters
-  _after_step(step, metrics)      log -> evaluate -> checkpoint, with `step` the number of steps done
-  _final_row() -> summary         transformers' summary row (train_runtime, train_loss, ...)
-  _save_checkpoint(step)          write checkpoint-<step> (a preempted run writes one where it stops)
+  _step(step) -> metrics          one optimiser step's work; a skipped (non-finite) step returns its
+  counters _after_step(step, metrics)      log -> evaluate -> checkpoint, with `step` the number of
+  steps done _final_row() -> summary         transformers' summary row (train_runtime, train_loss,
+  ...) _save_checkpoint(step)          write checkpoint-<step> (a preempted run writes one where it stops)
   _end(stopping)                  after the run, however it ends: stop what runs only while training
-                                  (`stopping`: the process is about to exit, preempted: free everything)
-  _eval_sets                      the evaluation sets given at construction (evaluated at start if asked)
-and the attributes args, accelerator, flow, messages, total_steps, steps_per_epoch. While the run log is open,
-what the trainer's parts say (`messages`) goes to it.
+                                  (`stopping`: the process is about to exit, preempted: free
+                                  everything)
+  _eval_sets                      the evaluation sets given at construction (evaluated at start if
+  asked)
+and the attributes args, accelerator, flow, messages, total_steps, steps_per_epoch. While the run
+log is open, what the trainer's parts say (`messages`) goes to it.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ class TrainLoop:
     """`train()` for GRPOTrainer and RewardTrainer."""
 
     def train(self, resume_from_checkpoint=None):
-        """The run, holding output_dir for its whole length: a second run started on the folder is refused
-        (rlft/train/run/runs.py: OutputDirLock)."""
+        """The run, holding output_dir for its whole length: a second run started on the folder is
+        refused (rlft/train/run/runs.py: OutputDirLock)."""
         with runs.OutputDirLock(self.accelerator, self.args.output_dir):
             return self._train(resume_from_checkpoint)
 
@@ -66,16 +68,17 @@ class TrainLoop:
         return TrainOutput(flow.state.global_step, summary["train_loss"], summary)
 
     def _preempted(self, step: int, preemption: Preemption) -> None:
-        """A checkpoint at `step` (unless this step just wrote one), the line that says where and how to
-        resume, then the exit (rlft/train/run/preemption.py)."""
+        """A checkpoint at `step` (unless this step just wrote one), the line that says where and
+        how to resume, then the exit (rlft/train/run/preemption.py)."""
         if not self.flow.control.should_save:
             self._save_checkpoint(step)
         path = f"{self.args.output_dir}/checkpoint-{step}"
         commands = [kind.name for kind in KINDS.values()
                     if kind.command and kind.trainer_name == type(self).__name__]
         command = f" (rlft {commands[0]}: --resume_from_checkpoint true)" if commands else ""
-        message = (f"stopped by {preemption.name} after step {step} of {self.total_steps}: checkpoint "
-                   f"written to {path}. Resume with resume_from_checkpoint=True{command}; the resumed run "
+        message = (f"stopped by {preemption.name} after step {step} of {self.total_steps}: "
+                   f"checkpoint written to {path}. Resume with "
+                   f"resume_from_checkpoint=True{command}; the resumed run "
                    "continues exactly")
         self.messages.warn(message)  # the console (stderr) and the run's log, once
         if preemption.name == "SIGINT":

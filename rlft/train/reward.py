@@ -56,14 +56,15 @@ def check_head_trainable(model) -> list[str]:
     trainable = [n for n, p in head if p.requires_grad]
     if head and not trainable:
         raise HeadFrozenError(
-            f"the reward head ({head[0][0]}, ...) is frozen, so it would stay at its random initialisation "
-            "while the loss still falls. With LoRA use task_type='SEQ_CLS' (rlft sets it) and keep the head "
-            "in modules_to_save; without LoRA do not freeze it")
+            f"the reward head ({head[0][0]}, ...) is frozen, so it would stay at its random "
+            "initialisation while the loss still falls. With LoRA use task_type='SEQ_CLS' (rlft "
+            "sets it) and keep the head in modules_to_save; without LoRA do not freeze it")
     return trainable
 
 
 class RewardTrainer(TrainLoop, TrainerSurface):
-    """`RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config).train()`."""
+    """`RewardTrainer(model, args, train_dataset, eval_dataset, processing_class,
+    peft_config).train()`."""
 
     _tag_names = ["trl", "reward-trainer", "rlft"]
     _name = "Reward"
@@ -94,12 +95,14 @@ class RewardTrainer(TrainLoop, TrainerSurface):
                                  if args.max_steps > 0 else None)
         self.train_pairs = PreferencePairs(dataset, self.tokenizer, args.max_length, args.truncation)
         self.eval_sets = self._eval_pairs(eval_dataset)
-        # TRL's attributes after tokenization: the processed rows (chosen_ids, rejected_ids[, margin])
+        # TRL's attributes after tokenization: the processed rows (chosen_ids, rejected_ids[,
+        # margin])
         self.train_dataset = self.train_pairs.as_dataset()
         named = {name: pairs.as_dataset() for name, pairs in self.eval_sets.items()}
         self.eval_dataset = None if not named else named.get(None, named) if None in named else named
-        # Every pair once per epoch, as TRL's data loader: the last step's batch is filled with the epoch's
-        # first pairs (accelerate's even_batches), so every step and process has the same shape
+        # Every pair once per epoch, as TRL's data loader: the last step's batch is filled with the
+        # epoch's first pairs (accelerate's even_batches), so every step and process has the same
+        # shape
         self.steps_per_epoch = -(-len(self.train_pairs) // pairs_per_step)
         self.total_steps = (args.max_steps if args.max_steps > 0
                             else int(args.num_train_epochs * self.steps_per_epoch))
@@ -133,12 +136,14 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             disable_dropout(model)
         self.head_parameters = check_head_trainable(model)
         self.autocast_dtype = None
-        if dtype == torch.float16:  # float32 master weights for what trains; float16 only where frozen
+        # float32 master weights for what trains; float16 only where frozen
+        if dtype == torch.float16:
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.float()
             self.autocast_dtype = torch.float16
-        for note in apply_memory(model, args, self.accelerator.device):  # as the policy's (rlft/model/memory)
+        # as the policy's (rlft/model/memory)
+        for note in apply_memory(model, args, self.accelerator.device):
             self.messages.warn(note)
         self.param_summary = parameter_summary(model)
         optimizer, scheduler = optimizers
@@ -147,7 +152,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         # not the scheduler
         self.model, self.optimizer = self.engine.prepare(model, optimizer, args.max_grad_norm)
 
-    # ---- the loop (rlft/train/loop.py runs the steps) ------------------------------------------------
+    # ---- the loop (rlft/train/loop.py runs the steps)
+    # ------------------------------------------------
     @property
     def _eval_sets(self) -> dict:
         return self.eval_sets
@@ -163,14 +169,16 @@ class RewardTrainer(TrainLoop, TrainerSurface):
                       f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
 
     def _step(self, step: int) -> dict[str, float]:
-        """pairs -> scores -> Bradley-Terry loss -> update; a non-finite step is skipped and counted."""
+        """pairs -> scores -> Bradley-Terry loss -> update; a non-finite step is skipped and
+        counted."""
         return self._optimizer_step(step)
 
     def _end(self, stopping: bool = False) -> None:
         pass
 
     def _final_row(self) -> dict:
-        """transformers' summary row, holding the steps since the last log (as in TRL): none is lost."""
+        """transformers' summary row, holding the steps since the last log (as in TRL): none is
+        lost."""
         args, flow = self.args, self.flow
         summary = flow.summary(args.per_device_train_batch_size * args.gradient_accumulation_steps
                                * self.accelerator.num_processes)
@@ -180,10 +188,11 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         """Why max_nonfinite_steps steps in a row were not finite, and what to do."""
         dtype = self.accelerator.unwrap_model(self.model).dtype
         half = self.autocast_dtype == torch.float16 or dtype == torch.float16
-        return (f"{consecutive} consecutive steps had an inf/NaN loss or gradient norm (max_nonfinite_steps="
-                f"{self.args.max_nonfinite_steps}). Likely cause: a learning rate too high (now "
-                f"{self.args.learning_rate}; lower it or set max_grad_norm)"
-                + (", or float16 activations overflowing (use dtype bfloat16 or float32)" if half else
+        return (f"{consecutive} consecutive steps had an inf/NaN loss or gradient norm "
+                f"(max_nonfinite_steps={self.args.max_nonfinite_steps}). Likely cause: a learning "
+                f"rate too high (now {self.args.learning_rate}; lower it or set max_grad_norm)"
+                + (", or float16 activations overflowing (use dtype bfloat16 or "
+                   "float32)" if half else
                    f"; the model runs in {dtype}, so not a float16 overflow"))
 
     def _indices(self, step: int, micro: int) -> list[int]:
@@ -224,7 +233,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             with self.engine.micro_batch(self.model, last):
                 loss, metrics, chosen, rejected = self._pair_loss(batch)
                 finite = finite and bool(torch.isfinite(loss))
-                if loss.requires_grad:  # every process runs backward, finite or not: DDP syncs there
+                # every process runs backward, finite or not: DDP syncs there
+                if loss.requires_grad:
                     self.engine.backward(self.model,
                                          torch.nan_to_num(loss) / args.gradient_accumulation_steps)
             for key, value in {"loss": loss.detach(), **metrics}.items():
@@ -267,11 +277,12 @@ class RewardTrainer(TrainLoop, TrainerSurface):
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss, accuracy and mean margin over a whole eval set -> `eval_loss`, `eval_accuracy`, ...; a dict
-        of eval datasets gives `eval_<name>_*` per name."""
+        """Loss, accuracy and mean margin over a whole eval set -> `eval_loss`, `eval_accuracy`,
+        ...; a dict of eval datasets gives `eval_<name>_*` per name."""
         sets = self.eval_sets if eval_dataset is None else self._eval_pairs(eval_dataset)
         if not sets:
-            raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or the call)")
+            raise ConfigError("evaluate() needs an eval_dataset (none was given to the trainer or "
+                              "the call)")
         metrics = {}
         for name, pairs in sets.items():
             prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
@@ -300,7 +311,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         out = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()},
                "min_reward": both.min().item(), "mean_reward": both.mean().item(),
                "max_reward": both.max().item()}
-        if self.compute_metrics is not None:  # scores [N, 2] (chosen, rejected); label 0: the chosen one wins
+        # scores [N, 2] (chosen, rejected); label 0: the chosen one wins
+        if self.compute_metrics is not None:
             from transformers.trainer_utils import EvalPrediction
 
             scores = torch.stack([chosen, rejected], dim=1).cpu().numpy()
@@ -328,7 +340,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         return part.state["global_step"]
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
-        """A plain sequence-classification folder (LoRA merged in), loadable by any Auto class and by GRPO."""
+        """A plain sequence-classification folder (LoRA merged in), loadable by any Auto class and
+        by GRPO."""
         output_dir = Path(output_dir or self.args.output_dir)
         self.accelerator.wait_for_everyone()
         model = self.accelerator.unwrap_model(self.model)

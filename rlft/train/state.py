@@ -22,9 +22,9 @@ from rlft.errors import ConfigError, RlftError
 
 
 def make_accelerator(cfg):
-    """The run's Accelerator, running the engine the launch asks for (rlft/train/engines/), on the process
-    state the config already describes (rlft/config/launch.py). The LR scheduler is never handed to
-    accelerate: a
+    """The run's Accelerator, running the engine the launch asks for (rlft/train/engines/), on the
+    process state the config already describes (rlft/config/launch.py). The LR scheduler is never
+    handed to accelerate: a
     prepared scheduler advances once per process per optimiser step."""
     import torch
     from accelerate import Accelerator
@@ -35,15 +35,17 @@ def make_accelerator(cfg):
 
     engine, cuda = asked_engine(), torch.cuda.is_available()
     if engine != "ddp" and int(os.environ.get("WORLD_SIZE", "1")) == 1 and not cuda:
-        raise ConfigError(f"the launch asks for {engine} on one process of a machine without CUDA; sharding "
-                          "needs several processes there (accelerate launch --num_processes 2 ..., "
-                          "docs/distributed.md)")
-    # A second Accelerator in one process (a second trainer) shares the first one's state and plugin.
+        raise ConfigError(f"the launch asks for {engine} on one process of a machine without CUDA; "
+                          "sharding needs several processes there (accelerate launch "
+                          "--num_processes 2 ..., docs/distributed.md)")
+    # A second Accelerator in one process (a second trainer) shares the first one's state and
+    # plugin.
     plugins = engine_plugins(engine) if not AcceleratorState._shared_state else {}
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout(cfg)))]
     ddp = {name: getattr(cfg, f"ddp_{name}") for name in DDP_OPTIONS
            if getattr(cfg, f"ddp_{name}") is not None}
-    if ddp:  # TrainingArguments' ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers, ...
+    # TrainingArguments' ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers, ...
+    if ddp:
         handlers.append(DistributedDataParallelKwargs(**ddp))
     accelerator = Accelerator(log_with=cfg.report_to or None, project_dir=cfg.output_dir,
                               cpu=on_cpu_processes(cfg), kwargs_handlers=handlers, **plugins)
@@ -73,7 +75,8 @@ def named_timeouts(accelerator, cfg):
     try:
         yield
     except RuntimeError as err:
-        if isinstance(err, RlftError):  # rlft's own errors name their cause (a producer's request_timeout)
+        # rlft's own errors name their cause (a producer's request_timeout)
+        if isinstance(err, RlftError):
             raise
         if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
             raise
@@ -81,8 +84,8 @@ def named_timeouts(accelerator, cfg):
         who = f"rank(s) {silent}" if silent else "another process"
         raise CollectiveTimeoutError(
             f"rank {accelerator.process_index}: {who} did not answer a collective within "
-            f"ddp_timeout={collective_timeout(cfg)} s; that process is stuck (a reward function, the "
-            "dataset, the model) or died. Raise ddp_timeout if it is only slow") from err
+            f"ddp_timeout={collective_timeout(cfg)} s; that process is stuck (a reward function, "
+            "the dataset, the model) or died. Raise ddp_timeout if it is only slow") from err
 
 
 def _silent_ranks(rank: int, world: int, wait_s: float = 5.0) -> list[int]:
@@ -100,18 +103,22 @@ def _silent_ranks(rank: int, world: int, wait_s: float = 5.0) -> list[int]:
                 break
             time.sleep(0.2)
         return silent
-    except Exception:  # the store went with the dead process: no names, the message still says what happened
+    # the store went with the dead process: no names, the message still says what happened
+    except Exception:
         return []
 
 
 def release_processes(accelerator) -> None:
-    """Free the (DDP-wrapped) model while the process group is still registered, then destroy the group.
+    """Free the (DDP-wrapped) model while the process group is still registered, then destroy the
+    group.
 
-    Left to interpreter exit, the last DDP Reducer destroys the gloo group while holding the GIL, and
-    a gloo worker finishing its last work item waits for the GIL: a hang or 'terminate called without
-    an active exception' after all work is saved (seen about 1 run in 8 on 2 CPU processes)."""
+    Left to interpreter exit, the last DDP Reducer destroys the gloo group while holding the GIL,
+    and a gloo worker finishing its last work item waits for the GIL: a hang or 'terminate called
+    without an active exception' after all work is saved (seen about 1 run in 8 on 2 CPU
+    processes)."""
     accelerator.wait_for_everyone()
-    accelerator.free_memory()  # the caller holds no trainer any more: this drops the last model references
+    # the caller holds no trainer any more: this drops the last model references
+    accelerator.free_memory()
     gc.collect()
     accelerator.wait_for_everyone()
     accelerator.state.destroy_process_group()
@@ -122,7 +129,8 @@ def check_writable(output_dir: str | Path) -> None:
     path = Path(output_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".rlft-write-test-{os.getpid()}"  # one per process: ranks probe at the same time
+        # one per process: ranks probe at the same time
+        probe = path / f".rlft-write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
@@ -131,10 +139,10 @@ def check_writable(output_dir: str | Path) -> None:
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
-    """transformers' own optimizer for `cfg.optim` (every name `Trainer.get_optimizer_cls_and_kwargs` knows:
-    adamw_torch_fused, adamw_8bit, paged_adamw_32bit, adafactor, lion_*, sgd, ...) with transformers'
-    weight-decay groups (none on biases and norms). One that cannot run here is an error naming it, its
-    package and the device."""
+    """transformers' own optimizer for `cfg.optim` (every name
+    `Trainer.get_optimizer_cls_and_kwargs` knows: adamw_torch_fused, adamw_8bit, paged_adamw_32bit,
+    adafactor, lion_*, sgd, ...) with transformers' weight-decay groups (none on biases and norms).
+    One that cannot run here is an error naming it, its package and the device."""
     from transformers import Trainer
 
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -165,7 +173,8 @@ def optimizer_unavailable(name: str, err: Exception) -> str:
 
 
 def build_scheduler(optimizer, cfg, total_steps: int):
-    """transformers' schedulers; warmup_steps below 1 is a fraction of the steps (transformers' rule)."""
+    """transformers' schedulers; warmup_steps below 1 is a fraction of the steps (transformers'
+    rule)."""
     warmup = cfg.warmup_steps
     warmup = int(math.ceil(warmup * total_steps)) if 0 < warmup < 1 else int(warmup)
     warmup = warmup or int(round(cfg.warmup_ratio * total_steps))

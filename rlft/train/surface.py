@@ -17,7 +17,8 @@ from rlft.telemetry.tracking import end_trackers
 
 
 class HubError(RlftError, RuntimeError):
-    """Pushing to the Hugging Face Hub failed; the message says why (offline, no token, no repo id)."""
+    """Pushing to the Hugging Face Hub failed; the message says why (offline, no token, no repo
+    id)."""
 
 
 CARD = """---
@@ -54,7 +55,8 @@ class TrainerSurface:
             self.log.log(logs, self.flow.state.global_step)
         return logs
 
-    # ---- transformers.Trainer's small methods ----------------------------------------------------------
+    # ---- transformers.Trainer's small methods
+    # ----------------------------------------------------------
     @property
     def callback_handler(self):
         return self.flow.handler
@@ -74,7 +76,8 @@ class TrainerSurface:
 
     @property
     def hub_model_id(self) -> str | None:
-        """The hub repository push_to_hub wrote to (or will: args.hub_model_id), as in transformers."""
+        """The hub repository push_to_hub wrote to (or will: args.hub_model_id), as in
+        transformers."""
         return getattr(self, "_hub_repo", None) or self.args.hub_model_id
 
     def is_world_process_zero(self) -> bool:
@@ -100,7 +103,8 @@ class TrainerSurface:
         if add is not None:
             add(list(self._tag_names))
 
-    # ---- model card and hub ----------------------------------------------------------------------------
+    # ---- model card and hub
+    # ----------------------------------------------------------------------------
     def create_model_card(
         self,
         model_name: str | None = None,
@@ -108,7 +112,8 @@ class TrainerSurface:
         tags: str | list[str] | None = None,
         **kwargs,
     ) -> None:
-        """README.md in output_dir: hub metadata (base model, tags, library) and what training ran."""
+        """README.md in output_dir: hub metadata (base model, tags, library) and what training
+        ran."""
         if not self.is_world_process_zero():
             return
         model = self.accelerator.unwrap_model(self.model)
@@ -153,8 +158,9 @@ class TrainerSurface:
         revision: str | None = None,
         **kwargs,
     ):
-        """Save the model to output_dir, write its card, and upload the folder to `hub_model_id` (default: the
-        output folder's name under your account). Needs the network and a token; offline it is a HubError."""
+        """Save the model to output_dir, write its card, and upload the folder to `hub_model_id`
+        (default: the output folder's name under your account). Needs the network and a token;
+        offline it is a HubError."""
         from huggingface_hub import HfApi
 
         self.save_model(self.args.output_dir)
@@ -175,9 +181,10 @@ class TrainerSurface:
                 run_as_future=not blocking,
                 ignore_patterns=["_*", "checkpoint-*", ".tmp-checkpoint-*"],
             )
-        except Exception as err:  # offline, no token, no permission: all end here, with the cause named
+        # offline, no token, no permission: all end here, with the cause named
+        except Exception as err:
             raise HubError(
-                f"push_to_hub could not reach the Hugging Face Hub ({type(err).__name__}: {err}). The "
-                f"model is saved in {self.args.output_dir}; push that folder later with "
+                f"push_to_hub could not reach the Hugging Face Hub ({type(err).__name__}: {err}). "
+                f"The model is saved in {self.args.output_dir}; push that folder later with "
                 "`hf upload <repo> <folder>`, or set push_to_hub: false"
             ) from err

@@ -1,33 +1,34 @@
-"""The sequence dimension in chunks where a layer allows it: each decoder layer's MLP (position-wise, so any
-split of the positions computes the same values) run over `mlp_chunk_size` positions at a time in a
-training forward. The forward keeps no intermediate of the MLP, only its input; the backward recomputes one
-chunk's MLP at a time and differentiates it before the next.
+"""The sequence dimension in chunks where a layer allows it: each decoder layer's MLP
+(position-wise, so any split of the positions computes the same values) run over `mlp_chunk_size`
+positions at a time in a training forward. The forward keeps no intermediate of the MLP, only its
+input; the backward recomputes one chunk's MLP at a time and differentiates it before the next.
 
-What it bounds: with gradient checkpointing a layer's backward holds that layer's activations for every
-position of the micro-batch at once, and the MLP's (gate, up, their product: about 4 x intermediate_size
-floats per position, 3-5 times the hidden size) are most of them. Chunked, the MLP holds
-`mlp_chunk_size` positions' worth.
+What it bounds: with gradient checkpointing a layer's backward holds that layer's activations for
+every position of the micro-batch at once, and the MLP's (gate, up, their product: about 4 x
+intermediate_size floats per position, 3-5 times the hidden size) are most of them. Chunked, the MLP
+holds `mlp_chunk_size` positions' worth.
 
-What it costs: nothing in the usual layer. The MLP's input is saved first, by an autograd function of its
-own (`_Anchor`), and the chunks run in a second one that saves nothing (`_Chunks`), so a checkpointed
-layer's recomputation, which stops once every tensor the layer saved is back (torch's early stop), stops at
-the MLP's input when nothing after the MLP saves a tensor (Llama, Qwen2/3, Mistral: the residual add): the
-MLP's forward runs twice in all, as unchunked. Unchunked, torch's early stop also spares the down
-projection's forward (nothing saved comes after it); chunked, the same holds where the down projection is a
-plain linear layer whose output the MLP returns (full fine-tuning): the chunk's recomputation stops at its
-input and its backward is written out. Elsewhere (a peft-adapted down projection) it runs once more per
-chunk, a third of the MLP's matmuls. A layer that
-normalises the MLP's output (Gemma 2/3's post-feed-forward norm) saves it, so its recomputation runs the
-chunks too, one MLP forward more. Values and gradients are the unchunked ones (the same operations on the
-same positions; float sums of a parameter's gradient over chunks may round differently). The parameters'
-gradients are the autograd function's outputs, so they reach the parameters once per layer (DDP's and
-ZeRO's gradient hooks as usual). Forwards without gradient (old-policy, reference, generation) run
-unchanged; so does a forward of fewer positions than a chunk.
+What it costs: nothing in the usual layer. The MLP's input is saved first, by an autograd function
+of its own (`_Anchor`), and the chunks run in a second one that saves nothing (`_Chunks`), so a
+checkpointed layer's recomputation, which stops once every tensor the layer saved is back (torch's
+early stop), stops at the MLP's input when nothing after the MLP saves a tensor (Llama, Qwen2/3,
+Mistral: the residual add): the MLP's forward runs twice in all, as unchunked. Unchunked, torch's
+early stop also spares the down projection's forward (nothing saved comes after it); chunked, the
+same holds where the down projection is a plain linear layer whose output the MLP returns (full
+fine-tuning): the chunk's recomputation stops at its input and its backward is written out.
+Elsewhere (a peft-adapted down projection) it runs once more per chunk, a third of the MLP's
+matmuls. A layer that normalises the MLP's output (Gemma 2/3's post-feed-forward norm) saves it, so
+its recomputation runs the chunks too, one MLP forward more. Values and gradients are the unchunked
+ones (the same operations on the same positions; float sums of a parameter's gradient over chunks
+may round differently). The parameters' gradients are the autograd function's outputs, so they reach
+the parameters once per layer (DDP's and ZeRO's gradient hooks as usual). Forwards without gradient
+(old-policy, reference, generation) run unchanged; so does a forward of fewer positions than a
+chunk.
 
-Applies to a model whose decoder layers have an `mlp` module that maps hidden states [..., T, H] to a tensor
-of the same shape (Llama, Qwen2/3, Mistral, Gemma, Phi-3, ...); a Mixture-of-Experts block (its router
-reads all positions together, and returns router logits) and an MLP with dropout (the recomputation would
-draw other masks) are refused, naming the field.
+Applies to a model whose decoder layers have an `mlp` module that maps hidden states [..., T, H] to
+a tensor of the same shape (Llama, Qwen2/3, Mistral, Gemma, Phi-3, ...); a Mixture-of-Experts block
+(its router reads all positions together, and returns router logits) and an MLP with dropout (the
+recomputation would draw other masks) are refused, naming the field.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from rlft.errors import ConfigError, RlftError
 
 
 def _mlps(model) -> list[torch.nn.Module]:
-    """Each decoder layer's `mlp`: layers under `layers` (Llama, Qwen, Mistral, Gemma, ...), a language
-    model's `layers` (multimodal models), `h` (GPT-2, GPT-J, Falcon, Bloom) or `blocks`."""
+    """Each decoder layer's `mlp`: layers under `layers` (Llama, Qwen, Mistral, Gemma, ...), a
+    language model's `layers` (multimodal models), `h` (GPT-2, GPT-J, Falcon, Bloom) or `blocks`."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     backbone = getattr(inner, inner.base_model_prefix, inner)
     places = (backbone, getattr(backbone, "language_model", None))
@@ -53,20 +54,23 @@ def _mlps(model) -> list[torch.nn.Module]:
 
 
 def chunk_mlps(model, chunk: int) -> int:
-    """Make every decoder layer's MLP of `model` run chunked in training forwards (module docstring).
-    Returns how many it changed; raises ConfigError for a model it cannot apply to."""
+    """Make every decoder layer's MLP of `model` run chunked in training forwards (module
+    docstring). Returns how many it changed; raises ConfigError for a model it cannot apply to."""
     mlps = _mlps(model)
     if not mlps:
-        raise ConfigError(f"mlp_chunk_size={chunk}: {type(model).__name__} has no decoder layers (under "
-                          "layers, h or blocks) with an `mlp` module to chunk; leave mlp_chunk_size unset")
+        raise ConfigError(f"mlp_chunk_size={chunk}: {type(model).__name__} has no decoder layers "
+                          "(under layers, h or blocks) with an `mlp` module to chunk; leave "
+                          "mlp_chunk_size unset")
     for mlp in mlps:
         name = type(mlp).__name__
         if any(hasattr(mlp, attr) for attr in ("gate", "router", "experts")) or "moe" in name.lower():
-            raise ConfigError(f"mlp_chunk_size={chunk}: {name} is a Mixture-of-Experts block (its router "
-                              "reads all positions together); leave mlp_chunk_size unset for this model")
+            raise ConfigError(f"mlp_chunk_size={chunk}: {name} is a Mixture-of-Experts block (its "
+                              "router reads all positions together); leave mlp_chunk_size unset "
+                              "for this model")
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in mlp.modules()):
-            raise ConfigError(f"mlp_chunk_size={chunk}: {name} has dropout, which its recomputation in the "
-                              "backward would draw again differently; leave mlp_chunk_size unset")
+            raise ConfigError(f"mlp_chunk_size={chunk}: {name} has dropout, which its "
+                              "recomputation in the backward would draw again differently; leave "
+                              "mlp_chunk_size unset")
         if getattr(mlp, "_rlft_chunk", None) is None:
             mlp.forward = types.MethodType(_chunked_forward, mlp)
         mlp._rlft_chunk = chunk
@@ -74,8 +78,9 @@ def chunk_mlps(model, chunk: int) -> int:
 
 
 def _chunked_forward(self, hidden: torch.Tensor, *args, **kwargs):
-    """The module's class forward over `_rlft_chunk` positions at a time (the class's, not a bound method
-    kept in a closure: a deep copy of the model, such as a reference, must run its own weights)."""
+    """The module's class forward over `_rlft_chunk` positions at a time (the class's, not a bound
+    method kept in a closure: a deep copy of the model, such as a reference, must run its own
+    weights)."""
     own = type(self).forward.__get__(self)
     chunk = self._rlft_chunk
     if not torch.is_grad_enabled() or hidden.shape[-2] <= chunk or args or kwargs:
@@ -86,8 +91,8 @@ def _chunked_forward(self, hidden: torch.Tensor, *args, **kwargs):
 
 
 class _Anchor(torch.autograd.Function):
-    """The identity, saving its input: the MLP's input for `_Chunks`'s backward, saved before the MLP runs (a
-    checkpointed layer's recomputation can stop here)."""
+    """The identity, saving its input: the MLP's input for `_Chunks`'s backward, saved before the
+    MLP runs (a checkpointed layer's recomputation can stop here)."""
 
     @staticmethod
     def forward(ctx, hidden):
@@ -100,20 +105,22 @@ class _Anchor(torch.autograd.Function):
 
 
 class _Chunks(torch.autograd.Function):
-    """The MLP over chunks of positions, saving nothing: the forward without gradient; the backward reads
-    the input `_Anchor` saved, and for each chunk recomputes the MLP with gradient and differentiates it, the
-    parameters' gradients summed over chunks."""
+    """The MLP over chunks of positions, saving nothing: the forward without gradient; the backward
+    reads the input `_Anchor` saved, and for each chunk recomputes the MLP with gradient and
+    differentiates it, the parameters' gradients summed over chunks."""
 
     @staticmethod
     def forward(ctx, anchored, own, chunk, name, *params):
         ctx.own, ctx.chunk, ctx.params, ctx.anchor = own, chunk, params, anchored.grad_fn
-        if ctx.anchor is None:  # the input takes no gradient (only the MLP's parameters do): saved here
+        # the input takes no gradient (only the MLP's parameters do): saved here
+        if ctx.anchor is None:
             ctx.save_for_backward(anchored)
         ctx.amp = [(device, torch.get_autocast_dtype(device)) for device in ("cuda", "cpu", "xpu")
                    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)]
         down, outputs = _plain_down(own.__self__, anchored.dtype) if not ctx.amp else None, []
         watch = None if down is None else down.register_forward_hook(lambda m, a, out: outputs.append(out))
-        with torch.no_grad():  # (contiguous: an MLP may view its input flat, as GPT-2's Conv1D does)
+        # (contiguous: an MLP may view its input flat, as GPT-2's Conv1D does)
+        with torch.no_grad():
             parts = [own(piece.contiguous()) for piece in anchored.split(chunk, dim=-2)]
         if watch is not None:
             watch.remove()
@@ -122,8 +129,9 @@ class _Chunks(torch.autograd.Function):
         ctx.down = down if last else None
         pieces = anchored.split(chunk, dim=-2)
         if not all(isinstance(p, torch.Tensor) and p.shape == q.shape for p, q in zip(parts, pieces)):
-            raise ConfigError(f"mlp_chunk_size: {name} does not map hidden states to hidden states of the "
-                              "same shape, so its positions cannot be split; leave mlp_chunk_size unset")
+            raise ConfigError(f"mlp_chunk_size: {name} does not map hidden states to hidden states "
+                              "of the same shape, so its positions cannot be split; leave "
+                              "mlp_chunk_size unset")
         return torch.cat(parts, dim=-2)
 
     @staticmethod
@@ -151,8 +159,8 @@ class _Chunks(torch.autograd.Function):
 
 
 class _Stop(RlftError):
-    """Raised by a forward pre-hook to end a forward at a module's input (`value`); caught where it is raised
-    for, never seen outside this module."""
+    """Raised by a forward pre-hook to end a forward at a module's input (`value`); caught where it
+    is raised for, never seen outside this module."""
 
     def __init__(self, value: torch.Tensor):
         super().__init__()
@@ -160,9 +168,9 @@ class _Stop(RlftError):
 
 
 def _plain_down(mlp, dtype: torch.dtype) -> torch.nn.Linear | None:
-    """The MLP's `down_proj` where it is a plain linear layer in the activations' dtype (full fine-tuning;
-    not a peft layer, not quantised, not partitioned by ZeRO-3, whose hooks must see its forward end), else
-    None."""
+    """The MLP's `down_proj` where it is a plain linear layer in the activations' dtype (full
+    fine-tuning; not a peft layer, not quantised, not partitioned by ZeRO-3, whose hooks must see
+    its forward end), else None."""
     down = getattr(mlp, "down_proj", None)
     if type(down) is not torch.nn.Linear or hasattr(down.weight, "ds_id"):
         return None
@@ -170,10 +178,10 @@ def _plain_down(mlp, dtype: torch.dtype) -> torch.nn.Linear | None:
 
 
 def _chunk_grads(ctx, x: torch.Tensor, inputs: list, up: torch.Tensor) -> list:
-    """The chunk's gradients for `inputs` given the output's gradient `up`. With a plain `down_proj` whose
-    output the MLP returns, the recomputation stops at its input a and its backward is written out
-    (dL/da = g W, dL/dW = g^T a, dL/db = sum g): its forward, a third of the MLP's matmuls, is not run
-    again."""
+    """The chunk's gradients for `inputs` given the output's gradient `up`. With a plain `down_proj`
+    whose output the MLP returns, the recomputation stops at its input a and its backward is written
+    out (dL/da = g W, dL/dW = g^T a, dL/db = sum g): its forward, a third of the MLP's matmuls, is
+    not run again."""
     down = ctx.down
     slots = {id(t): k for k, t in enumerate(inputs)}
     wanted = [p for p in (down.weight, down.bias) if p is not None and p.requires_grad] if down else []

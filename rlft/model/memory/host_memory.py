@@ -1,25 +1,27 @@
-"""`trim_host_memory`: on a CPU, give the heap memory glibc holds free back to the system between decoder
-layers of a training forward and backward.
+"""`trim_host_memory`: on a CPU, give the heap memory glibc holds free back to the system between
+decoder layers of a training forward and backward.
 
-glibc's allocator raises its mmap threshold (up to 32 MiB) as the program frees large blocks, then serves
-blocks below it from its heap. A training forward with gradient checkpointing keeps one block per layer (the
-layer's input) and frees the layer's temporaries; the heap cannot shrink below the newest kept block, so the
-freed pages stay resident and, when the next layer's blocks do not fit the holes, the heap grows past them.
-At workload d's shape (vocabulary 151,936, 16 x 552 tokens, LoRA, checkpointing) that held the scoring
-step's peak at 1,789 MB above the model for a 245 MB working set; trimmed (this module's first gate, free
-bytes alone), 663 MB for 6% more time (benchmarks/cpu_allocator.py, docs/benchmarks.md).
+glibc's allocator raises its mmap threshold (up to 32 MiB) as the program frees large blocks, then
+serves blocks below it from its heap. A training forward with gradient checkpointing keeps one block
+per layer (the layer's input) and frees the layer's temporaries; the heap cannot shrink below the
+newest kept block, so the freed pages stay resident and, when the next layer's blocks do not fit the
+holes, the heap grows past them. At workload d's shape (vocabulary 151,936, 16 x 552 tokens, LoRA,
+checkpointing) that held the scoring step's peak at 1,789 MB above the model for a 245 MB working
+set; trimmed (this module's first gate, free bytes alone), 663 MB for 6% more time
+(benchmarks/cpu_allocator.py, docs/benchmarks.md).
 
 `malloc_trim(0)` returns every whole free page of the heap to the system (glibc >= 2.8 releases the
 middle of the heap too, not only its top) without changing how later blocks are allocated: unlike
-MALLOC_MMAP_THRESHOLD_, which makes every block above it a fresh mapping for the whole process, it costs one
-page fault per released page that is used again, once per layer at most. Called at the start of each decoder
-layer's grad-enabled forward and before its backward (when its output's gradient is formed), it trims only
-when the resident set has grown by `THRESHOLD` bytes since the last trim and glibc holds that much free:
-where the next layer reuses what the last one freed (workload b: a trim there released 40-110 MB that the
-next layer faulted back in, and made the backward ~0.3 s slower) the resident set stays level and nothing is
-trimmed; a check is one read of /proc/self/statm. No effect on a GPU (its activations are in device
-memory), on a C library without `malloc_trim` / `mallinfo2` (musl, macOS), or in forwards without gradient
-(generation, old-policy and reference scoring).
+MALLOC_MMAP_THRESHOLD_, which makes every block above it a fresh mapping for the whole process, it
+costs one page fault per released page that is used again, once per layer at most. Called at the
+start of each decoder layer's grad-enabled forward and before its backward (when its output's
+gradient is formed), it trims only when the resident set has grown by `THRESHOLD` bytes since the
+last trim and glibc holds that much free: where the next layer reuses what the last one freed
+(workload b: a trim there released 40-110 MB that the next layer faulted back in, and made the
+backward ~0.3 s slower) the resident set stays level and nothing is trimmed; a check is one read of
+/proc/self/statm. No effect on a GPU (its activations are in device memory), on a C library without
+`malloc_trim` / `mallinfo2` (musl, macOS), or in forwards without gradient (generation, old-policy
+and reference scoring).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import os
 
 import torch
 
-THRESHOLD = 256 << 20  # resident growth since the last trim, and free bytes glibc holds, before a trim
+# resident growth since the last trim, and free bytes glibc holds, before a trim
+THRESHOLD = 256 << 20
 _FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
            "keepcost")
 
@@ -71,10 +74,10 @@ def resident_bytes() -> int | None:
 
 class HostMemoryTrimmer:
     """Hooks of decoder layers; `checks` and `trims` count its calls since construction. `threshold`
-    (None: THRESHOLD): a trim needs the resident set grown by that many bytes since the last trim (or the
-    first check) and glibc holding that many free. Growth is what tells pages that pile up (holes later
-    blocks do not fit, d's case) from pages the next layer reuses (a steady resident set, where a trim would
-    only cost faults)."""
+    (None: THRESHOLD): a trim needs the resident set grown by that many bytes since the last trim
+    (or the first check) and glibc holding that many free. Growth is what tells pages that pile up
+    (holes later blocks do not fit, d's case) from pages the next layer reuses (a steady resident
+    set, where a trim would only cost faults)."""
 
     def __init__(self, threshold: int | None = None):
         self.threshold = THRESHOLD if threshold is None else threshold
@@ -82,8 +85,8 @@ class HostMemoryTrimmer:
         self.low: int | None = None  # the resident set after the last trim (the lowest seen since)
 
     def give_back(self) -> bool:
-        """malloc_trim(0) when the resident set grew by `threshold` bytes since the last trim and glibc holds
-        at least `threshold` bytes free; whether it trimmed."""
+        """malloc_trim(0) when the resident set grew by `threshold` bytes since the last trim and
+        glibc holds at least `threshold` bytes free; whether it trimmed."""
         libc = _libc()
         if libc is None:
             return False
@@ -107,8 +110,9 @@ class HostMemoryTrimmer:
             self.give_back()
 
     def after_forward(self, module, args, kwargs, output) -> None:
-        """Forward hook: once the layer's output has its gradient, before the layer's backward (and, under
-        checkpointing, its recomputation) begins, give back what the later layers' backward freed."""
+        """Forward hook: once the layer's output has its gradient, before the layer's backward (and,
+        under checkpointing, its recomputation) begins, give back what the later layers' backward
+        freed."""
         hidden = output[0] if isinstance(output, tuple | list) else output
         if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad \
                 and hidden.device.type == "cpu":
@@ -128,10 +132,10 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 def trim_between_layers(model, device: torch.device | str, threshold: int | None = None,
                         ) -> HostMemoryTrimmer | None:
-    """Install a trimmer on every decoder layer of `model` not yet given one (each layer's `_rlft_trimmer`)
-    where it trains on a CPU (`device`: the training device; the model may not be there yet). None on
-    another device (no hook on its layers' forwards), where the C library has no malloc_trim / mallinfo2,
-    or where the model has no decoder layers transformers marks."""
+    """Install a trimmer on every decoder layer of `model` not yet given one (each layer's
+    `_rlft_trimmer`) where it trains on a CPU (`device`: the training device; the model may not be
+    there yet). None on another device (no hook on its layers' forwards), where the C library has no
+    malloc_trim / mallinfo2, or where the model has no decoder layers transformers marks."""
     if torch.device(device).type != "cpu" or _libc() is None:
         return None
     layers = [layer for layer in decoder_layers(model) if getattr(layer, "_rlft_trimmer", None) is None]

@@ -1,7 +1,7 @@
 """DDP, and one process: every process holds the whole model and the whole optimizer state.
 
-Nothing differs from `TrainingEngine`'s plain behaviour but the name; the class exists so the engine a run
-uses is always a named one (the run log says `engine ddp` or `engine single`).
+Nothing differs from `TrainingEngine`'s plain behaviour but the name; the class exists so the engine
+a run uses is always a named one (the run log says `engine ddp` or `engine single`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""DeepSpeed ZeRO-2 and ZeRO-3: the optimizer state (and gradients) in pieces on the processes; under ZeRO-3
-the weights too, from the moment transformers builds the model inside zero.Init.
+"""DeepSpeed ZeRO-2 and ZeRO-3: the optimizer state (and gradients) in pieces on the processes;
+under ZeRO-3 the weights too, from the moment transformers builds the model inside zero.Init.
 
-What differs from the plain engine: the DeepSpeed config is filled from rlft's settings (bf16, clipping,
-rlft's own accumulation), DeepSpeed runs backward / clipping / the step itself and keeps gradients in its own
-buffers (the flow check reads them through hooks), and checkpoints gather the fp32 master weights and
-optimizer state whole through deepspeed.utils' safe_get/set_full_* helpers. The zero stage decides the rest
-(`zero_stage`).
+What differs from the plain engine: the DeepSpeed config is filled from rlft's settings (bf16,
+clipping, rlft's own accumulation), DeepSpeed runs backward / clipping / the step itself and keeps
+gradients in its own buffers (the flow check reads them through hooks), and checkpoints gather the
+fp32 master weights and optimizer state whole through deepspeed.utils' safe_get/set_full_* helpers.
+The zero stage decides the rest (`zero_stage`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from rlft.errors import ConfigError
 from rlft.train.engines.engine_base import GatheringEngine, State
 
 FLOAT16 = "float16 weights under DeepSpeed: rlft trains bfloat16 or float32 (dtype: bfloat16)"
-FLOAT64 = ("float64 weights under DeepSpeed: its engines train bfloat16, float16 or float32 and would "
-           "cast the model to float32 without a word (dtype: float32, or train float64 under DDP or FSDP2)")
+FLOAT64 = ("float64 weights under DeepSpeed: its engines train bfloat16, float16 or float32 and "
+           "would cast the model to float32 without a word (dtype: float32, or train float64 under "
+           "DDP or FSDP2)")
 
 
 class DeepSpeedEngine(GatheringEngine):
-    """DeepSpeed through accelerate's plugin; `zero_stage` is 2 or 3 (engine_plugins refuses the others)."""
+    """DeepSpeed through accelerate's plugin; `zero_stage` is 2 or 3 (engine_plugins refuses the
+    others)."""
 
     def __init__(self, accelerator):
         super().__init__(accelerator)
@@ -48,8 +50,9 @@ class DeepSpeedEngine(GatheringEngine):
     # ---- preparing --------------------------------------------------------------------------------
     def before_loading(self, dtype: torch.dtype) -> None:
         """The config's bf16 follows the dtype asked for, before any model is loaded: under ZeRO-3
-        transformers builds the model inside zero.Init, which casts every weight to the config's dtype
-        (float32 unless bf16 is enabled there: a bfloat16 run trained and saved float32 weights, measured)."""
+        transformers builds the model inside zero.Init, which casts every weight to the config's
+        dtype (float32 unless bf16 is enabled there: a bfloat16 run trained and saved float32
+        weights, measured)."""
         if dtype in (torch.float16, torch.float64):
             raise ConfigError(FLOAT16 if dtype == torch.float16 else FLOAT64)
         self._plugin.deepspeed_config["bf16"] = {"enabled": dtype == torch.bfloat16}
@@ -57,13 +60,15 @@ class DeepSpeedEngine(GatheringEngine):
             self._plugin.set_deepspeed_weakref()
 
     def prepare(self, model, optimizer, max_grad_norm: float | None):
-        """accelerate builds the DeepSpeed engine from the plugin's config: fill that from rlft first."""
+        """accelerate builds the DeepSpeed engine from the plugin's config: fill that from rlft
+        first."""
         self._fill_config(model, max_grad_norm)
         return self.accelerator.prepare(model, optimizer)
 
     def _fill_config(self, model, max_grad_norm: float | None) -> None:
         """rlft accumulates micro-batches itself and steps once per rlft step (DeepSpeed's unmanaged
-        accumulation), clips at max_grad_norm, and trains bf16 weights with DeepSpeed's fp32 master copy."""
+        accumulation), clips at max_grad_norm, and trains bf16 weights with DeepSpeed's fp32 master
+        copy."""
         config = self._plugin.deepspeed_config
         clip = float(max_grad_norm or 0.0)
         asked = config.get("gradient_clipping", "auto")
@@ -73,9 +78,9 @@ class DeepSpeedEngine(GatheringEngine):
                               "(or gradient_clipping: auto)")
         accumulation = config.get("gradient_accumulation_steps", "auto")
         if accumulation not in ("auto", 1):
-            raise ConfigError(f"the DeepSpeed config's gradient_accumulation_steps={accumulation}: rlft "
-                              "accumulates itself (gradient_accumulation_steps in the rlft config); set it "
-                              "to 1 or auto there")
+            raise ConfigError(f"the DeepSpeed config's gradient_accumulation_steps={accumulation}: "
+                              "rlft accumulates itself (gradient_accumulation_steps in the rlft "
+                              "config); set it to 1 or auto there")
         dtype = next(model.parameters()).dtype
         if dtype in (torch.float16, torch.float64):  # a loaded model passed in
             raise ConfigError(FLOAT16 if dtype == torch.float16 else FLOAT64)
@@ -88,8 +93,8 @@ class DeepSpeedEngine(GatheringEngine):
         config.pop("train_batch_size", None)
 
     def prepare_reference(self, reference):
-        """Under ZeRO-3 a ZeRO-3 inference engine, sharded like the policy; under ZeRO-2 a full copy on every
-        process, as TRL keeps it."""
+        """Under ZeRO-3 a ZeRO-3 inference engine, sharded like the policy; under ZeRO-2 a full copy
+        on every process, as TRL keeps it."""
         if self.zero_stage != 3:
             return super().prepare_reference(reference)
         import deepspeed
@@ -104,10 +109,10 @@ class DeepSpeedEngine(GatheringEngine):
 
     @contextlib.contextmanager
     def unpartitioned(self):
-        """Under ZeRO-3 transformers would otherwise build the plain model inside zero.Init, a collective only
-        that process enters (it hangs). accelerate's zero3_init_context_manager(enable=False) re-registers the
-        same ZeRO-3 config with transformers (accelerate 1.15), so the registration is lifted here for the
-        duration."""
+        """Under ZeRO-3 transformers would otherwise build the plain model inside zero.Init, a
+        collective only that process enters (it hangs). accelerate's
+        zero3_init_context_manager(enable=False) re-registers the same ZeRO-3 config with
+        transformers (accelerate 1.15), so the registration is lifted here for the duration."""
         from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
         registered = self._plugin.dschf
@@ -120,9 +125,9 @@ class DeepSpeedEngine(GatheringEngine):
 
     @contextlib.contextmanager
     def full_weights(self, model, params=None):
-        """ZeRO-3: all parameters (or only `params`) gathered on every process for the duration (ZeRO-3
-        gathers per forward during generation, kept in step by synced_gpus, so for_generation needs nothing).
-        ZeRO-2: whole already."""
+        """ZeRO-3: all parameters (or only `params`) gathered on every process for the duration
+        (ZeRO-3 gathers per forward during generation, kept in step by synced_gpus, so
+        for_generation needs nothing). ZeRO-2: whole already."""
         if self.zero_stage != 3:
             yield
             return
@@ -134,7 +139,8 @@ class DeepSpeedEngine(GatheringEngine):
 
     # ---- one optimiser step ---------------------------------------------------------------------
     def micro_batch(self, model, last: bool):
-        """DeepSpeed's unmanaged accumulation reduces per micro-batch and steps once: no sync to skip."""
+        """DeepSpeed's unmanaged accumulation reduces per micro-batch and steps once: no sync to
+        skip."""
         return contextlib.nullcontext()
 
     def backward(self, model, loss: torch.Tensor) -> None:
@@ -146,20 +152,22 @@ class DeepSpeedEngine(GatheringEngine):
         return None
 
     def step(self, model, optimizer) -> tuple[bool, float | None]:
-        """DeepSpeed skips a step whose gradient norm is not finite; the norm is the one it clipped with."""
+        """DeepSpeed skips a step whose gradient norm is not finite; the norm is the one it clipped
+        with."""
         model.step()
         relink_optimizer_state(model.optimizer)
         norm = model.get_global_grad_norm()
         return bool(model.was_step_applied()), None if norm is None else float(norm)
 
     def zero_grad(self, model, optimizer) -> None:
-        """The engine holds its own gradient buffers besides the optimizer's parameters: clear both."""
+        """The engine holds its own gradient buffers besides the optimizer's parameters: clear
+        both."""
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad()
 
     def watch_grads(self, model) -> None:
-        """DeepSpeed keeps gradients in its own buffers (and reduces them inside its step), so hooks note each
-        trainable parameter's gradient as autograd makes it."""
+        """DeepSpeed keeps gradients in its own buffers (and reduces them inside its step), so hooks
+        note each trainable parameter's gradient as autograd makes it."""
         from functools import partial
 
         self._seen: dict[str, float] = {}
@@ -169,19 +177,23 @@ class DeepSpeedEngine(GatheringEngine):
         self._seen[name] = self._seen.get(name, 0.0) + float(grad.detach().float().pow(2).sum())
 
     def grads(self, model) -> list[tuple[str, torch.Tensor | None]]:
-        """The hooked squares summed over processes: per-parameter gradient norms, alike on all processes."""
+        """The hooked squares summed over processes: per-parameter gradient norms, alike on all
+        processes."""
         named = self._trainable(model)
         for hook in self._hooks:
             hook.remove()
         squares = torch.tensor([self._seen.get(name, -1.0) for name, _ in named], dtype=torch.float64,
                                device=self.accelerator.device)
-        squares = self.accelerator.reduce(squares, "sum")  # a missing gradient is missing on every process
+        # a missing gradient is missing on every process
+        squares = self.accelerator.reduce(squares, "sum")
         return [(name, None if value < 0 else value.sqrt().reshape(1))
                 for (name, _), value in zip(named, squares)]
 
-    # ---- engine/ in a checkpoint ------------------------------------------------------------------
+    # ---- engine/ in a checkpoint
+    # ------------------------------------------------------------------
     def _gather_state(self, model, optimizer, gathered: dict | None) -> State:
-        """The fp32 master weights (a bf16 run resumes exactly) and every optimizer state tensor, whole."""
+        """The fp32 master weights (a bf16 run resumes exactly) and every optimizer state tensor,
+        whole."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         weights, tensors = {}, {}
@@ -196,8 +208,9 @@ class DeepSpeedEngine(GatheringEngine):
         return weights, tensors, scalars
 
     def _scatter_state(self, model, optimizer, weights: dict, tensors: dict, scalars: dict) -> None:
-        """The trained weights (ZeRO-3: gathered to write them), their fp32 master copies and the optimizer
-        state, each into this process's pieces; step counts and learning rates set on the torch optimizer."""
+        """The trained weights (ZeRO-3: gathered to write them), their fp32 master copies and the
+        optimizer state, each into this process's pieces; step counts and learning rates set on the
+        torch optimizer."""
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -223,7 +236,8 @@ def _torch_optimizer(model):
 
 
 def _state_keys(model) -> list[str]:
-    """The optimizer's per-parameter state tensors by key (exp_avg, exp_avg_sq, ...), scalars left out."""
+    """The optimizer's per-parameter state tensors by key (exp_avg, exp_avg_sq, ...), scalars left
+    out."""
     keys = set()
     for state in _torch_optimizer(model).state.values():
         keys.update(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
@@ -231,8 +245,9 @@ def _state_keys(model) -> list[str]:
 
 
 def _create_optimizer_state(model) -> None:
-    """The torch optimizer under ZeRO creates its state at its first step: take one with zero gradients and a
-    learning rate of 0 (weights unchanged), so the saved state has somewhere to go."""
+    """The torch optimizer under ZeRO creates its state at its first step: take one with zero
+    gradients and a learning rate of 0 (weights unchanged), so the saved state has somewhere to
+    go."""
     base = _torch_optimizer(model)
     rates = [group["lr"] for group in base.param_groups]
     for group in base.param_groups:
@@ -246,9 +261,10 @@ def _create_optimizer_state(model) -> None:
 
 
 def relink_optimizer_state(zero) -> None:
-    """ZeRO-1/2 link each parameter to its optimizer state after the first step, but already after the first
-    param group's step, before the later groups have any state (transformers' decay / no-decay groups): link
-    again once every group has stepped, so each parameter's full optimizer state can be read and written."""
+    """ZeRO-1/2 link each parameter to its optimizer state after the first step, but already after
+    the first param group's step, before the later groups have any state (transformers' decay /
+    no-decay groups): link again once every group has stepped, so each parameter's full optimizer
+    state can be read and written."""
     if getattr(zero, "_rlft_states_relinked", False) or not hasattr(zero,
                                                                     "_lazy_init_hp_params_optimizer_state"):
         return

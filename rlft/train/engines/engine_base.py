@@ -1,19 +1,23 @@
-"""`TrainingEngine`: the one set of calls the loops make for what differs between DDP, FSDP2 and DeepSpeed.
+"""`TrainingEngine`: the one set of calls the loops make for what differs between DDP, FSDP2 and
+DeepSpeed.
 
-The base class is the plain case (one process, or DDP: every process holds every weight and all optimizer
-state whole), so an engine overrides only what it does differently, and the loops never ask which engine runs.
+The base class is the plain case (one process, or DDP: every process holds every weight and all
+optimizer state whole), so an engine overrides only what it does differently, and the loops never
+ask which engine runs.
 
-Each engine saves and loads its own part of a checkpoint (`save_checkpoint` / `load_checkpoint`): the model
-files at the checkpoint's top level (a normal transformers or peft folder) and the optimizer state. The plain
-engine writes them from the whole weights it holds (optimizer.pt: a plain state dict, read back with
-weights_only); the sharded ones (`GatheringEngine`: FSDP2, DeepSpeed) gather them whole into an engine/ folder
-whose format this module owns, so they only say how to gather their state whole and how to put it back:
+Each engine saves and loads its own part of a checkpoint (`save_checkpoint` / `load_checkpoint`):
+the model files at the checkpoint's top level (a normal transformers or peft folder) and the
+optimizer state. The plain engine writes them from the whole weights it holds (optimizer.pt: a plain
+state dict, read back with weights_only); the sharded ones (`GatheringEngine`: FSDP2, DeepSpeed)
+gather them whole into an engine/ folder whose format this module owns, so they only say how to
+gather their state whole and how to put it back:
   engine/weights.safetensors    every trainable parameter in full, by its name in the model
                                 (DeepSpeed: its fp32 master copy, so a bf16 run resumes exactly)
-  engine/optimizer.safetensors  every optimizer state tensor in full, as "<parameter name>::<state key>"
-  engine/optimizer.json         scalar state: param groups / step counts
-Saved whole, not per process, so nothing in the files depends on how the state was split (resume still asks
-for the same number of processes, for the RNG states and data order; rlft/train/run/checkpoint.py).
+  engine/optimizer.safetensors  every optimizer state tensor in full, as "<parameter name>::<state
+  key>" engine/optimizer.json         scalar state: param groups / step counts
+Saved whole, not per process, so nothing in the files depends on how the state was split (resume
+still asks for the same number of processes, for the RNG states and data order;
+rlft/train/run/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from rlft.train.run.safe_files import (
     writing,
 )
 
-State = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]  # weights, optimizer tensors, scalars
+# weights, optimizer tensors, scalars
+State = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]
 
 
 class TrainingEngine:
-    """The plain engine's behaviour, the default for every call; subclasses override what differs."""
+    """The plain engine's behaviour, the default for every call; subclasses override what
+    differs."""
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
@@ -50,19 +56,22 @@ class TrainingEngine:
 
     @property
     def sharded(self) -> bool:
-        """Weights live in pieces on the processes (FSDP2, ZeRO-3): generation keeps every process in step."""
+        """Weights live in pieces on the processes (FSDP2, ZeRO-3): generation keeps every process
+        in step."""
         return False
 
     @property
     def gathers_checkpoints(self) -> bool:
-        """Checkpoints hold the weights and optimizer state gathered whole (engine/: `GatheringEngine`), since
-        they are in pieces on the processes; the plain engine writes optimizer.pt."""
+        """Checkpoints hold the weights and optimizer state gathered whole (engine/:
+        `GatheringEngine`), since they are in pieces on the processes; the plain engine writes
+        optimizer.pt."""
         return False
 
     @property
     def partitions_on_load(self) -> bool:
-        """The model is already in pieces as it loads (ZeRO-3's zero.Init), so a copy of the loaded policy is
-        a copy of pieces: a full reference policy has to be loaded again from its source instead."""
+        """The model is already in pieces as it loads (ZeRO-3's zero.Init), so a copy of the loaded
+        policy is a copy of pieces: a full reference policy has to be loaded again from its source
+        instead."""
         return False
 
     # ---- preparing --------------------------------------------------------------------------------
@@ -74,33 +83,34 @@ class TrainingEngine:
         return self.accelerator.prepare(model, optimizer)
 
     def prepare_reference(self, reference):
-        """The frozen reference policy: a full copy on every process (as TRL does: DDP, ZeRO-2 and FSDP keep
-        it whole)."""
+        """The frozen reference policy: a full copy on every process (as TRL does: DDP, ZeRO-2 and
+        FSDP keep it whole)."""
         return reference.to(self.accelerator.device)
 
     @contextlib.contextmanager
     def unpartitioned(self):
-        """Context for building a plain model on one process (the merged LoRA copy save_model writes); nothing
-        to lift unless the engine partitions models as transformers builds them."""
+        """Context for building a plain model on one process (the merged LoRA copy save_model
+        writes); nothing to lift unless the engine partitions models as transformers builds them."""
         yield
 
     @contextlib.contextmanager
     def for_generation(self, model):
-        """Context around the whole of one generation; nothing to gather when the weights are whole."""
+        """Context around the whole of one generation; nothing to gather when the weights are
+        whole."""
         yield
 
     @contextlib.contextmanager
     def full_weights(self, model, params=None):
-        """Every process holds every weight whole inside (what a weight sync to vLLM reads; every process must
-        enter it together), as plain tensors; whatever is done to them inside is dropped on exit by the
-        sharded engines. `params`: only these parameters (a bucketed sync gathers one bucket at a time).
-        Unsharded: the weights already are whole."""
+        """Every process holds every weight whole inside (what a weight sync to vLLM reads; every
+        process must enter it together), as plain tensors; whatever is done to them inside is
+        dropped on exit by the sharded engines. `params`: only these parameters (a bucketed sync
+        gathers one bucket at a time). Unsharded: the weights already are whole."""
         yield
 
     # ---- one optimiser step ---------------------------------------------------------------------
     def micro_batch(self, model, last: bool):
-        """Context for one accumulation micro-batch: the gradient sync is skipped but on the last one, so one
-        optimiser step costs one all-reduce."""
+        """Context for one accumulation micro-batch: the gradient sync is skipped but on the last
+        one, so one optimiser step costs one all-reduce."""
         if last:
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model)
@@ -121,11 +131,13 @@ class TrainingEngine:
         optimizer.zero_grad(set_to_none=True)
 
     def watch_grads(self, model) -> None:
-        """Called before the backward passes the flow check reads; nothing to do where grads land in .grad."""
+        """Called before the backward passes the flow check reads; nothing to do where grads land in
+        .grad."""
 
     def grads(self, model) -> list[tuple[str, torch.Tensor | None]]:
-        """Every trainable parameter's gradient after the backward passes, the same on every process (FSDP2's
-        sharded gradients reduce when their norm is taken); None for a parameter that got no gradient."""
+        """Every trainable parameter's gradient after the backward passes, the same on every process
+        (FSDP2's sharded gradients reduce when their norm is taken); None for a parameter that got
+        no gradient."""
         return [(name, p.grad) for name, p in self._trainable(model)]
 
     def _trainable(self, model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -135,9 +147,9 @@ class TrainingEngine:
 
     # ---- saving ---------------------------------------------------------------------------------
     def save_pretrained(self, model, folder: Path, tokenizer=None) -> dict | None:
-        """`save_pretrained` of the full weights (gathered on every process where they are in pieces), written
-        by the main process. Returns the gathered state dict (the main process's; None when nothing had to be
-        gathered)."""
+        """`save_pretrained` of the full weights (gathered on every process where they are in
+        pieces), written by the main process. Returns the gathered state dict (the main process's;
+        None when nothing had to be gathered)."""
         acc = self.accelerator
         unwrapped = acc.unwrap_model(model)
         state_dict = acc.get_state_dict(model) if self.sharded else None
@@ -153,11 +165,11 @@ class TrainingEngine:
         return state_dict
 
     def save_checkpoint(self, model, optimizer, folder: Path, tokenizer) -> None:
-        """The model files at `folder`'s top level and the optimizer state; every process calls this. Whole
-        weights and optimizer state on every process: checked finite everywhere, written by the main one
-        (optimizer.pt, a plain state dict). A failed write names its file and the OS's reason
-        (safe_files.writing; optimizer.pt is written through a Python file, so the OS error behind torch's own
-        error survives)."""
+        """The model files at `folder`'s top level and the optimizer state; every process calls
+        this. Whole weights and optimizer state on every process: checked finite everywhere, written
+        by the main one (optimizer.pt, a plain state dict). A failed write names its file and the
+        OS's reason (safe_files.writing; optimizer.pt is written through a Python file, so the OS
+        error behind torch's own error survives)."""
         unwrapped = self.accelerator.unwrap_model(model)
         check_finite(unwrapped)
         if self.accelerator.is_main_process:
@@ -180,16 +192,19 @@ class TrainingEngine:
         optimizer.load_state_dict(state)
 
     def _same_kind(self, folder: Path) -> None:
-        """A checkpoint is resumed by the kind of engine that wrote it (whole files or a gathered engine/)."""
+        """A checkpoint is resumed by the kind of engine that wrote it (whole files or a gathered
+        engine/)."""
         if self.gathers_checkpoints != (folder / "engine").is_dir():
             written = "FSDP2 or DeepSpeed" if (folder / "engine").is_dir() else "DDP or one process"
-            raise CheckpointError(f"{folder} was written by {written}; this run is {self.name}: resume with "
-                                  "the engine that wrote it (or start a new run from its model files)")
+            raise CheckpointError(f"{folder} was written by {written}; this run is {self.name}: "
+                                  "resume with the engine that wrote it (or start a new run from "
+                                  "its model files)")
 
 
 def _without_tied(model, state_dict: dict) -> dict:
-    """A gathered state dict holds tied weights (lm_head = embeddings) as separate tensors, so save_pretrained
-    cannot see the tie and would save both: keep the first name of each shared parameter only."""
+    """A gathered state dict holds tied weights (lm_head = embeddings) as separate tensors, so
+    save_pretrained cannot see the tie and would save both: keep the first name of each shared
+    parameter only."""
     seen, tied = set(), set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
@@ -199,8 +214,8 @@ def _without_tied(model, state_dict: dict) -> dict:
 
 
 class GatheringEngine(TrainingEngine):
-    """An engine whose weights or optimizer state are in pieces on the processes: a checkpoint holds them
-    gathered whole (the model files, and engine/ in the module docstring's format)."""
+    """An engine whose weights or optimizer state are in pieces on the processes: a checkpoint holds
+    them gathered whole (the model files, and engine/ in the module docstring's format)."""
 
     @property
     def gathers_checkpoints(self) -> bool:
@@ -215,10 +230,10 @@ class GatheringEngine(TrainingEngine):
         self.load_state(model, optimizer, folder / "engine")
 
     def save_state(self, model, optimizer, folder: Path, gathered: dict | None = None) -> None:
-        """Write engine/ (the module docstring) from the engine's state gathered whole; every process calls
-        this (gathering is a collective), the main process writes. `gathered`: the full state dict
-        save_pretrained just gathered, which an engine may take its weights from rather than gather them
-        again."""
+        """Write engine/ (the module docstring) from the engine's state gathered whole; every
+        process calls this (gathering is a collective), the main process writes. `gathered`: the
+        full state dict save_pretrained just gathered, which an engine may take its weights from
+        rather than gather them again."""
         weights, tensors, scalars = self._gather_state(model, optimizer, gathered)
         if self.accelerator.is_main_process:
             from safetensors.torch import save_file
@@ -235,7 +250,8 @@ class GatheringEngine(TrainingEngine):
         self.accelerator.wait_for_everyone()
 
     def load_state(self, model, optimizer, folder: Path) -> None:
-        """Read engine/ back into the model and optimizer, split the engine's way (every process calls it)."""
+        """Read engine/ back into the model and optimizer, split the engine's way (every process
+        calls it)."""
         weights = load_safetensors(folder / "weights.safetensors")
         tensors = load_safetensors(folder / "optimizer.safetensors")
         scalars = load_json(folder / "optimizer.json")

@@ -1,8 +1,8 @@
-"""FSDP2 (torch's fully_shard, through accelerate's FSDP plugin with fsdp_version 2): weights, gradients and
-optimizer state in pieces on the processes, as DTensors.
+"""FSDP2 (torch's fully_shard, through accelerate's FSDP plugin with fsdp_version 2): weights,
+gradients and optimizer state in pieces on the processes, as DTensors.
 
-What differs from the plain engine: the root module is fixed at preparation, generation gathers every layer
-once, a weight sync swaps full copies in, and checkpoints gather the state whole through
+What differs from the plain engine: the root module is fixed at preparation, generation gathers
+every layer once, a weight sync swaps full copies in, and checkpoints gather the state whole through
 torch.distributed.checkpoint's state_dict helpers.
 """
 
@@ -16,7 +16,8 @@ from rlft.train.engines.engine_base import GatheringEngine, State
 
 
 class FSDP2Engine(GatheringEngine):
-    """FSDP2: every parameter a DTensor shard; accumulation, backward, clipping and step are accelerate's."""
+    """FSDP2: every parameter a DTensor shard; accumulation, backward, clipping and step are
+    accelerate's."""
 
     @property
     def name(self) -> str:
@@ -27,9 +28,9 @@ class FSDP2Engine(GatheringEngine):
         return True
 
     def prepare(self, model, optimizer, max_grad_norm: float | None):
-        """FSDP2 finds its root module at the first forward: make it the whole model, not the inner model
-        peft's generate calls (each layer a root). The root keeps its weights gathered after a forward: back
-        to pieces."""
+        """FSDP2 finds its root module at the first forward: make it the whole model, not the inner
+        model peft's generate calls (each layer a root). The root keeps its weights gathered after a
+        forward: back to pieces."""
         from torch.distributed.fsdp import FSDPModule
 
         model, optimizer = self.accelerator.prepare(model, optimizer)
@@ -42,8 +43,8 @@ class FSDP2Engine(GatheringEngine):
 
     @contextlib.contextmanager
     def for_generation(self, model):
-        """Gather every layer once for the whole of generate (peft's generate calls the inner model, not the
-        sharded root; and one gather beats one per token)."""
+        """Gather every layer once for the whole of generate (peft's generate calls the inner model,
+        not the sharded root; and one gather beats one per token)."""
         from torch.distributed.fsdp import FSDPModule
 
         modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -61,9 +62,10 @@ class FSDP2Engine(GatheringEngine):
     @contextlib.contextmanager
     def full_weights(self, model, params=None):
         """Each DTensor parameter is replaced by a full copy for the duration (read them with
-        named_parameters: FSDP2's state_dict hook swaps its own shards back in; and peft's merge on DTensors
-        is wrong by up to 0.17 and leaves the shards changed, measured); the shards are put back on exit,
-        unchanged. `params`: only these (by identity), in the same order on every process."""
+        named_parameters: FSDP2's state_dict hook swaps its own shards back in; and peft's merge on
+        DTensors is wrong by up to 0.17 and leaves the shards changed, measured); the shards are put
+        back on exit, unchanged. `params`: only these (by identity), in the same order on every
+        process."""
         from torch.distributed.tensor import DTensor
 
         wanted = None if params is None else {id(p) for p in params}
@@ -78,11 +80,12 @@ class FSDP2Engine(GatheringEngine):
             for module, name, param in swapped:
                 module._parameters[name] = param
 
-    # ---- engine/ in a checkpoint ------------------------------------------------------------------
+    # ---- engine/ in a checkpoint
+    # ------------------------------------------------------------------
     def _gather_state(self, model, optimizer, gathered: dict | None) -> State:
-        """The optimizer state gathered whole (to the CPU) by torch.distributed.checkpoint; the weights taken
-        from the state dict save_pretrained just gathered (the main process holds it; the others write
-        nothing)."""
+        """The optimizer state gathered whole (to the CPU) by torch.distributed.checkpoint; the
+        weights taken from the state dict save_pretrained just gathered (the main process holds it;
+        the others write nothing)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         names = [name for name, _ in self._trainable(model)]
@@ -95,8 +98,8 @@ class FSDP2Engine(GatheringEngine):
         return weights, tensors, {"param_groups": osd.get("param_groups", [])}
 
     def _scatter_state(self, model, optimizer, weights: dict, tensors: dict, scalars: dict) -> None:
-        """torch.distributed.checkpoint splits the full weights and optimizer state into this process's
-        pieces."""
+        """torch.distributed.checkpoint splits the full weights and optimizer state into this
+        process's pieces."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,

@@ -1,5 +1,6 @@
-"""The LoRA-merged copy a reward model is saved as, whatever the engine (the full weights and the checkpoint
-files each engine saves itself: `save_pretrained`, `save_checkpoint` in rlft/train/engines/engine_base.py)."""
+"""The LoRA-merged copy a reward model is saved as, whatever the engine (the full weights and the
+checkpoint files each engine saves itself: `save_pretrained`, `save_checkpoint` in
+rlft/train/engines/engine_base.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ __all__ = ["merged_copy", "relink_optimizer_state"]
 
 
 def merged_copy(peft_model, state_dict=None):
-    """A LoRA model with its adapters merged into a new plain model; from `state_dict` (gathered full weights)
-    when the model's own are in pieces. Built with the model class itself; under ZeRO-3 call it inside
-    `TrainingEngine.unpartitioned()` (or transformers partitions the new model too)."""
+    """A LoRA model with its adapters merged into a new plain model; from `state_dict` (gathered
+    full weights) when the model's own are in pieces. Built with the model class itself; under
+    ZeRO-3 call it inside `TrainingEngine.unpartitioned()` (or transformers partitions the new model
+    too)."""
     import copy
 
     if state_dict is None:

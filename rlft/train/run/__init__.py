@@ -1,2 +1,3 @@
-"""A run on disk: checkpoints (checkpoint.py) and their atomic, checksummed files (safe_files.py), the output
-folder and the resume comparison (runs.py), stopping on a signal with a checkpoint (preemption.py)."""
+"""A run on disk: checkpoints (checkpoint.py) and their atomic, checksummed files (safe_files.py),
+the output folder and the resume comparison (runs.py), stopping on a signal with a checkpoint
+(preemption.py)."""

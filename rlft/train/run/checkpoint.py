@@ -1,12 +1,13 @@
 """Checkpoints that hold no pickle, verified by checksums, written atomically.
 
-`output_dir/checkpoint-<step>/` holds, like transformers' checkpoints, the model at its top level (a normal
-transformers or peft folder: `from_pretrained("checkpoint-<step>")` loads it), and beside it:
+`output_dir/checkpoint-<step>/` holds, like transformers' checkpoints, the model at its top level (a
+normal transformers or peft folder: `from_pretrained("checkpoint-<step>")` loads it), and beside it:
   optimizer.pt           the optimizer's state dict: tensors and plain containers, loaded with
 weights_only=True
   scheduler.json         the LR scheduler's state dict
   rng_state_<rank>.json  every process's python / numpy / torch RNG states
-  extra.safetensors      tensors the trainer needs to continue (a GRPO rollout in flight), + extra.json;
+  extra.safetensors      tensors the trainer needs to continue (a GRPO rollout in flight), +
+  extra.json;
                          with several processes each one's own: extra_<rank>.safetensors / .json
   trainer_state.json     transformers' TrainerState (global_step, log_history, ...)
   rlft_state.json        written last: rlft's own state and the sha256 of every file above
@@ -50,7 +51,8 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "rlft_state.json"
 
 
-# ---- RNG states as JSON ---------------------------------------------------------------------------
+# ---- RNG states as JSON
+# ---------------------------------------------------------------------------
 def _tensor_b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(tensor.numpy().tobytes()).decode()
 
@@ -130,8 +132,8 @@ def verify(path: Path) -> dict[str, Any]:
 
 
 def resolve_resume(resume: bool | str | Path | None, output_dir: str | Path) -> Path | None:
-    """None/False -> None; True/'true' -> the newest checkpoint in output_dir that verifies (a corrupt one is
-    skipped with a warning); a path -> that checkpoint, which must verify."""
+    """None/False -> None; True/'true' -> the newest checkpoint in output_dir that verifies (a
+    corrupt one is skipped with a warning); a path -> that checkpoint, which must verify."""
     if resume in (None, False, "false", "False", ""):
         return None
     if resume in (True, "true", "True"):
@@ -156,10 +158,11 @@ def resolve_resume(resume: bool | str | Path | None, output_dir: str | Path) -> 
 # ---- writing --------------------------------------------------------------------------------------
 @dataclass
 class PartState:
-    """What one part of a trainer (the policy update, the rollout source, a rollout in progress, the run
-    itself) puts in a checkpoint: scalars for rlft_state.json (`state`), this process's JSON for extra.json
-    (`extra`), tensors for extra.safetensors (`tensors`). A checkpoint is the parts' states merged, plus the
-    model files; on resume each part reads its own keys back from the merged ones."""
+    """What one part of a trainer (the policy update, the rollout source, a rollout in progress, the
+    run itself) puts in a checkpoint: scalars for rlft_state.json (`state`), this process's JSON for
+    extra.json (`extra`), tensors for extra.safetensors (`tensors`). A checkpoint is the parts'
+    states merged, plus the model files; on resume each part reads its own keys back from the merged
+    ones."""
 
     state: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -177,9 +180,10 @@ class PartState:
 
 def save_checkpoint(accelerator, output_dir: str | Path, step: int, trained, tokenizer, flow,
                     parts: PartState, save_total_limit: int | None = None) -> Path:
-    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files): `trained`
-    (rlft/train/update/optimization.py) saves the model files, optimizer state and schedule, its engine's way
-    (gathered whole under FSDP2 and DeepSpeed); `parts` are what the trainer's parts carry."""
+    """Write checkpoint-<step> atomically (all processes call this; rank 0 writes shared files):
+    `trained` (rlft/train/update/optimization.py) saves the model files, optimizer state and
+    schedule, its engine's way (gathered whole under FSDP2 and DeepSpeed); `parts` are what the
+    trainer's parts carry."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".tmp-checkpoint-{step}"
     if accelerator.is_main_process:
@@ -223,34 +227,38 @@ def _size(count: float) -> str:
 
 
 WRITE_ADVICE = {
-    "ENOSPC": "the disk is full: free space there or move output_dir to a larger disk (save_total_limit "
-              "keeps fewer checkpoints), then resume",
+    "ENOSPC": "the disk is full: free space there or move output_dir to a larger disk "
+              "(save_total_limit keeps fewer checkpoints), then resume",
     "EDQUOT": "your disk quota is used up: free space or raise the quota, then resume",
     "EFBIG": "a file size limit (ulimit -f) stopped the write: raise it, then resume",
 }
 
 
 def write_failure(output_dir: Path, step: int, err: BaseException) -> CheckpointWriteError:
-    """A failed checkpoint write as one error: which file and why (the OS's reason), the free space left, that
-    the previous checkpoint is intact, and what to do. Called after the temporary folder is removed."""
+    """A failed checkpoint write as one error: which file and why (the OS's reason), the free space
+    left, that the previous checkpoint is intact, and what to do. Called after the temporary folder
+    is removed."""
     file = getattr(err, "file", None) or (Path(err.filename) if getattr(err, "filename", None) else None)
     reason = getattr(err, "reason", None) or os_reason(err)
     what = str(err) if isinstance(err, CheckpointWriteError) else \
         f"writing {file or 'a file'} failed: {reason or err}"
-    what = what.replace(str(Path(output_dir) / f".tmp-checkpoint-{step}"), f"checkpoint-{step}")  # its name
+    # its name
+    what = what.replace(str(Path(output_dir) / f".tmp-checkpoint-{step}"), f"checkpoint-{step}")
     try:
         free = f"{_size(shutil.disk_usage(output_dir).free)} free on its filesystem now"
     except OSError:
         free = "its free space cannot be read"
     previous = latest_checkpoint(output_dir)
-    kept = (f"{previous.name}, the last complete checkpoint, is intact: resume_from_checkpoint=True "
-            "continues from it" if previous is not None else "there is no earlier checkpoint to resume from")
+    kept = (f"{previous.name}, the last complete checkpoint, is intact: "
+            "resume_from_checkpoint=True continues from "
+            "it" if previous is not None else "there is no earlier checkpoint to resume from")
     advice = WRITE_ADVICE.get((reason or "").split(":")[0],
-                              "the OS gave no reason; a full disk is the usual cause: check the free space, "
-                              "then resume")
+                              "the OS gave no reason; a full disk is the usual cause: check the "
+                              "free space, then resume")
     return CheckpointWriteError(
         f"checkpoint-{step} could not be written to {output_dir} ({what}); {free}. Nothing of "
-        f"checkpoint-{step} is kept (its temporary folder was removed) and {kept}. Likely cause: {advice}",
+        f"checkpoint-{step} is kept (its temporary folder was removed) and {kept}. Likely cause: "
+        f"{advice}",
         file, reason)
 
 
@@ -259,8 +267,9 @@ SHARED_PREFIXES = ("ref_model.",)  # carried tensors every process holds alike: 
 
 def _write_carried(accelerator, tmp: Path, tensors: dict | None, extra: dict | None) -> None:
     """What the trainer carries besides weights: with several processes each one's own (a rollout in
-    progress, requested rollouts) as extra_<rank>.safetensors / extra_<rank>.json, and what all hold alike
-    (a moved reference) once, in extra.safetensors; one process: extra.safetensors / extra.json."""
+    progress, requested rollouts) as extra_<rank>.safetensors / extra_<rank>.json, and what all hold
+    alike (a moved reference) once, in extra.safetensors; one process: extra.safetensors /
+    extra.json."""
     from safetensors.torch import save_file
 
     several, tensors = accelerator.num_processes > 1, tensors or {}
@@ -286,9 +295,9 @@ def _read_carried(accelerator, path: Path) -> tuple[dict, dict]:
         tensors.update(load_safetensors(own))
     elif several and not any(path.glob("extra_*")) and \
             any(not k.startswith(SHARED_PREFIXES) for k in tensors):
-        logger.warning(f"{path} was written inside a rollout by an rlft that kept only process 0's rows; "
-                       f"process {rank} continues that rollout from them, so the resumed run is not exact "
-                       "(resume from a checkpoint at a rollout boundary for that)")
+        logger.warning(f"{path} was written inside a rollout by an rlft that kept only process 0's "
+                       f"rows; process {rank} continues that rollout from them, so the resumed run "
+                       "is not exact (resume from a checkpoint at a rollout boundary for that)")
     json_file = path / f"extra_{rank}.json"
     json_file = json_file if json_file.exists() else path / "extra.json"
     return tensors, load_json(json_file) if json_file.exists() else {}
@@ -303,20 +312,21 @@ def _rotate(output_dir: Path, limit: int | None) -> None:
 
 # ---- reading --------------------------------------------------------------------------------------
 def load_checkpoint(accelerator, trained, path: Path) -> PartState:
-    """Restore the model, optimizer and schedule (`trained`: rlft/train/update/optimization.py) and this
-    process's RNG. Returns the parts' merged state (rlft_state.json, this process's extra JSON and tensors)
-    for each part to read its own from; the TrainerState is the flow's to load."""
+    """Restore the model, optimizer and schedule (`trained`: rlft/train/update/optimization.py) and
+    this process's RNG. Returns the parts' merged state (rlft_state.json, this process's extra JSON
+    and tensors) for each part to read its own from; the TrainerState is the flow's to load."""
     state = verify(path)
     if state.get("num_processes", 1) != accelerator.num_processes:
         from rlft.errors import ConfigError
 
-        raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with the same "
-                          f"number (now {accelerator.num_processes}): the RNG states and data order are per "
-                          "process")
+        raise ConfigError(f"{path} was written by {state['num_processes']} processes; resume with "
+                          f"the same number (now {accelerator.num_processes}): the RNG states and "
+                          "data order are per process")
     trained.load(path)
     rng_file = path / f"rng_state_{accelerator.process_index}.json"
     if not rng_file.is_file():
-        raise CheckpointError(f"{rng_file} is missing: the checkpoint was written by fewer processes")
+        raise CheckpointError(f"{rng_file} is missing: the checkpoint was written by fewer "
+                              "processes")
     set_rng_state(load_json(rng_file))
     tensors, extra = _read_carried(accelerator, path)
     return PartState(state, extra, tensors)

@@ -1,13 +1,14 @@
-"""Preemption: a run told to stop (SIGTERM from a cluster scheduler before its SIGKILL, SIGUSR1 where a
-scheduler sends that, Ctrl-C / SIGINT in a terminal or notebook) finishes the step it is in, writes a
-checkpoint, says where it is and how to resume, and exits with PREEMPTED_EXIT (75, sysexits'
-"temporary failure, retry"; after SIGINT: KeyboardInterrupt, as Python does). The resume is exact, as from
-any checkpoint.
+"""Preemption: a run told to stop (SIGTERM from a cluster scheduler before its SIGKILL, SIGUSR1
+where a scheduler sends that, Ctrl-C / SIGINT in a terminal or notebook) finishes the step it is in,
+writes a checkpoint, says where it is and how to resume, and exits with PREEMPTED_EXIT (75,
+sysexits' "temporary failure, retry"; after SIGINT: KeyboardInterrupt, as Python does). The resume
+is exact, as from any checkpoint.
 
-The handlers only note the signal; the loop asks after each step (`requested`), every process together, so
-all ranks stop at the same step and write the same checkpoint even when only one of them got the signal. A
-second SIGINT (an impatient Ctrl-C) raises KeyboardInterrupt at once: a checkpoint being written is then
-abandoned (its temporary folder removed) and the previous one stays as it was.
+The handlers only note the signal; the loop asks after each step (`requested`), every process
+together, so all ranks stop at the same step and write the same checkpoint even when only one of
+them got the signal. A second SIGINT (an impatient Ctrl-C) raises KeyboardInterrupt at once: a
+checkpoint being written is then abandoned (its temporary folder removed) and the previous one stays
+as it was.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class Preempted(RlftError, SystemExit):
 
 
 def _say_heard(signum: int) -> None:
-    """At once, from the handler: the stop was heard and what happens next. os.write, not print: a handler
-    may run while the main thread is inside a buffered write to the same stream."""
+    """At once, from the handler: the stop was heard and what happens next. os.write, not print: a
+    handler may run while the main thread is inside a buffered write to the same stream."""
     name = signal.Signals(signum).name
     again = " (Ctrl-C again stops it now, without a checkpoint)" if signum == signal.SIGINT else ""
     text = (f"\nrlft: {name} received: the run stops after the current step and writes a checkpoint"
@@ -49,8 +50,8 @@ def _say_heard(signum: int) -> None:
 
 
 class Preemption:
-    """For the length of train(): the signal handlers (main thread only; elsewhere, nothing to do), and the
-    agreed answer to "was this run told to stop?"."""
+    """For the length of train(): the signal handlers (main thread only; elsewhere, nothing to do),
+    and the agreed answer to "was this run told to stop?"."""
 
     def __init__(self, accelerator):
         self.accelerator, self.signal, self.previous = accelerator, None, {}
@@ -74,7 +75,8 @@ class Preemption:
         self.signal = self.signal or signum
 
     def requested(self) -> bool:
-        """Whether any process was told to stop (a collective on several processes: every one asks)."""
+        """Whether any process was told to stop (a collective on several processes: every one
+        asks)."""
         flag = torch.tensor([0.0 if self.signal is None else float(self.signal)],
                             device=self.accelerator.device)
         if self.accelerator.num_processes > 1:

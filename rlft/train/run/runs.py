@@ -9,10 +9,10 @@ refused too.
 
 Each checkpoint records the config that wrote it and its hash. A resume compares it with the new
 config: a change that would make the continued run differ from an uninterrupted one (batch shape,
-num_generations, loss, seed, model, rewards, the LoRA settings field by field, ...) is refused with the
-list of differences; fields that only change what is logged, saved or evaluated, how long the run lasts,
-the peak learning rate (the schedule is rebuilt from the new value at the resumed step) or LoRA dropout
-are applied and reported.
+num_generations, loss, seed, model, rewards, the LoRA settings field by field, ...) is refused with
+the list of differences; fields that only change what is logged, saved or evaluated, how long the
+run lasts, the peak learning rate (the schedule is rebuilt from the new value at the resumed step)
+or LoRA dropout are applied and reported.
 """
 
 from __future__ import annotations
@@ -33,16 +33,17 @@ from rlft.errors import ConfigError, OutputDirBusyError
 
 RUN_FILES = ("metrics.jsonl", "completions.jsonl")
 MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
-# The saved model's weight and config files (save_model writes the final model to output_dir, as TRL's scripts
-# do): with overwrite_output_dir they go with the earlier run, so a LoRA run's adapter never lands beside an
-# earlier full run's weights (or the reverse) in the folder a pipeline loads.
+# The saved model's weight and config files (save_model writes the final model to output_dir, as
+# TRL's scripts do): with overwrite_output_dir they go with the earlier run, so a LoRA run's adapter
+# never lands beside an earlier full run's weights (or the reverse) in the folder a pipeline loads.
 MODEL_FILE_PATTERNS = (*MODEL_FILES, "generation_config.json", "model-*-of-*.safetensors",
                        "model.safetensors.index.json")
 
 
-# The LoRA (peft) settings a checkpoint records, from the model's own peft_config: all but lora_dropout change
-# what the saved adapter weights mean (their shapes, scale, the modules they sit on); dropout acts only while
-# training, from the resumed step on, so a change to it is applied and reported.
+# The LoRA (peft) settings a checkpoint records, from the model's own peft_config: all but
+# lora_dropout change what the saved adapter weights mean (their shapes, scale, the modules they sit
+# on); dropout acts only while training, from the resumed step on, so a change to it is applied and
+# reported.
 LORA_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "target_modules", "exclude_modules",
                "target_parameters", "modules_to_save", "bias", "lora_bias", "fan_in_fan_out",
                "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern",
@@ -64,7 +65,8 @@ def _plain(value: Any) -> Any:
 
 
 def peft_record(model) -> dict[str, dict[str, Any]] | None:
-    """{adapter name: its LoRA settings} from the model's peft_config; None for a model without adapters."""
+    """{adapter name: its LoRA settings} from the model's peft_config; None for a model without
+    adapters."""
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         return None
@@ -74,8 +76,9 @@ def peft_record(model) -> dict[str, dict[str, Any]] | None:
 
 
 def model_record(model, weights: bool = False) -> dict[str, Any]:
-    """Class, name and size; with `weights` (a frozen model: a teacher, a reward model), a fingerprint of
-    its weights too, so that weights replaced in place (the same folder, other values) are told apart."""
+    """Class, name and size; with `weights` (a frozen model: a teacher, a reward model), a
+    fingerprint of its weights too, so that weights replaced in place (the same folder, other
+    values) are told apart."""
     config = getattr(model, "config", None)
     record = {"class": type(model).__name__, "name_or_path": str(getattr(config, "_name_or_path", "")),
               "parameters": sum(p.numel() for p in model.parameters())}
@@ -84,14 +87,16 @@ def model_record(model, weights: bool = False) -> dict[str, Any]:
     return record
 
 
-_CHUNK, _K = 1 << 22, 2654435761  # elements hashed at a time (bounds the weights' memory); a multiplier
+# elements hashed at a time (bounds the weights' memory); a multiplier
+_CHUNK, _K = 1 << 22, 2654435761
 
 
 def weights_fingerprint(model) -> str | None:
-    """16 hex digits that change when any weight's bits do: each tensor's bits read as integers, weighted by
-    a multiplier per position and summed modulo 2^64 on the tensor's own device (integer sums are exact in
-    any order, so any device and split gives the same digits), then hashed with the names and shapes. None
-    where the weights are partitioned (ZeRO-3): no process holds them whole."""
+    """16 hex digits that change when any weight's bits do: each tensor's bits read as integers,
+    weighted by a multiplier per position and summed modulo 2^64 on the tensor's own device (integer
+    sums are exact in any order, so any device and split gives the same digits), then hashed with
+    the names and shapes. None where the weights are partitioned (ZeRO-3): no process holds them
+    whole."""
     digest, bases = hashlib.sha256(), {}
     for name, value in model.state_dict().items():
         if hasattr(value, "ds_id") or value.numel() == 0 and value.dim() > 0:
@@ -99,7 +104,8 @@ def weights_fingerprint(model) -> str | None:
         flat = value.detach().contiguous().reshape(-1)
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
         ints, total = flat.view(bits), torch.zeros((), dtype=torch.int64, device=flat.device)
-        if flat.device not in bases:  # position i weighs (i * K + 97); a chunk at `start` adds start * K
+        # position i weighs (i * K + 97); a chunk at `start` adds start * K
+        if flat.device not in bases:
             bases[flat.device] = torch.arange(_CHUNK, device=flat.device, dtype=torch.int64) * _K + 97
         for start in range(0, ints.numel(), _CHUNK):
             part = ints[start:start + _CHUNK].to(torch.int64)
@@ -110,9 +116,10 @@ def weights_fingerprint(model) -> str | None:
 
 def run_record(args, model, reward_names: list[str] | tuple = (), teacher=None,
                reward_models: dict | None = None) -> dict[str, Any]:
-    """The config of this run as JSON values, plus what a Python caller passed outside the config: the model,
-    its LoRA settings (`_peft`, when it has adapters), the reward functions (the reward models' weights:
-    `reward_models`, name -> model) and a distillation teacher (its weights' fingerprint too)."""
+    """The config of this run as JSON values, plus what a Python caller passed outside the config:
+    the model, its LoRA settings (`_peft`, when it has adapters), the reward functions (the reward
+    models' weights: `reward_models`, name -> model) and a distillation teacher (its weights'
+    fingerprint too)."""
     record = json.loads(json.dumps(to_dict(args), default=str))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     record["_model"] = {**model_record(model), "trainable": trainable}
@@ -146,8 +153,9 @@ def earlier_run(output_dir: str | Path) -> list[str]:
 
 
 def claim_output_dir(accelerator, args) -> str | None:
-    """Stop a new run that would mix with an earlier one; with overwrite_output_dir, clear the earlier run's
-    metrics, samples, checkpoints and saved model files (the user's own files stay). Returns a note."""
+    """Stop a new run that would mix with an earlier one; with overwrite_output_dir, clear the
+    earlier run's metrics, samples, checkpoints and saved model files (the user's own files stay).
+    Returns a note."""
     found = earlier_run(args.output_dir)
     if not found:
         return None
@@ -173,16 +181,18 @@ def claim_output_dir(accelerator, args) -> str | None:
     return f"overwrite_output_dir=True: removed the earlier run's {shown} from {args.output_dir}"
 
 
-# ---- one run at a time in a folder ------------------------------------------------------------------
+# ---- one run at a time in a folder
+# ------------------------------------------------------------------
 LOCK_FILE = ".rlft.lock"
 
 
 class OutputDirLock:
-    """An OS lock (`flock`) on output_dir/.rlft.lock, taken by the run's main process for the whole of
-    train(): a second run started on the folder is refused before it reads or writes anything there, naming
-    the process that holds it. The OS drops the lock when its process ends, however it ends, so the file a
-    killed run leaves behind never blocks a resume. The other processes of the same run (torchrun /
-    accelerate launch) take no lock; they learn the main process's outcome and stop with it."""
+    """An OS lock (`flock`) on output_dir/.rlft.lock, taken by the run's main process for the whole
+    of train(): a second run started on the folder is refused before it reads or writes anything
+    there, naming the process that holds it. The OS drops the lock when its process ends, however it
+    ends, so the file a killed run leaves behind never blocks a resume. The other processes of the
+    same run (torchrun / accelerate launch) take no lock; they learn the main process's outcome and
+    stop with it."""
 
     def __init__(self, accelerator, output_dir: str | Path):
         self.accelerator, self.path = accelerator, Path(output_dir) / LOCK_FILE
@@ -215,10 +225,11 @@ class OutputDirLock:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or \
                 "a process that has not written its id yet"
             os.close(fd)
-            return (f"output_dir={str(self.path.parent)!r} is in use by another training run ({holder}; "
-                    f"lock {self.path}): two runs in one folder would interleave metrics.jsonl and overwrite "
-                    "each other's checkpoints. Wait for that run to end (or stop it), then resume or "
-                    "overwrite; or give this run another output_dir")
+            return (f"output_dir={str(self.path.parent)!r} is in use by another training run "
+                    f"({holder}; lock {self.path}): two runs in one folder would interleave "
+                    "metrics.jsonl and overwrite each other's checkpoints. Wait for that run to "
+                    "end (or stop it), then resume or overwrite; or give this run another "
+                    "output_dir")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
@@ -226,8 +237,8 @@ class OutputDirLock:
         return None
 
     def release(self) -> None:
-        """Unlock (the file stays: removing it could let a third run lock a new file while a second holds the
-        old one)."""
+        """Unlock (the file stays: removing it could let a third run lock a new file while a second
+        holds the old one)."""
         if self.fd is not None:
             import fcntl
 
@@ -236,10 +247,11 @@ class OutputDirLock:
             self.fd = None
 
 
-# ---- a resumed run ----------------------------------------------------------------------------------
+# ---- a resumed run
+# ----------------------------------------------------------------------------------
 def field_defaults(args) -> dict[str, Any]:
-    """The config class's defaults as JSON values: what a field added since a checkpoint was written meant
-    there (a checkpoint of an older rlft records no value for it)."""
+    """The config class's defaults as JSON values: what a field added since a checkpoint was written
+    meant there (a checkpoint of an older rlft records no value for it)."""
     import dataclasses
 
     defaults = {f.name: f.default for f in dataclasses.fields(type(args))
@@ -249,8 +261,8 @@ def field_defaults(args) -> dict[str, Any]:
 
 def compare(saved: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None
             ) -> tuple[list[str], list[str]]:
-    """(refused, applied): one 'field: old -> new' line per difference; a field the saved config lacks
-    counts as its default."""
+    """(refused, applied): one 'field: old -> new' line per difference; a field the saved config
+    lacks counts as its default."""
     refused, applied, defaults = [], [], defaults or {}
     for name in sorted(set(saved) | set(new)):
         old, now = saved.get(name, defaults.get(name, "<unset>")), new.get(name, "<unset>")
@@ -267,9 +279,9 @@ def _lora_label(name: str, adapter: str) -> str:
 
 
 def compare_peft(saved: dict | None, new: dict | None) -> tuple[list[str], list[str]]:
-    """(refused, applied) for the LoRA settings, one 'LoRA <field>: old -> new' line per difference; a dropout
-    change is applied (it acts only while training), every other one refused (the saved adapter weights would
-    mean something else: another rank, scale or set of modules)."""
+    """(refused, applied) for the LoRA settings, one 'LoRA <field>: old -> new' line per difference;
+    a dropout change is applied (it acts only while training), every other one refused (the saved
+    adapter weights would mean something else: another rank, scale or set of modules)."""
     if not saved or not new:
         return ([] if saved == new else [f"LoRA adapters: {saved!r} -> {new!r}"]), []
     refused, applied = [], []
@@ -284,35 +296,35 @@ def compare_peft(saved: dict | None, new: dict | None) -> tuple[list[str], list[
                 continue
             line = f"{_lora_label(name, adapter)}: {old!r} -> {now!r}"
             if name in LORA_MAY_CHANGE:
-                applied.append(f"{line} (applied from the resumed step: dropout acts only while training, "
-                               "the saved adapter weights mean the same)")
+                applied.append(f"{line} (applied from the resumed step: dropout acts only while "
+                               "training, the saved adapter weights mean the same)")
             else:
                 refused.append(line)
     return refused, applied
 
 
 def _older_weight_records(path: Path, saved: dict, record: dict) -> list[str]:
-    """A checkpoint of an older rlft records no weights fingerprint of the teacher or the reward models:
-    those are not compared (and the run says so), the rest of their records are."""
+    """A checkpoint of an older rlft records no weights fingerprint of the teacher or the reward
+    models: those are not compared (and the run says so), the rest of their records are."""
     notes = []
     teacher = record.get("_teacher")
     if isinstance(teacher, dict) and "weights" in teacher and "weights" not in (saved.get("_teacher") or {}):
         record["_teacher"] = {k: v for k, v in teacher.items() if k != "weights"}
-        notes.append(f"{path} records no fingerprint of the teacher's weights (an older rlft): they are not "
-                     "compared with this run's")
+        notes.append(f"{path} records no fingerprint of the teacher's weights (an older rlft): "
+                     "they are not compared with this run's")
     if "_reward_models" in record and "_reward_models" not in saved:
         record.pop("_reward_models")
-        notes.append(f"{path} records no fingerprint of the reward models' weights (an older rlft): they are "
-                     "not compared with this run's")
+        notes.append(f"{path} records no fingerprint of the reward models' weights (an older "
+                     "rlft): they are not compared with this run's")
     return notes
 
 
 def check_resume(path: Path, state: dict[str, Any], record: dict[str, Any],
                  defaults: dict[str, Any] | None = None) -> list[str]:
-    """Refuse a resume whose config differs in a field that breaks exactness; return the applied changes.
-    `defaults` (field_defaults): what fields the checkpoint's rlft did not have yet meant. The LoRA settings
-    are compared field by field (compare_peft); a checkpoint that records none (an older rlft) is not
-    compared on them, and the run says so."""
+    """Refuse a resume whose config differs in a field that breaks exactness; return the applied
+    changes. `defaults` (field_defaults): what fields the checkpoint's rlft did not have yet meant.
+    The LoRA settings are compared field by field (compare_peft); a checkpoint that records none (an
+    older rlft) is not compared on them, and the run says so."""
     saved = state.get("config")
     if saved is None:
         return [f"{path} records no config (written by an older rlft): "
@@ -322,27 +334,30 @@ def check_resume(path: Path, state: dict[str, Any], record: dict[str, Any],
     saved_peft, new_peft = saved.pop("_peft", None), record.pop("_peft", None)
     refused, changed = compare(saved, record, defaults)
     applied += changed
-    older = "_peft" not in state["config"] and saved.get("_model") == record.get("_model")  # same model
+    # same model
+    older = "_peft" not in state["config"] and saved.get("_model") == record.get("_model")
     if saved_peft is None and new_peft is not None and older:
-        applied.append(f"{path} records no LoRA settings (written by an older rlft): this run's lora_r, "
-                       "lora_alpha, target modules, ... are not compared with the checkpoint's")
+        applied.append(f"{path} records no LoRA settings (written by an older rlft): this run's "
+                       "lora_r, lora_alpha, target modules, ... are not compared with the "
+                       "checkpoint's")
     else:
         lora_refused, lora_applied = compare_peft(saved_peft, new_peft)
         refused, applied = lora_refused + refused, applied + lora_applied
     if refused:
         raise ConfigError(
-            f"{path} was written by a run with a different config; resuming would not continue that run. "
-            "Differences that change the computation:\n  " + "\n  ".join(refused)
+            f"{path} was written by a run with a different config; resuming would not continue "
+            "that run. Differences that change the computation:\n  " + "\n  ".join(refused)
             + "\nRestore those values, or start a new run in another output_dir")
     return applied
 
 
 def apply_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
-    """Rebuild the schedule from a new peak learning rate at the resumed step (the loaded optimizer and
-    scheduler states carry the old one)."""
+    """Rebuild the schedule from a new peak learning rate at the resumed step (the loaded optimizer
+    and scheduler states carry the old one)."""
     lambdas = getattr(scheduler, "lr_lambdas", None)
     if lambdas is None:
-        raise ConfigError(f"learning_rate changed on resume but the scheduler {type(scheduler).__name__} is "
+        raise ConfigError("learning_rate changed on resume but the scheduler "
+                          f"{type(scheduler).__name__} is "
                           "not a LambdaLR that rlft can rebuild; restore the old learning_rate")
     scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
     lrs = [learning_rate * fn(scheduler.last_epoch) for fn in lambdas]

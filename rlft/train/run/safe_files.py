@@ -1,6 +1,6 @@
-"""Reading and writing the files of a checkpoint without pickle: the checks both the checkpoint logic
-(rlft/train/run/checkpoint.py) and the engines' state files (rlft/train/engines/) use, in one module below
-both so neither imports the other."""
+"""Reading and writing the files of a checkpoint without pickle: the checks both the checkpoint
+logic (rlft/train/run/checkpoint.py) and the engines' state files (rlft/train/engines/) use, in one
+module below both so neither imports the other."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ class CheckpointError(RlftError, RuntimeError):
 
 
 class CheckpointWriteError(CheckpointError):
-    """Writing one file of a checkpoint failed (a full disk, a file size limit, a lost mount): `file` is the
-    file, `reason` the OS's reason when one is known ('ENOSPC: No space left on device')."""
+    """Writing one file of a checkpoint failed (a full disk, a file size limit, a lost mount):
+    `file` is the file, `reason` the OS's reason when one is known ('ENOSPC: No space left on
+    device')."""
 
     def __init__(self, message: str, file: Path | None = None, reason: str | None = None):
         super().__init__(message)
@@ -32,8 +33,8 @@ class CheckpointWriteError(CheckpointError):
 
 def os_reason(err: BaseException) -> str | None:
     """The OS's reason behind a failed write, from the error or the one it was raised while handling
-    (torch.save reports a failed write as a RuntimeError 'unexpected pos ...' raised during the OSError), or
-    from safetensors' message ('os error 28'); None when there is none."""
+    (torch.save reports a failed write as a RuntimeError 'unexpected pos ...' raised during the
+    OSError), or from safetensors' message ('os error 28'); None when there is none."""
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno:
@@ -48,9 +49,9 @@ def os_reason(err: BaseException) -> str | None:
 
 @contextlib.contextmanager
 def writing(file: Path, what: str | None = None):
-    """Around writing one checkpoint file (or the files `what` names in the folder `file`): an I/O failure
-    becomes a CheckpointWriteError naming it and the OS's reason (refusals such as check_finite pass
-    through)."""
+    """Around writing one checkpoint file (or the files `what` names in the folder `file`): an I/O
+    failure becomes a CheckpointWriteError naming it and the OS's reason (refusals such as
+    check_finite pass through)."""
     from safetensors import SafetensorError
 
     try:
@@ -60,28 +61,32 @@ def writing(file: Path, what: str | None = None):
     except (OSError, RuntimeError, SafetensorError) as err:
         reason = os_reason(err)
         shown = f"{what} in {file}" if what else str(file)
-        raise CheckpointWriteError(f"writing {shown} failed: {reason or f'{type(err).__name__}: {err}'}",
+        raise CheckpointWriteError(f"writing {shown} failed: "
+                                   f"{reason or f'{type(err).__name__}: {err}'}",
                                    file, reason) from err
 
 
-FINITE_CHUNK = 1 << 22  # elements tested at a time: torch.isfinite(t) holds an |t| copy and masks of t's size
+# elements tested at a time: torch.isfinite(t) holds an |t| copy and masks of t's size
+FINITE_CHUNK = 1 << 22
 
 
 def finite(tensor: torch.Tensor) -> bool:
-    """No inf/NaN in `tensor`, tested FINITE_CHUNK elements at a time: whole, the test's temporaries were
-    about twice a float32 tensor's size (520 MB for a 151,936 x 512 embedding, at every checkpoint)."""
+    """No inf/NaN in `tensor`, tested FINITE_CHUNK elements at a time: whole, the test's temporaries
+    were about twice a float32 tensor's size (520 MB for a 151,936 x 512 embedding, at every
+    checkpoint)."""
     flat = tensor.detach().reshape(-1)  # a view of a contiguous tensor
     return all(bool(torch.isfinite(part).all()) for part in flat.split(FINITE_CHUNK))
 
 
 def check_finite(model_or_state_dict) -> None:
-    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken model). Takes a
-    model or a (gathered) state dict."""
+    """Refuse to write weights that hold inf/NaN (a run must never save, then resume, a broken
+    model). Takes a model or a (gathered) state dict."""
     named = model_or_state_dict.items() if isinstance(model_or_state_dict, dict) else \
         model_or_state_dict.named_parameters()
     bad = [name for name, p in named if p.is_floating_point() and not finite(p)]
     if bad:
-        raise CheckpointError(f"refusing to save: {len(bad)} parameter tensors hold inf/NaN (e.g. {bad[:3]})")
+        raise CheckpointError(f"refusing to save: {len(bad)} parameter tensors hold inf/NaN (e.g. "
+                              f"{bad[:3]})")
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -101,7 +106,8 @@ def load_json(path: Path) -> Any:
 
 
 def model_folder(path: Path) -> Path:
-    """Where a checkpoint's model files are: its top level (older rlft checkpoints: its model/ folder)."""
+    """Where a checkpoint's model files are: its top level (older rlft checkpoints: its model/
+    folder)."""
     return path / "model" if (path / "model" / "config.json").is_file() else path
 
 
@@ -117,7 +123,8 @@ def load_model_weights(model, folder: Path) -> None:
     for shard in sorted(folder.glob("model*.safetensors")):
         state.update(load_safetensors(shard))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {name for name in missing if "lm_head" in name}  # tied to the embeddings, not saved twice
+    # tied to the embeddings, not saved twice
+    tied = {name for name in missing if "lm_head" in name}
     if unexpected or set(missing) - tied:
         raise CheckpointError(f"checkpoint {folder} does not match the model: missing "
                               f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")

@@ -1,9 +1,10 @@
-"""Where a batch of prompts gets its completions: the rollout engine, the tool loop around it (`tools=`),
-environments (`environment_factory=`) or the user's `rollout_func` (TRL's names; docs/agents.md).
+"""Where a batch of prompts gets its completions: the rollout engine, the tool loop around it
+(`tools=`), environments (`environment_factory=`) or the user's `rollout_func` (TRL's names;
+docs/agents.md).
 
-`setup_tools` decides, before any prompt is rendered, what the prompts carry (tool schemas) and which reward
-functions environments add; `Generation` is the one call a rollout source makes: `generation(prompts, count,
-greedy) -> Rollout`.
+`setup_tools` decides, before any prompt is rendered, what the prompts carry (tool schemas) and
+which reward functions environments add; `Generation` is the one call a rollout source makes:
+`generation(prompts, count, greedy) -> Rollout`.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ def import_tools(names: list[str] | str) -> list:
 
 
 def streaming_settings(args) -> None:
-    """A streamed (iterable) train set is read by every process, each keeping its own rows, in one thread: the
-    settings say so, as TRL's do (`dispatch_batches=False`, no dataloader workers that would split the
-    groups)."""
+    """A streamed (iterable) train set is read by every process, each keeping its own rows, in one
+    thread: the settings say so, as TRL's do (`dispatch_batches=False`, no dataloader workers that
+    would split the groups)."""
     if args.accelerator_config.dispatch_batches:
-        raise ConfigError("Iterable datasets require `dispatch_batches=False`: every process reads the "
-                          "stream and keeps its own rows (dispatching from the main process is not "
-                          "supported); remove accelerator_config.dispatch_batches or set it to false")
+        raise ConfigError("Iterable datasets require `dispatch_batches=False`: every process reads "
+                          "the stream and keeps its own rows (dispatching from the main process is "
+                          "not supported); remove accelerator_config.dispatch_batches or set it to "
+                          "false")
     args.accelerator_config.dispatch_batches = False
     args.dataloader_num_workers = 0
 
@@ -52,23 +54,27 @@ def streaming_settings(args) -> None:
 class ToolSetup:
     """What tools and environments decide before the prompts are rendered."""
 
-    tools: list = field(default_factory=list)  # every tool the policy may call (environments' methods too)
+    # every tool the policy may call (environments' methods too)
+    tools: list = field(default_factory=list)
     environments: Environments | None = None
     env_tools: dict = field(default_factory=dict)  # TRL's `_env_tools`: each environment's tools
     template_kwargs: dict = field(default_factory=dict)  # rendered into every prompt (tool schemas)
     toolset: Toolset | None = None
-    rewards: list = field(default_factory=list)  # environments that own their reward, as reward functions
+    # environments that own their reward, as reward functions
+    rewards: list = field(default_factory=list)
 
 
 def setup_tools(args, tokenizer, tools, environment_factory, rollout_func) -> ToolSetup:
     """`tools=` (and the config's `tools`), `environment_factory=` or `rollout_func=` (alone)."""
     tools = import_tools(args.tools) + list(tools or [])
     if rollout_func is not None and (tools or environment_factory is not None):
-        raise ConfigError("rollout_func replaces generation, tools and environments: pass rollout_func alone")
+        raise ConfigError("rollout_func replaces generation, tools and environments: pass "
+                          "rollout_func alone")
     if rollout_func is not None and not callable(rollout_func):
         raise ConfigError(f"rollout_func must be callable, got {rollout_func!r}")
     setup = ToolSetup(tools=list(tools), template_kwargs=dict(args.chat_template_kwargs or {}))
-    if environment_factory is not None:  # TRL's: every environment's tools once, and each environment's own
+    # TRL's: every environment's tools once, and each environment's own
+    if environment_factory is not None:
         setup.environments = Environments(environment_factory, tools)
         setup.env_tools = dict(setup.environments.tools_of)
         for methods in setup.env_tools.values():
@@ -84,20 +90,20 @@ def setup_tools(args, tokenizer, tools, environment_factory, rollout_func) -> To
 
 
 def environment_data(args, train_dataset, environments: Environments | None, completions_total: int):
-    """TRL's: with environments the data may be the environments' own. No train_dataset (one environment,
-    max_steps set): one generation round of empty prompts, cycled; a row without `prompt` gets an empty user
-    message that the environment's reset() fills."""
+    """TRL's: with environments the data may be the environments' own. No train_dataset (one
+    environment, max_steps set): one generation round of empty prompts, cycled; a row without
+    `prompt` gets an empty user message that the environment's reset() fills."""
     import datasets
 
     empty = [{"role": "user", "content": ""}]
     if train_dataset is None and environments is not None:
         if environments.multi:
-            raise ConfigError("a dict environment_factory (several environments) requires a `train_dataset` "
-                              "with an `environment` column routing each row; give one, or pass a single "
-                              "factory")
+            raise ConfigError("a dict environment_factory (several environments) requires a "
+                              "`train_dataset` with an `environment` column routing each row; give "
+                              "one, or pass a single factory")
         if args.max_steps <= 0:
-            raise ConfigError("without a train_dataset (the environment returns the prompt from reset()), "
-                              "set max_steps > 0: it sets the length of the run")
+            raise ConfigError("without a train_dataset (the environment returns the prompt from "
+                              "reset()), set max_steps > 0: it sets the length of the run")
         rows = max(completions_total // args.num_generations, 1)
         return load_dataset_any([{"prompt": empty} for _ in range(rows)])
     dataset = load_dataset_any(train_dataset)
@@ -112,13 +118,13 @@ def environment_data(args, train_dataset, environments: Environments | None, com
 
 def check_chat_prompts(prompts, setup: ToolSetup) -> None:
     if (setup.tools or setup.environments) and isinstance(prompts.rows[0]["prompt"], str):
-        raise DatasetError("tools and environments need chat prompts (a list of messages per row): the tool "
-                           "schemas and tool messages are rendered by the chat template")
+        raise DatasetError("tools and environments need chat prompts (a list of messages per row): "
+                           "the tool schemas and tool messages are rendered by the chat template")
 
 
 def rollout_engine(args, tokenizer, model, source, training_engine, setup: ToolSetup):
-    """The engine the config asks for (generate, vLLM colocated or a server), in a tool loop when the policy
-    calls tools."""
+    """The engine the config asks for (generate, vLLM colocated or a server), in a tool loop when
+    the policy calls tools."""
     engine = make_generator(args, tokenizer, model, source, synced=training_engine.sharded,
                             full_weights=training_engine.full_weights)
     if not (setup.tools or setup.environments):
@@ -128,9 +134,9 @@ def rollout_engine(args, tokenizer, model, source, training_engine, setup: ToolS
 
 
 class Generation:
-    """`count` completions per prompt of a PromptSet batch, rows in groups: from `rollout_func(prompts)` when
-    given, else from `engine` (settable: `trainer.generator`), each row with its own environment when there
-    are environments."""
+    """`count` completions per prompt of a PromptSet batch, rows in groups: from
+    `rollout_func(prompts)` when given, else from `engine` (settable: `trainer.generator`), each row
+    with its own environment when there are environments."""
 
     def __init__(self, engine, model, tokenizer, args, device, training_engine, setup: ToolSetup,
                  rollout_func: Callable[[list], dict] | None = None):
@@ -139,8 +145,9 @@ class Generation:
         self.rollout_func = rollout_func
 
     def context(self):
-        """FSDP2 gathers every layer for generate; a vLLM engine never runs the policy's forward (its weight
-        sync makes the weights whole itself), so it is spared holding the whole policy for the rollout."""
+        """FSDP2 gathers every layer for generate; a vLLM engine never runs the policy's forward
+        (its weight sync makes the weights whole itself), so it is spared holding the whole policy
+        for the rollout."""
         if self.rollout_func is None and holds_own_weights(self.engine):
             return contextlib.nullcontext()
         return self.training_engine.for_generation(self.model)

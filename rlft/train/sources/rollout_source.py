@@ -1,20 +1,25 @@
-"""Where a GRPO trainer's rollouts come from: a `RolloutSource` turns a rollout index into a `ScoredRollout`
-(the prompts of that index, num_generations completions each, every reward function's rewards), and owns
-whatever that takes between rollouts (`state_dict()` / `load_state_dict()` go into checkpoints).
+"""Where a GRPO trainer's rollouts come from: a `RolloutSource` turns a rollout index into a
+`ScoredRollout` (the prompts of that index, num_generations completions each, every reward
+function's rewards), and owns whatever that takes between rollouts (`state_dict()` /
+`load_state_dict()` go into checkpoints).
 
-Sources are chosen by the config's `rollout_source` from `SOURCES` (`register_source(name, cls)` adds one: a
-class built from the `SourceParts`, usually a `SourceBase`, whose `check` runs before the model is loaded):
-    generate   `GeneratedSource`: the engine the config asks for (generate, vLLM, a tool loop, environments,
+Sources are chosen by the config's `rollout_source` from `SOURCES` (`register_source(name, cls)`
+adds one: a class built from the `SourceParts`, usually a `SourceBase`, whose `check` runs before
+the model is loaded):
+    generate   `GeneratedSource`: the engine the config asks for (generate, vLLM, a tool loop,
+    environments,
                rollout_func) samples the rollout when its step comes
     producer   `ProducerSource` (rlft/train/sources/async_source.py): a producer process samples
                rollouts ahead of the trainer on a fixed, reproducible schedule (AsyncGRPOTrainer)
-    gkd        `GKDSource` (rlft/train/gkd.py): the student's, the teacher's or the dataset's completions
+    gkd        `GKDSource` (rlft/train/gkd.py): the student's, the teacher's or the dataset's
+    completions
                (GKDTrainer)
 and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling`
 (rlft/train/sources/dynamic_sampling.py).
 
-Prompts: rollout r of an epoch takes, from the epoch's seeded permutation, the r-th block of prompts, each
-process its own slice of it (`PromptSchedule`); a resumed or repeated run samples the same prompts.
+Prompts: rollout r of an epoch takes, from the epoch's seeded permutation, the r-th block of
+prompts, each process its own slice of it (`PromptSchedule`); a resumed or repeated run samples the
+same prompts.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from rlft.train.update.rollout_batch import ScoredRollout
 
 def round_prompt_indices(num_rows: int, seed: int, rollout_index: int, round_index: int, process_index: int,
                          per_process: int) -> list[int]:
-    """This process's prompts for a later generation round of a rollout (dynamic sampling): a permutation of
-    all rows seeded by (seed, rollout, round); process p takes positions [p*P, (p+1)*P)."""
+    """This process's prompts for a later generation round of a rollout (dynamic sampling): a
+    permutation of all rows seeded by (seed, rollout, round); process p takes positions [p*P,
+    (p+1)*P)."""
     order = epoch_order(num_rows, seed + 1_000_003 * round_index, rollout_index)
     start = process_index * per_process
     return [order[(start + k) % num_rows] for k in range(per_process)]
@@ -50,7 +56,8 @@ class PromptSchedule:
     per_process: int  # prompts per rollout on each process
     rollouts_per_epoch: int
     seed: int
-    shuffle: bool  # a new seeded permutation each epoch (not for a streamed dataset: its order is the data's)
+    # a new seeded permutation each epoch (not for a streamed dataset: its order is the data's)
+    shuffle: bool
     process_index: int = 0
     num_processes: int = 1
 
@@ -94,7 +101,8 @@ class RolloutSource(Protocol):
         """After `train()`: stop what runs only while training."""
 
     def session(self) -> contextlib.AbstractContextManager:
-        """Around an evaluate() outside train(): start and stop what generating needs (a producer)."""
+        """Around an evaluate() outside train(): start and stop what generating needs (a
+        producer)."""
 
     def step_metrics(self, step: int) -> dict[str, float]: ...
 
@@ -123,7 +131,8 @@ class SourceParts:
     rollout_func: Callable[[list], dict] | None  # the user's, bound to the trainer
     steps_per_rollout: int
     total_steps: int
-    teacher: Any = None  # distillation's teacher (a module, a served client), where a source samples from it
+    # distillation's teacher (a module, a served client), where a source samples from it
+    teacher: Any = None
 
 
 # dataset columns a rollout's rows carry for the trainer's own use (which teacher:
@@ -132,7 +141,8 @@ ROW_COLUMNS = ("teacher_id",)
 
 
 def carry_row_columns(rollout: Rollout, prompts: dict, group: int) -> None:
-    """The rows' ROW_COLUMNS from their prompts' dataset rows (each prompt's value `group` times)."""
+    """The rows' ROW_COLUMNS from their prompts' dataset rows (each prompt's value `group`
+    times)."""
     for name in ROW_COLUMNS:
         if name in prompts and name not in rollout.extra:
             rollout.extra[name] = [value for value in prompts[name] for _ in range(group)]
@@ -140,10 +150,11 @@ def carry_row_columns(rollout: Rollout, prompts: dict, group: int) -> None:
 
 def score_rollout(rewards: RewardScorer, throughput, prompts: dict, rollout: Rollout, group: int,
                   waited: float, generating: float) -> ScoredRollout:
-    """A rollout's rewards and timings: `waited` seconds for the rollout (what the step spent), of which the
-    engine spent `generating` generating it (what its throughput is measured over)."""
+    """A rollout's rewards and timings: `waited` seconds for the rollout (what the step spent), of
+    which the engine spent `generating` generating it (what its throughput is measured over)."""
     carry_row_columns(rollout, prompts, group)
-    tokens = rollout.prompt_mask.sum().item() + rollout.completion_mask.sum().item()  # before any masking
+    # before any masking
+    tokens = rollout.prompt_mask.sum().item() + rollout.completion_mask.sum().item()
     timing = {"time/generation_seconds": waited, "tokens": float(tokens)}
     for key, value in throughput.generation(rollout, generating, group).items():
         # time-weighted, so that rounds add up (rlft/train/update/rollout_batch.py)
@@ -156,16 +167,17 @@ def score_rollout(rewards: RewardScorer, throughput, prompts: dict, rollout: Rol
 
 
 class SourceBase:
-    """What every source shares: nothing to check, start, stop, log or save beyond its rollouts. A source
-    defines `rollout`, `round` (dynamic sampling's later rounds) and `generate` (evaluation)."""
+    """What every source shares: nothing to check, start, stop, log or save beyond its rollouts. A
+    source defines `rollout`, `round` (dynamic sampling's later rounds) and `generate`
+    (evaluation)."""
 
     schedule: PromptSchedule
     engine: Any = None
 
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
-        """Before anything is loaded: what this source cannot run (with these tools= / environments /
-        rollout_func, on this many processes), as a ConfigError."""
+        """Before anything is loaded: what this source cannot run (with these tools= / environments
+        / rollout_func, on this many processes), as a ConfigError."""
 
     def open(self) -> None:
         pass
@@ -225,8 +237,8 @@ SOURCES: dict[str, type[SourceBase] | str] = {}
 
 
 def register_source(name: str, source: type[SourceBase] | str) -> type[SourceBase] | str:
-    """Add a rollout source (a class built from SourceParts, usually a SourceBase); `rollout_source: <name>`
-    in a config then selects it."""
+    """Add a rollout source (a class built from SourceParts, usually a SourceBase); `rollout_source:
+    <name>` in a config then selects it."""
     if name in SOURCES:
         raise ValueError(f"rollout source {name!r} is already registered")
     SOURCES[name] = source
@@ -234,7 +246,8 @@ def register_source(name: str, source: type[SourceBase] | str) -> type[SourceBas
 
 
 def source_class(name: str) -> type[SourceBase]:
-    """The registered source `name` (a config's `rollout_source`), or a ConfigError naming the others."""
+    """The registered source `name` (a config's `rollout_source`), or a ConfigError naming the
+    others."""
     if name not in SOURCES:
         from rlft.errors import ConfigError
 

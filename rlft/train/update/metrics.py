@@ -22,7 +22,8 @@ def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.T
                     truncated: torch.Tensor, weights: torch.Tensor, names: list[str],
                     stats: dict[str, float]) -> dict[str, float]:
     """Reward (total and per function, weighted as used), spread and completion-length statistics,
-    over the rollout of every process. `reward_std` is TRL's: the std of the total reward over the batch."""
+    over the rollout of every process. `reward_std` is TRL's: the std of the total reward over the
+    batch."""
     valid_total = total[~torch.isnan(total)]
     metrics = {"reward": torch.nanmean(total).item(), "completions/count": float(total.numel()), **stats,
                "reward_std": valid_total.std().item() if valid_total.numel() > 1 else 0.0}
@@ -48,9 +49,10 @@ def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.T
 
 
 def tool_metrics(stats: dict[str, torch.Tensor], accelerator) -> dict[str, float]:
-    """Tool-calling rollouts, over every process: calls per completion and the failed share of calls (TRL's
-    tools/call_frequency and tools/failure_frequency), turns per completion, and the share of completions that
-    stopped with a tool call unanswered (max_tool_calling_iterations or the completion budget reached)."""
+    """Tool-calling rollouts, over every process: calls per completion and the failed share of calls
+    (TRL's tools/call_frequency and tools/failure_frequency), turns per completion, and the share of
+    completions that stopped with a tool call unanswered (max_tool_calling_iterations or the
+    completion budget reached)."""
     if not stats:
         return {}
     local = torch.tensor([stats[k].sum().item()
@@ -64,17 +66,19 @@ def tool_metrics(stats: dict[str, torch.Tensor], accelerator) -> dict[str, float
 
 
 class StepSums:
-    """Loss shares summed over micro-batches; token-mean metrics weighted by token counts, sequence-mean
-    metrics by completion counts."""
+    """Loss shares summed over micro-batches; token-mean metrics weighted by token counts,
+    sequence-mean metrics by completion counts."""
 
     def __init__(self, sequence_keys: tuple[str, ...] = ()):
-        self.sequence_keys = sequence_keys  # token-mean keys this loss reports per sequence (RLOO's clips)
+        # token-mean keys this loss reports per sequence (RLOO's clips)
+        self.sequence_keys = sequence_keys
         self.loss = 0.0
         self.shares = dict.fromkeys(SHARE_KEYS, 0.0)
         self.tokens = 0.0
         self.sequences = 0.0
         self.weighted: dict[str, float] = {}
-        self.low_min, self.high_max = math.inf, -math.inf  # over micro-batches (and processes, in reduce)
+        # over micro-batches (and processes, in reduce)
+        self.low_min, self.high_max = math.inf, -math.inf
 
     def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], entropy: torch.Tensor | None,
             mask: torch.Tensor) -> None:
@@ -86,7 +90,8 @@ class StepSums:
         self.sequences += sequences
         values = {k: metrics[k].item() for k in TOKEN_MEAN_KEYS
                   if k in metrics and k not in self.sequence_keys}
-        if "clip_ratio/low_min" in metrics:  # over completions, so independent of how the step is split
+        # over completions, so independent of how the step is split
+        if "clip_ratio/low_min" in metrics:
             self.low_min = min(self.low_min, metrics["clip_ratio/low_min"].item())
             self.high_max = max(self.high_max, metrics["clip_ratio/high_max"].item())
         if entropy is not None:
@@ -106,8 +111,8 @@ class StepSums:
         summed = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
         loss, tokens, sequences, *rest = summed.tolist()
         shares, weighted = dict(zip(SHARE_KEYS, rest[:len(SHARE_KEYS)])), rest[len(SHARE_KEYS):]
-        # TRL's policy_loss: the loss before the entropy bonus and the MoE router term (the KL term included);
-        # rlft's teacher term is outside it too
+        # TRL's policy_loss: the loss before the entropy bonus and the MoE router term (the KL term
+        # included); rlft's teacher term is outside it too
         out = {"loss": loss, "policy_loss": loss - shares["entropy_loss"] - shares["router_loss"]
                - shares["teacher_loss"]}
         for key in ("entropy_loss", "teacher_loss"):
@@ -130,8 +135,8 @@ class StepSums:
 
 
 def correction_metrics(parts: list[dict[str, torch.Tensor]], accelerator) -> dict[str, float]:
-    """The sampler/trainer mismatch of one optimiser step, over every micro-batch and process, with TRL's
-    names (`sampling/...`), plus the fraction of weights a *_mask mode set to zero."""
+    """The sampler/trainer mismatch of one optimiser step, over every micro-batch and process, with
+    TRL's names (`sampling/...`), plus the fraction of weights a *_mask mode set to zero."""
     device = accelerator.device
     sums = torch.stack([torch.stack([p[k].to(device).float() for k in (
         "delta_sum", "delta_count", "ratio_sum", "ratio_count", "zeroed", "outside", "kl_k1_sum", "kl_k3_sum",
@@ -154,7 +159,8 @@ def correction_metrics(parts: list[dict[str, torch.Tensor]], accelerator) -> dic
             "sampling/importance_sampling_clipped_fraction": clipped / max(ratio_count, 1),
             # per token, before any bound: how far the trainer's distribution is from the sampler's
             "sampling/importance_sampling_ratio/outside_fraction": outside / tokens,
-            # KL(sampler || trainer) per token (k1, k3) and the chi-square divergence: rlft/core/importance.py
+            # KL(sampler || trainer) per token (k1, k3) and the chi-square divergence:
+            # rlft/core/importance.py
             "sampling/kl_sampler_trainer/k1": k1 / tokens, "sampling/kl_sampler_trainer/k3": k3 / tokens,
             "sampling/chi2_token": rho2 / tokens - 1.0 if delta_count else 0.0}
 

@@ -1,12 +1,13 @@
-"""What an update optimises: an `Objective` gives the loss of each micro-batch from the scorer's forwards
-(rlft/train/update/rollout_logprobs.py) and says what it needs; `PolicyUpdater` (rlft/train/update/updater.py)
-runs the step around it (the step's normalisers, the micro-batches, the gradient-flow check, the guarded
-optimiser step) and never looks inside it. A trainer names its objective (`objective = PolicyObjective`); a
-new objective (a value model's loss, a supervised warm-up) is a new class here and a trainer that names it.
+"""What an update optimises: an `Objective` gives the loss of each micro-batch from the scorer's
+forwards (rlft/train/update/rollout_logprobs.py) and says what it needs; `PolicyUpdater`
+(rlft/train/update/updater.py) runs the step around it (the step's normalisers, the micro-batches,
+the gradient-flow check, the guarded optimiser step) and never looks inside it. A trainer names its
+objective (`objective = PolicyObjective`); a new objective (a value model's loss, a supervised
+warm-up) is a new class here and a trainer that names it.
 
 `PolicyObjective`: GRPO's, RLOO's and async GRPO's: the clipped policy loss the config picks
-(rlft/core/losses.py) on each completion's advantage, with the sampling correction of completions another
-engine sampled, the entropy bonus, a MoE router's loss and the teacher term where asked.
+(rlft/core/losses.py) on each completion's advantage, with the sampling correction of completions
+another engine sampled, the entropy bonus, a MoE router's loss and the teacher term where asked.
 Distillation's divergence is `DistillationObjective` (rlft/train/update/distill_objective.py).
 """
 
@@ -24,18 +25,21 @@ from rlft.train.update.rollout_batch import RolloutBatch
 
 
 class Objective:
-    """The loss of an update and what it needs. Subclasses give `micro_loss` and `eval_loss`; the rest has
-    defaults. Every method gets the updater `u` (its scorer, args, accelerator, counters)."""
+    """The loss of an update and what it needs. Subclasses give `micro_loss` and `eval_loss`; the
+    rest has defaults. Every method gets the updater `u` (its scorer, args, accelerator,
+    counters)."""
 
     needs_rewards = True  # its loss reads advantages computed from reward functions' scores
-    needs_teacher = False  # a teacher is required (else GRPO's optional teacher term, teacher_coef > 0)
+    # a teacher is required (else GRPO's optional teacher term, teacher_coef > 0)
+    needs_teacher = False
     progress_metric = "reward"  # the logged value the progress bar shows
     uses_old_logps = True  # the importance ratio's denominator when a rollout feeds several steps
     sequence_means: tuple[str, ...] = ()  # metrics averaged per sequence, not per token (StepSums)
 
     @classmethod
     def build(cls, args, kl_in_reward: bool) -> Objective:
-        """The objective for a run's config (`kl_in_reward`: beta's KL is in the reward, not in the loss)."""
+        """The objective for a run's config (`kl_in_reward`: beta's KL is in the reward, not in the
+        loss)."""
         return cls()
 
     @classmethod
@@ -47,13 +51,13 @@ class Objective:
         """Before the step's first micro-batch."""
 
     def has_signal(self, u, batch: RolloutBatch) -> bool:
-        """Some process's rows carry a learning signal before the backward (the gradient-flow check runs at
-        the first step that has one); `weighted` may still say no after it."""
+        """Some process's rows carry a learning signal before the backward (the gradient-flow check
+        runs at the first step that has one); `weighted` may still say no after it."""
         return float(u.accelerator.reduce(batch.advantages.abs().sum(), "sum")) > 0
 
     def weighted(self, u, kept: bool) -> bool:
-        """After the backward: the step's gradient should be nonzero (`kept`: some token kept a nonzero
-        sampling-correction weight on some process)."""
+        """After the backward: the step's gradient should be nonzero (`kept`: some token kept a
+        nonzero sampling-correction weight on some process)."""
         return kept
 
     def end_step(self, u, metrics: dict[str, float]) -> dict[str, float]:
@@ -62,8 +66,9 @@ class Objective:
 
     def micro_loss(self, u, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list,
                    keep=None):
-        """(loss share, metrics, detached entropy or None, trained mask) of micro-batch `rows`: its share of
-        the step loss, whose normalisers `num_items` / `num_sequences` count the whole step."""
+        """(loss share, metrics, detached entropy or None, trained mask) of micro-batch `rows`: its
+        share of the step loss, whose normalisers `num_items` / `num_sequences` count the whole
+        step."""
         raise NotImplementedError
 
     def eval_loss(self, u, rollout, advantages: torch.Tensor, kl_in_loss: bool) -> float:
@@ -71,17 +76,18 @@ class Objective:
 
 
 def loss_notes(args) -> list[str]:
-    """Loss options combined in a way their papers did not (TRL warns about the same): each loss's own
-    (rlft/core/losses.py: LossSpec.notes), then the clip options'."""
+    """Loss options combined in a way their papers did not (TRL warns about the same): each loss's
+    own (rlft/core/losses.py: LossSpec.notes), then the clip options'."""
     notes = LOSSES[args.loss_type].notes(args.importance_sampling_level)
     if args.delta is not None and args.delta <= 1 + (args.epsilon_high or args.epsilon):
-        notes.append(f"delta={args.delta} is not above 1 + epsilon_high: it also caps ratios the clip range "
-                     "allows")
+        notes.append(f"delta={args.delta} is not above 1 + epsilon_high: it also caps ratios the "
+                     "clip range allows")
     return notes
 
 
 def _gradient_of(policy_part):
-    """log-probs [b, c] -> dL/dlog p [b, c] of `policy_part(logps) -> (loss, ...)`, the loss's own code."""
+    """log-probs [b, c] -> dL/dlog p [b, c] of `policy_part(logps) -> (loss, ...)`, the loss's own
+    code."""
     def gradient(logps: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             x = logps.detach().requires_grad_()
@@ -91,8 +97,8 @@ def _gradient_of(policy_part):
 
 
 class PolicyObjective(Objective):
-    """The policy-gradient loss of the GRPO family (module docstring), with its options (`LossOptions`: each
-    loss's parameters, rlft/core/losses.py)."""
+    """The policy-gradient loss of the GRPO family (module docstring), with its options
+    (`LossOptions`: each loss's parameters, rlft/core/losses.py)."""
 
     def __init__(self, loss_options: LossOptions, loss_type: str):
         self.loss_options = loss_options
@@ -111,9 +117,9 @@ class PolicyObjective(Objective):
 
     def micro_loss(self, u, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list,
                    keep=None):
-        """One micro-batch's share of the step loss. For a token-separable policy term the scorer is given its
-        gradient as a function of the log-probs, so a trainable LM head forms its gradients in the forward
-        (rlft/core/fused_head.py)."""
+        """One micro-batch's share of the step loss. For a token-separable policy term the scorer is
+        given its gradient as a function of the log-probs, so a trainable LM head forms its
+        gradients in the forward (rlft/core/fused_head.py)."""
         args = u.args
         teacher = u.scorer.teacher is not None and args.teacher_coef > 0
 
@@ -125,7 +131,8 @@ class PolicyObjective(Objective):
             router_loss=u.router_aux_loss_coef != 0.0, teacher=teacher,
             loss_grad=_gradient_of(policy_part) if self._token_separable(u, batch) else None)
         loss, metrics, mask = policy_part(logps, corrections)
-        if logmass is not None:  # the mass the sampler kept, under the policy now (per trained token)
+        # the mass the sampler kept, under the policy now (per trained token)
+        if logmass is not None:
             metrics["sampling/kept_mass/mean"] = (logmass.exp() * mask).sum() / mask.sum().clamp(min=1)
         loss = self._extra_terms(u, loss, metrics, entropy, router, mask, num_items)
         if divergence is not None:  # GRPO with a teacher: + coef x token-mean reverse KL to it
@@ -136,10 +143,11 @@ class PolicyObjective(Objective):
         return loss, metrics, None if entropy is None else entropy.detach(), mask
 
     def _policy_loss(self, u, batch: RolloutBatch, rows, logps, num_items, num_sequences, keep, corrections):
-        """The policy term of a micro-batch's loss from its log-probs [b, c], its metrics and the trained
-        mask. Completions sampled by another engine (vLLM) are weighted by pi_old / pi_sampler
-        (`vllm_importance_sampling_*`, rlft/core/importance.py), their statistics appended to `corrections`
-        (None: a prediction of the gradient, nothing recorded, no metrics)."""
+        """The policy term of a micro-batch's loss from its log-probs [b, c], its metrics and the
+        trained mask. Completions sampled by another engine (vLLM) are weighted by pi_old /
+        pi_sampler (`vllm_importance_sampling_*`, rlft/core/importance.py), their statistics
+        appended to `corrections` (None: a prediction of the gradient, nothing recorded, no
+        metrics)."""
         args, rollout = u.args, batch.rollout
         width = logps.shape[1]
         mask = (rollout.loss_mask if keep is None else keep)[rows, :width]
@@ -158,7 +166,8 @@ class PolicyObjective(Objective):
         advantages = batch.advantages[rows]  # [b], or [b, C] per token (REINFORCE++)
         advantages = advantages if advantages.ndim == 1 else advantages[:, :width]
         off_policy = None
-        if args.off_policy_mask_threshold is not None:  # the sampler's log-probs when another engine sampled
+        # the sampler's log-probs when another engine sampled
+        if args.off_policy_mask_threshold is not None:
             off_policy = off_policy_sequence_mask(advantages, logps, old if sampler is None else sampler,
                                                   mask, args.off_policy_mask_threshold)
         loss, metrics = policy_loss(
@@ -171,10 +180,11 @@ class PolicyObjective(Objective):
         return loss, metrics, mask
 
     def _token_separable(self, u, batch: RolloutBatch) -> bool:
-        """The policy term's gradient at a token reads that token's log-prob alone: a token-level ratio, a
-        loss without a sequence-level preparation, no off-policy sequence mask, no sequence-level sampling
-        weights computed from the log-probs themselves, and no entropy bonus (its gradient is the entropy's).
-        (Where this is wrong the head's backward sees it and recomputes: exact either way.)"""
+        """The policy term's gradient at a token reads that token's log-prob alone: a token-level
+        ratio, a loss without a sequence-level preparation, no off-policy sequence mask, no
+        sequence-level sampling weights computed from the log-probs themselves, and no entropy bonus
+        (its gradient is the entropy's). (Where this is wrong the head's backward sees it and
+        recomputes: exact either way.)"""
         args = u.args
         sequence_weights = (batch.rollout.sampling_logps is not None and batch.old_logps is None
                             and args.vllm_importance_sampling_correction
@@ -184,7 +194,8 @@ class PolicyObjective(Objective):
                 and not sequence_weights)
 
     def _extra_terms(self, u, loss, metrics: dict, entropy, router, mask, num_items):
-        """The entropy bonus and a MoE router's load-balancing loss, added to a micro-batch's share."""
+        """The entropy bonus and a MoE router's load-balancing loss, added to a micro-batch's
+        share."""
         args, counters = u.args, u.counters
         if u.entropy_bonus_on:
             applied = counters.entropy_coef if not args.use_adaptive_entropy \
@@ -202,12 +213,13 @@ class PolicyObjective(Objective):
 
     @torch.no_grad()
     def eval_loss(self, u, rollout, advantages: torch.Tensor, kl_in_loss: bool) -> float:
-        """The loss on evaluation completions (TRL's `eval_loss`): the policy on-policy (ratio 1), plus the KL
-        term when beta > 0. Advantage 0 everywhere (greedy: one completion per prompt) without KL is exactly
-        0, and no forward pass is spent on it."""
+        """The loss on evaluation completions (TRL's `eval_loss`): the policy on-policy (ratio 1),
+        plus the KL term when beta > 0. Advantage 0 everywhere (greedy: one completion per prompt)
+        without KL is exactly 0, and no forward pass is spent on it."""
         args = u.args
         signal = torch.tensor(float(advantages.abs().sum()), device=u.accelerator.device)
-        if u.accelerator.num_processes > 1:  # every process skips the forward together (sharded engines)
+        # every process skips the forward together (sharded engines)
+        if u.accelerator.num_processes > 1:
             signal = u.accelerator.reduce(signal, "max")
         if (args.kl_coef == 0 or not kl_in_loss) and float(signal) == 0:
             return 0.0

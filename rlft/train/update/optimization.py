@@ -1,12 +1,14 @@
-"""The model under training with its optimiser, schedule and training engine, and the one guarded optimiser
-step every trainer takes (GRPO's policy update and the reward model's alike):
+"""The model under training with its optimiser, schedule and training engine, and the one guarded
+optimiser step every trainer takes (GRPO's policy update and the reward model's alike):
 
     gradients clipped -> every process agrees whether the step is finite -> applied, or skipped
-    (weights unchanged; the schedule advances either way, so the learning rate stays a function of the step)
+    (weights unchanged; the schedule advances either way, so the learning rate stays a function of
+    the step)
 
-Skips are counted (in checkpoints under the trainer's counter name) and said; `max_nonfinite_steps` non-finite
-steps in a row stop the run with the trainer's explanation. A non-finite value never reaches the weights.
-It saves and loads itself: the engine's files (model, optimizer state) and the schedule.
+Skips are counted (in checkpoints under the trainer's counter name) and said; `max_nonfinite_steps`
+non-finite steps in a row stop the run with the trainer's explanation. A non-finite value never
+reaches the weights. It saves and loads itself: the engine's files (model, optimizer state) and the
+schedule.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from rlft.train.run.safe_files import load_json, writing
 @dataclass
 class StepOutcome:
     applied: bool
-    grad_norm: float | None  # before clipping (None: the engine did not say, e.g. a step skipped before it)
+    # before clipping (None: the engine did not say, e.g. a step skipped before it)
+    grad_norm: float | None
     learning_rate: float  # the rate this step used (or would have)
 
 
 class GuardedOptimizer:
-    """`apply(finite)` after the backward passes; `skip(reason)` for a step with nothing to train on."""
+    """`apply(finite)` after the backward passes; `skip(reason)` for a step with nothing to train
+    on."""
 
     def __init__(self, model, optimizer, scheduler, engine, accelerator, flow, messages, *, max_grad_norm,
                  max_nonfinite_steps: int, counter: str, stop_message: Callable[[int, str], str],
@@ -51,14 +55,16 @@ class GuardedOptimizer:
         if self.accelerator.num_processes == 1:
             return flag
         value = torch.tensor([float(flag)], device=self.accelerator.device)
-        return bool(-self.accelerator.reduce(-value, "max").item() >= 1)  # a min: reduce knows sum/mean/max
+        # a min: reduce knows sum/mean/max
+        return bool(-self.accelerator.reduce(-value, "max").item() >= 1)
 
     def apply(self, finite: bool, explain: Callable[[float | None], str],
               before_step: Callable[[], None] | None = None) -> StepOutcome:
-        """Clip, then apply the step unless the loss (`finite` on this process) or the gradient norm is not
-        finite on some process: then skip it (`explain(grad_norm)` says why). `before_step` runs before an
-        applied step (the gradient-flow check)."""
-        grad_norm = self.engine.clip(self.model, self.max_grad_norm)  # None: DeepSpeed clips in its step
+        """Clip, then apply the step unless the loss (`finite` on this process) or the gradient norm
+        is not finite on some process: then skip it (`explain(grad_norm)` says why). `before_step`
+        runs before an applied step (the gradient-flow check)."""
+        # None: DeepSpeed clips in its step
+        grad_norm = self.engine.clip(self.model, self.max_grad_norm)
         finite = self.agree(finite and (grad_norm is None or math.isfinite(grad_norm)))
         if finite and before_step is not None:
             before_step()
@@ -86,12 +92,13 @@ class GuardedOptimizer:
         self.skipped += 1
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
         step = self.flow.state.global_step + 1
-        self.messages.warn(f"step {step} skipped, weights unchanged ({self.skipped} skipped so far): "
-                           f"{reason}")
+        self.messages.warn(f"step {step} skipped, weights unchanged ({self.skipped} skipped so "
+                           f"far): {reason}")
         if self.nonfinite_in_a_row >= self.max_nonfinite_steps:
             raise NonFiniteError(self.stop_message(self.nonfinite_in_a_row, reason))
 
-    # ---- checkpoints ---------------------------------------------------------------------------------
+    # ---- checkpoints
+    # ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {self.counter: self.skipped}
 
@@ -99,7 +106,8 @@ class GuardedOptimizer:
         self.skipped, self.nonfinite_in_a_row = state.get(self.counter, 0), 0
 
     def save(self, folder: Path, tokenizer) -> None:
-        """The engine's files (model, optimizer state) and the schedule (every process calls this)."""
+        """The engine's files (model, optimizer state) and the schedule (every process calls
+        this)."""
         self.engine.save_checkpoint(self.model, self.optimizer, folder, tokenizer)
         if self.accelerator.is_main_process:
             with writing(folder / "scheduler.json"):

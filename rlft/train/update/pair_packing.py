@@ -1,18 +1,19 @@
-"""A reward model's pairs scored packed: the chosen and rejected sequences of a micro-batch in one sequence
-with no padding, and (`shared_prefix_scoring`) the tokens a pair's two sequences begin with -- the prompt,
-most often the whole conversation but its last turn -- held once, both continuations attending to them with
-positions continuing from the prefix's end. rlft's segment attention (rlft/model/packing.py,
-rlft/core/segments.py)
+"""A reward model's pairs scored packed: the chosen and rejected sequences of a micro-batch in one
+sequence with no padding, and (`shared_prefix_scoring`) the tokens a pair's two sequences begin with
+-- the prompt, most often the whole conversation but its last turn -- held once, both continuations
+attending to them with positions continuing from the prefix's end. rlft's segment attention
+(rlft/model/packing.py, rlft/core/segments.py)
 keeps every sequence from seeing another.
 
-Each sequence's score is the score head at the hidden state of the token the model's own forward pools:
-the last token that is not the pad token (transformers' sequence classifiers), the same token here. So the
-scores and their gradients are those of the padded batch, to float rounding; the first packed batch of a run
-is checked against the padded one (eval mode, random state untouched; on every process, which share the
-verdict) and padding stays, said once, where they differ (an error with `padding_free: true`).
+Each sequence's score is the score head at the hidden state of the token the model's own forward
+pools: the last token that is not the pad token (transformers' sequence classifiers), the same token
+here. So the scores and their gradients are those of the padded batch, to float rounding; the first
+packed batch of a run is checked against the padded one (eval mode, random state untouched; on every
+process, which share the verdict) and padding stays, said once, where they differ (an error with
+`padding_free: true`).
 
-Pairs of one short prompt and two answers of different lengths pad to the longest of the micro-batch; a long
-shared prompt is computed twice per pair padded, once packed.
+Pairs of one short prompt and two answers of different lengths pad to the longest of the
+micro-batch; a long shared prompt is computed twice per pair padded, once packed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class PackedPairs:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     blocks: list[Block]  # tile [0, T)
-    pooled: torch.Tensor  # [2B] where in [0, T) each sequence's pooled token is (chosen rows, then rejected)
+    # [2B] where in [0, T) each sequence's pooled token is (chosen rows, then rejected)
+    pooled: torch.Tensor
     padded_tokens: int  # what the padded batch computes
 
     @property
@@ -55,7 +57,8 @@ def _shared(a: list[int], b: list[int]) -> int:
 
 
 def _pooled_index(row: list[int], pad_id: int | None) -> int:
-    """The token a sequence classifier pools: the last that is not the pad token (0 if every one is)."""
+    """The token a sequence classifier pools: the last that is not the pad token (0 if every one
+    is)."""
     for j in range(len(row) - 1, -1, -1):
         if row[j] != pad_id:
             return j
@@ -100,16 +103,17 @@ def packing_pays(packed: PackedPairs, one_call: bool) -> bool:
 
 
 def install_pair_scoring(model) -> None:
-    """Give the sequence classifier inside `model` (wrapped by peft, DDP, FSDP2 or DeepSpeed, or not) the
-    `rlft_pairs=` forward: the backbone over a packed sequence, the score head at each sequence's pooled
-    token. Idempotent."""
+    """Give the sequence classifier inside `model` (wrapped by peft, DDP, FSDP2 or DeepSpeed, or
+    not) the `rlft_pairs=` forward: the backbone over a packed sequence, the score head at each
+    sequence's pooled token. Idempotent."""
     from transformers import PreTrainedModel
 
     inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
     if getattr(inner, "_rlft_pairs", False):
         return
     if not isinstance(getattr(inner, "score", None), torch.nn.Module):
-        raise ValueError(f"{type(inner).__name__} has no `score` head to apply to packed hidden states")
+        raise ValueError(f"{type(inner).__name__} has no `score` head to apply to packed hidden "
+                         "states")
 
     @functools.wraps(type(inner).forward)
     def forward(self, *args, rlft_pairs: PackedPairs | None = None, **kwargs):
@@ -118,7 +122,8 @@ def install_pair_scoring(model) -> None:
         backbone = getattr(self, self.base_model_prefix)
         hidden = backbone(input_ids=rlft_pairs.input_ids, position_ids=rlft_pairs.position_ids,
                           rlft_blocks=rlft_pairs.blocks, use_cache=False).last_hidden_state
-        return types.SimpleNamespace(logits=self.score(hidden[0, rlft_pairs.pooled]))  # [2B, labels]
+        # [2B, labels]
+        return types.SimpleNamespace(logits=self.score(hidden[0, rlft_pairs.pooled]))
 
     inner.forward = types.MethodType(forward, inner)
     inner._rlft_pairs = True
@@ -127,8 +132,8 @@ def install_pair_scoring(model) -> None:
 
 class PairPacking:
     """Whether and how the reward trainer packs a batch: `padding_free` None (where it pays), True
-    (always), False (never); checked exact for the model at the first batch, on every process alike (a
-    sharded engine's forwards gather on all of them), the verdict the same everywhere."""
+    (always), False (never); checked exact for the model at the first batch, on every process alike
+    (a sharded engine's forwards gather on all of them), the verdict the same everywhere."""
 
     def __init__(self, args, pad_id: int | None, messages=None, accelerator=None):
         self.args, self.pad_id, self.messages, self.accelerator = args, pad_id, messages, accelerator
@@ -136,8 +141,8 @@ class PairPacking:
         self.gap = 0.0
 
     def plan(self, model, batch: dict, dtype: torch.dtype | None = None) -> PackedPairs | None:
-        """The packed batch, or None to pad; `dtype`: what the forward computes in (autocast's, else the
-        weights')."""
+        """The packed batch, or None to pad; `dtype`: what the forward computes in (autocast's, else
+        the weights')."""
         if self.args.padding_free is False or self.checked is False:
             return None
         packed = pack_pairs(batch["input_ids"], batch["attention_mask"], self.pad_id,
@@ -161,8 +166,8 @@ class PairPacking:
 
     @torch.no_grad()
     def _check(self, model, batch: dict, packed: PackedPairs, dtype: torch.dtype) -> str | None:
-        """None when the packed scores of this batch are the padded ones (to the dtype's rounding), else
-        why not."""
+        """None when the packed scores of this batch are the padded ones (to the dtype's rounding),
+        else why not."""
         error, training, device = None, model.training, batch["input_ids"].device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model.eval()
@@ -187,14 +192,15 @@ class PairPacking:
         ok = self._agreed(why is None)
         if ok:
             if self.messages is not None:
-                self.messages.info(f"packed pair scoring checked (scores within {self.gap:.2g} of padded); "
-                                   f"attention kernel: {segments.LAST_KERNEL}")
+                self.messages.info(f"packed pair scoring checked (scores within {self.gap:.2g} of "
+                                   f"padded); attention kernel: {segments.LAST_KERNEL}")
             return True
         why = why or "another process's check failed"
         if self.args.padding_free:
             raise ConfigError(f"padding_free=True: {why} for this model; set padding_free: false")
         if self.messages is not None:
-            self.messages.warn(f"packed pair scoring is off for this model: {why}; batches are padded")
+            self.messages.warn(f"packed pair scoring is off for this model: {why}; batches are "
+                               "padded")
         return False
 
 

@@ -1,8 +1,9 @@
-"""A rollout's advantages by the run's `EstimatorSpec` (rlft/core/advantages.py): the inputs the spec declares
-it needs are built once per rollout -- completion lengths, the trained-token mask, the per-token KL estimate
-log pi_old - log pi_ref at sampling time (only with beta > 0: no reference pass otherwise) -- and gathered
-from every process like the rewards, so batch statistics (scale_rewards='batch', whitening) see the whole
-batch on every process (groups never span two); the advantages are sliced back to this process's rows.
+"""A rollout's advantages by the run's `EstimatorSpec` (rlft/core/advantages.py): the inputs the
+spec declares it needs are built once per rollout -- completion lengths, the trained-token mask, the
+per-token KL estimate log pi_old - log pi_ref at sampling time (only with beta > 0: no reference
+pass otherwise) -- and gathered from every process like the rewards, so batch statistics
+(scale_rewards='batch', whitening) see the whole batch on every process (groups never span two); the
+advantages are sliced back to this process's rows.
 """
 
 from __future__ import annotations
@@ -15,24 +16,27 @@ from rlft.errors import ConfigError
 
 
 def estimator_spec(args, kl_in_reward: bool) -> EstimatorSpec:
-    """The config's estimator: `advantage_estimator` from the registry, with the KL penalty moved into the
-    reward when `kl_in_reward` (the config's, else the trainer's way: RLOO's)."""
+    """The config's estimator: `advantage_estimator` from the registry, with the KL penalty moved
+    into the reward when `kl_in_reward` (the config's, else the trainer's way: RLOO's)."""
     spec = ADVANTAGE_ESTIMATORS[args.advantage_estimator]
     if not kl_in_reward:
         return spec
     if args.multi_objective_aggregation != "sum_then_normalize":
         raise ConfigError("the KL in the reward penalises the summed reward: use "
-                          "multi_objective_aggregation: sum_then_normalize (or kl_in_reward: false)")
+                          "multi_objective_aggregation: sum_then_normalize (or kl_in_reward: "
+                          "false)")
     try:
         return core.kl_in_reward(spec)
     except ValueError as err:
-        raise ConfigError(f"kl_in_reward with advantage_estimator={args.advantage_estimator!r}: {err}; set "
+        raise ConfigError(f"kl_in_reward with advantage_estimator={args.advantage_estimator!r}: "
+                          f"{err}; set "
                           "kl_in_reward: false") from err
 
 
 class Advantages:
-    """`advantages(rewards, rollout) -> (advantages, total reward, stats, everyone)` for this process's rows;
-    `everyone` holds every process's (rewards, total, lengths, truncated) for the rollout's metrics."""
+    """`advantages(rewards, rollout) -> (advantages, total reward, stats, everyone)` for this
+    process's rows; `everyone` holds every process's (rewards, total, lengths, truncated) for the
+    rollout's metrics."""
 
     def __init__(self, spec: EstimatorSpec, args, accelerator, scorer, reward_weights: torch.Tensor):
         self.spec, self.args, self.accelerator = spec, args, accelerator
@@ -41,7 +45,8 @@ class Advantages:
 
     @property
     def kl_in_loss(self) -> bool:
-        """beta weighs a per-token KL term of the loss, unless the estimator puts the KL in the reward."""
+        """beta weighs a per-token KL term of the loss, unless the estimator puts the KL in the
+        reward."""
         return not self.spec.kl_in_reward
 
     def _gather(self, tensor: torch.Tensor, pad: bool = False) -> torch.Tensor:
@@ -52,7 +57,8 @@ class Advantages:
         return acc.gather(acc.pad_across_processes(tensor, dim=1, pad_index=0.0) if pad else tensor).cpu()
 
     def _token_inputs(self, rollout) -> dict:
-        """The mask and per-token KL of every process's rows, padded to the widest completion anywhere."""
+        """The mask and per-token KL of every process's rows, padded to the widest completion
+        anywhere."""
         if not {"mask", "token_kl"} & self.spec.needs:
             return {}
         if "token_kl" in self.spec.needs and self.args.kl_coef != 0:
@@ -64,7 +70,8 @@ class Advantages:
 
     def __call__(self, rewards: torch.Tensor, rollout):
         args = self.args
-        lengths = rollout.loss_mask.sum(dim=1).float()  # TRL's: tokens the policy generated (not tool output)
+        # TRL's: tokens the policy generated (not tool output)
+        lengths = rollout.loss_mask.sum(dim=1).float()
         gathered = [self._gather(t) for t in (rewards, lengths, rollout.truncated.float())]
         inputs = EstimatorInputs(gathered[0], args.num_generations, self.reward_weights, args.scale_rewards,
                                  args.multi_objective_aggregation, lengths=gathered[1], beta=args.kl_coef,
@@ -80,8 +87,8 @@ class Advantages:
         return local, total[rows], stats, everyone
 
     def local(self, rewards: torch.Tensor, rollout, group: int) -> torch.Tensor:
-        """Advantages within each prompt's `group` completions of this process alone (evaluation), by the
-        plain estimator, with no KL."""
+        """Advantages within each prompt's `group` completions of this process alone (evaluation),
+        by the plain estimator, with no KL."""
         token = {"mask": rollout.loss_mask.float().cpu()} if self.plain.token_level else {}
         inputs = EstimatorInputs(rewards.cpu(), group, self.reward_weights, self.args.scale_rewards,
                                  self.args.multi_objective_aggregation,

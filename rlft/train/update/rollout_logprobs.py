@@ -1,14 +1,14 @@
 """Per-token log-probs of a rollout's completion tokens under the policy or the reference policy, a
 micro-batch at a time, through the fused LM head (rlft/model/scoring.py: never a [B, T, V] tensor).
 
-Micro-batches hold the longest completions first, so each pads only to its own longest row (a step's loss is a
-sum over rows with global normalisers: row order changes nothing); with `token_budget` they are filled by
-tokens instead of rows (rlft/core/batching.py). With `padding_free` a micro-batch is scored packed into one
-sequence with no padding, a shared prompt once (`shared_prefix_scoring`; rlft/model/packing.py), once a check
-on the model's first scored rows shows packed and padded agree; left at null, where packing computes at most
-half the tokens padding would. The policy's log-probs of a rollout as it was sampled are computed once per
-rollout and shared by whatever needs them (the KL in RLOO's and REINFORCE++'s reward, the old log-probs of
-several optimiser steps per rollout).
+Micro-batches hold the longest completions first, so each pads only to its own longest row (a step's
+loss is a sum over rows with global normalisers: row order changes nothing); with `token_budget`
+they are filled by tokens instead of rows (rlft/core/batching.py). With `padding_free` a micro-batch
+is scored packed into one sequence with no padding, a shared prompt once (`shared_prefix_scoring`;
+rlft/model/packing.py), once a check on the model's first scored rows shows packed and padded agree;
+left at null, where packing computes at most half the tokens padding would. The policy's log-probs
+of a rollout as it was sampled are computed once per rollout and shared by whatever needs them (the
+KL in RLOO's and REINFORCE++'s reward, the old log-probs of several optimiser steps per rollout).
 """
 
 from __future__ import annotations
@@ -30,31 +30,33 @@ class Forward(NamedTuple):
     entropy: torch.Tensor | None
     aux_loss: torch.Tensor | None  # a MoE policy's router load-balancing loss (a scalar)
     kept_logmass: torch.Tensor | None  # log of the mass the sampler kept (rollouts with kept ids)
-    divergence: torch.Tensor | None = None  # reverse KL(policy || teacher) per token (`teacher=True`)
+    # reverse KL(policy || teacher) per token (`teacher=True`)
+    divergence: torch.Tensor | None = None
 
 
 class PolicyScorer:
-    """Log-probs (and entropies) of rollouts under `model` (the policy, as the training engine wraps it) or
-    its reference (`ref_model`; with LoRA and no copy, the policy with its adapters off)."""
+    """Log-probs (and entropies) of rollouts under `model` (the policy, as the training engine wraps
+    it) or its reference (`ref_model`; with LoRA and no copy, the policy with its adapters off)."""
 
     def __init__(self, model, ref_model, accelerator, args, messages=None, teacher=None):
         self.model, self.ref_model, self.accelerator, self.args = model, ref_model, accelerator, args
         # teacher: distillation's (rlft/train/update/distill_objective.py)
         self.messages, self.teacher = messages, teacher
         self._policy_logps_of: tuple[Rollout, torch.Tensor] | None = None
-        self.packable: bool | None = None  # packed scoring checked exact for this model (None: not yet)
+        # packed scoring checked exact for this model (None: not yet)
+        self.packable: bool | None = None
         self._tally = dict.fromkeys(("computed", "real", "packed", "forwards"), 0)
 
     def forward(self, model, rollout: Rollout, rows, entropy: bool = False, entropy_grad: bool = False,
                 router_loss: bool = False, teacher: bool = False, loss_grad=None) -> Forward:
-        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; a MoE policy's
-        router load-balancing loss, the model's own `aux_loss`; the log of the mass the sampler kept [b, c]
-        where the rollout carries its kept ids; with `teacher`, each token's reverse KL to the teacher, from
-        the same forward) for `rows` (a slice or an index tensor), cut to the rows' longest completion and
-        prompt (rlft/model/scoring.py: score_rows). With kept ids the log-probs are renormalised over them:
-        the distribution the sampler drew from (rlft/rollout/truncation.py). `loss_grad`: the loss's dL/dlog p
-        as a function of the log-probs [b, c], for a token-separable loss (rlft/model/scoring.py:
-        Score.loss_grad)."""
+        """Per-token log-probs [b, c] of the completion tokens (and their entropy [b, c]; a MoE
+        policy's router load-balancing loss, the model's own `aux_loss`; the log of the mass the
+        sampler kept [b, c] where the rollout carries its kept ids; with `teacher`, each token's
+        reverse KL to the teacher, from the same forward) for `rows` (a slice or an index tensor),
+        cut to the rows' longest completion and prompt (rlft/model/scoring.py: score_rows). With
+        kept ids the log-probs are renormalised over them: the distribution the sampler drew from
+        (rlft/rollout/truncation.py). `loss_grad`: the loss's dL/dlog p as a function of the
+        log-probs [b, c], for a token-separable loss (rlft/model/scoring.py: Score.loss_grad)."""
         packing = None if teacher else self.packing(model, rollout, rows, router_loss)
         scored = score_rows(model, rollout, rows, self.args.temperature, entropy, router_loss,
                             self.args.logprob_chunk_size, self.args.pad_to_multiple_of, packing,
@@ -68,15 +70,15 @@ class PolicyScorer:
         return Forward(scored.logps, ent, scored.aux_loss, scored.kept_logmass, scored.divergence)
 
     def prepare(self, rollout: Rollout) -> None:
-        """Before a rollout's forwards: what they read from its rows (several teachers: which is each row's,
-        rlft/train/update/teachers.py)."""
+        """Before a rollout's forwards: what they read from its rows (several teachers: which is
+        each row's, rlft/train/update/teachers.py)."""
         if hasattr(self.teacher, "route"):
             self.teacher.route(rollout)
 
     def divergence(self, rollout: Rollout, rows, beta: float):
-        """Distillation: each completion token's divergence at `beta` from the teacher [b, c] (differentiable
-        in the policy), and the policy's and the teacher's entropies there [b, c]; padded forwards. Several
-        teachers: one forward per teacher over the rows it teaches."""
+        """Distillation: each completion token's divergence at `beta` from the teacher [b, c]
+        (differentiable in the policy), and the policy's and the teacher's entropies there [b, c];
+        padded forwards. Several teachers: one forward per teacher over the rows it teaches."""
         if not hasattr(self.teacher, "route"):
             return self._divergence(rollout, rows, beta, self.teacher)
         self.teacher.route(rollout)
@@ -108,10 +110,10 @@ class PolicyScorer:
         return scored.divergence, scored.entropy, scored.teacher_entropy
 
     def tally(self) -> dict[str, float]:
-        """What the scoring forwards since the last call computed: `tokens/computed` (through the backbone:
-        padding included, a packed shared prompt once), `tokens/real` (each row's prompt and completion,
-        no padding) and `tokens/packed_fraction` (of the forwards); summed over all processes (each calls
-        it)."""
+        """What the scoring forwards since the last call computed: `tokens/computed` (through the
+        backbone: padding included, a packed shared prompt once), `tokens/real` (each row's prompt
+        and completion, no padding) and `tokens/packed_fraction` (of the forwards); summed over all
+        processes (each calls it)."""
         tally, self._tally = self._tally, dict.fromkeys(self._tally, 0)
         values = torch.tensor([int(v) for v in tally.values()], dtype=torch.long,
                               device=self.accelerator.device)
@@ -122,13 +124,14 @@ class PolicyScorer:
                 "tokens/packed_fraction": packed / forwards}
 
     def packing(self, model, rollout: Rollout, rows, router_loss: bool = False) -> str | None:
-        """How these rows are scored: "prompts" (packed, shared prompts once), "rows" (packed) or None
-        (padded). A MoE router's balancing loss is over the tokens of each row: rows whole."""
+        """How these rows are scored: "prompts" (packed, shared prompts once), "rows" (packed) or
+        None (padded). A MoE router's balancing loss is over the tokens of each row: rows whole."""
         asked = self.args.padding_free
         if asked is False:
             return None
         mode = "prompts" if self.args.shared_prefix_scoring and not router_loss else "rows"
-        if self.packable is None:  # at the first forward on every process alike (sharded forwards gather)
+        # at the first forward on every process alike (sharded forwards gather)
+        if self.packable is None:
             self.packable = self._check_packing(model, rollout, mode)
         if not self.packable:
             return None
@@ -141,14 +144,15 @@ class PolicyScorer:
 
     @torch.no_grad()
     def _check_packing(self, model, rollout: Rollout, mode: str) -> bool:
-        """Packed and padded scoring of a rollout's first rows agree (to the dtype's rounding): the model's
-        attention takes rlft's segment attention and no row sees another. Else padding stays, said once
-        (an error when padding_free is true)."""
+        """Packed and padded scoring of a rollout's first rows agree (to the dtype's rounding): the
+        model's attention takes rlft's segment attention and no row sees another. Else padding
+        stays, said once (an error when padding_free is true)."""
         rows = torch.arange(min(4, rollout.completion_ids.shape[0]), device=rollout.completion_ids.device)
         args = (self.args.temperature, False, False, self.args.logprob_chunk_size)
         error, training, device = None, model.training, rollout.completion_ids.device
-        # without dropout (it would make any two forwards differ), and drawing no random number: the run's
-        # random stream is the same wherever the check falls (a resumed run checks at its first step)
+        # without dropout (it would make any two forwards differ), and drawing no random number: the
+        # run's random stream is the same wherever the check falls (a resumed run checks at its
+        # first step)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model.eval()
             try:
@@ -162,17 +166,18 @@ class PolicyScorer:
         half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
         if gap <= (0.1 if half else 1e-3):
             if self.messages is not None:
-                self.messages.info(f"packed scoring checked (log-probs within {gap:.2g} of padded); "
-                                   f"attention kernel: {segments.LAST_KERNEL}")
+                self.messages.info(f"packed scoring checked (log-probs within {gap:.2g} of "
+                                   f"padded); attention kernel: {segments.LAST_KERNEL}")
             return True
         why = f"packing failed: {error}" if error is not None else \
             f"packed and padded log-probs differ by {gap:.3g}"
         if self.args.padding_free:
-            raise ConfigError(f"padding_free=True: {why} for this model ({type(model).__name__}): its "
-                              "attention does not take rlft's packed segments exactly; set "
+            raise ConfigError(f"padding_free=True: {why} for this model ({type(model).__name__}): "
+                              "its attention does not take rlft's packed segments exactly; set "
                               "padding_free: false")
         if self.messages is not None:
-            self.messages.warn(f"packed scoring is off for this model: {why}; micro-batches are padded")
+            self.messages.warn(f"packed scoring is off for this model: {why}; micro-batches are "
+                               "padded")
         return False
 
     def micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
@@ -213,7 +218,8 @@ class PolicyScorer:
             rollout.completion_mask.shape, dtype=torch.float32)
 
     def policy_logps(self, rollout: Rollout) -> torch.Tensor:
-        """The policy's log-probs of the rollout's tokens as it sampled them: computed once per rollout."""
+        """The policy's log-probs of the rollout's tokens as it sampled them: computed once per
+        rollout."""
         cached = self._policy_logps_of
         if cached is not None and cached[0] is rollout:
             return cached[1]
@@ -233,14 +239,16 @@ class PolicyScorer:
             return self.logps(self.model, rollout)
 
     def sampling_kl(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-token log pi_old - log pi_ref, the trained-token mask), both [N, C]: pi_old is the policy as
-        it sampled; truncated completions are masked out with mask_truncated_completions (as TRL does before
-        the KL). The KL penalty in RLOO's reward and in REINFORCE++'s per-token rewards."""
+        """(per-token log pi_old - log pi_ref, the trained-token mask), both [N, C]: pi_old is the
+        policy as it sampled; truncated completions are masked out with mask_truncated_completions
+        (as TRL does before the KL). The KL penalty in RLOO's reward and in REINFORCE++'s per-token
+        rewards."""
         mask = self.trained_mask(rollout)
         return (self.policy_logps(rollout) - self.reference_logps(rollout)) * mask, mask
 
     def trained_mask(self, rollout: Rollout) -> torch.Tensor:
-        """[N, C] float: the tokens that carry a return (truncated completions left out when masked)."""
+        """[N, C] float: the tokens that carry a return (truncated completions left out when
+        masked)."""
         mask = rollout.loss_mask.float()
         if self.args.mask_truncated_completions:
             mask = mask * (~rollout.truncated).float()[:, None]
@@ -248,20 +256,23 @@ class PolicyScorer:
 
 
 def _at_least_32(values: torch.Tensor) -> torch.dtype:
-    """float32 for half-precision values, their own dtype otherwise (a float64 model keeps float64)."""
+    """float32 for half-precision values, their own dtype otherwise (a float64 model keeps
+    float64)."""
     return torch.promote_types(values.dtype, torch.float32)
 
 
-# Below this many tokens per block on average, the loop over blocks (one SDPA call per block and layer) costs
-# more than the padding it saves. A one-off timing of score_rows' forward + backward on 2 CPU cores
-# (2026-11-26): the demo's 8 x 8 rows of ~18 tokens took 1.6x the padded time packed, at 0.42x the tokens;
-# 50 tokens a block (a 200-token prompt, 8 x 8 rows of 32) took 0.61x the padded time.
+# Below this many tokens per block on average, the loop over blocks (one SDPA call per block and
+# layer) costs more than the padding it saves. A one-off timing of score_rows' forward + backward on
+# 2 CPU cores (2026-11-26): the demo's 8 x 8 rows of ~18 tokens took 1.6x the padded time packed, at
+# 0.42x the tokens; 50 tokens a block (a 200-token prompt, 8 x 8 rows of 32) took 0.61x the padded
+# time.
 MIN_BLOCK_TOKENS = 32
 
 
 def packing_pays(rollout: Rollout, rows, share_prompts: bool, one_call: bool) -> bool:
-    """Packing these rows computes at most half the tokens a padded forward of them would, and (where the
-    attention loops over the blocks: `one_call` False) its blocks hold MIN_BLOCK_TOKENS tokens on average."""
+    """Packing these rows computes at most half the tokens a padded forward of them would, and
+    (where the attention loops over the blocks: `one_call` False) its blocks hold MIN_BLOCK_TOKENS
+    tokens on average."""
     prompt = rollout.prompt_mask[rows].sum(dim=1)  # [b]
     completion = rollout.completion_mask[rows].sum(dim=1)
     padded = prompt.numel() * (int(prompt.max()) + int(completion.max())) if prompt.numel() else 0

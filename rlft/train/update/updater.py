@@ -1,13 +1,14 @@
-"""The policy update: `PolicyUpdater.step(batch) -> metrics` on one optimiser step's rows, for the objective
-it is given (rlft/train/update/objectives.py: GRPO's policy loss, distillation's divergence, ...).
+"""The policy update: `PolicyUpdater.step(batch) -> metrics` on one optimiser step's rows, for the
+objective it is given (rlft/train/update/objectives.py: GRPO's policy loss, distillation's
+divergence, ...).
 
-One optimiser step runs micro-batches whose losses are shares of one step loss: the normalisers (completion
-count, token count) are counted over the whole step and all processes before the first micro-batch; the
-objective gives each micro-batch's share. The entropy mask (top_entropy_quantile) picks the tokens trained
-on, whatever the objective. A step with no trainable token, or
-whose loss or gradient norm is not finite, is skipped (rlft/train/update/optimization.py); the weights never
-see a non-finite value. TR-DPO's reference sync (`sync_reference`) and the counters that must survive a resume
-are the updater's too (`state_dict()`).
+One optimiser step runs micro-batches whose losses are shares of one step loss: the normalisers
+(completion count, token count) are counted over the whole step and all processes before the first
+micro-batch; the objective gives each micro-batch's share. The entropy mask (top_entropy_quantile)
+picks the tokens trained on, whatever the objective. A step with no trainable token, or
+whose loss or gradient norm is not finite, is skipped (rlft/train/update/optimization.py); the
+weights never see a non-finite value. TR-DPO's reference sync (`sync_reference`) and the counters
+that must survive a resume are the updater's too (`state_dict()`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from rlft.train.update.rollout_batch import RolloutBatch
 class UpdateCounters:
     """What the policy update carries from step to step (rlft_state.json, under these names)."""
 
-    flow_checked: bool = False  # the gradient-flow check ran (once, at the first step with a learning signal)
-    entropy_coef: float = 0.0  # the entropy bonus's coefficient (Skywork-OR1's adaptive control moves it)
+    # the gradient-flow check ran (once, at the first step with a learning signal)
+    flow_checked: bool = False
+    # the entropy bonus's coefficient (Skywork-OR1's adaptive control moves it)
+    entropy_coef: float = 0.0
     last_entropy: float = math.inf  # the previous step's entropy, for that control
     ref_syncs: int = 0  # sync_ref_model updates of the reference
 
@@ -48,15 +51,15 @@ class UpdateCounters:
 
 
 def nonfinite_reason(args, loss: float, grad_norm: float | None) -> str:
-    return (f"the loss ({loss}) or gradient norm ({grad_norm}) is not finite. Likely causes: a learning "
-            f"rate too high (now {args.learning_rate}), rewards so large they overflow, or float16 "
-            "weights overflowing (use bfloat16 or float32)")
+    return (f"the loss ({loss}) or gradient norm ({grad_norm}) is not finite. Likely causes: a "
+            f"learning rate too high (now {args.learning_rate}), rewards so large they overflow, "
+            "or float16 weights overflowing (use bfloat16 or float32)")
 
 
 class PolicyUpdater:
-    """The policy's optimiser step on a RolloutBatch: `scorer` (rlft/train/update/rollout_logprobs.py) for the
-    forwards, `objective` for each micro-batch's loss, `optim` (rlft/train/update/optimization.py) for the
-    guarded step."""
+    """The policy's optimiser step on a RolloutBatch: `scorer`
+    (rlft/train/update/rollout_logprobs.py) for the forwards, `objective` for each micro-batch's
+    loss, `optim` (rlft/train/update/optimization.py) for the guarded step."""
 
     def __init__(self, scorer, optim, args, accelerator, objective: Objective, throughput,
                  router_aux_loss_coef: float = 0.0):
@@ -70,32 +73,37 @@ class PolicyUpdater:
         return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimiser step on `batch` (one step's rows): its micro-batches, then the guarded step."""
+        """One optimiser step on `batch` (one step's rows): its micro-batches, then the guarded
+        step."""
         acc, started, rollout = self.accelerator, time.perf_counter(), batch.rollout
         self.scorer.model.train()
         self.objective.begin_step(self, batch)
-        keep, extra = self._entropy_keep(rollout)  # top_entropy_quantile < 1: the tokens this step trains on
+        # top_entropy_quantile < 1: the tokens this step trains on
+        keep, extra = self._entropy_keep(rollout)
         trained = rollout.loss_mask if keep is None else keep
         # Global normalisers: the whole step, every micro-batch, every process.
         num_items = acc.reduce(trained.sum().float(), "sum")
         num_sequences = rollout.completion_ids.shape[0] * acc.num_processes
         if float(num_items) == 0:  # e.g. mask_truncated_completions and every completion truncated
-            self.optim.skip("no completion token is left to train on (every completion was masked, e.g. "
-                            "mask_truncated_completions with every completion truncated): raise "
-                            "max_completion_length", nonfinite=False)
+            self.optim.skip("no completion token is left to train on (every completion was masked, "
+                            "e.g. mask_truncated_completions with every completion truncated): "
+                            "raise max_completion_length", nonfinite=False)
             return self._skipped(self.optim.learning_rate, started)
         sums, corrections = StepSums(self.objective.sequence_means), []
-        # Checked at the first step with a learning signal on any process: with all advantages 0 (and LoRA's
-        # B = 0 making policy == reference) a zero gradient is correct, not a wiring fault.
+        # Checked at the first step with a learning signal on any process: with all advantages 0
+        # (and LoRA's B = 0 making policy == reference) a zero gradient is correct, not a wiring
+        # fault.
         check_flow = not self.counters.flow_checked and self.objective.has_signal(self, batch)
         if check_flow:
             self.optim.engine.watch_grads(self.scorer.model)
         self._backward(batch, keep, num_items, num_sequences, sums, corrections)
         metrics = self._finish(sums, started, check_flow, self._weighted(corrections))
-        if "grad_norm" in metrics:  # an applied step: how much of the machine its forward + backward used
+        # an applied step: how much of the machine its forward + backward used
+        if "grad_norm" in metrics:
             metrics.update(self.throughput.training(rollout, metrics["time/train_seconds"]))
         metrics.update(extra)
-        if self.entropy_bonus_on and "entropy" in metrics:  # a skipped step measured nothing: no update
+        # a skipped step measured nothing: no update
+        if self.entropy_bonus_on and "entropy" in metrics:
             metrics.update(self._entropy_control(metrics["entropy"]))
         metrics = {**metrics, **correction_metrics(corrections, acc)} if corrections else metrics
         return self.objective.end_step(self, metrics)
@@ -108,17 +116,18 @@ class PolicyUpdater:
                 loss, metrics, entropy, mask = self.objective.micro_loss(self, batch, rows, num_items,
                                                                          num_sequences, corrections, keep)
                 if not loss.requires_grad:
-                    raise GradientFlowError("the loss does not require grad: no trainable parameter is "
-                                            "connected to it (all parameters frozen, or adapters disabled)")
-                # DDP, FSDP and ZeRO average gradients over processes; the normalisers are global sums: undo
-                # the mean.
+                    raise GradientFlowError("the loss does not require grad: no trainable "
+                                            "parameter is connected to it (all parameters frozen, "
+                                            "or adapters disabled)")
+                # DDP, FSDP and ZeRO average gradients over processes; the normalisers are global
+                # sums: undo the mean.
                 engine.backward(model, loss * self.accelerator.num_processes)
             sums.add(loss, metrics, entropy, mask)
 
     def _weighted(self, corrections: list) -> bool:
-        """The step's gradient should be nonzero: some token kept a nonzero sampling-correction weight on some
-        process (a *_mask correction can zero every one: then a zero gradient is right, not a wiring fault),
-        and the objective agrees."""
+        """The step's gradient should be nonzero: some token kept a nonzero sampling-correction
+        weight on some process (a *_mask correction can zero every one: then a zero gradient is
+        right, not a wiring fault), and the objective agrees."""
         kept = True
         if corrections:
             kept = torch.tensor(float(sum(float(c["ratio_sum"]) for c in corrections) > 0),
@@ -153,17 +162,18 @@ class PolicyUpdater:
 
     @torch.no_grad()
     def _entropy_keep(self, rollout) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """top_entropy_quantile < 1: a no-grad pass over the step's micro-batches gives every completion
-        token's entropy (the weights do not change within a step, so these are the entropies the loss pass
-        sees); the threshold is the quantile over all of them on every process, so the mask does not depend on
-        the split."""
+        """top_entropy_quantile < 1: a no-grad pass over the step's micro-batches gives every
+        completion token's entropy (the weights do not change within a step, so these are the
+        entropies the loss pass sees); the threshold is the quantile over all of them on every
+        process, so the mask does not depend on the split."""
         quantile = self.args.top_entropy_quantile
         if quantile >= 1.0:
             return None, {}
         acc, mask = self.accelerator, rollout.loss_mask
         entropies = self.scorer.entropies(rollout)  # [N, C]
         values = entropies[mask.bool()]
-        if acc.num_processes > 1:  # entropies are >= 0: -1 marks the padding that evens out the lengths
+        # entropies are >= 0: -1 marks the padding that evens out the lengths
+        if acc.num_processes > 1:
             values = acc.gather(acc.pad_across_processes(values, dim=0, pad_index=-1.0))
             values = values[values >= 0]
         threshold = entropy_threshold(values, quantile)
@@ -173,7 +183,8 @@ class PolicyUpdater:
                       "entropy_mask/kept_fraction": kept / max(total, 1)}
 
     def _entropy_control(self, step_entropy: float) -> dict[str, float]:
-        """Skywork-OR1's update for the next step; logs the coefficient after it (TRL's `entropy_coef`)."""
+        """Skywork-OR1's update for the next step; logs the coefficient after it (TRL's
+        `entropy_coef`)."""
         args, counters = self.args, self.counters
         if args.use_adaptive_entropy:
             counters.entropy_coef = adaptive_entropy_coef(counters.entropy_coef, step_entropy,
@@ -182,7 +193,8 @@ class PolicyUpdater:
             counters.last_entropy = step_entropy
         return {"entropy_coef": counters.entropy_coef}
 
-    # ---- evaluation and the reference ------------------------------------------------------------------
+    # ---- evaluation and the reference
+    # ------------------------------------------------------------------
     def eval_loss(self, rollout, advantages: torch.Tensor, kl_in_loss: bool) -> float:
         """The objective's loss on evaluation completions (TRL's `eval_loss`)."""
         return self.objective.eval_loss(self, rollout, advantages, kl_in_loss)
@@ -200,7 +212,8 @@ class PolicyUpdater:
         self.counters.ref_syncs += 1
         return {"ref_model/syncs": float(self.counters.ref_syncs)}
 
-    # ---- checkpoints ----------------------------------------------------------------------------------
+    # ---- checkpoints
+    # ----------------------------------------------------------------------------------
     def state_dict(self) -> PartState:
         """The counters (rlft_state.json) and a moved reference (tensors, `ref_model.<name>`)."""
         tensors, ref = {}, self.scorer.ref_model
