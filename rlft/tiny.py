@@ -129,12 +129,24 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
         return Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=hidden_size, shared_expert_intermediate_size=hidden_size,
                               router_aux_loss_coef=0.01)
-    raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama' or 'qwen2_moe'")
+    # Mixture-of-Experts policies with 8 experts, 2 per token (routing replay's tests)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=hidden_size, norm_topk_prob=True,
+                              head_dim=hidden_size // common["num_attention_heads"], router_aux_loss_coef=0.01)
+    if arch == "olmoe":
+        from transformers import OlmoeConfig
+
+        return OlmoeConfig(**common, num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01)
+    raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama', 'qwen2_moe', 'qwen3_moe' or 'olmoe'")
 
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
                     seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised Qwen2, Llama or Qwen2-MoE causal LM sized for CPU tests."""
+    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE) causal LM sized for CPU
+    tests."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, tokenizer, hidden_size, num_layers))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -148,6 +160,50 @@ def build_sequence_classifier(tokenizer, arch: str = "qwen2", hidden_size: int =
     torch.manual_seed(seed)
     config = _config(arch, tokenizer, hidden_size, num_layers, num_labels=1)
     return AutoModelForSequenceClassification.from_config(config)
+
+
+def upcycle_to_moe(dense: PreTrainedModel, num_experts: int = 4, top_k: int = 2, noise: float = 0.05,
+                   seed: int = 0) -> PreTrainedModel:
+    """A Qwen2-MoE model "sparsely upcycled" from a dense Qwen2 (A. Komatsuzaki et al., "Sparse
+    Upcycling: Training Mixture-of-Experts from Dense Checkpoints", 2023; Qwen1.5-MoE was made
+    so): attention, norms and embeddings copied, each expert a copy of the dense MLP with its
+    weights scaled by 1 + `noise` x N(0, 1) (so the experts differ and routing matters), a random
+    router, the shared expert off (its output projection 0). What the dense model learnt, the MoE
+    starts from: the demo's policy as a Mixture-of-Experts (routing replay's tests)."""
+    from transformers import Qwen2MoeConfig
+
+    config = dense.config
+    if config.model_type != "qwen2":
+        raise ValueError(f"upcycle_to_moe takes a Qwen2 model, not {config.model_type!r}")
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
+    moe_config = Qwen2MoeConfig(**{**fields, "num_experts": num_experts, "num_experts_per_tok": top_k,
+                                   "moe_intermediate_size": config.intermediate_size,
+                                   "shared_expert_intermediate_size": config.intermediate_size,
+                                   "norm_topk_prob": True, "qkv_bias": True, "router_aux_loss_coef": 0.01})
+    generator = torch.Generator().manual_seed(seed)
+    moe = AutoModelForCausalLM.from_config(moe_config)
+    state, out = dense.state_dict(), {}
+    for name, tensor in moe.state_dict().items():
+        if name in state:
+            out[name] = state[name]
+            continue
+        layer = name.split(".mlp.")[0] + ".mlp."
+        noisy = lambda t: t * (1 + noise * torch.randn(t.shape, generator=generator))  # noqa: E731
+        if name.endswith("experts.gate_up_proj"):
+            gate_up = torch.cat([state[layer + "gate_proj.weight"], state[layer + "up_proj.weight"]])
+            out[name] = torch.stack([noisy(gate_up) for _ in range(num_experts)])
+        elif name.endswith("experts.down_proj"):
+            out[name] = torch.stack([noisy(state[layer + "down_proj.weight"]) for _ in range(num_experts)])
+        elif name.endswith("gate.weight"):  # the router
+            out[name] = 0.02 * torch.randn(tensor.shape, generator=generator)
+        elif ".shared_expert." in name:
+            out[name] = state[layer + name.split(".shared_expert.")[1]] if "down_proj" not in name \
+                else torch.zeros_like(tensor)
+        else:  # the shared expert's gate
+            out[name] = torch.zeros_like(tensor)
+    moe.load_state_dict(out)
+    moe.generation_config = dense.generation_config
+    return moe
 
 
 def save_tiny(model: PreTrainedModel, tokenizer, path: str | Path) -> Path:

@@ -62,6 +62,29 @@ def test_one_step_on_two_processes_equals_one_process_for_every_loss_type_and_op
             assert value == pytest.approx(two[loss_type]["metrics"][key], abs=bound), (loss_type, key)
 
 
+def test_routing_replay_on_two_processes_equals_one_process(tmp_path):
+    """A Mixture-of-Experts policy replaying routes its rollouts carry (fixed at random, so replay
+    differs from routing freely): each process replays its own rows' routes, padded and packed."""
+    from rlft.tiny import make_tiny_model_dir
+
+    moe = make_tiny_model_dir(tmp_path / "moe", arch="qwen3_moe", hidden_size=64)
+    for processes in (1, 2):
+        result = launch(["tests/dist/grpo_step.py", str(moe), str(tmp_path / f"{processes}.pt"), "4", "routes"],
+                        processes)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    assert sorted(one) == ["packed_prompts", "packed_rows", "padded"]
+    assert one["padded"]["metrics"]["sampling/route_agreement"] < 0.9  # the random routes were replayed
+    assert_params_close(one["packed_rows"]["params"], one["padded"]["params"], SAME_STEP, "packed_rows")
+    assert_params_close(one["packed_prompts"]["params"], one["padded"]["params"], SHARED_PROMPT, "packed_prompts")
+    assert one["packed_prompts"]["tokens"]["tokens/computed"] < one["packed_rows"]["tokens"]["tokens/computed"]
+    for name in one:
+        bound = SHARED_PROMPT if name == "packed_prompts" else SAME_STEP
+        assert_params_close(two[name]["params"], one[name]["params"], bound, name)
+        for key, value in one[name]["metrics"].items():
+            assert value == pytest.approx(two[name]["metrics"][key], abs=bound), (name, key)
+
+
 def lora_run_yaml(tmp_path, model_dir, extra: str = "") -> tuple[Path, Path]:
     """A small GRPO LoRA run's YAML (2 prompts x 4 completions per process and step; `extra` lines win, as later
     YAML keys do): (config, output_dir)."""

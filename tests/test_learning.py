@@ -50,3 +50,33 @@ def test_calculator_demo_learns_to_use_the_tool_reliably(tmp_path, capsys):
     accuracy = [r["eval_rewards/answer_reward/mean"] for r in rows if "eval_rewards/answer_reward/mean" in r]
     assert accuracy[0] == pytest.approx(0.425) and accuracy[-1] >= 0.85
     assert "held-out greedy accuracy: 42.5% ->" in capsys.readouterr().out
+
+
+def test_the_demo_policy_upcycled_to_a_mixture_of_experts_learns_with_routing_replay(tmp_path):
+    """The shipped tiny-adder upcycled to Qwen2-MoE (4 experts, 2 per token; rlft/tiny.py), 60 LoRA steps of
+    the demo with its rollouts' routes replayed (~20 s): measured held-out 30.0% -> 54.0% here; assert +15
+    points, and that every step replayed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlft.cli.demo import demo_config, demo_lora
+    from rlft.data.addition import rows, split_problems
+    from rlft.model.loading import shipped_policy_path
+    from rlft.model.routing import route_state
+    from rlft.rewards.builtins import exact_match_reward, format_reward
+    from rlft.tiny import upcycle_to_moe
+    from rlft.train.grpo import GRPOTrainer
+
+    path = shipped_policy_path()
+    train, heldout = split_problems()
+    cfg = demo_config(str(tmp_path / "moe"), 60, True, 0, routing_replay="rollout")
+    cfg.eval_steps, cfg.logging_steps = 30, 10
+    trainer = GRPOTrainer(upcycle_to_moe(AutoModelForCausalLM.from_pretrained(path)),
+                          [exact_match_reward, format_reward], cfg, train_dataset=rows(train),
+                          eval_dataset=rows(heldout), processing_class=AutoTokenizer.from_pretrained(path),
+                          peft_config=demo_lora(True))
+    assert route_state(trainer.model) is not None
+    trainer.train()
+    accuracy = [h["eval_rewards/exact_match_reward/mean"] for h in trainer.state.log_history
+                if "eval_rewards/exact_match_reward/mean" in h]
+    assert accuracy[-1] >= accuracy[0] + 0.15
+    assert all("sampling/route_agreement" in h for h in trainer.state.log_history if "loss" in h)

@@ -83,3 +83,23 @@ def test_shipped_policy_heldout_accuracy_is_in_the_warm_start_band(shipped_polic
     tokenizer = AutoTokenizer.from_pretrained(shipped_policy_dir)
     accuracy = greedy_accuracy(model, tokenizer, split_problems()[1])
     assert 0.2 <= accuracy <= 0.5
+
+
+def test_a_dense_policy_upcycled_without_noise_is_the_same_function_as_a_mixture_of_experts():
+    """Sparse upcycling: every expert a copy of the dense MLP, the top-k weights renormalised to 1, the shared
+    expert off, so the MoE computes what the dense model does whatever the router picks; with noise the
+    experts differ (and routing matters) while staying close."""
+    from rlft.model.loading import shipped_policy_path
+    from rlft.model.routing import moe_routers
+    from rlft.tiny import upcycle_to_moe
+
+    dense = AutoModelForCausalLM.from_pretrained(shipped_policy_path())
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = dense(ids).logits
+        exact = upcycle_to_moe(dense, noise=0.0)
+        noisy = upcycle_to_moe(dense, noise=0.05)
+        assert type(exact).__name__ == "Qwen2MoeForCausalLM" and len(moe_routers(exact)) == 2
+        torch.testing.assert_close(exact(ids).logits, want, atol=1e-4, rtol=0)
+        gap = (noisy(ids).logits - want).abs().max().item()
+    assert 1e-4 < gap < 1.0

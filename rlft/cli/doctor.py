@@ -228,8 +228,9 @@ def _truncation_check(report: Report, cfg) -> None:
 def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
     """Configurations known to make the sampler a different policy from the trainer with nothing
     correcting it: an engine in another precision without vllm_importance_sampling_correction, and a
-    mixture-of-experts policy (the two route tokens to different experts; rlft does not replay the
-    sampler's routes yet)."""
+    mixture-of-experts policy whose sampler's routes are not replayed (vLLM's are not read yet;
+    routing_replay: none turns transformers' off): the two then route tokens to different
+    experts."""
     trainer_name = str(trainer_dtype).split(".")[-1]
     if cfg.use_vllm and cfg.vllm_dtype not in ("auto", trainer_name) \
             and not cfg.vllm_importance_sampling_correction:
@@ -242,9 +243,13 @@ def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
     if experts and cfg.use_vllm:
         report.add("WARN", "mixture of experts",
                    f"{experts} experts sampled by vLLM: its kernels may route a token to other "
-                   "experts than the trainer's, which changes its log-prob (routing replay is not "
-                   "built in rlft yet); keep vllm_importance_sampling_correction on and watch "
-                   "sampling/kl_sampler_trainer/k3")
+                   "experts than the trainer's, which changes its log-prob (rlft replays the routes "
+                   "transformers' generate records, not vLLM's yet); keep "
+                   "vllm_importance_sampling_correction on and watch sampling/kl_sampler_trainer/k3")
+    elif experts and getattr(cfg, "routing_replay", "auto") == "none":
+        report.add("WARN", "mixture of experts",
+                   f"{experts} experts with routing_replay: none: the trainer may route a token to "
+                   "other experts than the sampler did; leave routing_replay at auto (docs/moe.md)")
 
 
 def _engine_mismatch(trainer, rollout) -> float:

@@ -18,6 +18,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 # transformers' names
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")
 IS_LEVELS = ("token", "sequence")
+ROUTING_REPLAY = ("auto", "rollout", "none")
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers", "auto")
 LORA_SYNC_MODES = ("auto", "adapter", "merged")  # rlft/rollout/weight_sync.py
@@ -41,6 +42,12 @@ class _GRPOFields(_BaseConfig):
     router_aux_loss_coef: float | None = option(
         None, check=NON_NEGATIVE,
         help="MoE policies: weight of the router load-balancing loss (None: the model's own)")
+    routing_replay: str = option(
+        "auto", check=one_of(ROUTING_REPLAY), rlft=True,
+        help="Mixture-of-Experts policies: the trainer routes each token to the experts the sampler "
+             "chose (rollout routing replay). auto: on where the engine records routes "
+             "(transformers' generate in the trainer's process), else off with a note; rollout: on, "
+             "an error where it cannot be; none: off. Dense models record nothing (rlft/model/routing.py)")
     cast_lm_head_to_fp32: bool = option(False, "keep the LM head in float32 when the model is "
                                                "bfloat16")
     num_generations: int | None = option(8, "completions per prompt (the group size G)")

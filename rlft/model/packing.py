@@ -35,6 +35,8 @@ class Packed:
     rows: torch.Tensor  # [n] each scored token's row in the micro-batch
     cols: torch.Tensor  # [n] and its column in the completion
     kept: torch.Tensor | None = None  # [n, K] the sampler's kept ids (truncated sampling)
+    routes: torch.Tensor | None = None  # [T, L, k] the sampler's experts per packed token (routing)
+    completion_positions: torch.Tensor | None = None  # [T] bool: a completion token (with routes)
 
 
 def _real(rollout, rows: list[int]) -> list[tuple[list[int], list[int]]]:
@@ -47,15 +49,22 @@ def _real(rollout, rows: list[int]) -> list[tuple[list[int], list[int]]]:
     return list(zip(prompts, completions))
 
 
-def _groups(pairs, share_prompts: bool) -> list[list[int]]:
+def _groups(pairs, share_prompts: bool, routes: list[bytes] | None = None) -> list[list[int]]:
     """Indices of `pairs` in packing order: rows with the same prompt together when prompts are
-    shared."""
+    shared (and, under routing replay, the same recorded routes for it: `routes`, per row)."""
     if not share_prompts:
         return [[i] for i in range(len(pairs))]
     groups: dict[tuple, list[int]] = {}
     for i, (prompt, _) in enumerate(pairs):
-        groups.setdefault(tuple(prompt), []).append(i)
+        groups.setdefault((tuple(prompt), None if routes is None else routes[i]), []).append(i)
     return list(groups.values())
+
+
+def _prompt_routes(rollout, rows: list[int]) -> list[torch.Tensor] | None:
+    """Each row's recorded routes of its prompt tokens (None: no routes recorded)."""
+    if rollout.prompt_routes is None or rollout.completion_routes is None:
+        return None
+    return [rollout.prompt_routes[row][rollout.prompt_mask[row].bool()] for row in rows]
 
 
 def pack_rows(rollout, rows, share_prompts: bool = True) -> Packed:
@@ -63,8 +72,11 @@ def pack_rows(rollout, rows, share_prompts: bool = True) -> Packed:
     docstring)."""
     rows = rows.tolist() if torch.is_tensor(rows) else list(rows)
     pairs = _real(rollout, rows)
+    prompt_routes = _prompt_routes(rollout, rows)
+    groups = _groups(pairs, share_prompts, None if prompt_routes is None else
+                     [r.cpu().numpy().tobytes() for r in prompt_routes])
     ids, positions, blocks, predict, targets, at_row, at_col = [], [], [], [], [], [], []
-    for group in _groups(pairs, share_prompts):
+    for group in groups:
         prompt = pairs[group[0]][0]
         shared = share_prompts
         if shared:  # the prompt once, then each completion after it
@@ -100,7 +112,27 @@ def pack_rows(rollout, rows, share_prompts: bool = True) -> Packed:
     if rollout.sampling_kept is not None:
         kept = rollout.sampling_kept[tensor(rows)][rows_t, cols_t]
     return Packed(tensor(ids)[None], tensor(positions)[None], blocks, tensor(predict), tensor(targets),
-                  rows_t, cols_t, kept)
+                  rows_t, cols_t, kept, *_packed_routes(rollout, rows, pairs, groups, prompt_routes, share_prompts))
+
+
+def _packed_routes(rollout, rows: list[int], pairs, groups, prompt_routes, share_prompts: bool):
+    """The sampler's routes [T, L, k] of each packed token, in pack_rows' order, and [T] which of
+    them are completion tokens ((None, None): none recorded)."""
+    if prompt_routes is None:
+        return None, None
+    parts = []
+    for group in groups:
+        if share_prompts:
+            parts.append((prompt_routes[group[0]], False))
+        for i in group:
+            length = len(pairs[i][1])
+            if not length:
+                continue
+            if not share_prompts:
+                parts.append((prompt_routes[i], False))
+            parts.append((rollout.completion_routes[rows[i], :length], True))
+    flags = [torch.full((len(routes),), completion, dtype=torch.bool) for routes, completion in parts]
+    return torch.cat([routes for routes, _ in parts]), torch.cat(flags).to(rollout.completion_ids.device)
 
 
 _STATE = threading.local()  # .packed: this thread is running a packed scoring forward

@@ -12,6 +12,7 @@ import torch
 from peft import PeftModel
 
 from rlft.errors import ConfigError
+from rlft.model import routing
 from rlft.model.loading import (
     GradientFlowError,
     apply_lora,
@@ -43,9 +44,11 @@ def add_model_tags(model, tags: list[str]) -> None:
         add(list(tags))
 
 
-def load_policy(model, source, args, engine, device, peft_config, quantization_config, tags) -> Policy:
+def load_policy(model, source, args, engine, device, peft_config, quantization_config, tags,
+                routes_recorded: bool = False) -> Policy:
     """The policy (and its reference) from a hub id, a folder or a loaded model, for
-    `engine.prepare`."""
+    `engine.prepare`; `routes_recorded`: the rollout engine records a MoE policy's routes
+    (routing_replay)."""
     dtype = training_dtype(args, device)
     engine.before_loading(dtype)
     quantization = {} if quantization_config is None else {"quantization_config": quantization_config}
@@ -55,9 +58,12 @@ def load_policy(model, source, args, engine, device, peft_config, quantization_c
     install_scoring(model)
     if args.cast_lm_head_to_fp32:
         cast_lm_head_to_fp32(model)
+    replays, note = routing.resolve(getattr(args, "routing_replay", "none"), model, routes_recorded)
+    if replays:  # the trainer routes as the sampler did (rlft/model/routing.py)
+        routing.install(model)
     model = apply_lora(model, peft_config, "CAUSAL_LM")
     add_model_tags(model, tags)
-    coef, notes = router_loss_coef(model, args.router_aux_loss_coef), []
+    coef, notes = router_loss_coef(model, args.router_aux_loss_coef), [note] if note else []
     if args.disable_dropout:  # after LoRA: its adapters' dropout too
         disable_dropout(model)
     elif args.use_vllm and args.vllm_importance_sampling_correction and any(

@@ -28,6 +28,7 @@ from rlft.core.distill import Head, tiled_divergence
 from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
 from rlft.core.sparse_distill import sparse_divergence
 from rlft.model.packing import Packed, install, pack_rows, packed_forward
+from rlft.model.routing import replay
 
 
 @dataclass
@@ -332,9 +333,19 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
         score.teacher = teacher_states(teacher, ids, mask, position_ids, completion_mask[:, :width], beta)
     if teacher is not None:
         score.logps = with_logps
+    # routing replay; agreement counted over the completion tokens
+    replay(model, _padded_routes(rollout, rows, first, width),
+           torch.cat([torch.zeros_like(prompt_mask[:, first:]), completion_mask[:, :width]], dim=1))
     scored = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
     scored.tokens = ids.numel()
     return scored
+
+
+def _padded_routes(rollout, rows, first: int, width: int) -> torch.Tensor | None:
+    """The sampler's routes [b, t, L, k] in score_rows' padded layout (None: none recorded)."""
+    if rollout.prompt_routes is None or rollout.completion_routes is None:
+        return None
+    return torch.cat([rollout.prompt_routes[rows, first:], rollout.completion_routes[rows, :width]], dim=1)
 
 
 def _row_list(rows, total: int) -> list[int]:
@@ -350,6 +361,7 @@ def _score_packed(model, rollout, rows: list[int], width: int, packed: Packed, t
     score = Score(rollout.completion_ids[index, :width], rollout.completion_mask[index, :width], temperature,
                   entropy, router_loss, tile, packed=packed, entropy_grad=entropy_grad, loss_grad=loss_grad)
     install(_scoring_model(model))
+    replay(model, None if packed.routes is None else packed.routes[None], packed.completion_positions)
     with packed_forward():
         scored = model(input_ids=packed.input_ids, position_ids=packed.position_ids, rlft_score=score,
                        rlft_blocks=packed.blocks)

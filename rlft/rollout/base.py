@@ -218,6 +218,11 @@ class Rollout(Rows):
     # [N] the teacher each row is distilled from, by its index in the run's teachers (several
     # teachers: rlft/train/update/teachers.py)
     teacher_index: torch.Tensor | None = rows("row", saved=True, default=None)
+    # [N, P, L, k] and [N, C, L, k] int16: the experts the sampler routed each prompt and completion
+    # token to in each of a Mixture-of-Experts policy's L layers, -1 where none was recorded; the
+    # trainer replays them (routing_replay, rlft/model/routing.py)
+    prompt_routes: torch.Tensor | None = rows("left", pad=-1, saved=True, default=None)
+    completion_routes: torch.Tensor | None = rows("right", pad=-1, saved=True, default=None)
 
     @property
     def loss_mask(self) -> torch.Tensor:

@@ -17,6 +17,7 @@ from rlft.core.logprobs import finite_ids
 from rlft.core.sampling import inverse_cdf_sample
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
+from rlft.model.routing import route_state
 from rlft.rollout.base import Rollout
 
 __all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "TokenSampler", "cache_keyword",
@@ -302,16 +303,27 @@ class HFGenerator:
         # a later turn of a multi-turn rollout: what is left of the budget
         if max_new_tokens is not None:
             sampling["max_new_tokens"] = max_new_tokens
-        cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id, device) \
-            if self.shared_prompt_prefill and num_generations > 1 else None
-        if cache is not None:
-            sampling[cache_keyword(model)] = cache
-        out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
-                             eos_token_id=eos_ids, use_cache=True, **sampling)
-        model.train(was_training)
+        routes = route_state(model) if sampling.get("num_beams", 1) == 1 else None
+        if routes is not None:  # a Mixture-of-Experts policy under routing replay
+            routes.record()
+        try:
+            cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id,
+                                        device) if self.shared_prompt_prefill and num_generations > 1 else None
+            if cache is not None:
+                sampling[cache_keyword(model)] = cache
+            out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
+                                 eos_token_id=eos_ids, use_cache=True, **sampling)
+        finally:
+            model.train(was_training)
         completion_ids = out[:, ids.shape[1]:]
         completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
         logps, kept = (None, None) if recorder is None else recorder.finish(completion_ids, completion_mask)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
-        return Rollout(ids, mask, completion_ids, completion_mask, truncated,
-                       None if logps is None else logps.to(completion_ids.device), sampling_kept=kept)
+        rollout = Rollout(ids, mask, completion_ids, completion_mask, truncated,
+                          None if logps is None else logps.to(completion_ids.device), sampling_kept=kept)
+        if routes is not None:
+            prompt_routes, completion_routes = routes.assemble(len(repeated), ids.shape[1],
+                                                               completion_ids.shape[1])
+            rollout.prompt_routes = prompt_routes.to(completion_ids.device)
+            rollout.completion_routes = completion_routes.to(completion_ids.device)
+        return rollout

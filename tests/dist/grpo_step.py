@@ -8,6 +8,8 @@ and the logged step metrics of each loss_type to OUT (main process only). The mo
 unless given (tests/helpers.py: SAME_STEP); DeepSpeed's engines train float32 only.
 
     torchrun --nproc_per_node 2 --standalone tests/dist/grpo_step.py MODEL_DIR OUT GLOBAL_ACCUMULATION [DTYPE]
+
+DTYPE "routes": MODEL_DIR is a Mixture-of-Experts policy; padded and packed steps replaying fixed routes.
     accelerate launch --config_file ENGINE.yaml tests/dist/grpo_step.py ...   (FSDP2, ZeRO-2, ZeRO-3)
 """
 
@@ -29,10 +31,12 @@ GROUP, PROMPTS, PER_DEVICE = 4, 4, 4
 
 class FixedGenerator:
     """Completions that depend only on the prompt and their index in the group; with `kept`, each token comes
-    with a kept set as a truncating sampler's would (the token and 5 others, fixed by the row's tokens)."""
+    with a kept set as a truncating sampler's would (the token and 5 others, fixed by the row's tokens); with
+    `routes` (a Mixture-of-Experts policy under routing replay), each token comes with experts chosen at random,
+    fixed by the row, which the trainer then replays instead of routing itself."""
 
-    def __init__(self, tokenizer, kept: bool = False):
-        self.tokenizer, self.kept = tokenizer, kept
+    def __init__(self, tokenizer, kept: bool = False, routes: bool = False):
+        self.tokenizer, self.kept, self.routes = tokenizer, kept, routes
 
     def __call__(self, model, prompt_ids, num_generations, greedy=False):
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
@@ -53,7 +57,28 @@ class FixedGenerator:
                     others = [i for i in torch.randperm(300, generator=torch.Generator().manual_seed(token * 7 + t))
                               .tolist() if i != token][:5]
                     kept[row, t] = torch.tensor([token, *others], dtype=torch.int32)
-        return Rollout(ids, mask, completion_ids, completion_mask, truncated, sampling_kept=kept)
+        rollout = Rollout(ids, mask, completion_ids, completion_mask, truncated, sampling_kept=kept)
+        if self.routes:
+            self._add_routes(model, rollout, repeated, num_generations)
+        return rollout
+
+    @staticmethod
+    def _add_routes(model, rollout, repeated, num_generations) -> None:
+        from rlft.model.routing import route_state
+
+        state = route_state(model)
+        experts = model.config.num_experts
+        prompts = torch.full((*rollout.prompt_ids.shape, state.layers, state.top_k), -1, dtype=torch.int16)
+        completions = torch.full((*rollout.completion_ids.shape, state.layers, state.top_k), -1, dtype=torch.int16)
+        def draw(seed: int, width: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(seed)
+            return torch.stack([torch.randperm(experts, generator=g)[:state.top_k]
+                                for _ in range(width * state.layers)]).reshape(width, state.layers, -1)
+
+        for row, prompt in enumerate(repeated):  # a prompt's routes as a shared prefill records them: one per group
+            prompts[row, prompts.shape[1] - len(prompt):] = draw(sum(prompt) * 17, len(prompt))
+            completions[row] = draw(sum(prompt) * 17 + 1 + row % num_generations, completions.shape[1])
+        rollout.prompt_routes, rollout.completion_routes = prompts, completions
 
 
 def off_policy(trainer, batch, scale: float = 0.3) -> None:
@@ -88,6 +113,10 @@ OPTIONS = {
 }
 
 
+# transformers' grouped-matmul experts take no float64: the loop over experts does
+EAGER_EXPERTS = {"experts_implementation": "eager"}
+
+
 def token_sum_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
@@ -96,7 +125,12 @@ def main() -> None:
     model_dir, out, global_accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dtype = sys.argv[4] if len(sys.argv) > 4 else "float64"
     results = {}
-    runs = {loss_type: dict(loss_type=loss_type) for loss_type in LOSS_TYPES} | OPTIONS
+    routes = dtype == "routes"  # a MoE policy replaying fixed routes, padded and packed, in float64
+    dtype = "float64" if routes else dtype
+    # (the router's load-balancing loss is a statistic of each micro-batch's tokens, not a sum over them: off)
+    runs = {k: {**OPTIONS[k], "router_aux_loss_coef": 0.0} for k in ("padded", "packed_prompts", "packed_rows")} \
+        if routes else \
+        {loss_type: dict(loss_type=loss_type) for loss_type in LOSS_TYPES} | OPTIONS
     for name, fields in runs.items():
         trainer = None
         world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
@@ -104,10 +138,10 @@ def main() -> None:
                          num_generations=GROUP, per_device_train_batch_size=PER_DEVICE,
                          gradient_accumulation_steps=global_accumulation // world, max_steps=1, beta=0.04,
                          max_completion_length=8, report_to=["none"], disable_tqdm=True,
-                         scale_rewards="batch", gradient_checkpointing=False, model_init_kwargs={"dtype": dtype},
+                         scale_rewards="batch", gradient_checkpointing=False, model_init_kwargs={"dtype": dtype, **(EAGER_EXPERTS if routes else {})},
                          **{"loss_type": "grpo", **fields})
         trainer = GRPOTrainer(model_dir, [token_sum_reward], cfg, addition_rows(PROMPTS))
-        trainer.generator = FixedGenerator(trainer.tokenizer, kept=fields.get("top_p", 1.0) < 1.0)
+        trainer.generator = FixedGenerator(trainer.tokenizer, kept=fields.get("top_p", 1.0) < 1.0, routes=routes)
         batch = trainer._make_rollout(0)
         off_policy(trainer, batch)
         trainer.last_entropy = 0.0  # adaptive entropy: as if the previous step was below the target

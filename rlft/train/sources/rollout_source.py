@@ -173,6 +173,7 @@ class SourceBase:
 
     schedule: PromptSchedule
     engine: Any = None
+    records_routes = False  # whether its rollouts carry a MoE policy's routes (routing_replay)
 
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
@@ -200,6 +201,8 @@ class SourceBase:
 
 class GeneratedSource(SourceBase):
     """Each rollout generated when its step comes, by the engine the config asks for."""
+
+    records_routes = True  # transformers' generate here records a MoE policy's routes
 
     def __init__(self, parts: SourceParts):
         self.args, self.schedule, self.rewards = parts.args, parts.schedule, parts.rewards

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from rlft.model.routing import route_state
+
 # a window shows the latest value, not a mean
 LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate", "ref_model/syncs")
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
@@ -195,3 +197,17 @@ class MetricWindow:
 
 def _is_nan(value) -> bool:
     return isinstance(value, float) and math.isnan(value)
+
+
+def route_metrics(model, accelerator) -> dict[str, float]:
+    """Routing replay (rlft/model/routing.py): the share of replayed (token, layer) expert choices
+    the trainer's router would have made itself this step, over every process; {} for a model that
+    replays nothing."""
+    state = route_state(model)
+    if state is None:
+        return {}
+    counts = torch.tensor(state.take_counts(), dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        counts = accelerator.reduce(counts, "sum")
+    agree, compared = counts.tolist()
+    return {"sampling/route_agreement": agree / compared} if compared else {}

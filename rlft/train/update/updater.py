@@ -22,7 +22,7 @@ import torch
 from rlft.core.regularizers import adaptive_entropy_coef, entropy_threshold, high_entropy_mask, mix_reference
 from rlft.model.loading import GradientFlowError, check_gradient_flow
 from rlft.train.run.checkpoint import PartState
-from rlft.train.update.metrics import StepSums, correction_metrics
+from rlft.train.update.metrics import StepSums, correction_metrics, route_metrics
 from rlft.train.update.objectives import Objective
 from rlft.train.update.rollout_batch import RolloutBatch
 
@@ -106,6 +106,7 @@ class PolicyUpdater:
         if self.entropy_bonus_on and "entropy" in metrics:
             metrics.update(self._entropy_control(metrics["entropy"]))
         metrics = {**metrics, **correction_metrics(corrections, acc)} if corrections else metrics
+        metrics.update(route_metrics(self.scorer.model, acc))  # MoE routing replay
         return self.objective.end_step(self, metrics)
 
     def _backward(self, batch, keep, num_items, num_sequences, sums: StepSums, corrections: list) -> None:

@@ -1,0 +1,124 @@
+"""Routing replay (rlft/model/routing.py): how far a bfloat16 sampler's log-probs are from a float32
+trainer's on a Mixture-of-Experts policy, with the trainer routing each token itself and with it
+replaying the sampler's routes; and what replay costs.
+
+Policies (random weights unless said, float32 trainer):
+    qwen3_moe   transformers' Qwen3-MoE, hidden 64, 4 layers, 8 experts, 2 per token; experts N(0, 0.1)
+                (they dominate the MLP output), router N(0, 0.005) (near-ties are common)
+    olmoe       transformers' OLMoE, the same sizes and initialisation
+    upcycled    the demo's warm-started tiny-adder policy (Qwen2, hidden 128, 2 layers) upcycled to
+                Qwen2-MoE, 4 experts, 2 per token (rlft.tiny.upcycle_to_moe: each expert the dense
+                MLP x (1 + 0.05 N(0, 1))); prompts: the demo's addition problems
+
+Sampler: a bfloat16 copy of the policy generating with transformers' generate (24 prompts x 8
+completions, temperature 1, up to 32 tokens), recording each token's log-prob and its experts. Trainer:
+the float32 policy scoring the same tokens, free and replayed. Per completion token: mean and max
+|log pi_trainer - log pi_sampler|, KL(sampler || trainer) by k3, the share of |log ratio| > 0.05, and
+the share of (token, layer) choices the trainer's router makes itself as the sampler did. Cost: the
+trainer's scoring forward, replayed vs free, timed alternately (median of 7).
+
+    python benchmarks/routing_replay.py            # writes benchmarks/results-routing.json
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rlft.model import routing  # noqa: E402
+from rlft.model.scoring import install_scoring, score_rows  # noqa: E402
+from rlft.rollout.hf import HFGenerator  # noqa: E402
+from rlft.tiny import build_causal_lm, build_tokenizer, upcycle_to_moe  # noqa: E402
+
+
+def strong_experts(arch: str):
+    tokenizer = build_tokenizer(0)
+    model = build_causal_lm(tokenizer, arch=arch, hidden_size=64, num_layers=4)
+    generator = torch.Generator().manual_seed(1)
+    for router in routing.moe_routers(model):
+        router.weight.data = torch.randn(router.weight.shape, generator=generator) * 0.005
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.data = torch.randn(param.shape, generator=generator) * 0.1
+    prompts = [tokenizer(f"{a} + {b} = ")["input_ids"] for a in range(4) for b in range(6)]
+    return model, tokenizer, prompts
+
+
+def upcycled():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlft.data.addition import rows, split_problems
+    from rlft.model.loading import shipped_policy_path
+
+    path = shipped_policy_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = upcycle_to_moe(AutoModelForCausalLM.from_pretrained(path))
+    problems = rows(split_problems()[0][:24])
+    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"] for r in problems]
+    return model, tokenizer, prompts
+
+
+def measure(model, tokenizer, prompts) -> dict:
+    install_scoring(model)
+    sampler = copy.deepcopy(model).to(torch.bfloat16)
+    routing.install(sampler)
+    engine = HFGenerator(tokenizer, max_new_tokens=32)
+    engine.return_logps = True
+    torch.manual_seed(0)
+    rollout = engine(sampler, prompts, 8)
+    state = routing.install(model)
+    free_rollout = copy.copy(rollout)
+    free_rollout.prompt_routes = free_rollout.completion_routes = None
+    out = {"completion_tokens": int(rollout.completion_mask.sum())}
+    for name, scored in (("free", free_rollout), ("replayed", rollout)):
+        logps = score_rows(model, scored, slice(None)).logps.detach()  # (a training forward: agreement)
+        mask = rollout.completion_mask[:, :logps.shape[1]].bool()
+        log_ratio = (logps.double() - rollout.sampling_logps[:, :logps.shape[1]].double())[mask]
+        agreement = state.take_agreement()
+        out[name] = {"mean_abs_log_ratio": log_ratio.abs().mean().item(),
+                     "max_abs_log_ratio": log_ratio.abs().max().item(),
+                     "kl_k3": (log_ratio.exp() - 1 - log_ratio).mean().item(),
+                     "share_over_0.05": (log_ratio.abs() > 0.05).double().mean().item(),
+                     "route_agreement": agreement}
+    out["free"]["route_agreement"] = out["replayed"]["route_agreement"]  # the same choices, compared once
+    times = {"free": [], "replayed": []}
+    with torch.no_grad():
+        for _ in range(7):
+            for name, scored in (("free", free_rollout), ("replayed", rollout)):
+                started = time.perf_counter()
+                score_rows(model, scored, slice(None))
+                times[name].append(time.perf_counter() - started)
+    out["scoring_seconds"] = {k: statistics.median(v) for k, v in times.items()}
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    results = {}
+    for name, build in (("qwen3_moe", lambda: strong_experts("qwen3_moe")),
+                        ("olmoe", lambda: strong_experts("olmoe")), ("upcycled", upcycled)):
+        results[name] = measure(*build())
+    print("| policy | routing | mean abs log ratio | max | KL k3 | share > 0.05 | route agreement |")
+    print("|---|---|---|---|---|---|---|")
+    for name, row in results.items():
+        for mode in ("free", "replayed"):
+            m = row[mode]
+            print(f"| {name} | {mode} | {m['mean_abs_log_ratio']:.5f} | {m['max_abs_log_ratio']:.4f} | "
+                  f"{m['kl_k3']:.2e} | {m['share_over_0.05']:.2%} | {m['route_agreement']:.2%} |")
+        seconds = row["scoring_seconds"]
+        print(f"| {name} | scoring forward | free {seconds['free'] * 1e3:.1f} ms, replayed "
+              f"{seconds['replayed'] * 1e3:.1f} ms | | | | |")
+    (ROOT / "benchmarks" / "results-routing.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Routing replay for Mixture-of-Experts policies: the trainer routes each token to the experts the
+sampler chose for it, instead of choosing again.
+
+The sampler and the trainer compute a token's router logits in different kernels, precisions and
+batch layouts, so near-ties between experts break differently: the same weights then give a
+different distribution, and the importance ratio pi_trainer / pi_sampler moves for a reason no
+optimiser step caused. Replaying the sampler's routes removes that part of the mismatch ("rollout
+routing replay", R3: W. Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and
+Inference Routers", 2025; verl, slime and SkyRL ship it).
+
+How, for the routers that share transformers' softmax-then-top-k contract (`SOFTMAX_TOPK_ROUTERS`:
+`forward(hidden) -> (router_logits, router_scores, router_indices)`, scores = the top-k of
+softmax(logits), renormalised when `norm_topk_prob`):
+
+- recording: while the engine generates, each router's chosen experts are kept per forward call;
+  `RouteState.assemble` lays them out per row as `Rollout.prompt_routes` [N, P, layers, k] and
+  `Rollout.completion_routes` [N, C, layers, k] (int16; -1: not recorded, route freely);
+- replaying: a forward given routes (`replay(model, routes, valid)`, [b, t, layers, k] in that
+  forward's token order) keeps the router's logits (so its load-balancing loss is unchanged) and
+  replaces its choice by the recorded one; the weights of the chosen experts are the current
+  softmax gathered at them, renormalised as the router would, so gradients reach the router.
+
+The state is set before each forward and stays set until the next one, so that a checkpointed
+layer recomputed in the backward pass routes as its forward did.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from rlft.errors import ConfigError
+
+# transformers' routers whose forward is softmax(logits) -> top-k (-> renormalised when
+# norm_topk_prob): a recorded choice is replayed by gathering the softmax at it
+SOFTMAX_TOPK_ROUTERS = frozenset({
+    "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "Qwen3NextTopKRouter", "Qwen3OmniMoeThinkerTextTopKRouter",
+    "Qwen3OmniMoeTalkerTextTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter", "MixtralTopKRouter",
+    "MiniMaxTopKRouter", "MellumTopKRouter"})
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's routers in layer order: modules whose class name ends in "Router" and that hold a
+    `top_k` (transformers' MoE routers)."""
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("router") and hasattr(m, "top_k")]
+
+
+def unsupported_routers(model: torch.nn.Module) -> list[str]:
+    """Names of the model's router classes that replay cannot run (sorted)."""
+    return sorted({type(m).__name__ for m in moe_routers(model)} - SOFTMAX_TOPK_ROUTERS)
+
+
+class RouteState:
+    """What the routers of one model do in their next forward: route freely, record, or replay.
+    Shared by the routers `install` patched; `agree` / `compared` count (token, layer) pairs whose
+    free choice equals the replayed one (the same set of experts), over the valid (completion) tokens
+    of the forwards that train (gradient enabled; checks and old log-probs are not counted)."""
+
+    def __init__(self, routers: list[torch.nn.Module]):
+        self.layers, self.top_k = len(routers), int(routers[0].top_k)
+        self.mode, self.routes, self.valid = "free", None, None
+        self.calls: list[tuple[int, int]] = []  # record: (rows, tokens) of each forward
+        self.recorded: list[list[torch.Tensor]] = [[] for _ in routers]
+        self.agree = self.compared = 0.0
+
+    def record(self) -> None:
+        self.mode, self.routes, self.valid = "record", None, None
+        self.calls, self.recorded = [], [[] for _ in range(self.layers)]
+
+    def free(self) -> None:
+        self.mode, self.routes, self.valid = "free", None, None
+        self.calls, self.recorded = [], [[] for _ in range(self.layers)]
+
+    def assemble(self, rows: int, prompt_width: int, completion_width: int):
+        """The recorded routes of a generation as (prompt_routes [rows, P, L, k], completion_routes
+        [rows, C, L, k]), int16, -1 where no forward read the position (the last completion token).
+        Forward calls fill positions left to right; a call over fewer rows (a prompt prefilled once
+        for its group) is repeated to `rows`."""
+        out = torch.full((rows, prompt_width + completion_width, self.layers, self.top_k), -1,
+                         dtype=torch.int16)
+        column = 0
+        for call, (batch, tokens) in enumerate(self.calls):
+            chosen = torch.stack([layer[call] for layer in self.recorded], dim=1)  # [batch*tokens, L, k]
+            chosen = chosen.reshape(batch, tokens, self.layers, self.top_k).to("cpu", torch.int16)
+            if batch != rows:
+                chosen = chosen.repeat_interleave(rows // batch, dim=0)
+            width = min(tokens, out.shape[1] - column)
+            out[:, column:column + width] = chosen[:, :width]
+            column += tokens
+        self.free()
+        return out[:, :prompt_width], out[:, prompt_width:]
+
+    def take_counts(self) -> tuple[float, float]:
+        """(replayed (token, layer) choices the router would have made itself, replayed choices)
+        since the last call."""
+        counts = (self.agree, self.compared)
+        self.agree = self.compared = 0.0
+        return counts
+
+    def take_agreement(self) -> float | None:
+        """The share of replayed choices the router would have made itself, since the last call
+        (None: nothing replayed)."""
+        agree, compared = self.take_counts()
+        return agree / compared if compared else None
+
+
+def _patched(router: torch.nn.Module, layer: int, state: RouteState):
+    original = router.forward
+    normalise = getattr(router, "norm_topk_prob", True)  # Mixtral's router always renormalises
+
+    def forward(hidden_states):
+        logits, scores, indices = original(hidden_states)
+        if state.mode == "record":
+            state.recorded[layer].append(indices.detach())
+            return logits, scores, indices
+        if state.mode != "replay":
+            return logits, scores, indices
+        routes = state.routes[:, layer]  # [tokens, k]
+        if routes.shape[0] != indices.shape[0]:
+            raise RuntimeError(f"routing replay: {routes.shape[0]} recorded positions for a forward of "
+                               f"{indices.shape[0]} tokens (an rlft bug: the layouts differ)")
+        recorded = routes[:, 0] >= 0
+        chosen = torch.where(recorded[:, None], routes.long(), indices)
+        if state.valid is not None and torch.is_grad_enabled():  # counted in the training forwards
+            compare = recorded & state.valid
+            same = (chosen.sort(dim=-1).values == indices.sort(dim=-1).values).all(dim=-1)
+            state.agree += float((same & compare).sum())
+            state.compared += float(compare.sum())
+        # at least float32, as the routers compute it
+        top = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).gather(-1, chosen)
+        if normalise:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, torch.where(recorded[:, None], top.to(scores.dtype), scores), chosen
+
+    return forward
+
+
+def install(model: torch.nn.Module) -> RouteState:
+    """Patch the routers of `model` (a transformers MoE model, before any wrapper) for recording and
+    replay; returns their shared state (also `model._rlft_routes`). Idempotent."""
+    state = vars(model).get("_rlft_routes")
+    if state is not None:
+        return state
+    routers = moe_routers(model)
+    if not routers:
+        raise ConfigError(f"routing_replay='rollout': {type(model).__name__} has no Mixture-of-Experts "
+                          "router; leave routing_replay at auto (dense models record nothing)")
+    unsupported = unsupported_routers(model)
+    if unsupported:
+        raise ConfigError(f"routing_replay='rollout': the routers {unsupported} are not replayable yet "
+                          f"(rlft replays softmax-top-k routers: {sorted(SOFTMAX_TOPK_ROUTERS)}); set "
+                          "routing_replay: none")
+    state = RouteState(routers)
+    for layer, router in enumerate(routers):
+        router.forward = _patched(router, layer, state)
+
+    def count(module, args, kwargs):
+        if state.mode == "record":
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None:
+                ids = kwargs["inputs_embeds"]
+            state.calls.append((int(ids.shape[0]), int(ids.shape[1])))
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
+    model._rlft_routes = state
+    _FOUND.clear()  # a wrapper looked up before may now find it
+    return state
+
+
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its state (or None)
+
+
+def route_state(model) -> RouteState | None:
+    """The state `install` attached to `model` or to a module inside its wrappers (DDP, peft)."""
+    if model not in _FOUND:
+        _FOUND[model] = next((vars(m)["_rlft_routes"] for m in model.modules() if "_rlft_routes" in vars(m)),
+                             None)
+    return _FOUND[model]
+
+
+def replay(model, routes: torch.Tensor | None, valid: torch.Tensor | None = None) -> None:
+    """Before a forward of `model`: route by `routes` [b, t, L, k] (the forward's tokens in order;
+    -1: free), comparing with the free choice where `valid` [b, t]; None: route freely. No-op for a
+    model without replay."""
+    state = route_state(model)
+    if state is None:
+        return
+    if routes is None:
+        state.free()
+        return
+    if routes.shape[-2:] != (state.layers, state.top_k):
+        raise RuntimeError(f"routing replay: routes for {tuple(routes.shape[-2:])} (layers, top_k), "
+                           f"the model has ({state.layers}, {state.top_k})")
+    state.mode = "replay"
+    state.routes = routes.reshape(-1, state.layers, state.top_k)
+    state.valid = None if valid is None else valid.reshape(-1).bool().to(routes.device)
+
+
+def resolve(mode: str, model, engine_records: bool) -> tuple[bool, str | None]:
+    """Whether to replay (`routing_replay` `mode` for `model`), and a note to say: auto replays a
+    MoE policy whose routers are replayable when the engine records routes (transformers'
+    generate in the trainer's process)."""
+    if mode == "none":
+        return False, None
+    routers = moe_routers(model)
+    if mode == "rollout":
+        if not engine_records:
+            raise ConfigError("routing_replay='rollout' needs routes recorded by the rollout engine: "
+                              "transformers' generate in the trainer's process records them, vLLM and "
+                              "the async producer do not yet; set routing_replay: none")
+        return True, None
+    if not routers:
+        return False, None
+    unsupported = unsupported_routers(model)
+    if unsupported or not engine_records:
+        why = (f"its routers {unsupported} are not replayable yet" if unsupported else
+               "this rollout engine does not record routes yet")
+        return False, (f"routing replay is off for this Mixture-of-Experts policy: {why}, so the trainer "
+                       "may route tokens to other experts than the sampler did (the sampling/ "
+                       "metrics measure the mismatch)")
+    return True, None
