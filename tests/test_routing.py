@@ -223,3 +223,28 @@ def test_a_resume_inside_a_generation_batch_replays_the_saved_routes(tmp_path, m
 
     straight, _ = straight_and_resumed(tmp_path, moe_dir, steps_per_generation=2, num_iterations=1)
     assert all("sampling/route_agreement" in r for r in straight.state.log_history if "loss" in r)
+
+
+def test_checkpointed_layers_recompute_with_the_replayed_routes(tmp_path, moe_dir):
+    """Gradient checkpointing reruns each layer's forward in the backward pass: it must route as the
+    forward did. One float64 SGD step on rollouts replaying random routes, in micro-batches of 2, with
+    and without checkpointing: the same weights (tests/helpers.py: SAME_STEP)."""
+    from rlft import GRPOConfig, GRPOTrainer
+    from tests.dist.grpo_step import EAGER_EXPERTS, FixedGenerator, off_policy, token_sum_reward
+    from tests.helpers import SAME_STEP, assert_params_close
+
+    params = {}
+    for checkpointing in (False, True):
+        cfg = GRPOConfig(output_dir=str(tmp_path / str(checkpointing)), optim="sgd", learning_rate=1.0,
+                         max_grad_norm=1e9, seed=0, num_generations=4, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, max_steps=1, max_completion_length=8, report_to=["none"],
+                         disable_tqdm=True, router_aux_loss_coef=0.0, gradient_checkpointing=checkpointing,
+                         model_init_kwargs={"dtype": "float64", **EAGER_EXPERTS}, padding_free=False)
+        trainer = GRPOTrainer(str(moe_dir), [token_sum_reward], cfg, addition_rows(1))
+        trainer.generator = FixedGenerator(trainer.tokenizer, routes=True)
+        batch = trainer._make_rollout(0)
+        off_policy(trainer, batch)
+        metrics = trainer.updater.step(batch)
+        assert metrics["sampling/route_agreement"] < 0.5  # the random routes, not the router's own
+        params[checkpointing] = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    assert_params_close(params[True], params[False], SAME_STEP, "checkpointing")
