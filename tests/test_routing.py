@@ -218,10 +218,12 @@ def test_grpo_on_a_moe_policy_replays_the_routes_of_its_own_rollouts(tmp_path, m
 def test_a_resume_inside_a_generation_batch_replays_the_saved_routes(tmp_path, moe_dir):
     """Rollouts feed two steps each, so checkpoint-3 holds half a rollout: its routes are saved with
     it and replayed after the resume (the resumed run logs route agreement at step 4 as the straight
-    run does, and every logged number and weight is the same)."""
+    run does, and every logged number and weight is the same). Full fine-tuning: the checkpoint holds
+    the experts as save_pretrained writes them (one expert at a time) and the resume reads them back
+    into the model's fused tensors."""
     from tests.test_grpo_resume import straight_and_resumed
 
-    straight, _ = straight_and_resumed(tmp_path, moe_dir, steps_per_generation=2, num_iterations=1)
+    straight, _ = straight_and_resumed(tmp_path, moe_dir, full=True, steps_per_generation=2, num_iterations=1)
     assert all("sampling/route_agreement" in r for r in straight.state.log_history if "loss" in r)
 
 
@@ -248,3 +250,23 @@ def test_checkpointed_layers_recompute_with_the_replayed_routes(tmp_path, moe_di
         assert metrics["sampling/route_agreement"] < 0.5  # the random routes, not the router's own
         params[checkpointing] = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     assert_params_close(params[True], params[False], SAME_STEP, "checkpointing")
+
+
+def test_the_async_producer_records_the_routes_it_samples_and_a_resume_replays_the_saved_ones(tmp_path, moe_dir):
+    """AsyncGRPOTrainer: the producer process records its rollouts' routes and hands them over in a file; the
+    trainer replays them, and a checkpoint holding rollouts requested ahead keeps their routes (the resumed run
+    logs the same rows, route agreement included)."""
+    from tests.helpers import has_answer_tags, stop_after
+    from tests.test_async_grpo import async_config, rows_of, trained
+
+    straight = trained(tmp_path, "straight", model=moe_dir, max_steps=4, save_steps=2)
+    rows = [r for r in rows_of(tmp_path / "straight") if "loss" in r]
+    assert len(rows) == 4 and all("sampling/route_agreement" in r for r in rows)
+    assert routing.route_state(straight.model) is not None
+    from rlft import AsyncGRPOTrainer
+
+    AsyncGRPOTrainer(str(moe_dir), [correct_answer, has_answer_tags],
+                     async_config(tmp_path, "split", max_steps=4, save_steps=2),
+                     addition_rows(32), callbacks=[stop_after(2)]).train()
+    trained(tmp_path, "split", model=moe_dir, max_steps=4, save_steps=2, resume=True)
+    assert rows_of(tmp_path / "straight") == rows_of(tmp_path / "split")

@@ -46,7 +46,7 @@ class _GRPOFields(_BaseConfig):
         "auto", check=one_of(ROUTING_REPLAY), rlft=True,
         help="Mixture-of-Experts policies: the trainer routes each token to the experts the sampler "
              "chose (rollout routing replay). auto: on where the engine records routes "
-             "(transformers' generate in the trainer's process), else off with a note; rollout: on, "
+             "(transformers' generate, also in the async producer), else off with a note; rollout: on, "
              "an error where it cannot be; none: off. Dense models record nothing (rlft/model/routing.py)")
     cast_lm_head_to_fp32: bool = option(False, "keep the LM head in float32 when the model is "
                                                "bfloat16")

@@ -200,15 +200,16 @@ def replay(model, routes: torch.Tensor | None, valid: torch.Tensor | None = None
 def resolve(mode: str, model, engine_records: bool) -> tuple[bool, str | None]:
     """Whether to replay (`routing_replay` `mode` for `model`), and a note to say: auto replays a
     MoE policy whose routers are replayable when the engine records routes (transformers'
-    generate in the trainer's process)."""
+    generate, in the trainer's process or the async producer)."""
     if mode == "none":
         return False, None
     routers = moe_routers(model)
     if mode == "rollout":
         if not engine_records:
             raise ConfigError("routing_replay='rollout' needs routes recorded by the rollout engine: "
-                              "transformers' generate in the trainer's process records them, vLLM and "
-                              "the async producer do not yet; set routing_replay: none")
+                              "transformers' generate records them (in the trainer's process or the "
+                              "async producer), vLLM and multi-turn rollouts do not yet; set "
+                              "routing_replay: none")
         return True, None
     if not routers:
         return False, None

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from rlft.errors import RlftError
+from rlft.model.routing import route_state
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import eos_token_ids
 from rlft.rollout.producer_worker import SPEC_FILE
@@ -63,6 +64,8 @@ class Produced:
     timings: dict[str, float] = field(default_factory=dict)
     # per row, per token: the ids a truncating sampler kept
     kept: list[list[list[int]]] | None = None
+    # a MoE policy's recorded experts: "prompt" [N, P, L, k], "completion" [N, C, L, k] (int16)
+    routes: dict[str, torch.Tensor] | None = None
 
 
 def _spec_args(args) -> dict:
@@ -133,6 +136,8 @@ class ProcessProducer:
         spec = {"args": _spec_args(self.args), "dtype": str(next(model.parameters()).dtype).split(".")[-1],
                 "peft": _peft_spec(model), "parent": os.getpid(), "cpus": self.args.producer_cpus,
                 "threads": self.args.producer_threads, "version": version,
+                # the trainer replays a MoE policy's routes: the producer records them
+                "routes": route_state(model) is not None,
                 # transformers' engine generates on the trainer's device
                 "device": str(self.device)}
         (self.folder / SPEC_FILE).write_text(json.dumps(spec))
@@ -222,8 +227,16 @@ class ProcessProducer:
         from rlft.rollout.vllm import engine_rollout
 
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
-        return engine_rollout(repeated, produced.tokens, produced.logprobs or [None] * len(repeated),
-                              self.tokenizer.pad_token_id, self.eos_ids, device, greedy, produced.kept)
+        rollout = engine_rollout(repeated, produced.tokens, produced.logprobs or [None] * len(repeated),
+                                 self.tokenizer.pad_token_id, self.eos_ids, device, greedy, produced.kept)
+        if produced.routes is not None:
+            rollout.prompt_routes = produced.routes["prompt"].to(device)
+            completion = produced.routes["completion"]
+            width = rollout.completion_ids.shape[1]
+            out = completion.new_full((completion.shape[0], width, *completion.shape[2:]), -1)
+            out[:, :min(width, completion.shape[1])] = completion[:, :width]
+            rollout.completion_routes = out.to(device)
+        return rollout
 
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
                  seed: int = 0, version: int = -1) -> Rollout:
@@ -259,12 +272,13 @@ class ProcessProducer:
                 self.beat = time.monotonic()
                 kind = message.pop("type")
                 if kind == "result":
-                    timings = {k: message.pop(k) for k in list(message)
-                               if k not in ("key", "version", "tokens", "logprobs", "seconds", "kept")}
+                    timings = {k: message.pop(k) for k in list(message) if k not in (
+                        "key", "version", "tokens", "logprobs", "seconds", "kept", "routes")}
                     self.results[message["key"]] = Produced(message["key"], message["version"],
                                                             message["tokens"], message["logprobs"],
                                                             message["seconds"], timings=timings,
-                                                            kept=message.get("kept"))
+                                                            kept=message.get("kept"),
+                                                            routes=_routes(message.get("routes")))
                     self.begun.pop(message["key"], None)
                 elif kind == "begin":
                     self.begun[message["key"]] = time.monotonic()
@@ -308,6 +322,17 @@ class ProcessProducer:
             raise ProducerError(f"{self.name} spent over "
                                 f"request_timeout={self.args.request_timeout} s on "
                                 "one request; it was stopped")
+
+
+def _routes(path: str | None) -> dict[str, torch.Tensor] | None:
+    """The routes file a result names, read and deleted (None: none recorded)."""
+    if path is None:
+        return None
+    from safetensors.torch import load_file
+
+    routes = load_file(path)
+    os.remove(path)
+    return routes
 
 
 def _stop(proc: subprocess.Popen) -> None:

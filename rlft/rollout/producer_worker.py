@@ -5,10 +5,9 @@ It builds the policy from FOLDER (the model as the trainer held it at start, LoR
 included), an engine from the trainer's config (transformers' generate, vLLM in this process, or a
 vLLM server) and then serves its standard input in order, one JSON object per line:
 
-  {"type": "weights", "version": v, "path": file}   load the trainable tensors of version v, delete
-  the file
-                                                    (path null: the weights did not change, only the
-                                                    version)
+  {"type": "weights", "version": v, "path": file}
+      load the trainable tensors of version v, delete the file (path null: the weights did not
+      change, only the version)
   {"type": "generate", "key": k, "prompt_ids": [...], "num_generations": G, "greedy": b, "seed": s}
   {"type": "stop"}
 
@@ -16,7 +15,7 @@ and answers on its standard output (anything else this process prints goes to st
 
   {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin"/"done", "key": k} around a
   request, {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]],
-   "kept": [[[...]]] or null, "seconds": ...},
+   "kept": [[[...]]] or null, "routes": file or null (a MoE policy's experts), "seconds": ...},
   {"type": "error", "message": traceback}
 
 No pickle crosses the pipe. Each rollout is sampled after `torch.manual_seed(seed)`: the same
@@ -101,6 +100,10 @@ def _build(folder: Path, spec: dict):
     install_scoring(model)
     if args.cast_lm_head_to_fp32:
         cast_lm_head_to_fp32(model)
+    if spec.get("routes"):  # the trainer replays a MoE policy's routes: generate records them
+        from rlft.model.routing import install
+
+        install(model)
     if spec.get("peft"):
         from peft import get_peft_config
 
@@ -155,7 +158,21 @@ def _logprobs(model, rollout, args) -> list:
     return out.tolist()
 
 
-def _generate(model, engine, args, message: dict, version: int) -> dict:
+def _routes_file(rollout, lengths: list[int], folder: Path, key: str) -> str | None:
+    """A MoE policy's recorded routes as a safetensors file beside the weights (the trainer reads
+    and deletes it); None: none recorded."""
+    if rollout.prompt_routes is None:
+        return None
+    from safetensors.torch import save_file
+
+    path = folder / f"routes-{key}.safetensors"
+    width = max(lengths, default=0)
+    save_file({"prompt": rollout.prompt_routes.cpu().contiguous(),
+               "completion": rollout.completion_routes[:, :width].cpu().contiguous()}, str(path))
+    return str(path)
+
+
+def _generate(model, engine, args, message: dict, version: int, folder: Path) -> dict:
     import torch
 
     started = time.perf_counter()
@@ -171,10 +188,11 @@ def _generate(model, engine, args, message: dict, version: int) -> dict:
         for row, n in zip(rollout.sampling_kept.tolist(), lengths)]
     return {"type": "result", "key": message["key"], "version": version, "tokens": tokens,
             "logprobs": logprobs, "kept": kept, "seconds": generated - started,
+            "routes": _routes_file(rollout, lengths, folder, message["key"]),
             "score_seconds": time.perf_counter() - generated}
 
 
-def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: int) -> None:
+def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: int, folder: Path) -> None:
     from rlft.rollout.base import engine_metrics, weights_changed
 
     idle, loaded = 0.0, 0.0
@@ -197,7 +215,7 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
             version = message["version"]
             continue
         channel.send({"type": "begin", "key": message["key"]})
-        result = _generate(model, engine, args, message, version)
+        result = _generate(model, engine, args, message, version, folder)
         channel.send({**result, "idle_seconds": idle, "load_seconds": loaded, **engine_metrics(engine)})
         idle = loaded = 0.0
 
@@ -225,7 +243,7 @@ def main(argv: list[str]) -> int:
         model, engine, args = _build(folder, spec)
         threading.Thread(target=beat, daemon=True).start()
         channel.send({"type": "ready"})
-        serve(model, engine, args, channel, inbox, spec["version"])
+        serve(model, engine, args, channel, inbox, spec["version"], folder)
     except BaseException:  # the trainer reports it, naming this process
         channel.send({"type": "error", "message": traceback.format_exc()})
         return 1

@@ -111,6 +111,14 @@ def model_folder(path: Path) -> Path:
     return path / "model" if (path / "model" / "config.json").is_file() else path
 
 
+def _converted_state(model, folder: Path) -> dict:
+    """The weights of `folder` as `model` names and shapes them, loaded by transformers (in the
+    model's dtype: the saved values exactly)."""
+    dtype = next(model.parameters()).dtype
+    fresh = type(model).from_pretrained(str(folder), dtype=dtype)
+    return fresh.state_dict()
+
+
 def load_model_weights(model, folder: Path) -> None:
     """Load trainable weights saved by `save_pretrained` (peft adapter or full model) in place."""
     from peft import PeftModel, set_peft_model_state_dict
@@ -123,6 +131,11 @@ def load_model_weights(model, folder: Path) -> None:
     for shard in sorted(folder.glob("model*.safetensors")):
         state.update(load_safetensors(shard))
     missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected and hasattr(type(model), "from_pretrained"):
+        # save_pretrained wrote transformers' hub layout of weights the model holds converted (a
+        # Mixture-of-Experts model's fused experts are saved one expert at a time): read them back
+        # through transformers' own conversion
+        missing, unexpected = model.load_state_dict(_converted_state(model, folder), strict=False)
     # tied to the embeddings, not saved twice
     tied = {name for name in missing if "lm_head" in name}
     if unexpected or set(missing) - tied:

@@ -53,6 +53,8 @@ class ProducerSource(SourceBase):
     """Rollouts requested ahead from a producer process, taken when their step comes (module
     docstring)."""
 
+    records_routes = True  # its generate records a MoE policy's routes (not its vLLM)
+
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
         """What the producer cannot run (yet), and the schedule's bounds (AsyncGRPOConfig's
@@ -300,6 +302,8 @@ class ProducerSource(SourceBase):
                                                                        dtype=torch.long)
                 tensors[f"async.{rollout}.kept_ids"] = torch.tensor([k for s in steps for k in s],
                                                                     dtype=torch.int32)
+            for name, routes in (produced.routes or {}).items():  # a MoE policy's experts
+                tensors[f"async.{rollout}.routes.{name}"] = routes
             pending.append({"rollout": rollout, "version": produced.version, "seconds": produced.seconds})
         carried = {"next_submit": self.next_submit, "pending": pending, "metrics": self.last,
                    "restarts": self.restarts}
@@ -327,9 +331,11 @@ class ProducerSource(SourceBase):
             lengths = part.tensors[f"async.{r}.lengths"].tolist()
             tokens = part.tensors[f"async.{r}.tokens"].split(lengths)
             logprobs = part.tensors[f"async.{r}.logprobs"].split(lengths)
+            routes = {name: part.tensors[f"async.{r}.routes.{name}"] for name in ("prompt", "completion")
+                      if f"async.{r}.routes.{name}" in part.tensors}
             self.ready[r] = Produced(f"rollout-{r}", entry["version"], [t.tolist() for t in tokens],
                                      [v.tolist() for v in logprobs], entry["seconds"],
-                                     kept=_saved_kept(part.tensors, r, lengths))
+                                     kept=_saved_kept(part.tensors, r, lengths), routes=routes or None)
         rollouts_done = -(-start // self.steps_per_rollout)
         self.next_submit = max(self.next_submit, rollouts_done)
         self.taking = rollouts_done - 1  # the last rollout taken from the producer
