@@ -135,7 +135,8 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
 
         return Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=hidden_size, norm_topk_prob=True,
-                              head_dim=hidden_size // common["num_attention_heads"], router_aux_loss_coef=0.01)
+                              head_dim=hidden_size // common["num_attention_heads"],
+                              router_aux_loss_coef=0.01)
     if arch == "olmoe":
         from transformers import OlmoeConfig
 
@@ -145,8 +146,8 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
                     seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE) causal LM sized for CPU
-    tests."""
+    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE) causal LM sized for
+    CPU tests."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, tokenizer, hidden_size, num_layers))
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -243,9 +243,10 @@ def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
     if experts and cfg.use_vllm:
         report.add("WARN", "mixture of experts",
                    f"{experts} experts sampled by vLLM: its kernels may route a token to other "
-                   "experts than the trainer's, which changes its log-prob (rlft replays the routes "
-                   "transformers' generate records, not vLLM's yet); keep "
-                   "vllm_importance_sampling_correction on and watch sampling/kl_sampler_trainer/k3")
+                   "experts than the trainer's, which changes its log-prob (rlft replays the "
+                   "routes transformers' generate records, not vLLM's yet); keep "
+                   "vllm_importance_sampling_correction on and watch "
+                   "sampling/kl_sampler_trainer/k3")
     elif experts and getattr(cfg, "routing_replay", "auto") == "none":
         report.add("WARN", "mixture of experts",
                    f"{experts} experts with routing_replay: none: the trainer may route a token to "

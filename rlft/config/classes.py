@@ -96,8 +96,7 @@ class AsyncGRPOConfig(_GRPOFields):
         help="async: stop with an error when the producer has not signalled for this long (dead, "
              "stopped, or hung)")
     request_timeout: int = option(
-        600, "async: stop with an error when one rollout takes the producer longer than "
-             "this", check=POSITIVE)
+        600, "async: stop with an error when one rollout takes the producer longer than this", check=POSITIVE)
     weight_sync_timeout: int = option(
         1800, no_effect="weights reach the producer as a file it reads, not over NCCL")
     fork_threshold_tokens: int = option(
@@ -113,8 +112,7 @@ class AsyncGRPOConfig(_GRPOFields):
     producer_cpus: list[int] | None = option(
         None, "async: CPU cores the producer process runs on (Linux affinity), e.g. [1]", rlft=True)
     producer_threads: int | None = option(
-        None, "async: torch threads in the producer process (default: its "
-              "cores)", check=POSITIVE, rlft=True)
+        None, "async: torch threads in the producer process (default: its cores)", check=POSITIVE, rlft=True)
     producer_restarts: int = option(
         0, check=NON_NEGATIVE, resume=True, rlft=True,
         help="async: restart a failed producer from the current weights, at most this many times a "

@@ -77,18 +77,15 @@ class _BaseConfig(TrainingArguments):
         False, resume=True, rlft=True,
         help="replace an earlier run's checkpoints and logs in output_dir (else refused)")
     warmup_ratio: float = option(
-        0.0, "warmup as a fraction of all steps (when warmup_steps is "
-             "0)", check=NON_NEGATIVE, rlft=True)
+        0.0, "warmup as a fraction of all steps (when warmup_steps is 0)", check=NON_NEGATIVE, rlft=True)
     max_nonfinite_steps: int = option(
         3, check=POSITIVE, resume=True, rlft=True,
         help="stop after this many non-finite steps in a row (each is skipped, never applied)")
     chat_template_path: str | None = option(
-        None, "a Jinja chat template file (or a tokenizer folder) to use instead of the "
-              "model's", rlft=True)
+        None, "a Jinja chat template file (or a tokenizer folder) to use instead of the model's", rlft=True)
     pad_token: str | None = option(
         None, "set the tokenizer's pad token (must differ from eos for reward models)", rlft=True)
-    eos_token: str | None = option(None, "set the tokenizer's eos token (generation stops "
-                                         "there)", rlft=True)
+    eos_token: str | None = option(None, "set the tokenizer's eos token (generation stops there)", rlft=True)
 
     def __post_init__(self):
         normalize_before(self)

@@ -44,10 +44,11 @@ class _GRPOFields(_BaseConfig):
         help="MoE policies: weight of the router load-balancing loss (None: the model's own)")
     routing_replay: str = option(
         "auto", check=one_of(ROUTING_REPLAY), rlft=True,
-        help="Mixture-of-Experts policies: the trainer routes each token to the experts the sampler "
-             "chose (rollout routing replay). auto: on where the engine records routes "
-             "(transformers' generate, also in the async producer), else off with a note; rollout: on, "
-             "an error where it cannot be; none: off. Dense models record nothing (rlft/model/routing.py)")
+        help="Mixture-of-Experts policies: the trainer routes each token to the experts the "
+             "sampler chose (rollout routing replay). auto: on where the engine records routes "
+             "(transformers' generate, also in the async producer), else off with a note; rollout: "
+             "on, an error where it cannot be; none: off. Dense models record nothing "
+             "(rlft/model/routing.py)")
     cast_lm_head_to_fp32: bool = option(False, "keep the LM head in float32 when the model is "
                                                "bfloat16")
     num_generations: int | None = option(8, "completions per prompt (the group size G)")

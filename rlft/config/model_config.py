@@ -66,8 +66,7 @@ class ModelConfig:
         default=False, metadata={"help": "bitsandbytes 4-bit base weights, QLoRA (LoRA only; needs "
                                          "a CUDA GPU)"})
     bnb_4bit_quant_type: str = field(
-        default="nf4", metadata={"help": "4-bit quantisation type: nf4 or "
-                                         "fp4", "choices": ["fp4", "nf4"]}
+        default="nf4", metadata={"help": "4-bit quantisation type: nf4 or fp4", "choices": ["fp4", "nf4"]}
     )
     use_bnb_nested_quant: bool = field(
         default=False, metadata={"help": "nested (double) quantisation of the 4-bit constants"})

@@ -197,8 +197,7 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{where}: not valid YAML "
-                          f"({getattr(err, 'problem', err)})") from err
+        raise ConfigError(f"{path}:{where}: not valid YAML ({getattr(err, 'problem', err)})") from err
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value, got "
                           f"{type(values).__name__}")

@@ -14,17 +14,18 @@ the inputs it needs beyond the rewards (lengths, mask, token KL) and whether the
 its reward. `estimate(spec, inputs)` takes one `EstimatorInputs` built once per rollout;
 `register_estimator` adds one:
     grpo                   DeepSeekMath (arXiv:2402.03300): (r_i - mean_g) / (std_g + eps);
-    `scale_rewards`
+                           `scale_rewards`
                            batch / none divide by the batch's std or by nothing (TRL's options)
     dr_grpo                Dr. GRPO (arXiv:2503.20783): r_i - mean_g, never divided by a std
     rloo                   RLOO (Ahmadian et al., arXiv:2402.14740): r_i - (1/(G-1)) sum_{j != i}
-    r_j reinforce_pp_baseline  REINFORCE++-baseline (arXiv:2501.03262): c_i = r_i - mean_g, then
-    normalised
+                           r_j
+    reinforce_pp_baseline  REINFORCE++-baseline (arXiv:2501.03262): c_i = r_i - mean_g, then
+                           normalised
                            over the batch, (c_i - mean(c)) / (std(c) + eps)
     opo                    OPO (arXiv:2505.23585): r_i - b_g with the length-weighted baseline
                            b_g = sum_j |o_j| r_j / sum_j |o_j| (needs `lengths`)
     reinforce_pp           REINFORCE++ (arXiv:2501.03262), token level, the KL in its per-token
-    rewards
+                           rewards
 `kl_in_reward(spec)` is a sequence-level estimator with the KL penalty moved from the loss into the
 reward (RLOO, Ahmadian et al. 2024, arXiv:2402.14740, as TRL's RLOOTrainer computes it): each total
 reward clipped to `clip_range`, minus beta * sum_t (log pi_old - log pi_ref), then the estimator,
@@ -138,7 +139,7 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, *, scale_rew
     at the last completion token, the return is G_t = sum_{s >= t} r_s (gamma = 1), and the
     advantages are the returns whitened over every completion token of the batch, (G - mean) / (std
     + eps), with no per-group baseline. rewards [N], mask and token_kl [N, C] -> advantages [N, C]
-      (0 off the mask and on NaN-reward rows)."""
+    (0 off the mask and on NaN-reward rows)."""
     if mask is None:
         raise ValueError("reinforce_pp is a token-level estimator: it needs the completions' mask "
                          "[N, C]")

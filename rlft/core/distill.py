@@ -10,7 +10,8 @@ at temperature T,
 
     beta = 0:      D = KL(p_t || p_s) = sum_j p_t,j (log p_t,j - log p_s,j)          (forward KL)
     beta = 1:      D = KL(p_s || p_t) = sum_j p_s,j (log p_s,j - log p_t,j)   (reverse KL, TRL
-    default) 0 < beta < 1:  m = (1 - beta) p_s + beta p_t
+                   default)
+    0 < beta < 1:  m = (1 - beta) p_s + beta p_t
                    D = beta KL(p_t || m) + (1 - beta) KL(p_s || m)
 
 (the mixture's formula goes to 0 at both ends; 0 and 1 are the two KLs, as TRL has them). c is a

@@ -4,7 +4,8 @@ For hidden states h [N, H] at the positions that predict tokens y [N], an LM hea
 
     u = h W^T + b                       raw logits                       [tile, V], never [N, V]
     s = c * u;  s = k tanh(s / k)       logit scaling c; Gemma-2 final-logit softcapping k (when
-    set) z = s / T                           temperature T
+                set)
+    z = s / T                           temperature T
     log p(y) = z_y - logsumexp(z)
     H = logsumexp(z) - sum_j softmax(z)_j z_j                         (entropy, when asked)
 
@@ -23,7 +24,7 @@ log-prob is that distribution's (no ids at a position, or y not among them: the 
     log p_K(y) = z_y - logsumexp_{j in K} z_j
     log m      = logsumexp_{j in K} z_j - logsumexp(z)      the log of the mass the sampler kept
     dL/dz_j    = g ([j = y] - p_K,j [j in K]) - ...         (the entropy term stays the full
-    distribution's)
+               distribution's)
 
 A frozen head (LoRA: W and b take no gradient) needs dL/dh only, and that is linear in g: dL/dh = g
 a with a = dz/du ([j = y] - p) W, which the forward forms from its own tile of logits (one more

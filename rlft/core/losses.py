@@ -7,34 +7,34 @@ Per-token terms
     clip  (PPO/GRPO):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
     cispo (MiniMax-M1, arXiv:2506.13585): l = -sg[min(r, 1 + eps_high)] A log pi(o_it)
     sapo  (arXiv:2511.20347): l = -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else
-    tau_neg rloo  (Ahmadian et al. 2024, arXiv:2402.14740, as TRL 1.16's RLOOTrainer): a
-    sequence-level PPO clip on
-          rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it))), l_i = -min(rho_i A_i, clip(rho_i)
-          A_i), averaged over sequences (the sequence_mean aggregation of a constant-per-sequence
-          term)
+          tau_neg
+    rloo  (Ahmadian et al. 2024, arXiv:2402.14740, as TRL 1.16's RLOOTrainer): a sequence-level PPO
+          clip on
+          rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it))), l_i = -min(rho_i A_i, clip(rho_i) A_i),
+          averaged over sequences (the sequence_mean aggregation of a constant-per-sequence term)
     vespo (arXiv:2602.10693): l = -sg[phi(w_i)] A log pi(o_it), phi(w) = e^lam w^k e^(-lam w)
     (phi(1) = 1),
           w_i = prod_t r_it (times the sampling-correction weights), (k, lam) by the sign of A
           (`vespo_weights`)
     delta (INTELLECT-2, arXiv:2505.07291): the unclipped ratio of the clip term is capped too,
-          l = -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A): with A < 0 a huge r is
-          bounded.
+          l = -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A): with A < 0 a huge r is bounded.
     keep  (off-policy sequence masking, DeepSeek-V3.2 arXiv:2512.02556, `off_policy_sequence_mask`):
-    the
+          the
           policy term of a masked sequence is 0; it still counts in the normaliser.
     + beta * KL_it (when beta > 0), added per token BEFORE aggregation, so the KL term is
-      normalised exactly like the policy term. With kl_importance_weighted, KL_it is multiplied by
-      the importance ratio r_it (with its gradient): the samples come from pi_old, so r_it * KL_it
-      is the importance-sampled estimate of KL(pi_theta || pi_ref) (TRL's `use_bias_correction_kl`;
-      the KL "unbiased KL estimate" of the DeepSeek-V3.2 report, arXiv:2512.02556).
+      normalised exactly like the policy term. With kl_importance_weighted, KL_it is multiplied by the
+      importance ratio r_it (with its gradient): the samples come from pi_old, so r_it * KL_it is the
+      importance-sampled estimate of KL(pi_theta || pi_ref) (TRL's `use_bias_correction_kl`; the KL
+      "unbiased KL estimate" of the DeepSeek-V3.2 report, arXiv:2512.02556).
 
 Aggregations (the normaliser; N and T are counts over the WHOLE optimiser step: all
 gradient-accumulation micro-batches and all processes, passed as num_sequences / num_items)
     sequence_mean  (grpo, sapo; DeepSeekMath arXiv:2402.03300):  (1/N) sum_i (1/|o_i|) sum_t l_it
     token_mean     (dapo, bnpo, cispo; DAPO arXiv:2503.14476):    (1/T) sum_it l_it,  T = sum_i
-    |o_i| constant       (dr_grpo; Dr. GRPO arXiv:2503.20783):          (1/(N * L_max)) sum_it l_it
+                   |o_i|
+    constant       (dr_grpo; Dr. GRPO arXiv:2503.20783):          (1/(N * L_max)) sum_it l_it
     sequence_sum   (luspo; LUSPO arXiv:2602.05261):               (1/N) sum_i sum_t l_it  (each
-    sequence
+                   sequence
                    weighted by its length: GSPO's sequence loss without its length bias)
 The mask m_it may be narrower than the completion (top_entropy_quantile keeps the high-entropy
 tokens only, `high_entropy_mask`): T and |o_i| then count the kept tokens, as they count completion

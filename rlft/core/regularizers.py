@@ -5,15 +5,15 @@ and its adaptive coefficient, and the moving reference model.
     whose entropy
         is in the top rho quantile of the step's completion tokens are trained:
             e_it = [H_it >= tau_rho] m_it,  tau_rho = quantile_{1 - rho}({H_js : m_js = 1})
-        over every completion token of the optimiser step (all micro-batches, all processes), so the
-        mask does not depend on how the step is split.
+        over every completion token of the optimiser step (all micro-batches, all processes), so the mask
+        does not depend on how the step is split.
     entropy bonus: loss -= c * (1/T) sum_it e_it H_it, T = sum_it e_it over the step (the tokens the
     policy
         term trains on), with the gradient of H (rlft/core/logprobs.py).
     adaptive coefficient (Skywork-OR1, arXiv:2505.22312, sec. 3.2.3): after each step with entropy
     H_k,
-        c_{k+1} = clip(c_k + delta, c_min, c_max) if H_k <= H_target else clip(c_k - delta, c_min,
-        c_max), and step k+1 applies the bonus only when H_k <= H_target.
+        c_{k+1} = clip(c_k + delta, c_min, c_max) if H_k <= H_target else clip(c_k - delta, c_min, c_max),
+        and step k+1 applies the bonus only when H_k <= H_target.
     moving reference (TR-DPO, Gorbatovski et al. 2024, arXiv:2404.09656, "soft update"):
         every tau steps, theta_ref <- alpha theta + (1 - alpha) theta_ref.
 """

@@ -17,10 +17,10 @@ from every block that reads it (summed).
 Two kernels compute it (`kernel()` says which one a tensor gets):
 
   "varlen flash"  on a GPU in float16/bfloat16, where torch has
-  `torch.nn.attention.varlen.varlen_attn`:
-                  every block in one flash-attention call, each block's keys [prefix ; own] gathered
-                  into one key sequence, the causal mask aligned to the bottom right (query i of a
-                  block sees the prefix and its own keys up to i, the equation above);
+                  `torch.nn.attention.varlen.varlen_attn`:
+                  every block in one flash-attention call, each block's keys [prefix ; own] gathered into
+                  one key sequence, the causal mask aligned to the bottom right (query i of a block sees
+                  the prefix and its own keys up to i, the equation above);
   "sdpa per block" elsewhere: one scaled_dot_product_attention per block (is_causal for a block
   without a
                   prefix, a lower-right causal bias with one), a Python loop over the blocks.

@@ -163,10 +163,8 @@ def load_named_dataset(name: str, config: str | None = None, streaming: bool = F
     # missing, private, offline, bad config: datasets' own message says which
     except Exception as err:
         where = "local folder" if local else "hub dataset"
-        raise DatasetError(f"dataset_name {name!r}" + (" (dataset_config "
-                                                       f"{config!r})" if config else "") +
-                           f" could not be loaded as a {where}: {type(err).__name__}: "
-                           f"{err}") from err
+        raise DatasetError(f"dataset_name {name!r}" + (f" (dataset_config {config!r})" if config else "") +
+                           f" could not be loaded as a {where}: {type(err).__name__}: {err}") from err
 
 
 def pick_split(loaded, split: str, field_name: str, hint: str = ""):

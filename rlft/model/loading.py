@@ -118,8 +118,7 @@ def check_quantization(init_kwargs: dict) -> None:
     missing = importlib.util.find_spec("bitsandbytes") is None
     if missing or not torch.cuda.is_available():
         where = "the bitsandbytes package is not installed" + ("" if torch.cuda.is_available() else
-                                                               " and this machine has no CUDA "
-                                                               "GPU") \
+                                                               " and this machine has no CUDA GPU") \
             if missing else "this machine has no CUDA GPU"
         raise ConfigError("quantization_config asks for bitsandbytes k-bit weights (QLoRA: "
                          "load_in_4bit / load_in_8bit), which need bitsandbytes and a CUDA GPU; "

@@ -112,7 +112,8 @@ def pack_rows(rollout, rows, share_prompts: bool = True) -> Packed:
     if rollout.sampling_kept is not None:
         kept = rollout.sampling_kept[tensor(rows)][rows_t, cols_t]
     return Packed(tensor(ids)[None], tensor(positions)[None], blocks, tensor(predict), tensor(targets),
-                  rows_t, cols_t, kept, *_packed_routes(rollout, rows, pairs, groups, prompt_routes, share_prompts))
+                  rows_t, cols_t, kept,
+                  *_packed_routes(rollout, rows, pairs, groups, prompt_routes, share_prompts))
 
 
 def _packed_routes(rollout, rows: list[int], pairs, groups, prompt_routes, share_prompts: bool):

@@ -54,8 +54,9 @@ def unsupported_routers(model: torch.nn.Module) -> list[str]:
 class RouteState:
     """What the routers of one model do in their next forward: route freely, record, or replay.
     Shared by the routers `install` patched; `agree` / `compared` count (token, layer) pairs whose
-    free choice equals the replayed one (the same set of experts), over the valid (completion) tokens
-    of the forwards that train (gradient enabled; checks and old log-probs are not counted)."""
+    free choice equals the replayed one (the same set of experts), over the valid (completion)
+    tokens of the forwards that train (gradient enabled; checks and old log-probs are not
+    counted)."""
 
     def __init__(self, routers: list[torch.nn.Module]):
         self.layers, self.top_k = len(routers), int(routers[0].top_k)
@@ -81,7 +82,8 @@ class RouteState:
                          dtype=torch.int16)
         column = 0
         for call, (batch, tokens) in enumerate(self.calls):
-            chosen = torch.stack([layer[call] for layer in self.recorded], dim=1)  # [batch*tokens, L, k]
+            # [batch*tokens, L, k]
+            chosen = torch.stack([layer[call] for layer in self.recorded], dim=1)
             chosen = chosen.reshape(batch, tokens, self.layers, self.top_k).to("cpu", torch.int16)
             if batch != rows:
                 chosen = chosen.repeat_interleave(rows // batch, dim=0)
@@ -118,8 +120,9 @@ def _patched(router: torch.nn.Module, layer: int, state: RouteState):
             return logits, scores, indices
         routes = state.routes[:, layer]  # [tokens, k]
         if routes.shape[0] != indices.shape[0]:
-            raise RuntimeError(f"routing replay: {routes.shape[0]} recorded positions for a forward of "
-                               f"{indices.shape[0]} tokens (an rlft bug: the layouts differ)")
+            raise RuntimeError(f"routing replay: {routes.shape[0]} recorded positions for a "
+                               f"forward of {indices.shape[0]} tokens (an rlft bug: the layouts "
+                               "differ)")
         recorded = routes[:, 0] >= 0
         chosen = torch.where(recorded[:, None], routes.long(), indices)
         if state.valid is not None and torch.is_grad_enabled():  # counted in the training forwards
@@ -128,7 +131,8 @@ def _patched(router: torch.nn.Module, layer: int, state: RouteState):
             state.agree += float((same & compare).sum())
             state.compared += float(compare.sum())
         # at least float32, as the routers compute it
-        top = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).gather(-1, chosen)
+        precision = torch.promote_types(logits.dtype, torch.float32)
+        top = torch.softmax(logits.to(precision), dim=-1).gather(-1, chosen)
         if normalise:
             top = top / top.sum(dim=-1, keepdim=True)
         return logits, torch.where(recorded[:, None], top.to(scores.dtype), scores), chosen
@@ -144,12 +148,14 @@ def install(model: torch.nn.Module) -> RouteState:
         return state
     routers = moe_routers(model)
     if not routers:
-        raise ConfigError(f"routing_replay='rollout': {type(model).__name__} has no Mixture-of-Experts "
-                          "router; leave routing_replay at auto (dense models record nothing)")
+        raise ConfigError(f"routing_replay='rollout': {type(model).__name__} has no "
+                          "Mixture-of-Experts router; leave routing_replay at auto (dense models "
+                          "record nothing)")
     unsupported = unsupported_routers(model)
     if unsupported:
-        raise ConfigError(f"routing_replay='rollout': the routers {unsupported} are not replayable yet "
-                          f"(rlft replays softmax-top-k routers: {sorted(SOFTMAX_TOPK_ROUTERS)}); set "
+        raise ConfigError(f"routing_replay='rollout': the routers {unsupported} are not replayable "
+                          "yet (rlft replays softmax-top-k routers: "
+                          f"{sorted(SOFTMAX_TOPK_ROUTERS)}); set "
                           "routing_replay: none")
     state = RouteState(routers)
     for layer, router in enumerate(routers):
@@ -190,8 +196,8 @@ def replay(model, routes: torch.Tensor | None, valid: torch.Tensor | None = None
         state.free()
         return
     if routes.shape[-2:] != (state.layers, state.top_k):
-        raise RuntimeError(f"routing replay: routes for {tuple(routes.shape[-2:])} (layers, top_k), "
-                           f"the model has ({state.layers}, {state.top_k})")
+        raise RuntimeError(f"routing replay: routes for {tuple(routes.shape[-2:])} (layers, "
+                           f"top_k), the model has ({state.layers}, {state.top_k})")
     state.mode = "replay"
     state.routes = routes.reshape(-1, state.layers, state.top_k)
     state.valid = None if valid is None else valid.reshape(-1).bool().to(routes.device)
@@ -206,10 +212,10 @@ def resolve(mode: str, model, engine_records: bool) -> tuple[bool, str | None]:
     routers = moe_routers(model)
     if mode == "rollout":
         if not engine_records:
-            raise ConfigError("routing_replay='rollout' needs routes recorded by the rollout engine: "
-                              "transformers' generate records them (in the trainer's process or the "
-                              "async producer), vLLM and multi-turn rollouts do not yet; set "
-                              "routing_replay: none")
+            raise ConfigError("routing_replay='rollout' needs routes recorded by the rollout "
+                              "engine: transformers' generate records them (in the trainer's "
+                              "process or the async producer), vLLM and multi-turn rollouts do not "
+                              "yet; set routing_replay: none")
         return True, None
     if not routers:
         return False, None
@@ -217,7 +223,7 @@ def resolve(mode: str, model, engine_records: bool) -> tuple[bool, str | None]:
     if unsupported or not engine_records:
         why = (f"its routers {unsupported} are not replayable yet" if unsupported else
                "this rollout engine does not record routes yet")
-        return False, (f"routing replay is off for this Mixture-of-Experts policy: {why}, so the trainer "
-                       "may route tokens to other experts than the sampler did (the sampling/ "
-                       "metrics measure the mismatch)")
+        return False, (f"routing replay is off for this Mixture-of-Experts policy: {why}, so the "
+                       "trainer may route tokens to other experts than the sampler did (the "
+                       "sampling/ metrics measure the mismatch)")
     return True, None

@@ -73,8 +73,7 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
                 sys.path.insert(0, os.getcwd())
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
-            raise RewardFunctionError(f"reward function {spec!r} could not be imported: "
-                                      f"{err}") from err
+            raise RewardFunctionError(f"reward function {spec!r} could not be imported: {err}") from err
     if Path(spec).is_dir() or (spec.count("/") == 1 and not Path(spec).suffix and not spec.startswith(".")):
         from rlft.rewards.reward_model import RewardModelScorer
 

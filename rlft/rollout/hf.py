@@ -307,8 +307,10 @@ class HFGenerator:
         if routes is not None:  # a Mixture-of-Experts policy under routing replay
             routes.record()
         try:
-            cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id,
-                                        device) if self.shared_prompt_prefill and num_generations > 1 else None
+            cache = None
+            if self.shared_prompt_prefill and num_generations > 1:
+                cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id,
+                                            device)
             if cache is not None:
                 sampling[cache_keyword(model)] = cache
             out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,

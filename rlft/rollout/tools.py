@@ -127,8 +127,7 @@ class ToolRunner:
         if call.error:
             return call.name, _error(call.error), True
         if future is None:
-            return call.name, _error(f"unknown tool {call.name!r}; the tools are "
-                                     f"{sorted(tools)}"), True
+            return call.name, _error(f"unknown tool {call.name!r}; the tools are {sorted(tools)}"), True
         try:
             result = future.result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:

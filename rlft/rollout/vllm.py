@@ -290,8 +290,7 @@ class VLLMColocate(StaleAfterStep):
                 if lora and "lora" in str(err).lower():
                     raise ConfigError("vLLM could not start with LoRA on to serve the adapter "
                                       f"({err}); set "
-                                      "vllm_lora_sync: merged to push the merged model "
-                                      "instead") from err
+                                      "vllm_lora_sync: merged to push the merged model instead") from err
                 raise
         if tmp:  # the engine has read it; later weights arrive through sync()
             shutil.rmtree(tmp, ignore_errors=True)

@@ -108,8 +108,8 @@ class ServerClient:
             raise VLLMServerError(f"vLLM server {self.url} did not answer {path} within "
                                   f"{timeout or self.timeout} s ({getattr(err, 'reason', err)}); "
                                   "start it with `rlft vllm-serve --model ...` or fix "
-                                  "vllm_server_base_url / vllm_server_host / "
-                                  "vllm_server_port", "timeout") from err
+                                  "vllm_server_base_url / vllm_server_host / vllm_server_port",
+                                  "timeout") from err
         try:
             return json.loads(text) if text else None
         except json.JSONDecodeError:  # vLLM's LoRA routes answer in plain text

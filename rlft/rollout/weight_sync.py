@@ -195,8 +195,7 @@ def lora_sync_mode(args, model) -> str | None:
                           "vllm_lora_sync to 'merged' (or 'auto') to push the merged model instead")
     logging.getLogger("rlft").warning(
         "vLLM cannot serve this LoRA adapter as an adapter (%s): each weight sync pushes the whole "
-        "model with LoRA merged instead (vllm_lora_sync='merged' says so without this "
-        "message)", why)
+        "model with LoRA merged instead (vllm_lora_sync='merged' says so without this message)", why)
     return "merged"
 
 

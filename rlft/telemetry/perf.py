@@ -8,7 +8,8 @@ cores and their vector units (AVX-512, AMX) deliver to torch. `rlft doctor` prin
 step logs
 
     perf/mfu_fwd_bwd                  training forward + backward (the optimiser step's
-    micro-batches), in % perf/mfu_generation               sampling the step's completions, in %
+                                      micro-batches), in %
+    perf/mfu_generation               sampling the step's completions, in %
     perf/forwarded_tok_s_fwd_bwd      prompt + completion tokens trained per second (this process)
     perf/generated_tok_s              completion tokens sampled per second (this process)
 """

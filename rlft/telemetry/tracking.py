@@ -210,12 +210,12 @@ RUN_NAME_KEYWORDS = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "
 def tracker_target(tracker: str, config: dict) -> tuple[str, dict]:
     """(project, init keywords) for one tracker, as transformers' integration chooses them:
       wandb     project WANDB_PROJECT (default "huggingface"), run name `run_name` (None: wandb
-      names it) trackio   project the config's `project` field (TrainingArguments', default
-      "huggingface"), run name
-                `run_name` (None: trackio names it), resume="allow" (a resumed run continues its
-                trackio run)
+                names it)
+      trackio   project the config's `project` field (TrainingArguments', default "huggingface"),
+                run name
+                `run_name` (None: trackio names it), resume="allow" (a resumed run continues its trackio run)
       tensorboard  the log folder: TENSORBOARD_LOGGING_DIR, else <output_dir>/runs/<run_name>,
-      without a
+                   without a
                 run_name <output_dir>/runs/<date>_<host> (transformers' default_logdir)
     The other trackers: their integration's project variable where it has one, else
     "huggingface"."""

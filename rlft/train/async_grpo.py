@@ -20,8 +20,7 @@ from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
 
 # TRL's AsyncGRPOTrainer arguments rlft does not build
-REFUSED = {"rollout_worker": "a custom rollout "
-                             "worker", "weight_transfer": "a custom weight transfer"}
+REFUSED = {"rollout_worker": "a custom rollout worker", "weight_transfer": "a custom weight transfer"}
 
 
 class AsyncGRPOTrainer(GRPOTrainer):

@@ -2,8 +2,8 @@
 it owns:
 
     source      where rollouts come from: prompts in order, the engine / tool loop / environments /
-                rollout_func, the reward functions (rlft/train/sources/rollout_source.py;
-                `rollout_source`, dynamic sampling)
+                rollout_func, the reward functions (rlft/train/sources/rollout_source.py; `rollout_source`,
+                dynamic sampling)
     advantages  the config's EstimatorSpec over every process's rewards
                 (rlft/train/update/rollout_advantages.py)
     scorer      log-probs of a rollout under the policy and the reference

@@ -7,14 +7,16 @@ A trainer using it provides:
   _resume(resume_from_checkpoint) -> the first step to run (and restores its own carried state)
   _announce()                     the run's opening lines (after the run log exists)
   _step(step) -> metrics          one optimiser step's work; a skipped (non-finite) step returns its
-  counters _after_step(step, metrics)      log -> evaluate -> checkpoint, with `step` the number of
-  steps done _final_row() -> summary         transformers' summary row (train_runtime, train_loss,
-  ...) _save_checkpoint(step)          write checkpoint-<step> (a preempted run writes one where it stops)
+                                  counters
+  _after_step(step, metrics)      log -> evaluate -> checkpoint, with `step` the number of steps
+                                  done
+  _final_row() -> summary         transformers' summary row (train_runtime, train_loss, ...)
+  _save_checkpoint(step)          write checkpoint-<step> (a preempted run writes one where it
+                                  stops)
   _end(stopping)                  after the run, however it ends: stop what runs only while training
-                                  (`stopping`: the process is about to exit, preempted: free
-                                  everything)
+                                  (`stopping`: the process is about to exit, preempted: free everything)
   _eval_sets                      the evaluation sets given at construction (evaluated at start if
-  asked)
+                                  asked)
 and the attributes args, accelerator, flow, messages, total_steps, steps_per_epoch. While the run
 log is open, what the trainer's parts say (`messages`) goes to it.
 """

@@ -191,8 +191,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         return (f"{consecutive} consecutive steps had an inf/NaN loss or gradient norm "
                 f"(max_nonfinite_steps={self.args.max_nonfinite_steps}). Likely cause: a learning "
                 f"rate too high (now {self.args.learning_rate}; lower it or set max_grad_norm)"
-                + (", or float16 activations overflowing (use dtype bfloat16 or "
-                   "float32)" if half else
+                + (", or float16 activations overflowing (use dtype bfloat16 or float32)" if half else
                    f"; the model runs in {dtype}, so not a float16 overflow"))
 
     def _indices(self, step: int, micro: int) -> list[int]:

@@ -6,7 +6,7 @@ the reward (the config's `kl_in_reward` left at null):
     reward     r_i = clip(sum_f w_f r_if, reward_clip_range)
                - beta * sum_t (log pi_old(o_it) - log pi_ref(o_it))          (the KL in the reward)
     advantage  A_i = r_i - mean of the other completions' r_j of the same prompt
-    (advantage_estimator: rloo),
+               (advantage_estimator: rloo),
                whitened over the batch with normalize_advantages
     loss       mean_i -min(rho_i A_i, clip(rho_i, 1 - epsilon, 1 + epsilon_high) A_i),
                rho_i = exp(sum_t (log pi(o_it) - log pi_old(o_it)))          (loss_type: rloo)

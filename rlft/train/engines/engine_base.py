@@ -14,7 +14,8 @@ gather their state whole and how to put it back:
   engine/weights.safetensors    every trainable parameter in full, by its name in the model
                                 (DeepSpeed: its fp32 master copy, so a bf16 run resumes exactly)
   engine/optimizer.safetensors  every optimizer state tensor in full, as "<parameter name>::<state
-  key>" engine/optimizer.json         scalar state: param groups / step counts
+                                key>"
+  engine/optimizer.json         scalar state: param groups / step counts
 Saved whole, not per process, so nothing in the files depends on how the state was split (resume
 still asks for the same number of processes, for the RNG states and data order;
 rlft/train/run/checkpoint.py).

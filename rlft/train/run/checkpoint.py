@@ -7,7 +7,7 @@ weights_only=True
   scheduler.json         the LR scheduler's state dict
   rng_state_<rank>.json  every process's python / numpy / torch RNG states
   extra.safetensors      tensors the trainer needs to continue (a GRPO rollout in flight), +
-  extra.json;
+                         extra.json;
                          with several processes each one's own: extra_<rank>.safetensors / .json
   trainer_state.json     transformers' TrainerState (global_step, log_history, ...)
   rlft_state.json        written last: rlft's own state and the sha256 of every file above
@@ -250,8 +250,8 @@ def write_failure(output_dir: Path, step: int, err: BaseException) -> Checkpoint
         free = "its free space cannot be read"
     previous = latest_checkpoint(output_dir)
     kept = (f"{previous.name}, the last complete checkpoint, is intact: "
-            "resume_from_checkpoint=True continues from "
-            "it" if previous is not None else "there is no earlier checkpoint to resume from")
+            "resume_from_checkpoint=True continues from it" if previous is not None else
+            "there is no earlier checkpoint to resume from")
     advice = WRITE_ADVICE.get((reason or "").split(":")[0],
                               "the OS gave no reason; a full disk is the usual cause: check the "
                               "free space, then resume")

@@ -7,12 +7,12 @@ Sources are chosen by the config's `rollout_source` from `SOURCES` (`register_so
 adds one: a class built from the `SourceParts`, usually a `SourceBase`, whose `check` runs before
 the model is loaded):
     generate   `GeneratedSource`: the engine the config asks for (generate, vLLM, a tool loop,
-    environments,
+               environments,
                rollout_func) samples the rollout when its step comes
     producer   `ProducerSource` (rlft/train/sources/async_source.py): a producer process samples
                rollouts ahead of the trainer on a fixed, reproducible schedule (AsyncGRPOTrainer)
     gkd        `GKDSource` (rlft/train/gkd.py): the student's, the teacher's or the dataset's
-    completions
+               completions
                (GKDTrainer)
 and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling`
 (rlft/train/sources/dynamic_sampling.py).
