@@ -14,14 +14,13 @@ the inputs it needs beyond the rewards (lengths, mask, token KL) and whether the
 its reward. `estimate(spec, inputs)` takes one `EstimatorInputs` built once per rollout;
 `register_estimator` adds one:
     grpo                   DeepSeekMath (arXiv:2402.03300): (r_i - mean_g) / (std_g + eps);
-                           `scale_rewards`
-                           batch / none divide by the batch's std or by nothing (TRL's options)
+                           `scale_rewards` batch / none divide by the batch's std or by nothing
+                           (TRL's options)
     dr_grpo                Dr. GRPO (arXiv:2503.20783): r_i - mean_g, never divided by a std
-    rloo                   RLOO (Ahmadian et al., arXiv:2402.14740): r_i - (1/(G-1)) sum_{j != i}
-                           r_j
+    rloo                   RLOO (Ahmadian et al., arXiv:2402.14740):
+                           r_i - (1/(G-1)) sum_{j != i} r_j
     reinforce_pp_baseline  REINFORCE++-baseline (arXiv:2501.03262): c_i = r_i - mean_g, then
-                           normalised
-                           over the batch, (c_i - mean(c)) / (std(c) + eps)
+                           normalised over the batch, (c_i - mean(c)) / (std(c) + eps)
     opo                    OPO (arXiv:2505.23585): r_i - b_g with the length-weighted baseline
                            b_g = sum_j |o_j| r_j / sum_j |o_j| (needs `lengths`)
     reinforce_pp           REINFORCE++ (arXiv:2501.03262), token level, the KL in its per-token

@@ -11,14 +11,13 @@ Per token, forward, with hidden size h, L layers, q heads and k key/value heads 
 m:
     attention projections   2 (h q d + 2 h k d + q d h)
     attention scores        4 q d t   for a token attending to t positions (Q K^T and attn V);
-                            causal: the
-                            token at position t (1-based) attends to t positions
-    MLP (gated, 3 matrices) 2 * 3 h m; a mixture of experts: 2 * 3 h m_e per active expert + 2 h E
-    (router),
-                            + 2 * 3 h m_s + 2 h for a shared expert (every layer counted as a MoE layer)
-    LM head                 2 h V, only at positions whose logits are computed (rlft's fused scoring
-                            projects
-                            completion positions only; generation projects one position per new token)
+                            causal: the token at position t (1-based) attends to t positions
+    MLP (gated, 3 matrices) 2 * 3 h m; a mixture of experts: 2 * 3 h m_e per active expert
+                            + 2 h E (router), + 2 * 3 h m_s + 2 h for a shared expert (every
+                            layer counted as a MoE layer)
+    LM head                 2 h V, only at positions whose logits are computed (rlft's fused
+                            scoring projects completion positions only; generation projects one
+                            position per new token)
 Embedding lookups cost nothing.
 """
 
