@@ -130,7 +130,7 @@ def test_a_replayed_router_weights_the_recorded_experts_by_its_current_softmax()
     router = Qwen3MoeTopKRouter(config).double()
     torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(0))
     state = routing.RouteState([router])
-    router.forward = routing._patched(router, 0, state)
+    routing.attach(router, 0, state)
     hidden = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     free_logits, free_scores, free_chosen = router(hidden)
     recorded = torch.tensor([[[4, 1]], [[-1, -1]], [[0, 5]]], dtype=torch.int16)  # [tokens, L, k]
@@ -270,3 +270,23 @@ def test_the_async_producer_records_the_routes_it_samples_and_a_resume_replays_t
                      addition_rows(32), callbacks=[stop_after(2)]).train()
     trained(tmp_path, "split", model=moe_dir, max_steps=4, save_steps=2, resume=True)
     assert rows_of(tmp_path / "straight") == rows_of(tmp_path / "split")
+
+
+def test_a_deep_copy_of_a_replaying_model_routes_with_its_own_weights_and_its_own_state(tokenizer):
+    """A frozen reference is a deep copy of the policy made after routing was installed: it must route by
+    its own router weights (not the policy's, which train) and record / replay on a state of its own."""
+    policy = strong_experts_moe(tokenizer, "qwen3_moe", layers=2)
+    routing.install(policy)
+    rollout = sample(policy, tokenizer, group=2)
+    reference = copy.deepcopy(policy)
+    assert routing.route_state(reference) is not routing.route_state(policy)
+    free = copy.copy(rollout)
+    free.prompt_routes = free.completion_routes = None
+    with torch.no_grad():
+        before = score_rows(reference, free, slice(None)).logps
+        for router in routing.moe_routers(policy):  # the policy's routers move
+            router.weight.add_(torch.randn_like(router.weight))
+        torch.testing.assert_close(score_rows(reference, free, slice(None)).logps, before, atol=0, rtol=0)
+        replayed = score_rows(reference, rollout, slice(None)).logps  # the recorded routes, on the copy
+    assert routing.route_state(reference).mode == "replay" and routing.route_state(policy).mode != "replay"
+    torch.testing.assert_close(replayed, before, atol=1e-5, rtol=0)  # its own routes: one precision

@@ -53,7 +53,7 @@ def unsupported_routers(model: torch.nn.Module) -> list[str]:
 
 class RouteState:
     """What the routers of one model do in their next forward: route freely, record, or replay.
-    Shared by the routers `install` patched; `agree` / `compared` count (token, layer) pairs whose
+    Shared by the routers `install` hooked; `agree` / `compared` count (token, layer) pairs whose
     free choice equals the replayed one (the same set of experts), over the valid (completion)
     tokens of the forwards that train (gradient enabled; checks and old log-probs are not
     counted)."""
@@ -107,41 +107,54 @@ class RouteState:
         return agree / compared if compared else None
 
 
-def _patched(router: torch.nn.Module, layer: int, state: RouteState):
-    original = router.forward
-    normalise = getattr(router, "norm_topk_prob", True)  # Mixtral's router always renormalises
+def _route(router: torch.nn.Module, inputs, output):
+    """The forward hook on every router: records its choice, or replaces it by the recorded one.
+    It reads its state and layer from the router itself, so a deep copy of the model (a frozen
+    reference) records and replays on a state of its own."""
+    state, layer = router._rlft_route_state, router._rlft_route_layer
+    logits, scores, indices = output
+    if state.mode == "record":
+        state.recorded[layer].append(indices.detach())
+        return None
+    if state.mode != "replay":
+        return None
+    routes = state.routes[:, layer]  # [tokens, k]
+    if routes.shape[0] != indices.shape[0]:
+        raise RuntimeError(f"routing replay: {routes.shape[0]} recorded positions for a forward of "
+                           f"{indices.shape[0]} tokens (an rlft bug: the layouts differ)")
+    recorded = routes[:, 0] >= 0
+    chosen = torch.where(recorded[:, None], routes.long(), indices)
+    if state.valid is not None and torch.is_grad_enabled():  # counted in the training forwards
+        compare = recorded & state.valid
+        same = (chosen.sort(dim=-1).values == indices.sort(dim=-1).values).all(dim=-1)
+        state.agree += float((same & compare).sum())
+        state.compared += float(compare.sum())
+    # at least float32, as the routers compute it
+    precision = torch.promote_types(logits.dtype, torch.float32)
+    top = torch.softmax(logits.to(precision), dim=-1).gather(-1, chosen)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalises
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, torch.where(recorded[:, None], top.to(scores.dtype), scores), chosen
 
-    def forward(hidden_states):
-        logits, scores, indices = original(hidden_states)
-        if state.mode == "record":
-            state.recorded[layer].append(indices.detach())
-            return logits, scores, indices
-        if state.mode != "replay":
-            return logits, scores, indices
-        routes = state.routes[:, layer]  # [tokens, k]
-        if routes.shape[0] != indices.shape[0]:
-            raise RuntimeError(f"routing replay: {routes.shape[0]} recorded positions for a "
-                               f"forward of {indices.shape[0]} tokens (an rlft bug: the layouts "
-                               "differ)")
-        recorded = routes[:, 0] >= 0
-        chosen = torch.where(recorded[:, None], routes.long(), indices)
-        if state.valid is not None and torch.is_grad_enabled():  # counted in the training forwards
-            compare = recorded & state.valid
-            same = (chosen.sort(dim=-1).values == indices.sort(dim=-1).values).all(dim=-1)
-            state.agree += float((same & compare).sum())
-            state.compared += float(compare.sum())
-        # at least float32, as the routers compute it
-        precision = torch.promote_types(logits.dtype, torch.float32)
-        top = torch.softmax(logits.to(precision), dim=-1).gather(-1, chosen)
-        if normalise:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return logits, torch.where(recorded[:, None], top.to(scores.dtype), scores), chosen
 
-    return forward
+def attach(router: torch.nn.Module, layer: int, state: RouteState) -> None:
+    """Make `router` (layer `layer` of a model) record and replay through `state`."""
+    router._rlft_route_state, router._rlft_route_layer = state, layer
+    router.register_forward_hook(_route)
+
+
+def _count(model, args, kwargs) -> None:
+    """The forward pre-hook on the model: in record mode, the rows and tokens of each call."""
+    state = model._rlft_routes
+    if state.mode == "record":
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs["inputs_embeds"]
+        state.calls.append((int(ids.shape[0]), int(ids.shape[1])))
 
 
 def install(model: torch.nn.Module) -> RouteState:
-    """Patch the routers of `model` (a transformers MoE model, before any wrapper) for recording and
+    """Hook the routers of `model` (a transformers MoE model, before any wrapper) for recording and
     replay; returns their shared state (also `model._rlft_routes`). Idempotent."""
     state = vars(model).get("_rlft_routes")
     if state is not None:
@@ -159,17 +172,9 @@ def install(model: torch.nn.Module) -> RouteState:
                           "routing_replay: none")
     state = RouteState(routers)
     for layer, router in enumerate(routers):
-        router.forward = _patched(router, layer, state)
-
-    def count(module, args, kwargs):
-        if state.mode == "record":
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is None:
-                ids = kwargs["inputs_embeds"]
-            state.calls.append((int(ids.shape[0]), int(ids.shape[1])))
-
-    model.register_forward_pre_hook(count, with_kwargs=True)
+        attach(router, layer, state)
     model._rlft_routes = state
+    model.register_forward_pre_hook(_count, with_kwargs=True)
     _FOUND.clear()  # a wrapper looked up before may now find it
     return state
 
