@@ -8,6 +8,7 @@ mask (every token up to and including the first EOS) and a truncation flag out. 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -20,7 +21,7 @@ from rlft.errors import ConfigError
 from rlft.model.routing import route_state
 from rlft.rollout.base import Rollout
 
-__all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "TokenSampler", "cache_keyword",
+__all__ = ["HFGenerator", "Rollout", "SamplerRecorder", "TokenSampler", "WeightSwitch", "cache_keyword",
            "check_generation_kwargs", "completion_mask_from", "draws_itself", "effective_sampling",
            "eos_token_ids", "sampling_warpers", "shared_prompt_cache", "vocabulary_size"]
 
@@ -221,6 +222,25 @@ class SamplerRecorder:
         return logps, kept
 
 
+class WeightSwitch:
+    """In-flight weight updates (a rollout producer's `inflight_weight_updates`): the last logits
+    processor of a sampled run. At each decode step it notes the version of the weights that
+    computed this step's logits (`versions`, one per generated token), then calls `pending()`,
+    which may load newer weights in place: the next step's forward uses them, on the keys and
+    values the earlier weights left in the cache, and the sampler's recorded log-prob of each token
+    is that of the distribution it was drawn from."""
+
+    def __init__(self, version: int, pending: Callable[[], int | None]):
+        self.version, self.pending, self.versions = version, pending, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.versions.append(self.version)
+        loaded = self.pending()
+        if loaded is not None:
+            self.version = loaded
+        return scores
+
+
 class HFGenerator:
     """Sampling with `model.generate`; one call per rollout for all prompts x num_generations.
 
@@ -259,6 +279,7 @@ class HFGenerator:
         self.shared_prompt_prefill = shared_prompt_prefill and cache_implementation in (None, "dynamic") and \
             not synced and self.sampling.get("num_beams", 1) == 1
         self.return_logps, self.replay_mask = False, replay_mask
+        self.weight_switch: WeightSwitch | None = None  # a producer's in-flight weight updates
 
     holds_own_weights = False  # generate reads the live model: nothing to sync
 
@@ -282,10 +303,11 @@ class HFGenerator:
                                            vocabulary_size(model) >= DRAW_FROM_VOCABULARY)
         recorder = SamplerRecorder(logps=self.return_logps, kept=self.replay_mask) \
             if self.return_logps or self.replay_mask else None
-        if not fast and recorder is None:
+        switch = [self.weight_switch] if self.weight_switch is not None else []
+        if not fast and recorder is None and not switch:
             return sampling, None
         chain = [*sampling.get("logits_processor", []), *sampling_warpers(settings, device),
-                 *([recorder] if recorder else []), *([TokenSampler()] if fast else [])]
+                 *([recorder] if recorder else []), *([TokenSampler()] if fast else []), *switch]
         sampling.update(unset, do_sample=not fast, logits_processor=chain)
         return sampling, recorder
 
