@@ -85,3 +85,63 @@ def test_a_weight_switch_mid_sequence_records_each_tokens_version_and_its_exact_
         load(model, weights)
         alone = logps_of(model, ids, mask, 0, prompt + width - 1)[:, prompt - 1:]
         assert (alone[:, part][scored[:, part]] - want[:, part][scored[:, part]]).abs().max() > 1e-3
+
+
+class Sent:
+    def __init__(self):
+        self.messages = []
+
+    def send(self, message):
+        self.messages.append(message)
+
+
+def test_the_producer_loads_weights_that_arrive_mid_rollout_between_decode_steps(tmp_path, tokenizer):
+    """The producer's loop, driven by its inbox: weights queued behind the request being sampled are loaded at
+    its next decode step (every later token records version 1), and the next request starts from them. Without
+    inflight_weight_updates the same inbox samples the whole first rollout from version 0."""
+    from safetensors.torch import save_file
+
+    from rlft.model.scoring import install_scoring
+    from rlft.rollout.producer_worker import serve
+
+    prompts = [tokenizer("1 + 2 =")["input_ids"]]
+    results = {}
+    for in_flight in (True, False):
+        model = build_causal_lm(tokenizer, hidden_size=64).eval()
+        install_scoring(model)
+        weights = tmp_path / f"weights-{in_flight}.safetensors"
+        save_file({n: p.detach() + 0.05 for n, p in model.named_parameters()}, str(weights))
+        engine = HFGenerator(tokenizer, max_new_tokens=8)
+        engine.return_logps = True
+        inbox: queue.Queue = queue.Queue()
+        for message in ({"type": "generate", "key": "r0", "prompt_ids": prompts, "num_generations": 2,
+                         "greedy": False, "seed": 0},
+                        {"type": "weights", "version": 1, "path": str(weights)},
+                        {"type": "generate", "key": "r1", "prompt_ids": prompts, "num_generations": 2,
+                         "greedy": False, "seed": 1},
+                        {"type": "stop"}):
+            inbox.put(message)
+        channel = Sent()
+        args = types.SimpleNamespace(inflight_weight_updates=in_flight)
+        serve(model, engine, args, channel, inbox, 0, tmp_path)
+        results[in_flight] = {m["key"]: m for m in channel.messages if m["type"] == "result"}
+    flying, whole = results[True], results[False]
+    width = max(len(t) for t in flying["r0"]["tokens"])
+    assert flying["r0"]["version"] == 0 and flying["r0"]["step_versions"][:width] == [0] + [1] * (width - 1)
+    assert flying["r1"]["version"] == 1 and set(flying["r1"]["step_versions"]) == {1}
+    assert "step_versions" not in whole["r0"] and whole["r0"]["version"] == 0 and whole["r1"]["version"] == 1
+    assert flying["r0"]["tokens"][0][0] == whole["r0"]["tokens"][0][0]  # the first token: version 0 in both
+
+
+def test_an_async_run_with_in_flight_updates_trains_and_reports_each_tokens_version(tmp_path):
+    """AsyncGRPOTrainer with inflight_weight_updates: rollouts carry per-token versions; the step reports how
+    many tokens newer weights sampled and the token-mean staleness (which of them did depends on timing)."""
+    from tests.test_async_grpo import rows_of, trained
+
+    trained(tmp_path, "run", max_steps=3, inflight_weight_updates=True)
+    rows = [r for r in rows_of(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 3
+    for row in rows:
+        assert 0.0 <= row["sampling/tokens_from_newer_weights"] <= 1.0
+        assert row["sampling/policy_version_spread"] >= 0.0
+        assert row["sample/staleness_mean"] <= row["sample/staleness_max"]

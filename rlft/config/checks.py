@@ -295,6 +295,12 @@ def check_async(cfg, errors: list[str]) -> None:
         staleness(cfg, 1)
     except ConfigError as err:
         errors.append(str(err))
+    if cfg.inflight_weight_updates and (cfg.use_vllm or cfg.repetition_penalty != 1.0
+                                        or cfg.generation_kwargs):
+        errors.append("inflight_weight_updates needs the producer's transformers engine recording "
+                      "each token's log-prob as it samples: not with use_vllm (not built yet), "
+                      "repetition_penalty or generation_kwargs (the recorded log-probs would not be "
+                      "the trainer's softmax); turn one of them off")
     if cfg.producer_cpus is not None and (not cfg.producer_cpus
                                           or any(not isinstance(c, int) or c < 0 for c in cfg.producer_cpus)):
         errors.append(f"producer_cpus={cfg.producer_cpus!r} must be a non-empty list of CPU "

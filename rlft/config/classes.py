@@ -118,6 +118,13 @@ class AsyncGRPOConfig(_GRPOFields):
         help="async: restart a failed producer from the current weights, at most this many times a "
              "run (0: stop with the error); the run then differs from an uninterrupted one")
 
+    inflight_weight_updates: bool = option(
+        False, rlft=True,
+        help="async: weights pushed while the producer is sampling a rollout are loaded between two "
+             "of its decode steps, so the rest of it samples from them; each token records its "
+             "version and behaviour log-prob. Fresher tokens, but when the weights arrive depends "
+             "on timing: a seed no longer fixes the run (docs/async.md)")
+
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         check_async(self, errors)

@@ -223,6 +223,9 @@ class Rollout(Rows):
     # trainer replays them (routing_replay, rlft/model/routing.py)
     prompt_routes: torch.Tensor | None = rows("left", pad=-1, saved=True, default=None)
     completion_routes: torch.Tensor | None = rows("right", pad=-1, saved=True, default=None)
+    # [N, C] int32: the version (optimiser step) of the weights that sampled each completion token
+    # when weights change mid-rollout (in-flight weight updates), -1 past the completion
+    token_versions: torch.Tensor | None = rows("right", pad=-1, saved=True, default=None)
 
     @property
     def loss_mask(self) -> torch.Tensor:

@@ -66,6 +66,8 @@ class Produced:
     kept: list[list[list[int]]] | None = None
     # a MoE policy's recorded experts: "prompt" [N, P, L, k], "completion" [N, C, L, k] (int16)
     routes: dict[str, torch.Tensor] | None = None
+    # in-flight weight updates: the version of the weights that sampled each token position
+    step_versions: list[int] | None = None
 
 
 def _spec_args(args) -> dict:
@@ -229,6 +231,13 @@ class ProcessProducer:
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         rollout = engine_rollout(repeated, produced.tokens, produced.logprobs or [None] * len(repeated),
                                  self.tokenizer.pad_token_id, self.eos_ids, device, greedy, produced.kept)
+        if produced.step_versions is not None:  # in-flight weight updates
+            versions = torch.tensor(produced.step_versions, dtype=torch.int32)
+            width = rollout.completion_ids.shape[1]
+            row = torch.full((width,), -1, dtype=torch.int32)
+            row[:min(width, len(versions))] = versions[:width]
+            rollout.token_versions = row.expand(rollout.completion_ids.shape[0], -1).to(device).masked_fill(
+                rollout.completion_mask == 0, -1)
         if produced.routes is not None:
             rollout.prompt_routes = produced.routes["prompt"].to(device)
             completion = produced.routes["completion"]
@@ -273,12 +282,14 @@ class ProcessProducer:
                 kind = message.pop("type")
                 if kind == "result":
                     timings = {k: message.pop(k) for k in list(message) if k not in (
-                        "key", "version", "tokens", "logprobs", "seconds", "kept", "routes")}
+                        "key", "version", "tokens", "logprobs", "seconds", "kept", "routes",
+                        "step_versions")}
                     self.results[message["key"]] = Produced(message["key"], message["version"],
                                                             message["tokens"], message["logprobs"],
                                                             message["seconds"], timings=timings,
                                                             kept=message.get("kept"),
-                                                            routes=_routes(message.get("routes")))
+                                                            routes=_routes(message.get("routes")),
+                                                            step_versions=message.get("step_versions"))
                     self.begun.pop(message["key"], None)
                 elif kind == "begin":
                     self.begun[message["key"]] = time.monotonic()

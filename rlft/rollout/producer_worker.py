@@ -15,7 +15,8 @@ and answers on its standard output (anything else this process prints goes to st
 
   {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin"/"done", "key": k} around a
   request, {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]],
-   "kept": [[[...]]] or null, "routes": file or null (a MoE policy's experts), "seconds": ...},
+   "kept": [[[...]]] or null, "routes": file or null (a MoE policy's experts), "seconds": ...,
+   "step_versions": [...] (in-flight weight updates: the version that sampled each token)},
   {"type": "error", "message": traceback}
 
 No pickle crosses the pipe. Each rollout is sampled after `torch.manual_seed(seed)`: the same
@@ -189,13 +190,49 @@ def _generate(model, engine, args, message: dict, version: int, folder: Path) ->
     return {"type": "result", "key": message["key"], "version": version, "tokens": tokens,
             "logprobs": logprobs, "kept": kept, "seconds": generated - started,
             "routes": _routes_file(rollout, lengths, folder, message["key"]),
+            "width": rollout.completion_ids.shape[1],
             "score_seconds": time.perf_counter() - generated}
 
 
-def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: int, folder: Path) -> None:
-    from rlft.rollout.base import engine_metrics, weights_changed
+def _apply_weights(model, engine, channel: Channel, message: dict) -> float:
+    """A weights message: load the file (None: the same weights under a new version, a skipped
+    step); the seconds it took."""
+    from rlft.rollout.base import weights_changed
 
-    idle, loaded = 0.0, 0.0
+    if message["path"] is None:
+        return 0.0
+    key, started = f"weights-{message['version']}", time.perf_counter()
+    channel.send({"type": "begin", "key": key})
+    _load_weights(model, message["path"])
+    weights_changed(engine)  # vLLM engines push them on before their next generation
+    channel.send({"type": "done", "key": key})
+    return time.perf_counter() - started
+
+
+class InFlight:
+    """In-flight weight updates (`inflight_weight_updates`): between two decode steps of a rollout,
+    weights waiting at the head of the inbox are loaded, so the rest of the rollout samples from
+    them (rlft/rollout/hf.py: WeightSwitch). A weights message behind a request waits for it, as
+    without this mode: the trainer sends the weights a request needs before the request."""
+
+    def __init__(self, model, engine, channel: Channel, inbox: queue.Queue):
+        self.model, self.engine, self.channel, self.inbox, self.loaded = model, engine, channel, inbox, 0.0
+
+    def pending(self) -> int | None:
+        with self.inbox.mutex:
+            if not self.inbox.queue or self.inbox.queue[0]["type"] != "weights":
+                return None
+            message = self.inbox.queue.popleft()
+        self.loaded += _apply_weights(self.model, self.engine, self.channel, message)
+        return message["version"]
+
+
+def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: int, folder: Path) -> None:
+    from rlft.rollout.base import engine_metrics
+    from rlft.rollout.hf import WeightSwitch
+
+    idle, inflight = 0.0, InFlight(model, engine, channel, inbox)
+    in_flight = bool(getattr(args, "inflight_weight_updates", False)) and hasattr(engine, "weight_switch")
     while True:
         waiting = time.perf_counter()
         message = inbox.get()
@@ -204,20 +241,20 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
             engine.close()
             return
         if message["type"] == "weights":
-            # None: the same weights under a new version (a skipped step)
-            if message["path"] is not None:
-                key, started = f"weights-{message['version']}", time.perf_counter()
-                channel.send({"type": "begin", "key": key})
-                _load_weights(model, message["path"])
-                weights_changed(engine)  # vLLM engines push them on before their next generation
-                loaded += time.perf_counter() - started
-                channel.send({"type": "done", "key": key})
+            inflight.loaded += _apply_weights(model, engine, channel, message)
             version = message["version"]
             continue
         channel.send({"type": "begin", "key": message["key"]})
+        switch = WeightSwitch(version, inflight.pending) if in_flight and not message["greedy"] else None
+        if in_flight:
+            engine.weight_switch = switch
         result = _generate(model, engine, args, message, version, folder)
-        channel.send({**result, "idle_seconds": idle, "load_seconds": loaded, **engine_metrics(engine)})
-        idle = loaded = 0.0
+        if switch is not None:  # each token's version; later requests start from the newest
+            result["step_versions"], version = switch.versions[:result.pop("width")], switch.version
+        result.pop("width", None)
+        channel.send({**result, "idle_seconds": idle, "load_seconds": inflight.loaded,
+                      **engine_metrics(engine)})
+        idle = inflight.loaded = 0.0
 
 
 def main(argv: list[str]) -> int:

@@ -198,7 +198,8 @@ class ProducerSource(SourceBase):
             "rollout/weight_wait_s": produced.timings.get("idle_seconds", 0.0),
             "rollout/weight_load_s": produced.timings.get("load_seconds", 0.0),
             "rollout/producer_restarts": float(self.restarts),
-            **{k: v for k, v in produced.timings.items() if k.startswith("vllm/")}}
+            **{k: v for k, v in produced.timings.items() if k.startswith("vllm/")},
+            **_version_metrics(rollout, produced.version)}
         return scored
 
     def _submit_ahead(self, last: int) -> None:
@@ -278,10 +279,11 @@ class ProducerSource(SourceBase):
     # -------------------------------------------------------------------------
     def step_metrics(self, step: int) -> dict[str, float]:
         sampled = self.last.get("sample/version", self._version(step // self.steps_per_rollout))
-        # the schedule's, or a restarted producer's resampled rollout's
-        staleness = float(step - sampled)
-        return {**self.last, "sample/staleness_mean": staleness, "sample/staleness_max": staleness,
-                "sample/dropped_stale_total": 0.0}
+        # the schedule's, or a restarted producer's resampled rollout's; in-flight weight updates:
+        # per token
+        mean = self.last.get("sample/token_version_mean", sampled)
+        return {**self.last, "sample/staleness_mean": float(step - mean),
+                "sample/staleness_max": float(step - sampled), "sample/dropped_stale_total": 0.0}
 
     def state_dict(self) -> PartState:
         """Every rollout requested ahead, received and saved (tensors `async.<r>.*`, JSON under
@@ -302,6 +304,9 @@ class ProducerSource(SourceBase):
                                                                        dtype=torch.long)
                 tensors[f"async.{rollout}.kept_ids"] = torch.tensor([k for s in steps for k in s],
                                                                     dtype=torch.int32)
+            if produced.step_versions is not None:  # in-flight weight updates
+                tensors[f"async.{rollout}.step_versions"] = torch.tensor(produced.step_versions,
+                                                                         dtype=torch.long)
             for name, routes in (produced.routes or {}).items():  # a MoE policy's experts
                 tensors[f"async.{rollout}.routes.{name}"] = routes
             pending.append({"rollout": rollout, "version": produced.version, "seconds": produced.seconds})
@@ -335,10 +340,28 @@ class ProducerSource(SourceBase):
                       if f"async.{r}.routes.{name}" in part.tensors}
             self.ready[r] = Produced(f"rollout-{r}", entry["version"], [t.tolist() for t in tokens],
                                      [v.tolist() for v in logprobs], entry["seconds"],
-                                     kept=_saved_kept(part.tensors, r, lengths), routes=routes or None)
+                                     kept=_saved_kept(part.tensors, r, lengths), routes=routes or None,
+                                     step_versions=_saved_list(part.tensors, f"async.{r}.step_versions"))
         rollouts_done = -(-start // self.steps_per_rollout)
         self.next_submit = max(self.next_submit, rollouts_done)
         self.taking = rollouts_done - 1  # the last rollout taken from the producer
+
+
+def _version_metrics(rollout, start: int) -> dict[str, float]:
+    """In-flight weight updates: how many of the rollout's tokens newer weights sampled, and how far
+    apart its tokens' versions are ({} without them)."""
+    if rollout.token_versions is None:
+        return {}
+    versions = rollout.token_versions[rollout.completion_mask.bool()].double()
+    if not versions.numel():
+        return {}
+    return {"sampling/policy_version_spread": float(versions.max() - versions.min()),
+            "sampling/tokens_from_newer_weights": float((versions > start).double().mean()),
+            "sample/token_version_mean": float(versions.mean())}
+
+
+def _saved_list(tensors: dict, name: str) -> list[int] | None:
+    return tensors[name].tolist() if name in tensors else None
 
 
 def _saved_kept(tensors: dict, rollout: int, lengths: list[int]) -> list | None:
