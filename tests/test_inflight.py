@@ -55,8 +55,8 @@ def test_a_weight_switch_mid_sequence_records_each_tokens_version_and_its_exact_
     engine = HFGenerator(tokenizer, max_new_tokens=12)
     engine.return_logps = True
 
-    def pending():
-        if len(switch.versions) == 5:  # after the logits of token 4
+    def pending(tokens):
+        if tokens == 5:  # after the logits of token 4
             load(model, newer)
             return 1
         return None
@@ -145,3 +145,24 @@ def test_an_async_run_with_in_flight_updates_trains_and_reports_each_tokens_vers
         assert 0.0 <= row["sampling/tokens_from_newer_weights"] <= 1.0
         assert row["sampling/policy_version_spread"] >= 0.0
         assert row["sample/staleness_mean"] <= row["sample/staleness_max"]
+
+
+def test_in_flight_updates_at_a_fixed_token_give_the_same_run_twice_and_resume_exactly(tmp_path):
+    """inflight_switch_tokens: newer weights are loaded only after that many tokens of a rollout, where the
+    producer waits for the trainer's next message; the trainer's messages follow its schedule, so one seed gives
+    one run, and a run stopped at a checkpoint and resumed equals it (rows, timings aside)."""
+    from rlft import AsyncGRPOTrainer
+    from rlft.model.loading import shipped_policy_path
+    from tests.helpers import addition_rows, correct_answer, has_answer_tags, stop_after
+    from tests.test_async_grpo import async_config, rows_of, trained
+
+    settings = dict(max_steps=4, save_steps=2, inflight_weight_updates=True, inflight_switch_tokens=2)
+    trained(tmp_path, "a", **settings)
+    trained(tmp_path, "b", **settings)
+    rows = rows_of(tmp_path / "a")
+    assert rows == rows_of(tmp_path / "b")
+    assert any(r.get("sampling/tokens_from_newer_weights", 0) > 0 for r in rows)  # weights did switch mid-rollout
+    AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer, has_answer_tags],
+                     async_config(tmp_path, "split", **settings), addition_rows(32), callbacks=[stop_after(2)]).train()
+    trained(tmp_path, "split", resume=True, **settings)
+    assert rows_of(tmp_path / "split") == rows

@@ -301,6 +301,9 @@ def check_async(cfg, errors: list[str]) -> None:
                       "each token's log-prob as it samples: not with use_vllm (not built yet), "
                       "repetition_penalty or generation_kwargs (the recorded log-probs would not be "
                       "the trainer's softmax); turn one of them off")
+    if cfg.inflight_switch_tokens is not None and not cfg.inflight_weight_updates:
+        errors.append(f"inflight_switch_tokens={cfg.inflight_switch_tokens} needs "
+                      "inflight_weight_updates: true")
     if cfg.producer_cpus is not None and (not cfg.producer_cpus
                                           or any(not isinstance(c, int) or c < 0 for c in cfg.producer_cpus)):
         errors.append(f"producer_cpus={cfg.producer_cpus!r} must be a non-empty list of CPU "

@@ -123,7 +123,13 @@ class AsyncGRPOConfig(_GRPOFields):
         help="async: weights pushed while the producer is sampling a rollout are loaded between two "
              "of its decode steps, so the rest of it samples from them; each token records its "
              "version and behaviour log-prob. Fresher tokens, but when the weights arrive depends "
-             "on timing: a seed no longer fixes the run (docs/async.md)")
+             "on timing: a seed no longer fixes the run unless inflight_switch_tokens is set "
+             "(docs/async.md)")
+    inflight_switch_tokens: int | None = option(
+        None, check=POSITIVE, rlft=True,
+        help="async, in-flight weight updates: load newer weights only after this many tokens of a "
+             "rollout, waiting there for the trainer's next message, so the same seed gives the "
+             "same run (null: whenever weights arrive)")
 
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)

@@ -228,14 +228,15 @@ class WeightSwitch:
     computed this step's logits (`versions`, one per generated token), then calls `pending()`,
     which may load newer weights in place: the next step's forward uses them, on the keys and
     values the earlier weights left in the cache, and the sampler's recorded log-prob of each token
-    is that of the distribution it was drawn from."""
+    is that of the distribution it was drawn from. `pending(tokens)` gets the tokens sampled so
+    far and returns the version it loaded, or None."""
 
-    def __init__(self, version: int, pending: Callable[[], int | None]):
+    def __init__(self, version: int, pending: Callable[[int], int | None]):
         self.version, self.pending, self.versions = version, pending, []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.versions.append(self.version)
-        loaded = self.pending()
+        loaded = self.pending(len(self.versions))  # tokens sampled so far
         if loaded is not None:
             self.version = loaded
         return scores

@@ -208,6 +208,11 @@ class ProcessProducer:
         rollout)."""
         if key not in self.submitted:
             raise KeyError(f"no request {key!r} was sent to {self.name}")
+        if getattr(self.args, "inflight_switch_tokens", None) is not None:
+            # reproducible in-flight updates: a rollout waiting at its switch point reads the
+            # trainer's next message; this one is sent before every wait, whether or not the rollout
+            # is done, so the order of messages is the schedule's alone (producer_worker.InFlight)
+            self._send({"type": "mark", "key": key})
         with self.cond:
             while key not in self.results:
                 self._check()

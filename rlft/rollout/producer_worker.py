@@ -9,6 +9,7 @@ vLLM server) and then serves its standard input in order, one JSON object per li
       load the trainable tensors of version v, delete the file (path null: the weights did not
       change, only the version)
   {"type": "generate", "key": k, "prompt_ids": [...], "num_generations": G, "greedy": b, "seed": s}
+  {"type": "mark", "key": k}                        the trainer now waits for request k (no work)
   {"type": "stop"}
 
 and answers on its standard output (anything else this process prints goes to standard error):
@@ -211,18 +212,35 @@ def _apply_weights(model, engine, channel: Channel, message: dict) -> float:
 
 class InFlight:
     """In-flight weight updates (`inflight_weight_updates`): between two decode steps of a rollout,
-    weights waiting at the head of the inbox are loaded, so the rest of the rollout samples from
-    them (rlft/rollout/hf.py: WeightSwitch). A weights message behind a request waits for it, as
-    without this mode: the trainer sends the weights a request needs before the request."""
+    weights at the head of the inbox are loaded, so the rest of the rollout samples from them
+    (rlft/rollout/hf.py: WeightSwitch). A weights message behind a request waits for it, as without
+    this mode: the trainer sends the weights a request needs before the request.
 
-    def __init__(self, model, engine, channel: Channel, inbox: queue.Queue):
-        self.model, self.engine, self.channel, self.inbox, self.loaded = model, engine, channel, inbox, 0.0
+    `switch_at` None: whenever weights arrive (timing decides). An int: only after that many tokens,
+    and there the producer waits for the trainer's next message: weights are loaded if it is a
+    weights message, else the rollout goes on with the weights it has. The trainer's messages come
+    in an order its schedule fixes, and it sends a "mark" naming the request before it waits for
+    one (marks naming earlier requests are passed over), so the wait always ends and which tokens
+    newer weights sample is reproducible."""
 
-    def pending(self) -> int | None:
-        with self.inbox.mutex:
-            if not self.inbox.queue or self.inbox.queue[0]["type"] != "weights":
+    def __init__(self, model, engine, channel: Channel, inbox: queue.Queue, switch_at: int | None = None):
+        self.model, self.engine, self.channel, self.inbox = model, engine, channel, inbox
+        self.switch_at, self.loaded, self.key = switch_at, 0.0, None
+
+    def pending(self, tokens: int) -> int | None:
+        if self.switch_at is not None and tokens != self.switch_at:
+            return None
+        with self.inbox.not_empty:
+            queued = self.inbox.queue
+            while self.switch_at is not None:  # the trainer's next message, whenever it comes
+                while queued and queued[0]["type"] == "mark" and queued[0]["key"] != self.key:
+                    queued.popleft()  # it waited for an earlier rollout: not news for this one
+                if queued:
+                    break
+                self.inbox.not_empty.wait()
+            if not queued or queued[0]["type"] != "weights":
                 return None
-            message = self.inbox.queue.popleft()
+            message = queued.popleft()
         self.loaded += _apply_weights(self.model, self.engine, self.channel, message)
         return message["version"]
 
@@ -231,7 +249,8 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
     from rlft.rollout.base import engine_metrics
     from rlft.rollout.hf import WeightSwitch
 
-    idle, inflight = 0.0, InFlight(model, engine, channel, inbox)
+    switch_at = getattr(args, "inflight_switch_tokens", None)
+    idle, inflight = 0.0, InFlight(model, engine, channel, inbox, switch_at)
     in_flight = bool(getattr(args, "inflight_weight_updates", False)) and hasattr(engine, "weight_switch")
     while True:
         waiting = time.perf_counter()
@@ -240,11 +259,14 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
         if message["type"] == "stop":
             engine.close()
             return
+        if message["type"] == "mark":  # the trainer waits for a rollout (InFlight)
+            continue
         if message["type"] == "weights":
             inflight.loaded += _apply_weights(model, engine, channel, message)
             version = message["version"]
             continue
         channel.send({"type": "begin", "key": message["key"]})
+        inflight.key = message["key"]
         switch = WeightSwitch(version, inflight.pending) if in_flight and not message["greedy"] else None
         if in_flight:
             engine.weight_switch = switch
