@@ -156,7 +156,7 @@ def test_in_flight_updates_at_a_fixed_token_give_the_same_run_twice_and_resume_e
     from tests.helpers import addition_rows, correct_answer, has_answer_tags, stop_after
     from tests.test_async_grpo import async_config, rows_of, trained
 
-    settings = dict(max_steps=4, save_steps=2, inflight_weight_updates=True, inflight_switch_tokens=2)
+    settings = dict(max_steps=3, save_steps=2, inflight_weight_updates=True, inflight_switch_tokens=2)
     trained(tmp_path, "a", **settings)
     trained(tmp_path, "b", **settings)
     rows = rows_of(tmp_path / "a")

@@ -259,16 +259,16 @@ def test_the_async_producer_records_the_routes_it_samples_and_a_resume_replays_t
     from tests.helpers import has_answer_tags, stop_after
     from tests.test_async_grpo import async_config, rows_of, trained
 
-    straight = trained(tmp_path, "straight", model=moe_dir, max_steps=4, save_steps=2)
+    straight = trained(tmp_path, "straight", model=moe_dir, max_steps=3, save_steps=2)
     rows = [r for r in rows_of(tmp_path / "straight") if "loss" in r]
-    assert len(rows) == 4 and all("sampling/route_agreement" in r for r in rows)
+    assert len(rows) == 3 and all("sampling/route_agreement" in r for r in rows)
     assert routing.route_state(straight.model) is not None
     from rlft import AsyncGRPOTrainer
 
     AsyncGRPOTrainer(str(moe_dir), [correct_answer, has_answer_tags],
-                     async_config(tmp_path, "split", max_steps=4, save_steps=2),
+                     async_config(tmp_path, "split", max_steps=3, save_steps=2),
                      addition_rows(32), callbacks=[stop_after(2)]).train()
-    trained(tmp_path, "split", model=moe_dir, max_steps=4, save_steps=2, resume=True)
+    trained(tmp_path, "split", model=moe_dir, max_steps=3, save_steps=2, resume=True)
     assert rows_of(tmp_path / "straight") == rows_of(tmp_path / "split")
 
 
