@@ -290,3 +290,20 @@ def test_a_deep_copy_of_a_replaying_model_routes_with_its_own_weights_and_its_ow
         replayed = score_rows(reference, rollout, slice(None)).logps  # the recorded routes, on the copy
     assert routing.route_state(reference).mode == "replay" and routing.route_state(policy).mode != "replay"
     torch.testing.assert_close(replayed, before, atol=1e-5, rtol=0)  # its own routes: one precision
+
+
+def test_a_forward_nobody_armed_routes_freely_after_a_replayed_one(tokenizer):
+    """Replay stays set after a scoring forward (checkpointed layers recompute with it), but only the
+    forward `replay` armed, of the shape it armed, replays: a later generate outside the rollout engine (a
+    completions callback, beams) routes freely instead of reading another batch's routes."""
+    model = strong_experts_moe(tokenizer, "qwen3_moe", layers=2)
+    state = routing.install(model)
+    rollout = sample(model, tokenizer, group=2)
+    score_rows(model, rollout, slice(None))
+    assert state.mode == "replay" and state.armed is None  # consumed by its forward
+    prompt = torch.tensor([tokenizer("4 + 5 =")["input_ids"]])
+    with torch.no_grad():
+        model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)  # raised before: 30 vs 28 tokens
+    assert state.mode == "free"
+    HFGenerator(tokenizer, max_new_tokens=4, generation_kwargs={"num_beams": 2})(model, [prompt[0].tolist()], 2)
+    assert state.mode == "free"

@@ -60,7 +60,7 @@ class RouteState:
 
     def __init__(self, routers: list[torch.nn.Module]):
         self.layers, self.top_k = len(routers), int(routers[0].top_k)
-        self.mode, self.routes, self.valid = "free", None, None
+        self.mode, self.routes, self.valid, self.armed = "free", None, None, None
         self.calls: list[tuple[int, int]] = []  # record: (rows, tokens) of each forward
         self.recorded: list[list[torch.Tensor]] = [[] for _ in routers]
         self.agree = self.compared = 0.0
@@ -144,13 +144,21 @@ def attach(router: torch.nn.Module, layer: int, state: RouteState) -> None:
 
 
 def _count(model, args, kwargs) -> None:
-    """The forward pre-hook on the model: in record mode, the rows and tokens of each call."""
+    """The forward pre-hook on the model: in record mode, the rows and tokens of each call. In
+    replay mode it consumes the arming `replay` gave: a forward of the shape armed replays (and the
+    state stays set for checkpointed layers recomputed in the backward, which rerun layers, not
+    this forward); any other forward of the model (a callback's generate, beams) routes freely."""
     state = model._rlft_routes
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs["inputs_embeds"]
+    shape = (int(ids.shape[0]), int(ids.shape[1]))
     if state.mode == "record":
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs["inputs_embeds"]
-        state.calls.append((int(ids.shape[0]), int(ids.shape[1])))
+        state.calls.append(shape)
+    elif state.mode == "replay":
+        if state.armed != shape:
+            state.free()
+        state.armed = None
 
 
 def install(model: torch.nn.Module) -> RouteState:
@@ -203,7 +211,7 @@ def replay(model, routes: torch.Tensor | None, valid: torch.Tensor | None = None
     if routes.shape[-2:] != (state.layers, state.top_k):
         raise RuntimeError(f"routing replay: routes for {tuple(routes.shape[-2:])} (layers, "
                            f"top_k), the model has ({state.layers}, {state.top_k})")
-    state.mode = "replay"
+    state.mode, state.armed = "replay", (int(routes.shape[0]), int(routes.shape[1]))
     state.routes = routes.reshape(-1, state.layers, state.top_k)
     state.valid = None if valid is None else valid.reshape(-1).bool().to(routes.device)
 

@@ -326,7 +326,10 @@ class HFGenerator:
         # a later turn of a multi-turn rollout: what is left of the budget
         if max_new_tokens is not None:
             sampling["max_new_tokens"] = max_new_tokens
-        routes = route_state(model) if sampling.get("num_beams", 1) == 1 else None
+        routes = route_state(model)
+        if routes is not None and sampling.get("num_beams", 1) != 1:
+            routes.free()  # beams reorder rows: nothing recorded, nothing replayed
+            routes = None
         if routes is not None:  # a Mixture-of-Experts policy under routing replay
             routes.record()
         try:
@@ -338,6 +341,10 @@ class HFGenerator:
                 sampling[cache_keyword(model)] = cache
             out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
                                  eos_token_id=eos_ids, use_cache=True, **sampling)
+        except BaseException:
+            if routes is not None:
+                routes.free()
+            raise
         finally:
             model.train(was_training)
         completion_ids = out[:, ids.shape[1]:]

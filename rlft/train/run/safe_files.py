@@ -111,12 +111,14 @@ def model_folder(path: Path) -> Path:
     return path / "model" if (path / "model" / "config.json").is_file() else path
 
 
-def _converted_state(model, folder: Path) -> dict:
-    """The weights of `folder` as `model` names and shapes them, loaded by transformers (in the
-    model's dtype: the saved values exactly)."""
-    dtype = next(model.parameters()).dtype
+def _converted_state(model, folder: Path, names: list[str]) -> dict:
+    """The weights `names` of `folder` as `model` names and shapes them, loaded by transformers in
+    their own dtype (the saved values exactly; the others were loaded as saved already)."""
+    params = dict(model.named_parameters())
+    dtype = params[names[0]].dtype if names and names[0] in params else next(model.parameters()).dtype
     fresh = type(model).from_pretrained(str(folder), dtype=dtype)
-    return fresh.state_dict()
+    state = fresh.state_dict()
+    return {name: state[name] for name in names if name in state}
 
 
 def load_model_weights(model, folder: Path) -> None:
@@ -135,7 +137,10 @@ def load_model_weights(model, folder: Path) -> None:
         # save_pretrained wrote transformers' hub layout of weights the model holds converted (a
         # Mixture-of-Experts model's fused experts are saved one expert at a time): read them back
         # through transformers' own conversion
-        missing, unexpected = model.load_state_dict(_converted_state(model, folder), strict=False)
+        converted = _converted_state(model, folder, missing)
+        model.load_state_dict(converted, strict=False)
+        missing = [n for n in missing if n not in converted]
+        unexpected = [] if not [n for n in missing if "lm_head" not in n] else unexpected
     # tied to the embeddings, not saved twice
     tied = {name for name in missing if "lm_head" in name}
     if unexpected or set(missing) - tied:
