@@ -36,18 +36,12 @@ sys.path.insert(0, str(ROOT))
 from rlft.model import routing  # noqa: E402
 from rlft.model.scoring import install_scoring, score_rows  # noqa: E402
 from rlft.rollout.hf import HFGenerator  # noqa: E402
-from rlft.tiny import build_causal_lm, build_tokenizer, upcycle_to_moe  # noqa: E402
+from rlft.tiny import build_near_tie_moe, build_tokenizer, upcycle_to_moe  # noqa: E402
 
 
 def strong_experts(arch: str):
     tokenizer = build_tokenizer(0)
-    model = build_causal_lm(tokenizer, arch=arch, hidden_size=64, num_layers=4)
-    generator = torch.Generator().manual_seed(1)
-    for router in routing.moe_routers(model):
-        router.weight.data = torch.randn(router.weight.shape, generator=generator) * 0.005
-    for name, param in model.named_parameters():
-        if ".experts." in name:
-            param.data = torch.randn(param.shape, generator=generator) * 0.1
+    model = build_near_tie_moe(tokenizer, arch, num_layers=4)
     prompts = [tokenizer(f"{a} + {b} = ")["input_ids"] for a in range(4) for b in range(6)]
     return model, tokenizer, prompts
 

@@ -163,6 +163,23 @@ def build_sequence_classifier(tokenizer, arch: str = "qwen2", hidden_size: int =
     return AutoModelForSequenceClassification.from_config(config)
 
 
+def build_near_tie_moe(tokenizer, arch: str = "qwen3_moe", num_layers: int = 4,
+                       seed: int = 1) -> PreTrainedModel:
+    """A tiny MoE (hidden 64) whose experts dominate its MLP output (weights N(0, 0.1)) and whose
+    router is near-uniform (N(0, 0.005)), so near-ties between experts are common: the case routing
+    replay is for (its tests and benchmarks/routing_replay.py)."""
+    from rlft.model.routing import moe_routers
+
+    model = build_causal_lm(tokenizer, arch=arch, hidden_size=64, num_layers=num_layers)
+    generator = torch.Generator().manual_seed(seed)
+    for router in moe_routers(model):
+        router.weight.data = torch.randn(router.weight.shape, generator=generator) * 0.005
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.data = torch.randn(param.shape, generator=generator) * 0.1
+    return model
+
+
 def upcycle_to_moe(dense: PreTrainedModel, num_experts: int = 4, top_k: int = 2, noise: float = 0.05,
                    seed: int = 0) -> PreTrainedModel:
     """A Qwen2-MoE model "sparsely upcycled" from a dense Qwen2 (A. Komatsuzaki et al., "Sparse

@@ -14,7 +14,7 @@ from rlft.model import routing
 from rlft.model.scoring import install_scoring, score_rows
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import HFGenerator
-from rlft.tiny import build_causal_lm, build_tokenizer
+from rlft.tiny import build_causal_lm, build_near_tie_moe, build_tokenizer
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
 
 
@@ -26,13 +26,7 @@ def tokenizer():
 def strong_experts_moe(tokenizer, arch: str, layers: int = 4):
     """A tiny MoE whose experts dominate its MLP output (weights N(0, 0.1)) and whose router is
     near-uniform (N(0, 0.005)), so that near-ties between experts are common: the case replay is for."""
-    model = build_causal_lm(tokenizer, arch=arch, hidden_size=64, num_layers=layers)
-    generator = torch.Generator().manual_seed(1)
-    for router in routing.moe_routers(model):
-        router.weight.data = torch.randn(router.weight.shape, generator=generator) * 0.005
-    for name, param in model.named_parameters():
-        if ".experts." in name:
-            param.data = torch.randn(param.shape, generator=generator) * 0.1
+    model = build_near_tie_moe(tokenizer, arch, num_layers=layers)
     install_scoring(model)
     return model
 
