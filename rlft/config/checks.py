@@ -301,6 +301,14 @@ def check_async(cfg, errors: list[str]) -> None:
                       "each token's log-prob as it samples: not with use_vllm (not built yet), "
                       "repetition_penalty or generation_kwargs (the recorded log-probs would not be "
                       "the trainer's softmax); turn one of them off")
+    if cfg.partial_rollouts and (cfg.use_vllm or cfg.repetition_penalty != 1.0 or cfg.generation_kwargs):
+        errors.append(f"partial_rollouts={cfg.partial_rollouts} needs the producer's transformers "
+                      "engine recording each token's log-prob as it samples (a carried token keeps "
+                      "the log-prob of the weights that drew it): not with use_vllm (not built "
+                      "yet), repetition_penalty or generation_kwargs; turn one of them off")
+    if cfg.partial_rollouts and cfg.max_completion_length is None:
+        errors.append(f"partial_rollouts={cfg.partial_rollouts} needs max_completion_length: each "
+                      "carried completion's budget is what is left of it")
     if cfg.inflight_switch_tokens is not None and not cfg.inflight_weight_updates:
         errors.append(f"inflight_switch_tokens={cfg.inflight_switch_tokens} needs "
                       "inflight_weight_updates: true")

@@ -125,6 +125,13 @@ class AsyncGRPOConfig(_GRPOFields):
              "version and behaviour log-prob. Fresher tokens, but when the weights arrive depends "
              "on timing: a seed no longer fixes the run unless inflight_switch_tokens is set "
              "(docs/async.md)")
+    partial_rollouts: int = option(
+        0, check=NON_NEGATIVE, rlft=True,
+        help="async: while the producer samples rollout k it also samples the next N rollouts; its "
+             "generate window ends when rollout k is done, and the others' unfinished completions "
+             "are carried over and continued in the next window (0: off). A rollout's long tail no "
+             "longer sets its step's time; its tokens are up to N rollouts older (max_staleness "
+             "bounds rollout_lag + N), each corrected per token (docs/async.md)")
     inflight_switch_tokens: int | None = option(
         None, check=POSITIVE, rlft=True,
         help="async, in-flight weight updates: load newer weights only after this many tokens of a "

@@ -68,6 +68,9 @@ class Produced:
     routes: dict[str, torch.Tensor] | None = None
     # in-flight weight updates: the version of the weights that sampled each token position
     step_versions: list[int] | None = None
+    # partial rollouts: each row's tokens' versions, and the producer's pool after this window
+    row_versions: list[list[int]] | None = None
+    carry: list[dict] | None = None
 
 
 def _spec_args(args) -> dict:
@@ -195,11 +198,12 @@ class ProcessProducer:
             sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def submit(self, key: str, prompt_ids: list[list[int]], num_generations: int, seed: int,
-               greedy: bool = False) -> int:
-        """Queue a request; returns the version of the weights that will sample it."""
+               greedy: bool = False, partial: dict | None = None) -> int:
+        """Queue a request; returns the version of the weights that will sample it. `partial`:
+        partial rollouts' "ahead" and "carry" (rlft/rollout/partial.py)."""
         self.submitted.add(key)
         self._send({"type": "generate", "key": key, "prompt_ids": prompt_ids,
-                    "num_generations": num_generations, "greedy": greedy, "seed": seed})
+                    "num_generations": num_generations, "greedy": greedy, "seed": seed, **(partial or {})})
         return self.label
 
     def take(self, key: str) -> Produced:
@@ -236,9 +240,14 @@ class ProcessProducer:
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         rollout = engine_rollout(repeated, produced.tokens, produced.logprobs or [None] * len(repeated),
                                  self.tokenizer.pad_token_id, self.eos_ids, device, greedy, produced.kept)
-        if produced.step_versions is not None:  # in-flight weight updates
+        width = rollout.completion_ids.shape[1]
+        if produced.row_versions is not None:  # partial rollouts: per row
+            versions = torch.full((len(produced.row_versions), width), -1, dtype=torch.int32)
+            for r, row_versions in enumerate(produced.row_versions):
+                versions[r, :len(row_versions)] = torch.tensor(row_versions[:width], dtype=torch.int32)
+            rollout.token_versions = versions.to(device).masked_fill(rollout.completion_mask == 0, -1)
+        elif produced.step_versions is not None:  # in-flight weight updates
             versions = torch.tensor(produced.step_versions, dtype=torch.int32)
-            width = rollout.completion_ids.shape[1]
             row = torch.full((width,), -1, dtype=torch.int32)
             row[:min(width, len(versions))] = versions[:width]
             rollout.token_versions = row.expand(rollout.completion_ids.shape[0], -1).to(device).masked_fill(
@@ -288,13 +297,15 @@ class ProcessProducer:
                 if kind == "result":
                     timings = {k: message.pop(k) for k in list(message) if k not in (
                         "key", "version", "tokens", "logprobs", "seconds", "kept", "routes",
-                        "step_versions")}
+                        "step_versions", "row_versions", "carry")}
                     self.results[message["key"]] = Produced(message["key"], message["version"],
                                                             message["tokens"], message["logprobs"],
                                                             message["seconds"], timings=timings,
                                                             kept=message.get("kept"),
                                                             routes=_routes(message.get("routes")),
-                                                            step_versions=message.get("step_versions"))
+                                                            step_versions=message.get("step_versions"),
+                                                            row_versions=message.get("row_versions"),
+                                                            carry=message.get("carry"))
                     self.begun.pop(message["key"], None)
                 elif kind == "begin":
                     self.begun[message["key"]] = time.monotonic()

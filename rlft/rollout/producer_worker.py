@@ -9,6 +9,7 @@ vLLM server) and then serves its standard input in order, one JSON object per li
       load the trainable tensors of version v, delete the file (path null: the weights did not
       change, only the version)
   {"type": "generate", "key": k, "prompt_ids": [...], "num_generations": G, "greedy": b, "seed": s}
+      partial rollouts add "ahead": [{"key", "prompt_ids"}] and "carry" (rlft/rollout/partial.py)
   {"type": "mark", "key": k}                        the trainer now waits for request k (no work)
   {"type": "stop"}
 
@@ -17,7 +18,8 @@ and answers on its standard output (anything else this process prints goes to st
   {"type": "ready"}, {"type": "heartbeat"} every second, {"type": "begin"/"done", "key": k} around a
   request, {"type": "result", "key": k, "version": v, "tokens": [[...]], "logprobs": [[...]],
    "kept": [[[...]]] or null, "routes": file or null (a MoE policy's experts), "seconds": ...,
-   "step_versions": [...] (in-flight weight updates: the version that sampled each token)},
+   "step_versions": [...] (in-flight weight updates: the version that sampled each token);
+   partial rollouts: "row_versions" [[...]] per row and the pool after the window, "carry"},
   {"type": "error", "message": traceback}
 
 No pickle crosses the pipe. Each rollout is sampled after `torch.manual_seed(seed)`: the same
@@ -248,11 +250,22 @@ class InFlight:
 def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: int, folder: Path) -> None:
     from rlft.rollout.base import engine_metrics
     from rlft.rollout.hf import WeightSwitch
+    from rlft.rollout.partial import ADVANCE_TOKENS, Pool, serve_window
 
     switch_at = getattr(args, "inflight_switch_tokens", None)
     idle, inflight = 0.0, InFlight(model, engine, channel, inbox, switch_at)
+    pool = Pool(args.max_completion_length) if getattr(args, "partial_rollouts", 0) else None
     in_flight = bool(getattr(args, "inflight_weight_updates", False)) and hasattr(engine, "weight_switch")
+    # partial rollouts in the throughput mode (in-flight updates whenever weights arrive): the
+    # producer's idle time moves the pool on
+    advancing = pool is not None and in_flight and switch_at is None
     while True:
+        if advancing and inbox.empty() and pool.unfinished():
+            switch = WeightSwitch(version, inflight.pending)
+            engine.weight_switch = switch
+            pool.advance(model, engine, ADVANCE_TOKENS, version, switch)
+            version = switch.version
+            continue
         waiting = time.perf_counter()
         message = inbox.get()
         idle += time.perf_counter() - waiting
@@ -270,10 +283,15 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
         switch = WeightSwitch(version, inflight.pending) if in_flight and not message["greedy"] else None
         if in_flight:
             engine.weight_switch = switch
-        result = _generate(model, engine, args, message, version, folder)
+        if pool is not None and "ahead" in message:  # partial rollouts: a window (rlft/rollout/partial.py)
+            result = serve_window(pool, model, engine, message, version, switch)
+        else:
+            result = _generate(model, engine, args, message, version, folder)
+        width = result.pop("width", None)
         if switch is not None:  # each token's version; later requests start from the newest
-            result["step_versions"], version = switch.versions[:result.pop("width")], switch.version
-        result.pop("width", None)
+            if "row_versions" not in result:
+                result["step_versions"] = switch.versions[:width]
+            version = switch.version
         channel.send({**result, "idle_seconds": idle, "load_seconds": inflight.loaded,
                       **engine_metrics(engine)})
         idle = inflight.loaded = 0.0

@@ -28,6 +28,7 @@ import torch
 
 from rlft.config.rules import generation_batch, staleness
 from rlft.errors import ConfigError
+from rlft.model.routing import route_state
 from rlft.rollout.producer import ProcessProducer, Produced, ProducerError
 from rlft.train.run.checkpoint import PartState, latest_checkpoint
 from rlft.train.sources.rollout_source import SourceBase, SourceParts, score_rollout
@@ -77,6 +78,11 @@ class ProducerSource(SourceBase):
         self.model, self.sharded = parts.model, parts.training_engine.sharded
         self.steps_per_rollout, self.rollouts = parts.steps_per_rollout, -(-parts.total_steps
                                                                            // parts.steps_per_rollout)
+        if getattr(parts.args, "partial_rollouts", 0) and route_state(parts.model) is not None:
+            raise ConfigError(f"partial_rollouts={parts.args.partial_rollouts} with routing replay of a "
+                              "MoE policy: a carried completion's routes are not kept across the "
+                              "producer's windows (not built yet); set routing_replay: none or "
+                              "partial_rollouts: 0")
         gather = parts.training_engine.full_weights if self.sharded else None
         self.engine = ProcessProducer(parts.args, parts.tokenizer, parts.model, gather,
                                       parts.accelerator.device)
@@ -123,6 +129,7 @@ class ProducerSource(SourceBase):
     def _start(self) -> None:
         if self.engine.proc is None:
             self.engine.start(self.model, self.state.global_step)
+            self.send_carry = True  # partial rollouts: the pool the last result left
 
     def _guarded(self, action):
         """`action()`, which talks to the producer; a failed producer is restarted
@@ -156,7 +163,7 @@ class ProducerSource(SourceBase):
         self.restarts, step = self.restarts + 1, self.state.global_step
         for rollout in sorted(self.outstanding):
             if f"rollout-{rollout}" in self.engine.results:
-                self.ready[rollout] = self.engine.results.pop(f"rollout-{rollout}")
+                self.ready[rollout] = self._received(self.engine.results.pop(f"rollout-{rollout}"))
                 self.outstanding.discard(rollout)
         self.engine.close()
         self._start()
@@ -198,7 +205,7 @@ class ProducerSource(SourceBase):
             "rollout/weight_wait_s": produced.timings.get("idle_seconds", 0.0),
             "rollout/weight_load_s": produced.timings.get("load_seconds", 0.0),
             "rollout/producer_restarts": float(self.restarts),
-            **{k: v for k, v in produced.timings.items() if k.startswith("vllm/")},
+            **{k: v for k, v in produced.timings.items() if k.startswith(("vllm/", "partial/"))},
             **_version_metrics(rollout, produced.version)}
         return scored
 
@@ -227,7 +234,26 @@ class ProducerSource(SourceBase):
         prompts = self.schedule.batch(rollout)
         self.outstanding.add(rollout)
         self.engine.submit(f"rollout-{rollout}", prompts["prompt_ids"], self.args.num_generations,
-                           rollout_seed(self.args.seed, self._seed_key(rollout)))
+                           rollout_seed(self.args.seed, self._seed_key(rollout)),
+                           partial=self._partial(rollout))
+
+    def _partial(self, rollout: int) -> dict | None:
+        """Partial rollouts: the prompts of the rollouts to look ahead to and, to a producer that
+        just started, the pool the last result left (rlft/rollout/partial.py)."""
+        ahead = getattr(self.args, "partial_rollouts", 0)
+        if not ahead:
+            return None
+        later = range(rollout + 1, min(rollout + ahead, self.rollouts - 1) + 1)
+        carry, self.send_carry = (self.carry if self.send_carry else None), False
+        return {"ahead": [{"key": f"rollout-{j}", "prompt_ids": self.schedule.batch(j)["prompt_ids"]}
+                          for j in later], "carry": carry}
+
+    def _received(self, produced: Produced) -> Produced:
+        """A result taken from the producer, in request order: partial rollouts' pool is the
+        newest's."""
+        if produced.carry is not None:
+            self.carry, produced.carry = produced.carry, None
+        return produced
 
     def _submit_older(self) -> None:
         """Before the producer is given weights out of schedule (evaluation) or replaced (a
@@ -240,7 +266,7 @@ class ProducerSource(SourceBase):
     def _take(self, rollout: int) -> Produced:
         if rollout in self.ready:
             return self.ready.pop(rollout)
-        produced = self.engine.take(f"rollout-{rollout}")
+        produced = self._received(self.engine.take(f"rollout-{rollout}"))
         self.outstanding.discard(rollout)
         expected = self.resampled.pop(rollout, self._version(rollout))
         if produced.version != expected:
@@ -307,11 +333,15 @@ class ProducerSource(SourceBase):
             if produced.step_versions is not None:  # in-flight weight updates
                 tensors[f"async.{rollout}.step_versions"] = torch.tensor(produced.step_versions,
                                                                          dtype=torch.long)
+            if produced.row_versions is not None:  # partial rollouts: per token of every row
+                tensors[f"async.{rollout}.row_versions"] = torch.tensor(
+                    [v for row in produced.row_versions for v in row], dtype=torch.long)
             for name, routes in (produced.routes or {}).items():  # a MoE policy's experts
                 tensors[f"async.{rollout}.routes.{name}"] = routes
-            pending.append({"rollout": rollout, "version": produced.version, "seconds": produced.seconds})
+            pending.append({"rollout": rollout, "version": produced.version, "seconds": produced.seconds,
+                            "timings": produced.timings})
         carried = {"next_submit": self.next_submit, "pending": pending, "metrics": self.last,
-                   "restarts": self.restarts}
+                   "restarts": self.restarts, "carry": self.carry}
         return PartState(extra={"async": carried}, tensors=tensors)
 
     def _receive_requested(self) -> None:
@@ -326,11 +356,12 @@ class ProducerSource(SourceBase):
         self.ready: dict[int, Produced] = {}
         # requested, not received; resampled
         self.outstanding, self.resampled, self.last = set(), {}, {}
-        self.next_submit, self.restarts = 0, 0
+        self.next_submit, self.restarts, self.send_carry = 0, 0, True
         start = 0 if part is None else part.state["global_step"]
         saved = {} if part is None else part.extra.get("async", {})
         self.next_submit, self.restarts = saved.get("next_submit", 0), saved.get("restarts", 0)
         self.last = saved.get("metrics", {})  # the rollout in progress's (a mid-rollout resume)
+        self.carry = saved.get("carry", [])  # partial rollouts' pool
         for entry in saved.get("pending", []):
             r = entry["rollout"]
             lengths = part.tensors[f"async.{r}.lengths"].tolist()
@@ -340,8 +371,11 @@ class ProducerSource(SourceBase):
                       if f"async.{r}.routes.{name}" in part.tensors}
             self.ready[r] = Produced(f"rollout-{r}", entry["version"], [t.tolist() for t in tokens],
                                      [v.tolist() for v in logprobs], entry["seconds"],
+                                     timings=entry.get("timings", {}),
                                      kept=_saved_kept(part.tensors, r, lengths), routes=routes or None,
-                                     step_versions=_saved_list(part.tensors, f"async.{r}.step_versions"))
+                                     step_versions=_saved_list(part.tensors, f"async.{r}.step_versions"),
+                                     row_versions=_saved_rows(part.tensors, f"async.{r}.row_versions",
+                                                              lengths))
         rollouts_done = -(-start // self.steps_per_rollout)
         self.next_submit = max(self.next_submit, rollouts_done)
         self.taking = rollouts_done - 1  # the last rollout taken from the producer
@@ -357,11 +391,17 @@ def _version_metrics(rollout, start: int) -> dict[str, float]:
         return {}
     return {"sampling/policy_version_spread": float(versions.max() - versions.min()),
             "sampling/tokens_from_newer_weights": float((versions > start).double().mean()),
+            # partial rollouts: tokens carried over from the windows of earlier rollouts
+            "sampling/tokens_from_older_weights": float((versions < start).double().mean()),
             "sample/token_version_mean": float(versions.mean())}
 
 
 def _saved_list(tensors: dict, name: str) -> list[int] | None:
     return tensors[name].tolist() if name in tensors else None
+
+
+def _saved_rows(tensors: dict, name: str, lengths: list[int]) -> list[list[int]] | None:
+    return [t.tolist() for t in tensors[name].split(lengths)] if name in tensors else None
 
 
 def _saved_kept(tensors: dict, rollout: int, lengths: list[int]) -> list | None:

@@ -1,0 +1,195 @@
+"""Partial rollouts (AsyncGRPOConfig `partial_rollouts: N`; docs/async.md): the rollout producer's
+look-ahead, so that a rollout's long tail no longer sets the time of its step.
+
+While the producer samples rollout k it also samples the completions of the next N rollouts. Its
+generate call (a *window*) ends as soon as every completion of rollout k is done (EOS or its length
+limit), however far the others are. A completion of a later rollout that is not done is carried
+over: in the next window it continues from its tokens so far (prompt and tokens prefilled again
+under the weights the producer holds then: continued, not restarted), and every token keeps the
+log-prob of the distribution it was drawn from and the version of the weights that drew it. A long
+completion of rollout k was therefore started up to N windows before rollout k's own, and a window
+lasts about (longest completion) / (N + 1) decode steps instead of the longest completion.
+
+Rollout k is still trained at step k, with the same prompts as without look-ahead: only its tokens
+are older (by up to N rollouts; max_staleness bounds it) and, like every async token, corrected per
+token by pi_old / pi_sampler. What is carried (the pool) is a function of the earlier windows, and
+each window samples after `torch.manual_seed(seed of rollout k)`: the same seed gives the same run,
+and the pool travels with every result so that a checkpoint holds it (`Pool.state` / `Pool.load`).
+
+Re-prefilling carried completions costs one forward over their tokens per window (the price of
+continuing under new weights without a KV cache that the new weights did not compute).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from rlft.data.prompts import left_pad
+from rlft.model.routing import route_state
+from rlft.rollout.hf import eos_token_ids
+
+# The throughput mode (in-flight weight updates whenever weights arrive): between two requests the
+# producer moves the pool on by this many decode steps at a time, then looks at its inbox again
+ADVANCE_TOKENS = 16
+
+
+@dataclass
+class Row:
+    """One completion in the pool: its tokens so far, each one's sampler log-prob, kept ids (a
+    truncating sampler's, else None) and weights version; done once it emitted EOS or reached its
+    length limit."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    kept: list[list[int]] | None = None
+    versions: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+class WindowStop(StoppingCriteria):
+    """Ends each row at EOS or at its own token budget, and the whole window once every row that
+    must finish (rollout k's) is done (`must` None: only max_new_tokens ends it); `ended[i]`: the
+    tokens row i generated in this window (-1: cut by the window's end, it generated all of them)."""
+
+    def __init__(self, start: int, budgets: torch.Tensor, must: torch.Tensor | None, eos_ids: list[int]):
+        self.start, self.budgets, self.must = start, budgets, must
+        self.eos = torch.tensor(eos_ids, device=budgets.device)
+        self.done = torch.zeros(budgets.shape, dtype=torch.bool, device=budgets.device)
+        self.ended = torch.full_like(budgets, -1)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        step = input_ids.shape[1] - self.start
+        newly = ~self.done & (torch.isin(input_ids[:, -1], self.eos) | (step >= self.budgets))
+        self.ended[newly] = step
+        self.done |= newly
+        if self.must is not None and bool((self.done | ~self.must).all()):
+            return torch.ones_like(self.done)
+        return self.done.clone()
+
+
+class Pool:
+    """The producer's rollouts in progress, in request order: key -> (prompts, rows; row
+    i*G + j is prompt i's j-th completion)."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.cohorts: dict[str, dict] = {}
+        self.stats: dict[str, float] = {}
+        self.between = {"partial/advance_steps": 0.0}  # decode steps taken while idle since the last result
+
+    def add(self, key: str, prompt_ids: list[list[int]], num_generations: int, replay_mask: bool) -> None:
+        if key in self.cohorts:
+            return
+        rows = [Row(kept=[] if replay_mask else None) for _ in range(len(prompt_ids) * num_generations)]
+        self.cohorts[key] = {"prompts": [list(p) for p in prompt_ids], "num_generations": num_generations,
+                             "rows": rows}
+
+    def unfinished(self) -> bool:
+        return any(not row.done for cohort in self.cohorts.values() for row in cohort["rows"])
+
+    # ---- a window ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def window(self, model, generator, key: str, version: int, switch=None) -> list[Row]:
+        """Generate until rollout `key` is done, advancing every other row as far; returns `key`'s
+        rows and drops them from the pool."""
+        active = [(k, i, row) for k, cohort in self.cohorts.items() for i, row in enumerate(cohort["rows"])
+                  if not row.done]
+        if any(k == key for k, _, _ in active):
+            if route_state(model) is not None:
+                raise RuntimeError("partial rollouts do not keep a MoE policy's routes across "
+                                   "windows (AsyncGRPOConfig refuses the pair; an rlft bug)")
+            self.stats = self._generate(model, generator, key, version, switch, active)
+        else:  # done in earlier windows
+            self.stats = {"partial/window_rows": 0.0, "partial/window_steps": 0.0,
+                          "partial/reprefill_tokens": 0.0}
+        self.stats.update(self.between)
+        self.between = {"partial/advance_steps": 0.0}
+        return self.cohorts.pop(key)["rows"]
+
+    @torch.no_grad()
+    def advance(self, model, generator, tokens: int, version: int, switch=None) -> None:
+        """Up to `tokens` more tokens for every unfinished row (the producer's idle time in the
+        throughput mode, between two requests); nothing is returned, the pool moves on."""
+        active = [(k, i, row) for k, cohort in self.cohorts.items() for i, row in enumerate(cohort["rows"])
+                  if not row.done]
+        if active:
+            steps = self._generate(model, generator, None, version, switch, active, tokens)["partial/window_steps"]
+            self.between["partial/advance_steps"] += steps
+
+    def _generate(self, model, generator, key, version, switch, active, limit: int | None = None) -> dict:
+        tokenizer = generator.tokenizer
+        prefixes = [self.cohorts[k]["prompts"][i // self.cohorts[k]["num_generations"]] + row.tokens
+                    for k, i, row in active]
+        device = next(model.parameters()).device
+        ids, mask = (t.to(device) for t in left_pad(prefixes, tokenizer.pad_token_id))
+        budgets = torch.tensor([self.max_tokens - len(row.tokens) for _, _, row in active], device=device)
+        must = None if key is None else torch.tensor([k == key for k, _, _ in active], device=device)
+        eos_ids = eos_token_ids(model, tokenizer)
+        stop = WindowStop(ids.shape[1], budgets, must, eos_ids)
+        was_training = model.training
+        model.eval()
+        try:
+            sampling, recorder = generator._settings(model, False, device)
+            if recorder is None or not recorder.record_logps:
+                raise RuntimeError("partial rollouts need the sampler's log-probs recorded while "
+                                   "generate samples (an rlft bug: the config allows only that case)")
+            most = int(budgets.max()) if limit is None else min(limit, int(budgets.max()))
+            sampling.update(max_new_tokens=most, stopping_criteria=StoppingCriteriaList([stop]))
+            out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=eos_ids, use_cache=True, **sampling)
+        finally:
+            model.train(was_training)
+        new = out[:, ids.shape[1]:]
+        steps = new.shape[1]
+        counts = torch.where(stop.ended >= 0, stop.ended, steps).clamp(max=steps).tolist()
+        window_mask = torch.arange(steps, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
+        logps, kept = recorder.finish(new, window_mask.long())
+        versions = switch.versions if switch is not None else [version] * steps
+        for r, (_, _, row) in enumerate(active):
+            n = counts[r]
+            row.tokens += new[r, :n].tolist()
+            row.logprobs += logps[r, :n].tolist()
+            if row.kept is not None and kept is not None:
+                row.kept += [[k for k in step if k >= 0] for step in kept[r, :n].tolist()]
+            row.versions += versions[:n]
+            row.done = bool(stop.ended[r] >= 0)
+        carried = sum(len(row.tokens) - counts[r] for r, (_, _, row) in enumerate(active))
+        return {"partial/window_rows": float(len(active)), "partial/window_steps": float(steps),
+                "partial/reprefill_tokens": float(carried)}
+
+    # ---- what a checkpoint keeps ------------------------------------------------------------------
+    def state(self) -> list[dict]:
+        """The pool as JSON values (every rollout in progress, its rows' tokens, log-probs, kept ids,
+        versions)."""
+        return [{"key": key, "prompts": c["prompts"], "num_generations": c["num_generations"],
+                 "rows": [copy.deepcopy(vars(row)) for row in c["rows"]]} for key, c in self.cohorts.items()]
+
+    def load(self, state: list[dict]) -> None:
+        self.cohorts = {e["key"]: {"prompts": e["prompts"], "num_generations": e["num_generations"],
+                                   "rows": [Row(**copy.deepcopy(row)) for row in e["rows"]]} for e in state}
+
+
+def serve_window(pool: Pool, model, engine, message: dict, version: int, switch=None) -> dict:
+    """The producer's answer to a partial-rollout request: `message` names rollout k ("key",
+    "prompt_ids"), the rollouts to look ahead to ("ahead": [{"key", "prompt_ids"}]) and, after the
+    producer (re)started, the pool a checkpoint kept ("carry"); the result holds rollout k's
+    completions, each token's version ("row_versions") and the pool after this window ("carry")."""
+    import time
+
+    started = time.perf_counter()
+    if message.get("carry") is not None:
+        pool.load(message["carry"])
+    for entry in ({"key": message["key"], "prompt_ids": message["prompt_ids"]}, *message["ahead"]):
+        pool.add(entry["key"], entry["prompt_ids"], message["num_generations"], engine.replay_mask)
+    torch.manual_seed(message["seed"])
+    rows = pool.window(model, engine, message["key"], version, switch)
+    return {"type": "result", "key": message["key"], "version": version,
+            "tokens": [row.tokens for row in rows], "logprobs": [row.logprobs for row in rows],
+            "kept": [row.kept for row in rows] if engine.replay_mask else None,
+            "row_versions": [row.versions for row in rows], "routes": None,
+            "seconds": time.perf_counter() - started, "carry": pool.state(), **pool.stats,
+            "score_seconds": 0.0}
