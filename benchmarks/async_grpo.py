@@ -69,8 +69,11 @@ def run_one(workload: str, lag: int, steps: int) -> dict:
             "train_seconds": [r.get("time/train_seconds", 0.0) for r in rows]}
 
 
-def demo_curve(lag: int | None, steps: int) -> dict:
-    """The demo (LoRA, addition task, seed 0): held-out greedy accuracy every 100 steps; lag None = GRPOTrainer."""
+def demo_curve(lag: int | None, steps: int, extra: dict | None = None) -> dict:
+    """The demo (LoRA, addition task, seed 0): held-out greedy accuracy every 100 steps and the wall-clock seconds
+    at each (evaluation included); lag None = GRPOTrainer; `extra`: AsyncGRPOConfig fields."""
+    from transformers import TrainerCallback
+
     from rlft.cli.demo import HELDOUT_KEY, demo_config, demo_lora
     from rlft.config import AsyncGRPOConfig
     from rlft.data.addition import rows, split_problems
@@ -89,24 +92,39 @@ def demo_curve(lag: int | None, steps: int) -> dict:
 
         torch.set_num_threads(1)
         cfg = demo_config(folder, steps, True, 0, config_class=AsyncGRPOConfig, rollout_lag=lag,
-                          max_staleness=max(lag, 1), producer_cpus=[1], producer_threads=1)
+                          **{"max_staleness": max(lag, 1), "producer_cpus": [1], "producer_threads": 1,
+                             **(extra or {})})
         trainer_class = AsyncGRPOTrainer
+    clock = {}
+
+    class Clock(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and HELDOUT_KEY in logs:
+                clock[state.global_step] = time.perf_counter() - started
+
     trainer = trainer_class(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
-                            train_dataset=rows(train), eval_dataset=rows(heldout), peft_config=demo_lora(True))
+                            train_dataset=rows(train), eval_dataset=rows(heldout), peft_config=demo_lora(True),
+                            callbacks=[Clock()])
     started = time.perf_counter()
     trainer.train()
     curve = [(r["step"], r[HELDOUT_KEY]) for r in trainer.state.log_history if HELDOUT_KEY in r]
-    return {"curve": curve, "seconds": time.perf_counter() - started}
+    return {"curve": curve, "seconds": time.perf_counter() - started,
+            "seconds_at": [clock.get(step) for step, _ in curve]}
+
+
+DEMO_RUNS = (("sync", None, {}), ("async k=1", 1, {}),
+             ("async k=1, in-flight updates", 1, {"inflight_weight_updates": True}))
 
 
 def demo(args) -> dict:
     out = {}
-    for name, lag in (("sync", None), ("async k=1", 1)):
+    for name, lag, extra in DEMO_RUNS:
         if name == "sync" and args.sync_curve:  # a synchronous curve already measured (it is deterministic)
             out[name] = json.loads(Path(args.sync_curve).read_text())
             continue
         run = subprocess.run([sys.executable, __file__, "--demo-one", "none" if lag is None else str(lag),
-                              str(args.demo_steps)], cwd=ROOT, capture_output=True, text=True, timeout=3600)
+                              str(args.demo_steps), json.dumps(extra)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=3600)
         if run.returncode:
             raise RuntimeError(run.stderr[-3000:])
         out[name] = json.loads(run.stdout.strip().splitlines()[-1])
@@ -114,8 +132,10 @@ def demo(args) -> dict:
     final = out["sync"]["curve"][-1][1]
     for run in out.values():
         for key, bar in (("first_step_at_90pct_of_sync_final", 0.9 * final), ("first_step_at_90pct", 0.9)):
-            reached = [step for step, acc in run["curve"] if acc >= bar]
-            run[key] = reached[0] if reached else None
+            reached = [i for i, (step, acc) in enumerate(run["curve"]) if acc >= bar]
+            run[key] = run["curve"][reached[0]][0] if reached else None
+            if "seconds_at" in run:
+                run[key.replace("first_step", "seconds")] = run["seconds_at"][reached[0]] if reached else None
     if args.plot:
         import matplotlib
 
@@ -203,11 +223,11 @@ def main() -> None:
     parser.add_argument("--plot", default=None)
     parser.add_argument("--sync-curve", default=None, help="reuse a synchronous demo curve (JSON)")
     parser.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--demo-one", nargs=2, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--demo-one", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.demo_one:
         lag = None if args.demo_one[0] == "none" else int(args.demo_one[0])
-        print(json.dumps(demo_curve(lag, int(args.demo_one[1]))))
+        print(json.dumps(demo_curve(lag, int(args.demo_one[1]), json.loads(args.demo_one[2]))))
         return
     if args.demo:
         results = demo(args)

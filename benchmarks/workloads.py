@@ -6,6 +6,13 @@ c: a ~100M-parameter Qwen2 with a 32k vocabulary, same batch: log-prob memory st
 d: Qwen's vocabulary (151,936): a Qwen2 of hidden 512 x 4 layers (~84M parameters, 78M of them the tied
    embedding), 1 prompt x 16 completions of 512 tokens, LoRA, gradient checkpointing on (both libraries'
    default): the LM head dominates generation and scoring
+s: skewed completion lengths, as reasoning RL has: a Qwen2 of hidden 256 x 4 layers (random weights)
+   whose EOS embedding is scaled x8, so that completions end after ~20 tokens (median, mean ~60) while
+   about one in eight runs to the 256-token limit; 2 prompts x 8 completions, LoRA. On this CPU its
+   decode step costs in proportion to the rows (7.5 ms at 16 rows, 20 ms at 64: compute-bound)
+t: the same shape of lengths (median ~65, mean ~90, one in ten at 256) from a Qwen2 of hidden 64 x 2
+   layers (EOS x12), whose decode step costs nearly the same for 16 rows as for 64 (2.9 ms, 4.3 ms:
+   overhead-bound, as decoding is on a GPU)
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class Spec:
     temperature: float = 1.0
     learning_rate: float = 1e-4
     gradient_checkpointing: bool = False
+    eos_scale: float = 1.0  # the EOS row of the (tied) embedding scaled: how soon completions end
     lora: dict = field(default_factory=lambda: dict(r=16, lora_alpha=32, lora_dropout=0.0,
                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
 
@@ -63,6 +71,10 @@ WORKLOADS = {
     "d": Spec("Qwen2 84M, vocab 151,936, 1x16, 512 tokens", hidden=512, layers=4, heads=8, kv_heads=2,
               intermediate=1536, vocab=151936, num_generations=16, max_completion_length=512,
               gradient_checkpointing=True),
+    "s": Spec("Qwen2 hidden 256 x 4 layers, 2x8, 256 tokens, skewed lengths", hidden=256, layers=4, heads=4,
+              kv_heads=2, intermediate=768, prompts_per_step=2, max_completion_length=256, eos_scale=8.0),
+    "t": Spec("Qwen2 hidden 64 x 2 layers, 2x8, 256 tokens, skewed lengths", hidden=64, layers=2, heads=4,
+              kv_heads=2, intermediate=192, prompts_per_step=2, max_completion_length=256, eos_scale=12.0),
 }
 
 
@@ -94,4 +106,6 @@ def build(spec: Spec) -> Work:
     model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tokenizer.eos_token_id] *= spec.eos_scale
     return Work(model, tokenizer, rows(train[:512]), [distinct_token_ratio])
