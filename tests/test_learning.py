@@ -52,6 +52,7 @@ def test_calculator_demo_learns_to_use_the_tool_reliably(tmp_path, capsys):
     assert "held-out greedy accuracy: 42.5% ->" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # (CI time, 58 s: routing replay's exactness is tests/test_routing.py's, in the default run)
 def test_the_demo_policy_upcycled_to_a_mixture_of_experts_learns_with_routing_replay(tmp_path):
     """The shipped tiny-adder upcycled to Qwen2-MoE (4 experts, 2 per token; rlft/tiny.py), 60 LoRA steps of
     the demo with its rollouts' routes replayed (~20 s): measured held-out 30.0% -> 54.0% here; assert +15
