@@ -117,10 +117,10 @@ def generation_batch(cfg, processes: int) -> GenerationBatch:
 
 def staleness(cfg, steps_per_rollout: int = 1) -> int:
     """The async schedule's worst staleness in optimiser steps, `(rollout_lag + partial_rollouts) *
-    steps_per_rollout + weight_sync_steps - 1` (the schedule: rlft/train/async_grpo.py). ConfigError when it exceeds
-    max_staleness, or when weight_sync_steps is not a multiple of steps_per_rollout (weights are
-    pushed between rollouts). A config checks it with steps_per_rollout=1; the trainer with its
-    own."""
+    steps_per_rollout + weight_sync_steps - 1` (the schedule: rlft/train/async_grpo.py). ConfigError
+    when it exceeds max_staleness, or when weight_sync_steps is not a multiple of
+    steps_per_rollout (weights are pushed between rollouts). A config checks it with
+    steps_per_rollout=1; the trainer with its own."""
     lag, sync, bound = cfg.rollout_lag, cfg.weight_sync_steps, cfg.max_staleness
     ahead = getattr(cfg, "partial_rollouts", 0)  # look-ahead: tokens up to that many rollouts older
     worst = (lag + ahead) * steps_per_rollout + sync - 1
@@ -128,7 +128,8 @@ def staleness(cfg, steps_per_rollout: int = 1) -> int:
     if worst > bound and steps_per_rollout == 1:
         raise ConfigError(f"{lagging} with weight_sync_steps={sync} samples rollouts up to "
                           f"{worst} steps behind, above max_staleness={bound}: raise max_staleness "
-                          "or lower rollout_lag / weight_sync_steps" + (" / partial_rollouts" if ahead else ""))
+                          "or lower rollout_lag / weight_sync_steps"
+                          + (" / partial_rollouts" if ahead else ""))
     if worst > bound:
         raise ConfigError(f"with {steps_per_rollout} optimiser steps per rollout, "
                           f"{lagging} and weight_sync_steps={sync} train on weights up to "

@@ -117,8 +117,8 @@ class Pool:
         active = [(k, i, row) for k, cohort in self.cohorts.items() for i, row in enumerate(cohort["rows"])
                   if not row.done]
         if active:
-            steps = self._generate(model, generator, None, version, switch, active, tokens)["partial/window_steps"]
-            self.between["partial/advance_steps"] += steps
+            stats = self._generate(model, generator, None, version, switch, active, tokens)
+            self.between["partial/advance_steps"] += stats["partial/window_steps"]
 
     def _generate(self, model, generator, key, version, switch, active, limit: int | None = None) -> dict:
         tokenizer = generator.tokenizer
@@ -146,8 +146,8 @@ class Pool:
         new = out[:, ids.shape[1]:]
         steps = new.shape[1]
         counts = torch.where(stop.ended >= 0, stop.ended, steps).clamp(max=steps).tolist()
-        window_mask = torch.arange(steps, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
-        logps, kept = recorder.finish(new, window_mask.long())
+        lengths = torch.tensor(counts, device=device)[:, None]
+        logps, kept = recorder.finish(new, (torch.arange(steps, device=device)[None, :] < lengths).long())
         versions = switch.versions if switch is not None else [version] * steps
         for r, (_, _, row) in enumerate(active):
             n = counts[r]
