@@ -168,7 +168,11 @@ def test_an_async_run_with_partial_rollouts_repeats_and_resumes_exactly(tmp_path
     rows = rows_of(tmp_path / "a")
     losses = [r for r in rows if "loss" in r]
     assert len(losses) == 4 and any(r["sampling/tokens_from_older_weights"] > 0 for r in losses)
-    assert all(r["sample/staleness_max"] <= 3 for r in losses)
+    assert all(r["sample/staleness_mean"] <= r["sample/staleness_max"] <= 3 for r in losses)
+    # the oldest token sets staleness_max: where tokens come from older weights, it is above the rollout's own
+    older = [r for r in losses if r["sampling/tokens_from_older_weights"] > 0]
+    assert all(r["sample/token_version_min"] < r["sample/version"] and r["partial/carried_share"] > 0
+               for r in older)
     AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer, has_answer_tags],
                      async_config(tmp_path, "split", **settings), addition_rows(32),
                      callbacks=[stop_after(2)]).train()
@@ -203,5 +207,7 @@ def test_in_the_throughput_mode_the_producer_moves_the_pool_on_while_it_waits(tm
     assert results["r0"]["partial/advance_steps"] == 0 and max(
         len(row["tokens"]) for row in results["r0"]["carry"][0]["rows"]) <= 2
     assert results["r1"]["partial/advance_steps"] > 0 and results["r1"]["partial/window_steps"] == 0
+    # every token of r1 was drawn before its own window; r0 had 10 of each row's tokens from the carry
+    assert results["r1"]["partial/carried_share"] == 1.0 and 0 < results["r0"]["partial/carried_share"] < 1
     assert all(len(v) == len(t) and set(v) == {0} for v, t in zip(results["r1"]["row_versions"],
                                                                   results["r1"]["tokens"]))

@@ -134,7 +134,7 @@ def staleness(cfg, steps_per_rollout: int = 1) -> int:
         raise ConfigError(f"with {steps_per_rollout} optimiser steps per rollout, "
                           f"{lagging} and weight_sync_steps={sync} train on weights up to "
                           f"{worst} steps old, above max_staleness={bound}: raise max_staleness or "
-                          "lower rollout_lag / weight_sync_steps")
+                          "lower rollout_lag / weight_sync_steps" + (" / partial_rollouts" if ahead else ""))
     if sync % steps_per_rollout:
         raise ConfigError(f"weight_sync_steps={sync} must be a multiple of the optimiser steps per "
                           f"rollout ({steps_per_rollout}): weights are pushed between rollouts")

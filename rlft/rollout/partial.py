@@ -79,7 +79,8 @@ class Pool:
         self.max_tokens = max_tokens
         self.cohorts: dict[str, dict] = {}
         self.stats: dict[str, float] = {}
-        self.between = {"partial/advance_steps": 0.0}  # decode steps taken while idle since the last result
+        # decode steps taken while idle since the last result, and the tokens they prefilled again
+        self.between = {"partial/advance_steps": 0.0, "partial/advance_reprefill_tokens": 0.0}
 
     def add(self, key: str, prompt_ids: list[list[int]], num_generations: int, replay_mask: bool) -> None:
         if key in self.cohorts:
@@ -98,6 +99,8 @@ class Pool:
         rows and drops them from the pool."""
         active = [(k, i, row) for k, cohort in self.cohorts.items() for i, row in enumerate(cohort["rows"])
                   if not row.done]
+        rows = self.cohorts[key]["rows"]
+        before = sum(len(row.tokens) for row in rows)
         if any(k == key for k, _, _ in active):
             if route_state(model) is not None:
                 raise RuntimeError("partial rollouts do not keep a MoE policy's routes across "
@@ -106,8 +109,10 @@ class Pool:
         else:  # done in earlier windows
             self.stats = {"partial/window_rows": 0.0, "partial/window_steps": 0.0,
                           "partial/reprefill_tokens": 0.0}
+        # the share of rollout `key`'s tokens drawn before its own window (earlier windows, or while idle)
+        self.stats["partial/carried_share"] = before / max(1, sum(len(row.tokens) for row in rows))
         self.stats.update(self.between)
-        self.between = {"partial/advance_steps": 0.0}
+        self.between = {"partial/advance_steps": 0.0, "partial/advance_reprefill_tokens": 0.0}
         return self.cohorts.pop(key)["rows"]
 
     @torch.no_grad()
@@ -119,6 +124,7 @@ class Pool:
         if active:
             stats = self._generate(model, generator, None, version, switch, active, tokens)
             self.between["partial/advance_steps"] += stats["partial/window_steps"]
+            self.between["partial/advance_reprefill_tokens"] += stats["partial/reprefill_tokens"]
 
     def _generate(self, model, generator, key, version, switch, active, limit: int | None = None) -> dict:
         tokenizer = generator.tokenizer

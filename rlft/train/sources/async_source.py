@@ -308,8 +308,9 @@ class ProducerSource(SourceBase):
         # the schedule's, or a restarted producer's resampled rollout's; in-flight weight updates:
         # per token
         mean = self.last.get("sample/token_version_mean", sampled)
+        oldest = self.last.get("sample/token_version_min", sampled)  # partial rollouts: carried tokens
         return {**self.last, "sample/staleness_mean": float(step - mean),
-                "sample/staleness_max": float(step - sampled), "sample/dropped_stale_total": 0.0}
+                "sample/staleness_max": float(step - oldest), "sample/dropped_stale_total": 0.0}
 
     def state_dict(self) -> PartState:
         """Every rollout requested ahead, received and saved (tensors `async.<r>.*`, JSON under
@@ -393,7 +394,8 @@ def _version_metrics(rollout, start: int) -> dict[str, float]:
             "sampling/tokens_from_newer_weights": float((versions > start).double().mean()),
             # partial rollouts: tokens carried over from the windows of earlier rollouts
             "sampling/tokens_from_older_weights": float((versions < start).double().mean()),
-            "sample/token_version_mean": float(versions.mean())}
+            "sample/token_version_mean": float(versions.mean()),
+            "sample/token_version_min": float(versions.min())}
 
 
 def _saved_list(tensors: dict, name: str) -> list[int] | None:
