@@ -96,7 +96,10 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     Kind("async_grpo", "rlft.config:AsyncGRPOConfig", "rlft.train.async_grpo:AsyncGRPOTrainer",
          "Async GRPO (TRL's experimental AsyncGRPOTrainer)",
          "Async GRPO: a producer process samples later steps' rollouts while the trainer trains.",
-         command=False, trl_paths=("experimental.async_grpo",)),
+         command=False, trl_paths=("experimental.async_grpo", "experimental.async_grpo.async_rollout_worker",
+                                   "experimental.async_grpo.async_grpo_trainer"),
+         extra_names={name: f"rlft.train.sources.worker_source:{name}" for name in (
+             "RolloutSample", "RolloutWorkerProtocol", "WeightTransferProtocol")}),
 )}
 
 

@@ -30,6 +30,8 @@ def _module(fullname: str, names: dict[str, tuple[str, bool]]) -> types.ModuleTy
     module = types.ModuleType(fullname, f"TRL's `trl.{fullname[5:]}` names, from rlft "
                                         "(rlft/kinds.py).")
     module.__all__ = sorted(names)
+    # a package, so that TRL's deeper paths (experimental.async_grpo.async_rollout_worker) import under it
+    module.__path__ = []
 
     def __getattr__(name: str):
         if name not in names:

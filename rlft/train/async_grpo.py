@@ -18,28 +18,28 @@ from __future__ import annotations
 from rlft.config import AsyncGRPOConfig
 from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
-
-# TRL's AsyncGRPOTrainer arguments rlft does not build
-REFUSED = {"rollout_worker": "a custom rollout worker", "weight_transfer": "a custom weight transfer"}
+from rlft.train.sources.worker_source import worker_parts
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
     """TRL 1.16's `trl.experimental.async_grpo.AsyncGRPOTrainer` names: `AsyncGRPOTrainer(model,
     reward_funcs, args=AsyncGRPOConfig(...), train_dataset=...).train()`; everything GRPOTrainer
-    takes except tools, environments and rollout_func."""
+    takes except tools, environments and rollout_func. TRL's `rollout_worker=` (the user's worker
+    samples and scores; rlft trains on its samples) and `weight_transfer=` (how the weights reach
+    it) replace the producer (rlft/train/sources/worker_source.py)."""
 
     _tag_names = ["trl", "async-grpo", "rlft"]
     _name = "AsyncGRPO"
     default_rollout_source = "producer"
 
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
-                 **kwargs):
+                 rollout_worker=None, weight_transfer=None, **kwargs):
         args = args or AsyncGRPOConfig(output_dir=default_output_dir(model, "AsyncGRPO"))
         if not isinstance(args, AsyncGRPOConfig):
             raise ConfigError("AsyncGRPOTrainer takes an AsyncGRPOConfig, got "
                               f"{type(args).__name__}")
-        for name, what in REFUSED.items():
-            if kwargs.pop(name, None) is not None:
-                raise ConfigError(f"{what} with AsyncGRPOTrainer is not built yet (the producer "
-                                  "process would have to run it); use GRPOTrainer")
+        # TRL's rollout_worker= / weight_transfer=: the user's worker replaces the producer
+        self._worker = worker_parts(args, rollout_worker, weight_transfer, kwargs.get("eval_dataset"))
+        if self._worker is not None:
+            self.default_rollout_source = "worker"
         super().__init__(model, reward_funcs, args, train_dataset, **kwargs)

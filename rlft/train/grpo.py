@@ -140,8 +140,12 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         args = self.args
         reward_funcs = [*(reward_funcs if isinstance(reward_funcs, list | tuple) else
                           [] if reward_funcs is None else [reward_funcs]), *own]
-        # the objective's signal is elsewhere
-        if not reward_funcs and not self.objective.needs_rewards:
+        if reward_funcs and self._source_class.scores_itself:
+            logging.getLogger("rlft").warning(
+                "reward_funcs are not called: the rollout source scores its own rollouts and sends "
+                "their advantages (a rollout_worker, as in TRL's AsyncGRPOTrainer)")
+        # the objective's signal is elsewhere, or the source's rollouts come scored
+        if self._source_class.scores_itself or (not reward_funcs and not self.objective.needs_rewards):
             self.reward_funcs, self.reward_names, self.reward_weights = [], [], torch.zeros(0)
             self.reward_processing_classes = []
             return
@@ -225,7 +229,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         parts = SourceParts(args, self.schedule, self.reward_scorer, self.throughput, acc, self.state,
                             self.messages, unwrapped, self.tokenizer, self.engine, setup, source,
                             None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
-                            self.steps_per_rollout, self.total_steps, self.teacher_model)
+                            self.steps_per_rollout, self.total_steps, self.teacher_model,
+                            getattr(self, "_worker", None))
         self.source = self._source_class(parts)
         if args.dynamic_sampling:  # rounds until the batch holds groups with a reward spread (DAPO)
             self.source = DynamicSampling(self.source, args, acc, self.reward_weights,
@@ -282,8 +287,12 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
     def _make_rollout(self, rollout_index: int) -> RolloutBatch:
         """rollout -> rewards -> advantages: what the rollout's optimiser steps train on."""
         scored = self.source.rollout(rollout_index)  # rollout -> rewards
-        # advantages
-        advantages, total, stats, everyone = self.advantages(scored.rewards, scored.rollout)
+        # advantages (a rollout worker computed its own)
+        if scored.advantages is None:
+            advantages, total, stats, everyone = self.advantages(scored.rewards, scored.rollout)
+        else:
+            advantages, total, stats, everyone = self.advantages.given(scored.advantages, scored.totals,
+                                                                       scored.rollout)
         return self._batch_of(scored, advantages, total, stats, everyone)
 
     def _batch_of(self, scored: ScoredRollout, advantages, total, stats, everyone) -> RolloutBatch:

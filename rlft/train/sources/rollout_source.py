@@ -14,6 +14,8 @@ the model is loaded):
     gkd        `GKDSource` (rlft/train/gkd.py): the student's, the teacher's or the dataset's
                completions
                (GKDTrainer)
+    worker     `WorkerSource` (rlft/train/sources/worker_source.py): the scored samples of the user's
+               rollout worker (AsyncGRPOTrainer's rollout_worker=, TRL's)
 and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling`
 (rlft/train/sources/dynamic_sampling.py).
 
@@ -133,6 +135,8 @@ class SourceParts:
     total_steps: int
     # distillation's teacher (a module, a served client), where a source samples from it
     teacher: Any = None
+    # AsyncGRPOTrainer's rollout_worker= / weight_transfer= (rlft/train/sources/worker_source.py)
+    worker: Any = None
 
 
 # dataset columns a rollout's rows carry for the trainer's own use (which teacher:
@@ -174,6 +178,7 @@ class SourceBase:
     schedule: PromptSchedule
     engine: Any = None
     records_routes = False  # whether its rollouts carry a MoE policy's routes (routing_replay)
+    scores_itself = False  # its rollouts come with their advantages (the trainer's reward functions unused)
 
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
@@ -268,3 +273,4 @@ def source_class(name: str) -> type[SourceBase]:
 register_source("generate", GeneratedSource)
 register_source("producer", "rlft.train.sources.async_source:ProducerSource")
 register_source("gkd", "rlft.train.gkd:GKDSource")
+register_source("worker", "rlft.train.sources.worker_source:WorkerSource")

@@ -86,6 +86,15 @@ class Advantages:
         local = advantages[rows] if advantages.ndim == 1 else advantages[rows, :width]
         return local, total[rows], stats, everyone
 
+    def given(self, advantages: torch.Tensor, totals: torch.Tensor, rollout):
+        """Advantages the source was given (a rollout worker's), in __call__'s shape: `totals` each
+        row's reward as the source knows it; no reward function's column."""
+        lengths = rollout.loss_mask.sum(dim=1).float()
+        gathered = [self._gather(t) for t in (totals.double(), lengths, rollout.truncated.float())]
+        everyone = (gathered[0].new_zeros(gathered[0].shape[0], 0), gathered[0], gathered[1],
+                    gathered[2].bool())
+        return advantages, totals, {}, everyone
+
     def local(self, rewards: torch.Tensor, rollout, group: int) -> torch.Tensor:
         """Advantages within each prompt's `group` completions of this process alone (evaluation),
         by the plain estimator, with no KL."""

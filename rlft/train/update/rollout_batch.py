@@ -35,6 +35,10 @@ class ScoredRollout(Rows):
     timing: dict[str, float] = rows("whole", default_factory=dict)
     # the source's own (dynamic, async)
     metrics: dict[str, float] = rows("whole", default_factory=dict)
+    # [N] advantages the source was given with the rows (a rollout worker's: TRL's RolloutSample), used
+    # instead of the estimator's, and each row's total reward as the source knows it (NaN: not known)
+    advantages: torch.Tensor | None = rows("row", default=None)
+    totals: torch.Tensor | None = rows("row", default=None)
 
 
 def add_timing(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
