@@ -100,7 +100,7 @@ class AsyncGRPOConfig(_GRPOFields):
     weight_sync_timeout: int = option(
         1800, no_effect="weights reach the producer as a file it reads, not over NCCL")
     fork_threshold_tokens: int = option(
-        1024, no_effect="multi-turn (tool) rollouts are not built for AsyncGRPOTrainer")
+        1024, no_effect="a multi-turn (tool) completion trains as one row: prompt and every turn, not forked")
     # a stale rollout's tokens are weighed by pi_trainer / pi_sampler per token, truncated
     # (decoupled PPO)
     vllm_importance_sampling_mode: str = "token_truncate"

@@ -114,7 +114,7 @@ class ProcessProducer:
         weakref.finalize(self, shutil.rmtree, str(self.folder), True)
         self.proc: subprocess.Popen | None = None
         self.results: dict[str, Produced] = {}
-        self.cond = threading.Condition()
+        self.cond, self.sending = threading.Condition(), threading.Lock()
         self.error: str | None = None
         self.beat = time.monotonic()
         self.begun: dict[str, float] = {}
@@ -198,12 +198,15 @@ class ProcessProducer:
             sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def submit(self, key: str, prompt_ids: list[list[int]], num_generations: int, seed: int,
-               greedy: bool = False, partial: dict | None = None) -> int:
+               greedy: bool = False, partial: dict | None = None, max_new_tokens: int | None = None) -> int:
         """Queue a request; returns the version of the weights that will sample it. `partial`:
-        partial rollouts' "ahead" and "carry" (rlft/rollout/partial.py)."""
+        partial rollouts' "ahead" and "carry" (rlft/rollout/partial.py); `max_new_tokens`: a tool
+        loop's later turn (what is left of the completion's budget)."""
         self.submitted.add(key)
+        limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
         self._send({"type": "generate", "key": key, "prompt_ids": prompt_ids,
-                    "num_generations": num_generations, "greedy": greedy, "seed": seed, **(partial or {})})
+                    "num_generations": num_generations, "greedy": greedy, "seed": seed, **limit,
+                    **(partial or {})})
         return self.label
 
     def take(self, key: str) -> Produced:
@@ -273,8 +276,9 @@ class ProcessProducer:
     # ---- the pipe ------------------------------------------------------------------------------------
     def _send(self, message: dict) -> None:
         try:
-            self.proc.stdin.write(json.dumps(message) + "\n")
-            self.proc.stdin.flush()
+            with self.sending:  # the trainer's thread and a tool loop's driver thread both send
+                self.proc.stdin.write(json.dumps(message) + "\n")
+                self.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as err:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)  # the pipe breaks as the process dies: say how it ended

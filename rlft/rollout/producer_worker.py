@@ -181,7 +181,8 @@ def _generate(model, engine, args, message: dict, version: int, folder: Path) ->
 
     started = time.perf_counter()
     torch.manual_seed(message["seed"])
-    rollout = engine(model, message["prompt_ids"], message["num_generations"], message["greedy"])
+    limit = {"max_new_tokens": message["max_new_tokens"]} if message.get("max_new_tokens") else {}
+    rollout = engine(model, message["prompt_ids"], message["num_generations"], message["greedy"], **limit)
     generated = time.perf_counter()
     lengths = rollout.completion_mask.sum(dim=1).tolist()
     tokens = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]

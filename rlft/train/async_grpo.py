@@ -24,7 +24,8 @@ from rlft.train.sources.worker_source import worker_parts
 class AsyncGRPOTrainer(GRPOTrainer):
     """TRL 1.16's `trl.experimental.async_grpo.AsyncGRPOTrainer` names: `AsyncGRPOTrainer(model,
     reward_funcs, args=AsyncGRPOConfig(...), train_dataset=...).train()`; everything GRPOTrainer
-    takes except tools, environments and rollout_func. TRL's `rollout_worker=` (the user's worker
+    takes (tools and environments: rlft/train/sources/agent_driver.py) except rollout_func. TRL's
+    `rollout_worker=` (the user's worker
     samples and scores; rlft trains on its samples) and `weight_transfer=` (how the weights reach
     it) replace the producer (rlft/train/sources/worker_source.py)."""
 

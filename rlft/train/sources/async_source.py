@@ -31,6 +31,7 @@ from rlft.errors import ConfigError
 from rlft.model.routing import route_state
 from rlft.rollout.producer import ProcessProducer, Produced, ProducerError
 from rlft.train.run.checkpoint import PartState, latest_checkpoint
+from rlft.train.sources.agent_driver import TURN_SEED, AgentDriver, agent_generation, load_scored, save_scored
 from rlft.train.sources.rollout_source import SourceBase, SourceParts, score_rollout
 from rlft.train.update.rollout_batch import ScoredRollout
 
@@ -64,11 +65,17 @@ class ProducerSource(SourceBase):
             raise ConfigError(f"rollout_source 'producer' needs AsyncGRPOConfig's fields "
                               f"({', '.join(ASYNC_FIELDS)}), not a {type(args).__name__}: use "
                               "AsyncGRPOTrainer with an AsyncGRPOConfig")
-        for given, what in ((tools or args.tools, "tool calling"), (environment_factory, "environments"),
-                            (rollout_func, "rollout_func")):
-            if given:
-                raise ConfigError(f"{what} with AsyncGRPOTrainer is not built yet (the producer "
-                                  "process would have to run it); use GRPOTrainer")
+        if rollout_func:
+            raise ConfigError("rollout_func with AsyncGRPOTrainer: it generates by itself, so the "
+                              "producer cannot schedule it (TRL's AsyncGRPOTrainer takes none either); "
+                              "pass rollout_worker= (your worker generates and scores), or use "
+                              "GRPOTrainer")
+        if tools or args.tools or environment_factory:
+            for name in ("partial_rollouts", "inflight_weight_updates"):
+                if getattr(args, name, False):
+                    raise ConfigError(f"{name} with tools or environments: a tool loop's turns are "
+                                      "separate requests, which neither carries across windows nor "
+                                      f"switches weights inside (not built yet); set {name} off")
         staleness(args, generation_batch(args, processes).steps_per_rollout)
 
     def __init__(self, parts: SourceParts):
@@ -86,6 +93,9 @@ class ProducerSource(SourceBase):
         gather = parts.training_engine.full_weights if self.sharded else None
         self.engine = ProcessProducer(parts.args, parts.tokenizer, parts.model, gather,
                                       parts.accelerator.device)
+        # tools / environments: the tool loop runs here, its turns on the producer (agent_driver.py)
+        self.setup, self.tokenizer, self.training_engine = parts.setup, parts.tokenizer, parts.training_engine
+        self.agents = AgentDriver(self) if (parts.setup.tools or parts.setup.environments) else None
         self.training = False
         self.load_state_dict(None)
 
@@ -96,6 +106,10 @@ class ProducerSource(SourceBase):
     def _seed_key(self, key: int) -> int:
         """Each process's producer samples its own slice of the prompts with its own seed."""
         return key * self.accelerator.num_processes + self.accelerator.process_index
+
+    def turn_seed(self, rollout: int, turn: int) -> int:
+        """Tools: turn 0 of rollout `rollout` has a plain rollout's seed, each later turn its own."""
+        return rollout_seed(self.args.seed + TURN_SEED * turn, self._seed_key(rollout))
 
     # ---- train() and evaluate()
     # ----------------------------------------------------------------------------
@@ -114,6 +128,8 @@ class ProducerSource(SourceBase):
 
     def close(self) -> None:
         self.training = False
+        if self.agents is not None:
+            self.agents.stop()
         self.engine.close()
 
     @contextlib.contextmanager
@@ -158,8 +174,8 @@ class ProducerSource(SourceBase):
         had not is requested again (same seeds, the current weights: the run differs from an
         uninterrupted one from here). Under FSDP2 / ZeRO-3 a restart would need every process to
         gather: not done, the error stands."""
-        if self.restarts >= self.args.producer_restarts or self.sharded:
-            raise err
+        if self.restarts >= self.args.producer_restarts or self.sharded or self.agents is not None:
+            raise err  # (tool loops: a restart is not built)
         self.restarts, step = self.restarts + 1, self.state.global_step
         for rollout in sorted(self.outstanding):
             if f"rollout-{rollout}" in self.engine.results:
@@ -188,6 +204,8 @@ class ProducerSource(SourceBase):
         """Request what the schedule allows, then take rollout `index` (waited for if it is not
         ready)."""
         self._guarded(lambda: self._submit_ahead(index + self.args.rollout_lag))
+        if self.agents is not None:
+            return self._agent_rollout(index)
         self.taking, prompts, started = index, self.schedule.batch(index), time.perf_counter()
         produced = self._guarded(lambda: self._take(index))
         waited = time.perf_counter() - started
@@ -209,6 +227,22 @@ class ProducerSource(SourceBase):
             **_version_metrics(rollout, produced.version)}
         return scored
 
+    def _agent_rollout(self, index: int) -> ScoredRollout:
+        """Tools / environments: rollout `index` as the driver scored it."""
+        self.taking, started = index, time.perf_counter()
+        scored = self.scored.pop(index) if index in self.scored else self._guarded(
+            lambda: self.agents.take(index))
+        self.outstanding.discard(index)
+        queued = sum(len(p.completions) for p in self.scored.values())
+        self.last = {"perf/rollout_wait_s": time.perf_counter() - started,
+                     "sample/rollout_queue_size": float(queued), **scored.metrics}
+        return scored
+
+    def _drain(self) -> None:
+        """Before newer weights reach the producer: every tool loop requested earlier is done."""
+        if self.agents is not None:
+            self.agents.drain()
+
     def _submit_ahead(self, last: int) -> None:
         """Request every rollout up to `last` whose weights exist (pushing the current ones when a
         rollout needs them)."""
@@ -223,6 +257,7 @@ class ProducerSource(SourceBase):
                         f"{step}): an async run "
                         "resumed with a larger max_steps than the checkpoint's run had cannot keep "
                         "its schedule; resume with that max_steps")
+                self._drain()
                 self.engine.push(self.model, version)
             self._submit(self.next_submit)
 
@@ -231,8 +266,11 @@ class ProducerSource(SourceBase):
         self._request(rollout)
 
     def _request(self, rollout: int) -> None:
-        prompts = self.schedule.batch(rollout)
         self.outstanding.add(rollout)
+        if self.agents is not None:
+            self.agents.submit(rollout, self._version(rollout))
+            return
+        prompts = self.schedule.batch(rollout)
         self.engine.submit(f"rollout-{rollout}", prompts["prompt_ids"], self.args.num_generations,
                            rollout_seed(self.args.seed, self._seed_key(rollout)),
                            partial=self._partial(rollout))
@@ -295,6 +333,11 @@ class ProducerSource(SourceBase):
     def _now(self, prompts: dict, count: int, greedy: bool, seed: int):
         def call():
             self._submit_older()
+            if self.agents is not None:  # the tool loop here, once the driver is done
+                self._drain()
+                self.engine.push(self.model, self.state.global_step)
+                key = f"now-{self.state.global_step}-{seed}"
+                return agent_generation(self, key, lambda turn: seed + turn, None)(prompts, count, greedy)
             return self.engine(self.model, prompts["prompt_ids"], count, greedy, seed=seed,
                                version=self.state.global_step)
 
@@ -341,12 +384,23 @@ class ProducerSource(SourceBase):
                 tensors[f"async.{rollout}.routes.{name}"] = routes
             pending.append({"rollout": rollout, "version": produced.version, "seconds": produced.seconds,
                             "timings": produced.timings})
+        scored = []
+        for rollout, done in sorted(self.scored.items()):  # tools / environments: scored rollouts
+            saved_tensors, saved = save_scored(done, f"async.{rollout}")
+            tensors.update(saved_tensors)
+            scored.append({"rollout": rollout, **saved})
         carried = {"next_submit": self.next_submit, "pending": pending, "metrics": self.last,
-                   "restarts": self.restarts, "carry": self.carry}
+                   "restarts": self.restarts, "carry": self.carry, "scored": scored}
         return PartState(extra={"async": carried}, tensors=tensors)
 
     def _receive_requested(self) -> None:
         self._submit_older()
+        if self.agents is not None:
+            self._drain()
+            for rollout in range(self.taking + 1, self.next_submit):
+                if rollout not in self.scored:
+                    self.scored[rollout] = self.agents.take(rollout)
+            return
         for rollout in range(self.taking + 1, self.next_submit):
             if rollout not in self.ready:
                 self.ready[rollout] = self._take(rollout)
@@ -355,6 +409,7 @@ class ProducerSource(SourceBase):
         """None: a new run. Else the requested rollouts a checkpoint holds, and where the schedule
         stands."""
         self.ready: dict[int, Produced] = {}
+        self.scored: dict[int, ScoredRollout] = {}  # tools / environments: done, not yet taken
         # requested, not received; resampled
         self.outstanding, self.resampled, self.last = set(), {}, {}
         self.next_submit, self.restarts, self.send_carry = 0, 0, True
@@ -377,6 +432,9 @@ class ProducerSource(SourceBase):
                                      step_versions=_saved_list(part.tensors, f"async.{r}.step_versions"),
                                      row_versions=_saved_rows(part.tensors, f"async.{r}.row_versions",
                                                               lengths))
+        for entry in saved.get("scored", []):
+            self.scored[entry["rollout"]] = load_scored(part.tensors, entry, f"async.{entry['rollout']}",
+                                                        self.accelerator.device)
         rollouts_done = -(-start // self.steps_per_rollout)
         self.next_submit = max(self.next_submit, rollouts_done)
         self.taking = rollouts_done - 1  # the last rollout taken from the producer

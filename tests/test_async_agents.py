@@ -1,0 +1,89 @@
+"""AsyncGRPOTrainer with tools= and environment_factory=: the tool loop runs in the trainer's process, its turns
+on the producer; runs repeat and resume exactly; an environment's reward is read from the instance that served
+the row before another rollout resets it; weights never change inside a rollout's loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from peft import LoraConfig
+
+from rlft import AsyncGRPOTrainer
+from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
+from rlft.errors import ConfigError
+from rlft.model.loading import shipped_policy_path
+from tests.helpers import addition_rows, stop_after
+from tests.test_async_grpo import async_config, rows_of
+
+
+def calculator(tmp_path, name, callbacks=None, resume=None, reward_funcs=None, **overrides):
+    settings = dict(max_steps=4, save_steps=2, max_completion_length=64, temperature=0.7, learning_rate=5e-4,
+                    reward_weights=[1.0, 0.2], producer_threads=1)
+    extra = {"environment_factory": overrides.pop("environment_factory")} \
+        if "environment_factory" in overrides else {"tools": TOOLS}
+    trainer = AsyncGRPOTrainer(str(shipped_policy_path("tiny-calculator")),
+                               reward_funcs or [answer_reward, tool_use_reward],
+                               async_config(tmp_path, name, **{**settings, **overrides}), addition_rows(32),
+                               callbacks=callbacks, peft_config=LoraConfig(r=4, target_modules="all-linear"),
+                               **extra)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_async_tool_rollouts_train_and_a_resumed_run_equals_the_straight_one(tmp_path):
+    """The shipped calculator calls its tool in most rollouts (several producer requests per rollout); a run
+    stopped at its step-2 checkpoint (the rollout requested ahead saved scored, tool masks included) and resumed
+    logs the same steps as the straight run."""
+    calculator(tmp_path, "straight")
+    rows = rows_of(tmp_path / "straight")
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 4 and all(r["tools/call_frequency"] > 0.5 and r["tools/producer_requests"] >= 2
+                                   for r in steps)
+    assert [r["sample/version"] for r in steps] == [0.0, 0.0, 1.0, 2.0]
+    saved = json.loads((tmp_path / "straight" / "checkpoint-2" / "extra.json").read_text())["async"]["scored"]
+    assert [(entry["rollout"], len(entry["completions"])) for entry in saved] == [(2, 8)]  # requested ahead
+    calculator(tmp_path, "split", callbacks=[stop_after(2)])
+    calculator(tmp_path, "split", resume=True)
+    assert rows_of(tmp_path / "split") == rows
+
+
+class Counter:
+    """An environment whose reward is the number of add calls its episode made."""
+
+    def reset(self, **row):
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        self.calls += 1
+        return int(a) + int(b)
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+def test_an_environments_reward_is_read_before_the_next_rollout_resets_it(tmp_path):
+    """Two rollouts in flight (rollout_lag 2): each row's environment reward equals the tool calls its own
+    completion made, so no instance was reset by a later rollout before its reward was read; and no turn met
+    weights its rollout was not scheduled for (the driver raises if one did)."""
+    trainer = calculator(tmp_path, "env", max_steps=3, save_steps=1000, rollout_lag=2, reward_weights=None,
+                         reward_funcs=[answer_reward], environment_factory=Counter)
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(steps) == 3
+    for row in steps:  # a failed call (unparseable arguments) never reached the environment
+        calls = row["tools/call_frequency"] - row["tools/failure_frequency"]
+        assert row["rewards/Counter/mean"] == pytest.approx(calls) and calls > 0
+
+
+def test_what_async_agents_cannot_run_is_refused_by_name(tmp_path):
+    path, rows = str(shipped_policy_path("tiny-calculator")), addition_rows(32)
+    with pytest.raises(ConfigError, match="rollout_func with AsyncGRPOTrainer.*rollout_worker="):
+        AsyncGRPOTrainer(path, answer_reward, async_config(tmp_path), rows, rollout_func=lambda p, t: {})
+    with pytest.raises(ConfigError, match="partial_rollouts with tools or environments"):
+        AsyncGRPOTrainer(path, answer_reward, async_config(tmp_path, partial_rollouts=1), rows, tools=TOOLS)
