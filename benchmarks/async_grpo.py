@@ -8,6 +8,8 @@ median over the steps after the first two (start-up excluded).
     python benchmarks/async_grpo.py --workloads bc --steps 12 --repeats 2 --out benchmarks/results-async.json
     python benchmarks/async_grpo.py --demo --plot docs/figures/async_demo.png \
         --out benchmarks/results-async-demo.json                                      # accuracy vs steps
+    python benchmarks/async_grpo.py --demo --task calculator --demo-steps 300 \
+        --out benchmarks/results-async-calculator.json                  # the tool demo (calculator-env too)
 
 TRL 1.16's AsyncGRPOTrainer is tried in its own venv (--trl-python); its error goes into the table.
 """
@@ -69,62 +71,78 @@ def run_one(workload: str, lag: int, steps: int) -> dict:
             "train_seconds": [r.get("time/train_seconds", 0.0) for r in rows]}
 
 
-def demo_curve(lag: int | None, steps: int, extra: dict | None = None) -> dict:
-    """The demo (LoRA, addition task, seed 0): held-out greedy accuracy every 100 steps and the wall-clock seconds
-    at each (evaluation included); lag None = GRPOTrainer; `extra`: AsyncGRPOConfig fields."""
-    from transformers import TrainerCallback
-
-    from rlft.cli.demo import HELDOUT_KEY, demo_config, demo_lora
-    from rlft.config import AsyncGRPOConfig
-    from rlft.data.addition import rows, split_problems
+def demo_parts(task: str, folder: str, steps: int, config_class, extra: dict):
+    """(config, policy, reward functions, held-out key, trainer kwargs) of a demo task: addition, calculator
+    (the add tool) or calculator-env (the same tool as an environment's method)."""
+    from rlft.cli.demo import CALCULATOR_KEY, HELDOUT_KEY, calculator_config, demo_config
+    from rlft.data import calculator
     from rlft.model.loading import shipped_policy_path
     from rlft.rewards.builtins import exact_match_reward, format_reward
+
+    if task == "addition":
+        return (demo_config(folder, steps, True, 0, config_class=config_class, **extra), shipped_policy_path(),
+                [exact_match_reward, format_reward], HELDOUT_KEY, {})
+    cfg = calculator_config(folder, steps, True, 0, config_class=config_class, **extra)
+    given = {"tools": calculator.TOOLS} if task == "calculator" else {"environment_factory": calculator.CalculatorEnv}
+    return (cfg, shipped_policy_path("tiny-calculator"), [calculator.answer_reward, calculator.tool_use_reward],
+            CALCULATOR_KEY, given)
+
+
+def demo_curve(lag: int | None, steps: int, extra: dict | None = None, task: str = "addition") -> dict:
+    """The demo (LoRA, seed 0): held-out greedy accuracy at each evaluation and the wall-clock seconds at each
+    (evaluation included); lag None = GRPOTrainer; `extra`: AsyncGRPOConfig fields."""
+    from transformers import TrainerCallback
+
+    from rlft.cli.demo import demo_lora
+    from rlft.config import AsyncGRPOConfig, GRPOConfig
+    from rlft.data.addition import rows, split_problems
     from rlft.train.async_grpo import AsyncGRPOTrainer
     from rlft.train.grpo import GRPOTrainer
 
     train, heldout = split_problems()
     folder = tempfile.mkdtemp(prefix="rlft-async-demo-")
     if lag is None:
-        cfg, trainer_class = demo_config(folder, steps, True, 0), GRPOTrainer
+        config_class, extra, trainer_class = GRPOConfig, {}, GRPOTrainer
     else:  # trainer on core 0, producer on core 1, one thread each (two processes must not share cores)
         os.sched_setaffinity(0, {0})
         import torch
 
         torch.set_num_threads(1)
-        cfg = demo_config(folder, steps, True, 0, config_class=AsyncGRPOConfig, rollout_lag=lag,
-                          **{"max_staleness": max(lag, 1), "producer_cpus": [1], "producer_threads": 1,
-                             **(extra or {})})
-        trainer_class = AsyncGRPOTrainer
+        config_class, trainer_class = AsyncGRPOConfig, AsyncGRPOTrainer
+        extra = {"rollout_lag": lag, "max_staleness": max(lag, 1), "producer_cpus": [1], "producer_threads": 1,
+                 **(extra or {})}
+    cfg, policy, rewards, key, given = demo_parts(task, folder, steps, config_class, extra)
     clock = {}
 
     class Clock(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and HELDOUT_KEY in logs:
+            if logs and key in logs:
                 clock[state.global_step] = time.perf_counter() - started
 
-    trainer = trainer_class(str(shipped_policy_path()), [exact_match_reward, format_reward], cfg,
-                            train_dataset=rows(train), eval_dataset=rows(heldout), peft_config=demo_lora(True),
-                            callbacks=[Clock()])
+    trainer = trainer_class(str(policy), rewards, cfg, train_dataset=rows(train), eval_dataset=rows(heldout),
+                            peft_config=demo_lora(True), callbacks=[Clock()], **given)
     started = time.perf_counter()
     trainer.train()
-    curve = [(r["step"], r[HELDOUT_KEY]) for r in trainer.state.log_history if HELDOUT_KEY in r]
+    curve = [(r["step"], r[key]) for r in trainer.state.log_history if key in r]
     return {"curve": curve, "seconds": time.perf_counter() - started,
             "seconds_at": [clock.get(step) for step, _ in curve]}
 
 
 DEMO_RUNS = (("sync", None, {}), ("async k=1", 1, {}),
              ("async k=1, in-flight updates", 1, {"inflight_weight_updates": True}))
+# tools and environments: in-flight updates are not built for them
+AGENT_RUNS = (("sync", None, {}), ("async k=1", 1, {}))
 
 
 def demo(args) -> dict:
     out = {}
-    for name, lag, extra in DEMO_RUNS:
+    for name, lag, extra in (DEMO_RUNS if args.task == "addition" else AGENT_RUNS):
         if name == "sync" and args.sync_curve:  # a synchronous curve already measured (it is deterministic)
             out[name] = json.loads(Path(args.sync_curve).read_text())
             continue
         run = subprocess.run([sys.executable, __file__, "--demo-one", "none" if lag is None else str(lag),
-                              str(args.demo_steps), json.dumps(extra)], cwd=ROOT, capture_output=True, text=True,
-                             timeout=3600)
+                              str(args.demo_steps), json.dumps(extra), args.task], cwd=ROOT, capture_output=True,
+                             text=True, timeout=3600)
         if run.returncode:
             raise RuntimeError(run.stderr[-3000:])
         out[name] = json.loads(run.stdout.strip().splitlines()[-1])
@@ -147,7 +165,7 @@ def demo(args) -> dict:
             ax.plot(*zip(*run["curve"]), marker="o", label=name)
         ax.set_xlabel("optimiser step")
         ax.set_ylabel("held-out greedy accuracy")
-        ax.set_title("rlft demo (LoRA): synchronous vs one-step-off async")
+        ax.set_title(f"rlft demo ({args.task}, LoRA): synchronous vs one-step-off async")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
@@ -220,14 +238,17 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--demo", action="store_true", help="accuracy vs steps on the demo task")
     parser.add_argument("--demo-steps", type=int, default=1500)
+    parser.add_argument("--task", default="addition", choices=("addition", "calculator", "calculator-env"),
+                        help="the demo task: addition, or the calculator with its add tool as a tool or an "
+                             "environment's method")
     parser.add_argument("--plot", default=None)
     parser.add_argument("--sync-curve", default=None, help="reuse a synchronous demo curve (JSON)")
     parser.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--demo-one", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--demo-one", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.demo_one:
         lag = None if args.demo_one[0] == "none" else int(args.demo_one[0])
-        print(json.dumps(demo_curve(lag, int(args.demo_one[1]), json.loads(args.demo_one[2]))))
+        print(json.dumps(demo_curve(lag, int(args.demo_one[1]), json.loads(args.demo_one[2]), args.demo_one[3])))
         return
     if args.demo:
         results = demo(args)

@@ -297,9 +297,9 @@ def test_bad_async_settings_are_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="takes an AsyncGRPOConfig"):
         AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], GRPOConfig(output_dir=str(tmp_path / "g")),
                          addition_rows(32))
-    with pytest.raises(ConfigError, match="tool calling with AsyncGRPOTrainer is not built yet"):
+    with pytest.raises(ConfigError, match="rollout_func with AsyncGRPOTrainer: it generates by itself"):
         AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer], async_config(tmp_path),
-                         addition_rows(32), tools=[len])
+                         addition_rows(32), rollout_func=lambda prompts, trainer: {})
 
 
 def test_trl_module_path():

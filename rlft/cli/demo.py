@@ -52,12 +52,12 @@ def demo_lora(lora: bool):
                       task_type="CAUSAL_LM")
 
 
-def calculator_config(output_dir: str, steps: int, lora: bool, seed: int,
-                      use_vllm: bool = False) -> GRPOConfig:
+def calculator_config(output_dir: str, steps: int, lora: bool, seed: int, use_vllm: bool = False,
+                      config_class=GRPOConfig, **extra) -> GRPOConfig:
     """The tool demo: completions hold a tool call, its result and the answer (~45 tokens, up to
     64), at the constant learning rate docs/agents.md measured it with (5e-4 LoRA, 3e-5 full), not
     the addition demo's cosine."""
-    cfg = demo_config(output_dir, steps, lora, seed, use_vllm)
+    cfg = demo_config(output_dir, steps, lora, seed, use_vllm, config_class, **extra)
     cfg.learning_rate, cfg.lr_scheduler_type, cfg.warmup_ratio = (5e-4 if lora else 3e-5), "constant", 0.0
     cfg.max_completion_length, cfg.max_tool_calling_iterations, cfg.reward_weights = 64, 2, [1.0, 0.2]
     cfg.eval_steps, cfg.logging_steps = CALCULATOR_EVAL_EVERY, 10

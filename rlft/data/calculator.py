@@ -27,6 +27,24 @@ TOOLS = [add]
 rows = addition_rows  # the same prompts and `answer` column
 
 
+class CalculatorEnv:
+    """The same task as an environment (`environment_factory=CalculatorEnv`): its `add` method is the
+    tool, and it counts the calls of its episode (`calls`, reset per row)."""
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        self.calls += 1
+        return int(a) + int(b)
+
+
 def episode(a: int, b: int, use_tool: bool) -> list[dict]:
     """The messages of a correct episode, with or without the tool (what the warm-start
     imitates)."""
