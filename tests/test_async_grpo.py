@@ -134,15 +134,18 @@ def init(self, *a, **k):
     TRAINER = self
     self.flow.handler.add_callback(Kill())
 m.AsyncGRPOTrainer.__init__ = init
-trained(Path({tmp!r}), "split", save_steps=2)
+trained(Path({tmp!r}), "split", save_steps=2, **{extra!r})
 """
 
 
-def test_kill_9_then_resume_equals_the_uninterrupted_run_and_leaves_no_producer(tmp_path):
-    straight = trained(tmp_path, "straight", save_steps=2)
+@pytest.mark.parametrize("extra", [pytest.param({}, id="plain"),
+                                   # the producer mid-window, its pool of carried completions in the checkpoint
+                                   pytest.param({"partial_rollouts": 2, "max_completion_length": 16}, id="partial")])
+def test_kill_9_then_resume_equals_the_uninterrupted_run_and_leaves_no_producer(tmp_path, extra):
+    straight = trained(tmp_path, "straight", save_steps=2, **extra)
     pidfile = tmp_path / "producer.pid"
     script = KILLED_AFTER_SAVE.format(root=str(Path(__file__).resolve().parents[1]), pidfile=str(pidfile),
-                                      tmp=str(tmp_path))
+                                      tmp=str(tmp_path), extra=extra)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == -9, result.stderr[-3000:]
     producer = int(pidfile.read_text())
@@ -150,7 +153,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run_and_leaves_no_producer(
     while _alive(producer) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(producer), "the producer outlived the trainer that started it"
-    resumed = trained(tmp_path, "split", save_steps=2, resume=True)
+    resumed = trained(tmp_path, "split", save_steps=2, resume=True, **extra)
     assert rows_of(tmp_path / "straight") == rows_of(tmp_path / "split")
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name

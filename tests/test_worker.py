@@ -101,7 +101,11 @@ def test_a_sample_splits_at_its_first_trained_token_and_keeps_tool_output_untrai
     assert rollout.loss_mask.tolist() == [[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0]]
     assert rollout.completion_mask.tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
     assert rollout.sampling_logps[0].tolist() == [-0.5, -0.25, 0, 0, -1.5, -2.0]
-    assert rollout.truncated.tolist() == [False, True]  # the second ends without EOS
+    assert rollout.truncated.tolist() == [False, True]  # the second holds no EOS
+    # a chat template's turn may end with a newline after its EOS: not truncated
+    templated = RolloutSample("p", "c", [5, tokenizer.eos_token_id, 7], [0, 1, 1], [0, -1.0, -1.0], 1.0, 3, 0, {})
+    assert not rows_to_rollout([sample_row(templated, 0)], tokenizer.pad_token_id, {tokenizer.eos_token_id},
+                               "cpu").truncated.item()
     for bad, words in ((dict(completion_mask=[0, 0, 0]), "completion_mask has no 1"),
                        (dict(old_log_probs=[0.0]), "one value per token"),
                        (dict(advantage=float("nan")), "not a finite number")):

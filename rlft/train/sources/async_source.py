@@ -128,9 +128,9 @@ class ProducerSource(SourceBase):
 
     def close(self) -> None:
         self.training = False
+        self.engine.close()  # first: a tool loop still running fails at once instead of finishing
         if self.agents is not None:
             self.agents.stop()
-        self.engine.close()
 
     @contextlib.contextmanager
     def session(self):

@@ -151,14 +151,15 @@ def sample_row(sample, index: int) -> dict:
 
 def rows_to_rollout(rows: list[dict], pad_id: int, eos_ids: set[int], device) -> Rollout:
     """The rows as a Rollout: the policy's tokens trained (tool_mask), the sampler's log-probs kept,
-    truncated where the completion does not end in EOS."""
+    truncated where the completion holds no EOS."""
     from rlft.data.prompts import left_pad, right_pad
 
     prompt_ids, prompt_mask = left_pad([r["prompt_ids"] for r in rows], pad_id)
     completion_ids, completion_mask = right_pad([r["completion_ids"] for r in rows], pad_id)
     trained, _ = right_pad([r["trained"] for r in rows], 0)
     logps, _ = right_pad([r["logps"] for r in rows], 0.0, dtype=torch.float32)
-    truncated = torch.tensor([r["completion_ids"][-1] not in eos_ids for r in rows])
+    # no EOS anywhere in it (a chat template may end a turn with a newline after its EOS)
+    truncated = torch.tensor([not eos_ids.intersection(r["completion_ids"]) for r in rows])
     return Rollout(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                    completion_mask.to(device), truncated.to(device), sampling_logps=logps.to(device),
                    tool_mask=trained.to(device), completions=[r["completion"] for r in rows]).to(device)
