@@ -190,6 +190,27 @@ def test_async_grpo_on_two_processes_each_with_its_producer_resumes_exactly(tmp_
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_async_tool_loops_on_two_processes_resume_exactly(tmp_path):
+    """Tools under AsyncGRPOTrainer on 2 processes: each process's driver thread runs its slice's tool loops on
+    its own producer while DDP trains; a run resumed from its step-2 checkpoint (each rank's scored rollouts
+    requested ahead in extra_<rank>) logs the same steps and ends on the same weights as the straight run."""
+    from safetensors.torch import load_file
+
+    from rlft.model.loading import shipped_policy_path
+
+    model = str(shipped_policy_path("tiny-calculator"))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for args in ([model, str(straight)], [model, str(resumed), "--resume", str(straight / "checkpoint-2")]):
+        result = launch(["tests/dist/async_run.py", *args, "--tools"], 2)
+        assert result.returncode == 0, result.stderr[-3000:]
+    kept = ("step", "loss", "reward", "sample/version", "tools/call_frequency", "completions/mean_length")
+    rows = lambda folder: [{k: r[k] for k in kept} for r in read_metrics(folder)]  # noqa: E731
+    assert all(r["tools/call_frequency"] > 0.5 for r in rows(straight))
+    assert rows(resumed) == rows(straight)[2:]
+    a, b = (load_file(folder / "final" / "adapter_model.safetensors") for folder in (straight, resumed))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
 def test_two_process_reward_model_run(tmp_path, tiny_rm_dir):
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(128))
     out = tmp_path / "rm"

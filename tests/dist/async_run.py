@@ -2,6 +2,7 @@
 process with its own producer; optionally resumed from a checkpoint. Writes the trained model to OUT/final.
 
     torchrun --nproc_per_node 2 --standalone tests/dist/async_run.py MODEL_DIR OUT [--resume CHECKPOINT] [--full]
+        [--tools]   (the shipped calculator's add tool: each process's tool loop on its own producer)
     accelerate launch --config_file ENGINE.yaml tests/dist/async_run.py ...   (FSDP2, ZeRO-3)
 """
 
@@ -22,14 +23,22 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--resume")
     parser.add_argument("--full", action="store_true")
+    parser.add_argument("--tools", action="store_true")
     run = parser.parse_args()
     model_dir, out, resume = run.model_dir, run.out, run.resume
     cfg = AsyncGRPOConfig(output_dir=out, learning_rate=1e-3, max_steps=4, num_generations=4,
                           per_device_train_batch_size=8, max_completion_length=8, save_steps=2, report_to="none",
                           disable_tqdm=True, seed=0, gradient_checkpointing=False,
                           logging_steps=1, producer_threads=1)
-    trainer = AsyncGRPOTrainer(model_dir, [correct_answer, has_answer_tags], cfg, addition_rows(32),
-                               peft_config=None if run.full else LoraConfig(r=4, target_modules="all-linear"))
+    rewards, given = [correct_answer, has_answer_tags], {}
+    if run.tools:
+        from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
+
+        cfg.max_completion_length, cfg.temperature = 48, 0.7
+        rewards, given = [answer_reward, tool_use_reward], {"tools": TOOLS}
+    trainer = AsyncGRPOTrainer(model_dir, rewards, cfg, addition_rows(32),
+                               peft_config=None if run.full else LoraConfig(r=4, target_modules="all-linear"),
+                               **given)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(f"{out}/final")
     accelerator = trainer.accelerator
