@@ -1,0 +1,107 @@
+"""The Triton tile kernels (rlft/kernels/tile_softmax.py), run by Triton's interpreter on the CPU
+(TRITON_INTERPRET=1), against the float64 definitions: log-prob of the target, entropy, and the gradient of
+any mix of the two; the torch path where Triton cannot run.
+
+Triton reads TRITON_INTERPRET when it is imported, so the interpreted tests run in a pytest process of their
+own, started by test_the_kernels_under_the_interpreter with the variable set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlft.core.logprobs import entropy_from_logits, selective_log_softmax
+
+pytest.importorskip("triton")
+
+from rlft.kernels import tile_softmax  # noqa: E402
+from rlft.kernels.tile_softmax import tile_stats, tile_stats_grad, triton_runs  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_the_kernels_under_the_interpreter")
+
+
+def test_the_kernels_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is that process")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                             "not under_the_interpreter and not cannot_run"],
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and " passed" in result.stdout and "skipped" not in result.stdout, \
+        result.stdout[-3000:]
+
+
+def definition(z64: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """float64, straight from the formulas: s = z / T, logp_y = s_y - logsumexp(s), H = -sum p log p."""
+    s = z64 / temperature
+    logp_all = torch.log_softmax(s, dim=-1)
+    logp = torch.where(targets >= 0, logp_all.gather(1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def tile(dtype, rows=7, vocab=2500, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    z = (torch.randn(rows, vocab, generator=generator, dtype=torch.float64) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    targets[2] = -1  # a padded row
+    return z, targets
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 2e-5)])
+@interpreted
+def test_the_kernels_forward_equals_the_float64_definition(dtype, bound):
+    """Vocabulary 2,500: three blocks of 1,024, the last partial; bfloat16 tiles accumulate in float32, so they
+    meet the definition on their own (rounded) values to float32 rounding."""
+    z, targets = tile(dtype)
+    assert triton_runs(z)
+    logp, entropy, lse, mean_s = tile_stats(z, targets, temperature=0.7)
+    want_logp, want_entropy = definition(z.double(), targets, 0.7)
+    assert logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert (logp.double() - want_logp).abs().max() < bound and logp[2] == 0
+    assert (entropy.double() - want_entropy).abs().max() < bound
+    assert (lse.double() - torch.logsumexp(z.double() / 0.7, -1)).abs().max() < bound
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+@interpreted
+def test_the_kernels_gradient_equals_autograd_on_the_definition(dtype, bound):
+    """d(sum a_r logp_r + b_r H_r)/dz from the forward's lse and E_p[s], one pass, against float64 autograd
+    of the definition (a padded row's target gets no gradient; its entropy's does)."""
+    z, targets = tile(dtype, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    a, b = torch.randn(7, generator=generator, dtype=torch.float64), torch.randn(7, generator=generator,
+                                                                                  dtype=torch.float64)
+    z64 = z.double().requires_grad_(True)
+    logp, entropy = definition(z64, targets, 1.3)
+    (want,) = torch.autograd.grad((a * logp + b * entropy).sum(), z64)
+    _, _, lse, mean_s = tile_stats(z, targets, temperature=1.3)
+    got = tile_stats_grad(z, targets, lse, mean_s, a, b, temperature=1.3)
+    assert got.dtype == dtype and (got.double() - want).abs().max() < bound
+
+
+@pytest.mark.skipif(INTERPRETED, reason="a CPU tensor runs the kernels here")
+def test_where_triton_cannot_run_the_torch_path_gives_the_same_numbers(monkeypatch):
+    """No interpreter on a CPU tensor, or no triton at all: the torch formulas, equal to rlft's chunked
+    log-probs and entropy (rlft/core/logprobs.py)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    z, targets = tile(torch.float32)
+    assert not triton_runs(z)
+    logp, entropy, lse, mean_s = tile_stats(z, targets, 0.7)
+    safe = targets.clamp(min=0)
+    reference = selective_log_softmax(z[None], safe[None], 0.7)[0]
+    assert torch.allclose(logp[targets >= 0], reference[targets >= 0], atol=1e-6)
+    assert torch.allclose(entropy, entropy_from_logits(z[None], 0.7)[0], atol=1e-5)
+    monkeypatch.setattr(tile_softmax, "_triton", lambda: None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not triton_runs(z)
+    again = tile_stats(z, targets, 0.7)
+    assert all(torch.equal(x, y) for x, y in zip(again, (logp, entropy, lse, mean_s)))
+    with pytest.raises(ValueError, match=r"must be \[rows, vocab\]"):
+        tile_stats(z[None], targets)
