@@ -10,7 +10,7 @@ import pytest
 from peft import LoraConfig
 
 from rlft import AsyncGRPOTrainer
-from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
+from rlft.data.calculator import TOOLS, CalculatorEnv, answer_reward, tool_use_reward
 from rlft.errors import ConfigError
 from rlft.model.loading import shipped_policy_path
 from tests.helpers import addition_rows, stop_after
@@ -48,21 +48,8 @@ def test_async_tool_rollouts_train_and_a_resumed_run_equals_the_straight_one(tmp
     assert rows_of(tmp_path / "split") == rows
 
 
-class Counter:
-    """An environment whose reward is the number of add calls its episode made."""
-
-    def reset(self, **row):
-        self.calls = 0
-
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: The first number.
-            b: The second number.
-        """
-        self.calls += 1
-        return int(a) + int(b)
+class Counter(CalculatorEnv):
+    """The calculator's environment, owning its reward: the number of add calls its episode made."""
 
     def get_reward(self) -> float:
         return float(self.calls)

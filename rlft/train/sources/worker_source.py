@@ -160,9 +160,8 @@ def rows_to_rollout(rows: list[dict], pad_id: int, eos_ids: set[int], device) ->
     logps, _ = right_pad([r["logps"] for r in rows], 0.0, dtype=torch.float32)
     # no EOS anywhere in it (a chat template may end a turn with a newline after its EOS)
     truncated = torch.tensor([not eos_ids.intersection(r["completion_ids"]) for r in rows])
-    return Rollout(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
-                   completion_mask.to(device), truncated.to(device), sampling_logps=logps.to(device),
-                   tool_mask=trained.to(device), completions=[r["completion"] for r in rows]).to(device)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, sampling_logps=logps,
+                   tool_mask=trained, completions=[r["completion"] for r in rows]).to(device)
 
 
 def mean_metrics(rows: list[dict]) -> dict[str, float]:
