@@ -1,0 +1,151 @@
+"""Self-distillation's per-token objectives, as TRL 1.16's SDFTTrainer and SDPOTrainer define their
+`distillation_mode`s.
+
+SDFT (Shenfeld, Damani, Hubotter, Agrawal 2026, "Self-Distillation Enables Continual Learning",
+arXiv:2601.19897): the teacher is the student itself, shown a privileged context (a demonstration,
+the answer) its prompt lacks; the student learns, on its own completions y, to predict what it
+would have predicted with that context. SDPO (Hubotter et al. 2026, "Reinforcement Learning via
+Self-Distillation") takes the same objective with the context built from the group's successful
+rollouts. At a completion position, with the student's and the teacher's next-token distributions
+p_s, p_t at temperature T and the divergence D_alpha at mix alpha (GKD's generalized Jensen-Shannon
+divergence, rlft/core/distill.py: 0 forward KL(p_t || p_s), 1 reverse KL(p_s || p_t)):
+
+    full_logits     L = D_alpha(p_s, p_t) over the whole vocabulary (rlft/core/distill.py)
+    topk_logits     S = the student's k most likely tokens at the position (ties: torch.topk's);
+                    both restricted to S and renormalised,
+                        p~_j = p_j / sum_{i in S} p_i                  (tail=False)
+                    or S plus one bucket holding the rest, p(tail) = 1 - sum_{i in S} p_i (tail=True);
+                    L = D_alpha(p~_s, p~_t). S is chosen by the student's values: no gradient flows
+                    through the choice, only through p_s on S (and its tail).
+    sampled_token   L = sg(log p_s(y) - log p_t(y)) * log p_s(y) at the sampled token y, where sg
+                    stops the gradient: grad L = (log p_s(y) - log p_t(y)) grad log p_s(y), the
+                    score-function estimate of the reverse KL's gradient (alpha must be 1).
+
+Importance clipping (a rollout trained on again after the weights moved): L is weighted by
+sg(min(exp(clamp(log p_s(y) - log p_old(y), -20, 20)), c)). The step's loss is a sequence mean: each
+row's token mean of L over its trained tokens, averaged over the rows.
+
+The top-k divergence is computed tile by tile from the two models' hidden states, never [N, V] at
+once; its gradient with respect to the student's logits is recomputed per tile in the backward by
+autograd over that tile's [t, V] logits. Logits are float32 whatever the models' dtype. Shapes: N
+positions, H hidden size, V vocabulary, k the support.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlft.core.distill import Divergence, Head, _tile_logprobs, divergence_from_logprobs
+from rlft.core.fused_head import HeadGrads, _logits, tile_positions, vocabulary_rows
+from rlft.core.sparse_distill import bucketed_logprobs
+
+MODES = ("full_logits", "topk_logits", "sampled_token")
+
+
+@dataclass(frozen=True)
+class SelfDistillMode:
+    """Which of the module docstring's objectives, and its settings (TRL's `distillation_mode`,
+    `distillation_topk`, `distillation_add_tail`)."""
+    name: str = "topk_logits"
+    topk: int | None = 100
+    tail: bool = False
+
+    def __post_init__(self):
+        if self.name not in MODES:
+            raise ValueError(f"distillation_mode={self.name!r}: choose one of {MODES}")
+        if self.name == "topk_logits" and (self.topk is None or self.topk < 1):
+            raise ValueError("distillation_mode='topk_logits' needs distillation_topk >= 1, got "
+                             f"{self.topk!r}")
+
+
+def topk_support_logprobs(log_ps: torch.Tensor, log_pt: torch.Tensor, k: int, tail: bool):
+    """(student, teacher) log-probs [t, k (+1)] over the student's top-k support (module docstring)
+    from both full log-prob rows [t, V]. Differentiable in log_ps."""
+    ids = log_ps.detach().topk(min(k, log_ps.shape[-1]), dim=-1).indices  # [t, k]
+    return bucketed_logprobs(log_ps, ids, log_pt.gather(-1, ids), tail)
+
+
+def _tile_topk(log_ps, log_pt, k: int, tail: bool, beta: float) -> torch.Tensor:
+    a, q = topk_support_logprobs(log_ps, log_pt, k, tail)
+    return divergence_from_logprobs(a, q, beta)
+
+
+class _TiledTopkDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_s, weight_s, bias_s, hidden_t, student: Head, teacher: Head, beta, temperature,
+                k, tail, tile):
+        n = hidden_s.shape[0]
+        d = torch.empty(n, dtype=torch.promote_types(hidden_s.dtype, torch.float32), device=hidden_s.device)
+        entropy, teacher_entropy = torch.empty_like(d), torch.empty_like(d)
+        with student.whole(), teacher.whole():
+            for start in range(0, n, tile):
+                rows = slice(start, start + tile)
+                log_ps, log_pt = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher, temperature)
+                d[rows] = _tile_topk(log_ps, log_pt, k, tail, beta)
+                entropy[rows] = -(log_ps.exp() * log_ps).sum(-1)
+                teacher_entropy[rows] = -(log_pt.exp() * log_pt).sum(-1)
+        ctx.save_for_backward(hidden_s, hidden_t)
+        ctx.settings = (student, teacher, beta, temperature, k, tail, tile)
+        ctx.mark_non_differentiable(entropy, teacher_entropy)
+        return d, entropy, teacher_entropy
+
+    @staticmethod
+    def backward(ctx, grad_d, grad_entropy, grad_teacher_entropy):
+        hidden_s, hidden_t = ctx.saved_tensors
+        student, teacher, beta, temperature, k, tail, tile = ctx.settings
+        with student.whole(), teacher.whole():
+            grads = HeadGrads(hidden_s, student.weight, student.bias, ctx.needs_input_grad[:3])
+            for start in range(0, hidden_s.shape[0], tile):
+                rows = slice(start, start + tile)
+                z, squashed = _logits(hidden_s[rows], student.weight, student.bias, student.scale,
+                                      student.softcap, temperature)
+                z_t, _ = _logits(hidden_t[rows], teacher.weight, teacher.bias, teacher.scale, teacher.softcap,
+                                 temperature)
+                log_pt = (z_t - torch.logsumexp(z_t, dim=-1, keepdim=True)).to(z.dtype)
+                with torch.enable_grad():
+                    z = z.detach().requires_grad_(True)
+                    log_ps = z - torch.logsumexp(z, dim=-1, keepdim=True)
+                    d = _tile_topk(log_ps, log_pt, k, tail, beta)
+                    (grad_z,) = torch.autograd.grad(d, z, grad_d[rows].to(d.dtype))
+                grads.add(rows, grad_z, squashed, student.scale / temperature)
+            return (*grads.result(), None, None, None, None, None, None, None, None)
+
+
+def topk_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: Head, teacher: Head, k: int,
+                    beta: float = 0.5, temperature: float = 1.0, tail: bool = False,
+                    tile: int | None = None) -> Divergence:
+    """D_alpha [N] on the student's top-k support (module docstring) and both models' full
+    entropies [N], from the student's hidden states [N, H_s] (differentiable, as are its head's
+    weight and bias) and the teacher's [N, H_t] (no gradient). Never allocates [N, V]."""
+    vocab, teacher_vocab = vocabulary_rows(student.weight), vocabulary_rows(teacher.weight)
+    if vocab != teacher_vocab:
+        raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) differ")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
+    if hidden_s.shape[0] == 0:
+        empty = hidden_s.sum(-1).float()
+        return Divergence(empty, empty.detach(), empty.detach())
+    tile = tile or tile_positions(vocab, device=hidden_s.device)
+    return Divergence(*_TiledTopkDivergence.apply(hidden_s, student.weight, student.bias, hidden_t.detach(),
+                                                  student, teacher, float(beta), float(temperature), int(k),
+                                                  bool(tail), int(tile)))
+
+
+def sampled_token_loss(logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:
+    """sg(log p_s(y) - log p_t(y)) * log p_s(y) per token (module docstring), differentiable in
+    `logps`."""
+    return (logps - teacher_logps).detach() * logps
+
+
+def clipped_ratio(logps: torch.Tensor, old_logps: torch.Tensor, clip: float) -> torch.Tensor:
+    """sg(min(exp(clamp(log p_s - log p_old, -20, 20)), clip)) per token: the weight of a token
+    sampled by older weights."""
+    return (logps.detach() - old_logps).clamp(-20.0, 20.0).exp().clamp(max=clip)
+
+
+def sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's mean of `values` [b, c] over its `mask`ed tokens [b] (0 for a row with none)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)

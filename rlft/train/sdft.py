@@ -1,0 +1,185 @@
+"""Self-distillation fine-tuning under TRL 1.16's experimental names (`SDFTTrainer`, `SDFTConfig`;
+Shenfeld, Damani, Hubotter, Agrawal 2026, "Self-Distillation Enables Continual Learning",
+arXiv:2601.19897).
+
+Each dataset row has a `prompt` and a `privileged_context` (a demonstration, the answer, feedback).
+The student samples `num_generations` completions of the prompt alone (or, with
+`generate_from_teacher`, of the teacher's prompt); the teacher, the student itself
+(`teacher_model_kind`: base, live or ema; rlft/train/update/self_teacher.py), reads the same
+completions after the teacher's prompt, `teacher_prompt_template` filled with the prompt and the
+context, and the loss makes the student without the context predict what the teacher predicts with
+it (rlft/core/self_distill.py, rlft/train/update/self_distill_objective.py).
+
+The teacher's prompt, as TRL builds it: a plain prompt is the template filled in; a chat prompt keeps
+its earlier messages and has its last message, which must be the user's, replaced by one user message
+whose text is the template filled with that message's text. A context given as chat messages is
+their texts joined by newlines. The teacher's prompts of the training set are built and measured
+before the first step, so a row too long for `max_prompt_length` is named then (rlft refuses what TRL
+cuts from the left, as it does for student prompts).
+
+Generation, LoRA, exact resume, evaluation (`eval_loss` is the objective on the evaluation
+completions) and logging are GRPO's; no reward function is called.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rlft.config import SDFTConfig
+from rlft.data.prompts import DatasetError, is_conversational, left_pad, render_prompt
+from rlft.errors import ConfigError
+from rlft.rollout.base import Rollout
+from rlft.train.distillation import DistillationTrainer
+from rlft.train.grpo import default_output_dir
+from rlft.train.sources.rollout_source import GeneratedSource, SourceBase, SourceParts, score_rollout
+from rlft.train.update.distill_objective import _plain_student_head
+from rlft.train.update.rollout_batch import ScoredRollout
+from rlft.train.update.self_distill_objective import SelfDistillationObjective
+from rlft.train.update.self_teacher import SelfTeacher
+
+CONTEXT = "privileged_context"  # TRL's column
+
+
+def _text(content) -> str:
+    if isinstance(content, list):  # content parts
+        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return str(content)
+
+
+def context_text(context, row) -> str:
+    """A row's privileged context as text (chat messages: their texts, a line each)."""
+    if context is None:
+        raise DatasetError(f"row {row}: '{CONTEXT}' is missing (None): SDFT's teacher reads it")
+    if isinstance(context, list) and context and isinstance(context[0], dict):
+        return "\n".join(text for text in (_text(m.get("content", "")) for m in context) if text)
+    return context if isinstance(context, str) else str(context)
+
+
+def teacher_prompt(prompt, context, template: str, row):
+    """The teacher's prompt (module docstring) for one row."""
+    text = context_text(context, row)
+    if not is_conversational(prompt):
+        return template.format(prompt=prompt, privileged_context=text)
+    if not prompt or prompt[-1].get("role") != "user":
+        role = prompt[-1].get("role") if prompt else None
+        raise DatasetError(f"row {row}: the prompt ends with a {role!r} message; SDFT's teacher prompt "
+                           "puts the privileged context into the last user message, so a prompt must "
+                           "end with the user's")
+    last = template.format(prompt=_text(prompt[-1].get("content", "")), privileged_context=text)
+    return list(prompt[:-1]) + [{"role": "user", "content": last}]
+
+
+class SDFTSource(SourceBase):
+    """The student's completions of each prompt, with the teacher's prompt for every row
+    (`Rollout.teacher_prompt_ids`)."""
+
+    def __init__(self, parts: SourceParts):
+        self.args, self.schedule, self.rewards = parts.args, parts.schedule, parts.rewards
+        self.throughput, self.tokenizer, self.teacher = parts.throughput, parts.tokenizer, parts.teacher
+        self.device, self.group = parts.accelerator.device, parts.args.num_generations
+        self.generated = GeneratedSource(parts)
+        rows = getattr(parts.schedule.prompts, "rows", None)
+        if rows is not None:  # every training row's teacher prompt, measured before the first step
+            whole = {"prompts": [r["prompt"] for r in rows]}
+            if rows and CONTEXT in rows[0]:
+                whole[CONTEXT] = [r[CONTEXT] for r in rows]
+            self.teacher_ids(whole)
+
+    @classmethod
+    def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
+        if tools or environment_factory is not None or rollout_func is not None:
+            raise ConfigError("SDFTTrainer samples with the rollout engine alone: tools=, "
+                              "environment_factory= and rollout_func= are not taken")
+
+    @property
+    def engine(self):
+        return self.generated.engine
+
+    @engine.setter
+    def engine(self, value) -> None:
+        self.generated.engine = value
+
+    def teacher_ids(self, prompts: dict) -> list[list[int]]:
+        """The teacher's prompt tokens for each prompt of a batch."""
+        if CONTEXT not in prompts:
+            raise DatasetError(f"the dataset has no '{CONTEXT}' column: SDFT's teacher reads each row's "
+                               "prompt with its privileged context (a demonstration, the answer)")
+        args, out = self.args, []
+        for row, (prompt, context) in enumerate(zip(prompts["prompts"], prompts[CONTEXT])):
+            text = render_prompt(teacher_prompt(prompt, context, args.teacher_prompt_template, row),
+                                 self.tokenizer, row, args.chat_template_kwargs)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:
+                raise DatasetError(f"row {row}: the teacher's prompt (the prompt with its "
+                                   f"{CONTEXT}) has {len(ids)} tokens, over max_prompt_length="
+                                   f"{args.max_prompt_length}; raise max_prompt_length or shorten "
+                                   "the context")
+            out.append(ids)
+        return out
+
+    def rollout(self, index: int) -> ScoredRollout:
+        return self.round(index, 0)
+
+    def round(self, index: int, round_index: int) -> ScoredRollout:
+        prompts, started = self.schedule.batch(index, round_index), time.perf_counter()
+        rollout = self.generate(prompts, self.group, from_teacher=self.args.generate_from_teacher)
+        seconds = time.perf_counter() - started
+        return score_rollout(self.rewards, self.throughput, prompts, rollout, self.group, seconds, seconds)
+
+    def generate(self, prompts: dict, count: int, greedy: bool = False,
+                 from_teacher: bool = False) -> Rollout:
+        """`count` completions per prompt, with the teacher's prompts; `from_teacher`: sampled after
+        the teacher's prompt, then trained after the student's."""
+        teacher = self.teacher_ids(prompts)
+        if not from_teacher:
+            rollout = self.generated.generate(prompts, count, greedy)
+        else:
+            rollout = self.generated.generate({**prompts, "prompt_ids": teacher}, count, greedy)
+            student, student_mask = left_pad([ids for ids in prompts["prompt_ids"] for _ in range(count)],
+                                             self.tokenizer.pad_token_id)
+            rollout.prompt_ids, rollout.prompt_mask = student.to(self.device), student_mask.to(self.device)
+            rollout.prompt_routes = rollout.completion_routes = None  # routed after another prompt
+        ids, mask = left_pad([ids for ids in teacher for _ in range(count)], self.tokenizer.pad_token_id)
+        rollout.teacher_prompt_ids, rollout.teacher_prompt_mask = ids.to(self.device), mask.to(self.device)
+        return rollout
+
+    def state_dict(self):
+        return self.teacher.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        if state is not None:
+            self.teacher.load_state_dict(state)
+
+
+class SDFTTrainer(DistillationTrainer):
+    """TRL-compatible SDFT: `SDFTTrainer(model, args, train_dataset=...).train()` on `prompt` +
+    `privileged_context` rows."""
+
+    _tag_names = ["trl", "sdft", "rlft"]
+    _name = "SDFT"
+    default_rollout_source = "sdft"
+    objective = SelfDistillationObjective
+
+    def __init__(self, model, args: SDFTConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
+                 quantization_config=None):
+        args = args or SDFTConfig(output_dir=default_output_dir(model, "SDFT"))
+        if not isinstance(args, SDFTConfig):
+            raise ConfigError(f"SDFTTrainer takes an SDFTConfig, got {type(args).__name__}")
+        if train_dataset is None:
+            raise ConfigError("SDFTTrainer needs a train_dataset with 'prompt' and "
+                              f"'{CONTEXT}' columns")
+        super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, callbacks,
+                         optimizers, quantization_config, peft_config)
+
+    def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
+        super()._setup_policy(model, source, peft_config, optimizers, quantization_config, None)
+        unwrap = self.accelerator.unwrap_model
+        _plain_student_head(unwrap(self.model))
+        self.teacher_model = SelfTeacher.build(self.args, self.model, unwrap, self.engine, self.is_peft)
+
+    def _step(self, step: int) -> dict[str, float]:
+        """GRPO's step, then the ema teacher's update."""
+        metrics = super()._step(step)
+        metrics.update(self.teacher_model.after_step(step + 1))
+        return metrics
