@@ -87,6 +87,18 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          "`messages` datasets as TRL's.",
          script_args="rlft.cli.recipes:RewardScriptArguments", recipe="rlft.cli.recipes:with_teacher",
          trl_paths=("experimental.gkd",)),
+    Kind("gold", "rlft.config:GOLDConfig", "rlft.train.gkd:GOLDTrainer",
+         "GOLD with a same-tokenizer teacher (TRL's experimental GOLDTrainer)",
+         "GOLD: GKD's rollouts and divergence at the sampling temperature, TRL's GOLDConfig fields.",
+         command=False, trl_paths=("experimental.gold", "experimental.gold.gold_config",
+                                   "experimental.gold.gold_trainer")),
+    Kind("sdft", "rlft.config:SDFTConfig", "rlft.train.sdft:SDFTTrainer",
+         "Self-distillation fine-tuning (TRL's experimental SDFTTrainer)",
+         "SDFT: the student samples, and learns to predict without each row's privileged_context what "
+         f"it predicts with it (the teacher is the student: teacher_model_kind). {_FIELDS}; "
+         "datasets have 'prompt' and 'privileged_context' columns.",
+         script_args="rlft.cli.recipes:RewardScriptArguments", recipe="",
+         trl_paths=("experimental.sdft",)),
     Kind("server_distillation", "rlft.config:ServerDistillationConfig",
          "rlft.train.distillation:ServerDistillationTrainer",
          "Distillation from a served teacher (TRL's experimental ServerDistillationTrainer)",

@@ -1,5 +1,5 @@
 """Run configuration: `GRPOConfig`, `RLOOConfig`, `AsyncGRPOConfig`, `RewardConfig` and `SFTConfig`,
-real `transformers.TrainingArguments` subclasses.
+real `transformers.TrainingArguments` subclasses (the distillation family's: rlft/config/distill_configs.py).
 
 Field names, types and defaults are TRL 1.16's (which include TrainingArguments'), so a TRL recipe's
 arguments, YAML and `HfArgumentParser` / `TrlParser` code carry over; the model, data and LoRA
@@ -11,7 +11,6 @@ error names the field, the value and what is allowed. docs/migration.md lists ev
 difference with its reason.
 """
 
-from typing import ClassVar
 
 from rlft.config.checks import (  # noqa: F401 (public names)
     check_async,
@@ -22,6 +21,14 @@ from rlft.config.checks import (  # noqa: F401 (public names)
     validate,
 )
 from rlft.config.common import _BaseConfig, config_class
+from rlft.config.distill_configs import (  # noqa: F401 (public names)
+    GRPO_ONLY,
+    DistillationConfig,
+    GKDConfig,
+    GOLDConfig,
+    SDFTConfig,
+    ServerDistillationConfig,
+)
 from rlft.config.grpo_fields import _GRPOFields
 from rlft.config.options import (  # noqa: F401 (field_types: a public name)
     NON_NEGATIVE,
@@ -143,161 +150,6 @@ class AsyncGRPOConfig(_GRPOFields):
         check_async(self, errors)
 
 
-# GRPO fields a distillation run refuses away from these values: they would act on rewards or a
-# reference it does not have, or add a term its loss does not take.
-GRPO_ONLY = {"teacher_coef": 0.0, "dynamic_sampling": False, "sync_ref_model": False, "entropy_coef": 0.0,
-             "use_adaptive_entropy": False, "multi_objective_aggregation": "sum_then_normalize",
-             "kl_in_reward": None}
-
-
-@config_class
-class DistillationConfig(_GRPOFields):
-    """On-policy distillation (TRL 1.16's DistillationConfig names and defaults, on top of GRPO's
-    generation, vLLM, tool and packing fields): the student samples completions, a teacher scores
-    every completion token, and the loss is the generalized Jensen-Shannon divergence at `beta`
-    (rlft/core/distill.py). No rewards, no reference model: `beta` is the divergence's, not a KL
-    coefficient."""
-
-    num_generations: int | None = option(
-        1, "distillation: completions per prompt (TRL samples 1; more is allowed)")
-    beta: float = option(
-        1.0, check=between(0, 1, note=": 0 is the forward KL, 1 the reverse KL, values in between "
-                                      "the generalized Jensen-Shannon divergence"),
-        help="distillation: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), in "
-             "between the generalized Jensen-Shannon divergence")
-    teacher_model_name_or_path: str | None = option(
-        None, "distillation: the teacher (hub id or folder; the trainer's teacher_model wins)")
-    teacher_model_revision: str | None = option(
-        None, "distillation: the teacher's revision (branch, tag or commit)")
-    teacher_model_init_kwargs: dict | str | None = option(
-        None, "distillation: from_pretrained keyword arguments for the teacher (e.g. dtype)")
-    teacher_models: dict | str | None = option(
-        None, rlft=True,
-        help="several teachers: id -> hub id or folder; each row is distilled from the one its "
-             "'teacher_id' column names (docs/distillation.md)")
-    teacher_server_urls: dict | str | None = option(
-        None,
-        help="several served teachers (TRL's name): id -> URL of `rlft vllm-serve`; each row's "
-             "'teacher_id' column picks one")
-    # no group statistics: one completion per prompt is the usual
-    min_generations: ClassVar[int] = 1
-
-    @property
-    def kl_coef(self) -> float:
-        """No KL to a reference: `beta` is the divergence's mix."""
-        return 0.0
-
-    @property
-    def divergence_temperature(self) -> float:
-        """The temperature both distributions are compared at: the sampling one (TRL's
-        DistillationTrainer)."""
-        return self.temperature
-
-    def _check(self, errors: list[str]) -> None:
-        super()._check(errors)
-        for name, value in GRPO_ONLY.items():
-            if getattr(self, name) != value:
-                errors.append(f"{name}={getattr(self, name)!r} is a GRPO setting with no meaning "
-                              "in distillation (no reward, no reference, the loss is the "
-                              f"divergence itself): leave it at {value!r}")
-        for name in ("teacher_models", "teacher_server_urls"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, dict):
-                errors.append(f"{name}={value!r} must be a mapping of teacher id -> "
-                              + ("hub id or folder" if name == "teacher_models" else "server URL"))
-        for key, url in (self.teacher_server_urls or {}).items() if isinstance(self.teacher_server_urls,
-                                                                                dict) else ():
-            if not str(url).startswith(("http://", "https://")):
-                errors.append(f"teacher_server_urls[{key!r}]={url!r} is not an http(s) URL")
-        kwargs = self.teacher_model_init_kwargs
-        if kwargs is not None and not isinstance(kwargs, dict):
-            errors.append(f"teacher_model_init_kwargs={kwargs!r} must be a mapping of "
-                          "from_pretrained arguments (or its JSON string), e.g. {\"dtype\": "
-                          "\"bfloat16\"}")
-
-
-@config_class
-class GKDConfig(DistillationConfig):
-    """Generalized knowledge distillation (TRL 1.16's experimental GKDConfig names and defaults;
-    Agarwal et al. 2024, arXiv:2306.13649): each step trains on the student's own completions with
-    probability `lmbda`, else on the teacher's (`seq_kd`) or the dataset's; the loss is the
-    generalized JSD at `beta`, at temperature 1 (`temperature` is the sampling one).
-    rlft/train/gkd.py."""
-
-    learning_rate: float = option(2e-5, "peak learning rate")
-    logging_steps: float = 10
-    disable_dropout: bool = True
-    temperature: float = option(
-        0.9,
-        help="GKD: sampling temperature of generated completions (the loss compares the two "
-             "distributions at temperature 1)")
-    beta: float = option(
-        0.5,
-        help="GKD: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), in between "
-             "the generalized Jensen-Shannon divergence")
-    lmbda: float = option(
-        0.5,
-        check=between(0, 1, note=": the probability of a step on the student's own completions"),
-        help="GKD: the probability that a step trains on the student's own completions (on-policy) "
-             "instead of fixed ones")
-    seq_kd: bool = option(
-        False,
-        help="GKD: the fixed completions are the teacher's own (sequence-level KD) instead of the "
-             "dataset's")
-    max_new_tokens: int = option(
-        128, check=POSITIVE,
-        help="GKD: the longest completion in tokens (generated ones stop there, the dataset's are "
-             "cut there); sets max_completion_length")
-
-    @property
-    def divergence_temperature(self) -> float:
-        return 1.0  # TRL's GKD: `temperature` shapes sampling only
-
-    def _normalize(self) -> None:
-        super()._normalize()
-        self.max_completion_length = self.max_new_tokens
-
-    def _check(self, errors: list[str]) -> None:
-        super()._check(errors)
-        if self.num_generations != 1:
-            errors.append(f"num_generations={self.num_generations!r}: GKD trains one completion "
-                          "per prompt (the dataset's and the teacher's are one each); leave it at "
-                          "1")
-        if self.seq_kd and self.teacher_model_server_url:
-            errors.append("seq_kd=True generates with the teacher, which a served teacher "
-                          "(teacher_model_server_url) does not do here: load the teacher locally, "
-                          "or set seq_kd: false")
-
-
-@config_class
-class ServerDistillationConfig(DistillationConfig):
-    """TRL 1.16's experimental ServerDistillationConfig: distillation from a teacher behind a server
-    (`rlft vllm-serve`, or TRL's `trl vllm-serve`) at `teacher_model_server_url`, its
-    top-`loss_top_k` log-probs per position with TRL's defaults (rlft/rollout/teacher_server.py,
-    docs/distillation.md)."""
-
-    vllm_server_port: int = 8001
-    loss_top_k: int = option(
-        1,
-        help="served teacher: the teacher's most likely tokens per position the divergence sees "
-             "(plus the sampled one; TRL's default 1)")
-    reverse_kl_top_1_mode: str = option(
-        "sampled", check=one_of(("sampled", "argmax")),
-        help="served teacher, beta > 0: the token whose reverse term is taken: 'sampled' (the "
-             "completion's own); TRL's 'argmax' needs the teacher's log-prob of a token the server "
-             "did not return, and is refused as TRL refuses it")
-
-    def _check(self, errors: list[str]) -> None:
-        super()._check(errors)
-        if self.reverse_kl_top_1_mode == "argmax":
-            errors.append("reverse_kl_top_1_mode='argmax' is not supported with a served teacher: "
-                          "the server cannot provide teacher log-probs for arbitrary "
-                          "student-selected tokens (as in TRL); use 'sampled'")
-        if not (self.teacher_model_server_url or "").strip():
-            errors.append("teacher_model_server_url must be set for ServerDistillationTrainer (the "
-                          "teacher's server, e.g. http://127.0.0.1:8001 from `rlft vllm-serve`)")
-
-
 @config_class
 class RewardConfig(_BaseConfig):
     """Bradley-Terry reward-model run on chosen/rejected pairs."""
@@ -359,7 +211,7 @@ class SFTConfig(_BaseConfig):
 TrainConfig = _BaseConfig
 
 CONFIG_CLASSES = (GRPOConfig, RLOOConfig, AsyncGRPOConfig, DistillationConfig, GKDConfig,
-                  ServerDistillationConfig, RewardConfig)
+                  ServerDistillationConfig, SDFTConfig, GOLDConfig, RewardConfig)
 # rlft's additions to TRL's fields (docs/migration.md says why each exists), and the fields a
 # resumed run may change: queries of the fields' declarations.
 RLFT_FIELDS = frozenset().union(*map(rlft_fields, CONFIG_CLASSES))

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlft.core.distill import Head, tiled_divergence
 from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
+from rlft.core.self_distill import SelfDistillMode, topk_divergence
 from rlft.core.sparse_distill import sparse_divergence
 from rlft.model.packing import Packed, install, pack_rows, packed_forward
 from rlft.model.routing import replay
@@ -73,6 +74,9 @@ class TeacherStates:
     ids: torch.Tensor | None = None
     logps: torch.Tensor | None = None
     tail: bool = True
+    # self-distillation (rlft/core/self_distill.py): the objective taken against this teacher; None:
+    # the generalized JSD over the vocabulary (or a served teacher's support)
+    mode: SelfDistillMode | None = None
 
 
 @dataclass
@@ -86,6 +90,8 @@ class Scored:
     divergence: torch.Tensor | None = None  # [b, c] with a teacher: each token's divergence to it
     # [b, c] with a teacher: its entropy at each position
     teacher_entropy: torch.Tensor | None = None
+    # [b, c] a teacher's log-prob of each scored token (self-distillation's sampled_token mode)
+    teacher_logps: torch.Tensor | None = None
 
 
 def head_settings(config) -> tuple[float, float | None]:
@@ -145,23 +151,39 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
         grad = score.loss_grad(place(values))
         return grad[mask] if packed is None else grad[packed.rows, packed.cols]
 
-    divergence = teacher_entropy = None
-    if score.teacher is not None:
+    divergence = teacher_entropy = teacher_logps = None
+    sampled = score.teacher is not None and score.teacher.mode is not None \
+        and score.teacher.mode.name == "sampled_token"
+    if sampled:
+        teacher_logps = place(_teacher_token_logps(score.teacher, targets, score))
+    elif score.teacher is not None:
         # [n] each
         divergence, entropy, teacher_entropy = _divergence(head, hidden, score, scale, softcap)
         divergence, teacher_entropy = place(divergence), place(teacher_entropy).detach()
+        student_entropy = place(entropy).detach()
         if not score.logps:
-            entropy = place(entropy).detach()
-            return Scored(torch.zeros_like(entropy), entropy, None, divergence=divergence,
+            return Scored(torch.zeros_like(student_entropy), student_entropy, None, divergence=divergence,
                           teacher_entropy=teacher_entropy)
     logps, entropy, logmass = _head_scores(model, head, hidden, targets, kept, score, scale, softcap,
                                            None if score.loss_grad is None else predict)  # [n] each
     logps = place(logps)
     if entropy is not None:
         entropy = place(entropy)
+    elif divergence is not None:  # the divergence's pass measured it
+        entropy = student_entropy
     logmass = None if kept is None else place(logmass).detach()
     aux = _router_loss(model, outputs, kwargs.get("attention_mask")) if score.router_loss else None
-    return Scored(logps, entropy, aux, logmass, divergence=divergence, teacher_entropy=teacher_entropy)
+    return Scored(logps, entropy, aux, logmass, divergence=divergence, teacher_entropy=teacher_entropy,
+                  teacher_logps=teacher_logps)
+
+
+@torch.no_grad()
+def _teacher_token_logps(teacher: TeacherStates, targets: torch.Tensor, score: Score) -> torch.Tensor:
+    """The teacher's log-prob [n] of each scored token, at the student's temperature."""
+    head = teacher.head
+    return fused_kept_logprobs(teacher.hidden.to(head.weight.dtype), head.weight, targets, None, head.bias,
+                               score.temperature, head.scale, head.softcap, tile=score.tile,
+                               whole=head.whole)[0]
 
 
 def _plain_weight(head, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -219,6 +241,10 @@ def _divergence(head, hidden, score: Score, scale: float, softcap: float | None)
     weight, bias = plain
     teacher = score.teacher
     student = Head(weight, bias, scale, softcap, _gathered(weight, bias))
+    if teacher.mode is not None and teacher.mode.name == "topk_logits":  # on the student's top-k
+        mode = teacher.mode
+        return topk_divergence(hidden.to(weight.dtype), teacher.hidden, student, teacher.head, mode.topk,
+                               teacher.beta, score.temperature, mode.tail, score.tile)
     if teacher.ids is not None:  # a served teacher: its top-k log-probs
         return sparse_divergence(hidden.to(weight.dtype), student, teacher.ids, teacher.logps, teacher.beta,
                                  score.temperature, teacher.tail, score.tile)
@@ -235,7 +261,10 @@ def teacher_states(teacher, ids, mask, position_ids, completion_mask, beta: floa
     inner = getattr(teacher, "module", teacher)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     backbone = getattr(inner, inner.base_model_prefix)
-    outputs = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+    # the student as its own teacher: its adapters off, or its EMA weights in
+    # (rlft/train/update/self_teacher.py)
+    with getattr(teacher, "scoring", contextlib.nullcontext)():
+        outputs = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     width = completion_mask.shape[1]
     hidden = outputs.last_hidden_state[:, -(width + 1):-1][completion_mask.bool()]  # [n, H_t]
     plain = _plain_weight(inner.get_output_embeddings(), sharded=True)
@@ -292,7 +321,8 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
                router_loss: bool = False, tile: int | None = None, pad_to_multiple_of=None,
                packing: str | None = None, teacher=None, beta: float = 1.0,
                with_logps: bool = False, entropy_grad: bool = False,
-               loss_grad: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Scored:
+               loss_grad: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               mode: SelfDistillMode | None = None) -> Scored:
     """Per-token log-probs [b, c] of a rollout's completion tokens for `rows` (a slice or an index
     tensor), from a model with `install_scoring`; renormalised over the sampler's kept tokens where
     the rollout carries them (`sampling_kept`). Padded, the batch is cut to its own longest
@@ -304,7 +334,9 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     teacher at `beta` (rlft/core/distill.py), and the student's entropy, instead of log-probs (as
     well, with `with_logps`); padded. `entropy_grad`: the entropy's gradient will be asked for (an
     entropy bonus; rlft/core/fused_head.py). `loss_grad`: the loss's dL/dlog p as a function of the
-    log-probs [b, c], for a token-separable loss (Score.loss_grad)."""
+    log-probs [b, c], for a token-separable loss (Score.loss_grad). `mode`: a self-distillation
+    objective against the teacher (rlft/core/self_distill.py; the teacher reads each row's
+    `teacher_prompt_ids` where the rollout has them)."""
     completion_mask = rollout.completion_mask[rows]
     width = max(int(completion_mask.sum(dim=1).max()), 1)
     if packing is not None and teacher is None:
@@ -327,18 +359,31 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
                   None if kept is None else kept[rows, :width], entropy_grad=entropy_grad,
                   loss_grad=loss_grad)
     # rollout/teacher_server.py
-    if teacher is not None and not isinstance(teacher, torch.nn.Module):
+    if teacher is not None and hasattr(teacher, "support"):
         score.teacher = TeacherStates(None, None, beta, *teacher.support(rollout, rows, width), teacher.tail)
     elif teacher is not None:
-        score.teacher = teacher_states(teacher, ids, mask, position_ids, completion_mask[:, :width], beta)
+        inputs = _teacher_inputs(rollout, rows, ids, mask, position_ids, width)
+        score.teacher = teacher_states(teacher, *inputs, completion_mask[:, :width], beta)
     if teacher is not None:
-        score.logps = with_logps
+        score.logps, score.teacher.mode = with_logps, mode
     # routing replay; agreement counted over the completion tokens
     replay(model, _padded_routes(rollout, rows, first, width),
            torch.cat([torch.zeros_like(prompt_mask[:, first:]), completion_mask[:, :width]], dim=1))
     scored = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, rlft_score=score)
     scored.tokens = ids.numel()
     return scored
+
+
+def _teacher_inputs(rollout, rows, ids, mask, position_ids, width: int):
+    """What the teacher reads: the student's own (ids, mask, position_ids), or, where the rollout
+    carries a teacher prompt per row (self-distillation), that prompt before the same completion."""
+    if rollout.teacher_prompt_ids is None:
+        return ids, mask, position_ids
+    prompt_mask = rollout.teacher_prompt_mask[rows]
+    first = int((prompt_mask.sum(dim=0) > 0).int().argmax())  # left-padded
+    ids = torch.cat([rollout.teacher_prompt_ids[rows, first:], rollout.completion_ids[rows, :width]], dim=1)
+    mask = torch.cat([prompt_mask[:, first:], rollout.completion_mask[rows, :width]], dim=1)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _padded_routes(rollout, rows, first: int, width: int) -> torch.Tensor | None:

@@ -226,6 +226,10 @@ class Rollout(Rows):
     # [N, C] int32: the version (optimiser step) of the weights that sampled each completion token
     # when weights change mid-rollout (in-flight weight updates), -1 past the completion
     token_versions: torch.Tensor | None = rows("right", pad=-1, saved=True, default=None)
+    # [N, P'] the prompt the teacher reads before each completion where it differs from the
+    # student's (self-distillation: the prompt with its privileged context; rlft/train/sdft.py)
+    teacher_prompt_ids: torch.Tensor | None = rows("left", pad=PAD_TOKEN, saved=True, default=None)
+    teacher_prompt_mask: torch.Tensor | None = rows("left", saved=True, default=None)  # [N, P']
 
     @property
     def loss_mask(self) -> torch.Tensor:

@@ -57,7 +57,7 @@ class LogCompletionsCallback(TrainerCallback):
         if not accelerator.is_main_process:
             return
         self.table.extend(rows)
-        log = getattr(self.trainer, "log", None)
+        log = getattr(self.trainer, "run_log", None)
         if log is not None:
             log.samples([{"prompt": r["prompt"], "completion": r["completion"],
                           "source": "LogCompletionsCallback"} for r in rows], step)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from rlft.config import GKDConfig
+from rlft.config import GKDConfig, GOLDConfig
 from rlft.data.prompts import DatasetError, is_conversational, left_pad, load_dataset_any
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
@@ -171,20 +171,22 @@ class GKDTrainer(DistillationTrainer):
     _tag_names = ["trl", "gkd", "rlft"]
     _name = "GKD"
     default_rollout_source = "gkd"
+    config_class = GKDConfig
 
     def __init__(self, model=None, teacher_model=None, args: GKDConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), preprocess_logits_for_metrics=None,
                  peft_config=None, formatting_func=None):
-        args = args or GKDConfig(output_dir=default_output_dir(model, "GKD"))
-        if not isinstance(args, GKDConfig):
-            raise ConfigError(f"GKDTrainer takes a GKDConfig, got {type(args).__name__}")
+        kind = self.config_class.__name__
+        args = args or self.config_class(output_dir=default_output_dir(model, self._name))
+        if not isinstance(args, self.config_class):
+            raise ConfigError(f"{type(self).__name__} takes a {kind}, got {type(args).__name__}")
         unused = {"data_collator": data_collator, "compute_metrics": compute_metrics,
                   "preprocess_logits_for_metrics": preprocess_logits_for_metrics,
                   "formatting_func": formatting_func}
         given = sorted(name for name, value in unused.items() if value is not None)
         if given:
-            raise ConfigError(f"GKDTrainer: {', '.join(given)} are SFTTrainer's hooks, which "
+            raise ConfigError(f"{type(self).__name__}: {', '.join(given)} are SFTTrainer's hooks, which "
                               "rlft's loop does not call (it tokenizes prompts and completions "
                               "itself); leave them out")
         if teacher_model is None and args.teacher_model_name_or_path is None \
@@ -192,3 +194,13 @@ class GKDTrainer(DistillationTrainer):
             teacher_model = model if isinstance(model, str) else getattr(model, "name_or_path", None)
         super().__init__(model, teacher_model, args, gkd_rows(train_dataset), gkd_rows(eval_dataset),
                          processing_class, callbacks, optimizers, None, peft_config)
+
+
+class GOLDTrainer(GKDTrainer):
+    """TRL's experimental GOLDTrainer for a teacher with the student's tokenizer: GKD's rollouts (the
+    student's with probability lmbda, else the dataset's or, with seq_kd, the teacher's) and the
+    generalized JSD at `beta`, at the sampling temperature (GOLDConfig); TRL's signature."""
+
+    _tag_names = ["trl", "gold", "rlft"]
+    _name = "GOLD"
+    config_class = GOLDConfig

@@ -121,7 +121,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             check_keywords(self.reward_funcs, self.reward_names, self.train_prompts.extra_columns)
         self.eval_datasets = load_eval_datasets(eval_dataset)
         self._eval_prompts: dict[str, PromptSet] = {}
-        teacher_model = teacher_source(teacher_model, args, self.objective.needs_teacher)
+        if not self.objective.teacher_is_student:  # (else the trainer makes it from the policy)
+            teacher_model = teacher_source(teacher_model, args, self.objective.needs_teacher)
         self._setup_policy(model, source, peft_config, optimizers, quantization_config, teacher_model)
         for note in self.objective.notes(args):  # at construction, as TRL warns
             logging.getLogger("rlft").warning(note)
@@ -247,13 +248,13 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         return self.eval_datasets
 
     def _announce(self) -> None:
-        self.log.info(f"{self._name}: {self.total_steps} steps, "
+        self.run_log.info(f"{self._name}: {self.total_steps} steps, "
                       f"{self.param_summary['trainable']:,} trainable of "
                       f"{self.param_summary['total']:,} parameters "
                       f"({'LoRA' if self.is_peft else 'full'}), engine {self.engine.name} on "
                       f"{self.accelerator.num_processes} process(es)")
         for note in [*self._setup_notes, *filter(None, self._notes)]:
-            self.log.warn(note)
+            self.run_log.warn(note)
         # a resume may have loaded other weights than the engine holds
         weights_changed(self.generator)
         self.source.open()
@@ -334,7 +335,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         if control.should_evaluate and self.eval_datasets:
             self.evaluate()
         key = self.objective.progress_metric
-        self.log.advance(step, f"{key} {window.last.get(key, float('nan')):.3f}")
+        self.run_log.advance(step, f"{key} {window.last.get(key, float('nan')):.3f}")
         if control.should_save:
             self._save_checkpoint(step)
 
@@ -358,7 +359,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         logged = window.flush()
         self._explain(logged)
         if self.args.log_completions and batch is not None:
-            self.log.samples(batch.samples[: self.args.num_completions_to_log], step)
+            self.run_log.samples(batch.samples[: self.args.num_completions_to_log], step)
         return logged
 
     def _final_row(self) -> dict:
@@ -375,12 +376,12 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         """Say in the run itself what a zero loss or a zero-signal batch means."""
         if (self.objective.needs_rewards and not self._zero_loss_noted and abs(logged.get("loss", 1.0)) < 1e-6
                 and logged.get("grad_norm", 0) > 0):
-            self.log.info(ZERO_LOSS_NOTE)
+            self.run_log.info(ZERO_LOSS_NOTE)
             self._zero_loss_noted = True
         if logged.get("frac_reward_zero_std", 0.0) >= 1.0:
             self._zero_signal_steps += 1
             if self._zero_signal_steps == self.args.zero_signal_warning_steps:
-                self.log.warn(
+                self.run_log.warn(
                     f"every group had zero reward spread for {self._zero_signal_steps} logged "
                     "steps: advantages and gradients are exactly 0, nothing is learned. Make the "
                     "task easier or the rewards graded, raise num_generations or temperature, or "

@@ -45,9 +45,9 @@ class TrainLoop:
     def _train(self, resume_from_checkpoint):
         args, flow = self.args, self.flow
         start_step = self._resume(resume_from_checkpoint)
-        self.log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args), self.total_steps,
-                          start_step, show_progress=not args.disable_tqdm)
-        self.messages.run, stopping = self.log, False
+        self.run_log = RunLog(self.accelerator, args.output_dir, args.report_to, to_dict(args),
+                              self.total_steps, start_step, show_progress=not args.disable_tqdm)
+        self.messages.run, stopping = self.run_log, False
         try:
             self._announce()
             flow.fire("on_train_begin")
@@ -64,7 +64,7 @@ class TrainLoop:
                 summary = self._final_row()
                 flow.fire("on_train_end")
         finally:
-            self.log.close()
+            self.run_log.close()
             self.messages.run = None
             self._end(stopping)
         return TrainOutput(flow.state.global_step, summary["train_loss"], summary)

@@ -162,8 +162,8 @@ class RewardTrainer(TrainLoop, TrainerSurface):
         args = self.args
         for line in [*self.train_pairs.report.lines(args.max_length, args.truncation),
                      *filter(None, self._notes), *no_effect_notes(args)]:
-            self.log.warn(line)
-        self.log.info(f"reward model: {len(self.train_pairs)} pairs, {self.total_steps} steps, "
+            self.run_log.warn(line)
+        self.run_log.info(f"reward model: {len(self.train_pairs)} pairs, {self.total_steps} steps, "
                       f"{self.param_summary['trainable']:,} trainable parameters, "
                       f"head: {self.head_parameters[:2]}, "
                       f"engine {self.engine.name} on {self.accelerator.num_processes} process(es)")
@@ -260,7 +260,7 @@ class RewardTrainer(TrainLoop, TrainerSurface):
             self._log_row(self.window.flush())
         if control.should_evaluate and self.eval_sets:
             self.evaluate()
-        self.log.advance(step, f"loss {metrics.get('loss', float('nan')):.3f} "
+        self.run_log.advance(step, f"loss {metrics.get('loss', float('nan')):.3f} "
                                f"acc {metrics.get('accuracy', 0):.2f}")
         if control.should_save:
             self._save_checkpoint(step)

@@ -51,9 +51,24 @@ class TrainerSurface:
 
     def _log_row(self, row: dict) -> dict:
         logs = self.flow.record(row)
-        if getattr(self, "log", None) is not None:  # evaluate() may run before train()
-            self.log.log(logs, self.flow.state.global_step)
+        if getattr(self, "run_log", None) is not None:  # evaluate() may run before train()
+            self.run_log.log(logs, self.flow.state.global_step)
         return logs
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """transformers.Trainer.log: `logs` at the current step into the log history, the callbacks'
+        on_log and (during train()) the trackers and metrics.jsonl."""
+        self._log_row(dict(logs))
+
+    @property
+    def model_wrapped(self):
+        """The model as the training engine wraps it (DDP, FSDP2, DeepSpeed), as transformers'
+        Trainer names it."""
+        return self.model
+
+    @property
+    def max_prompt_length(self) -> int | None:
+        return getattr(self.args, "max_prompt_length", None)
 
     # ---- transformers.Trainer's small methods
     # ----------------------------------------------------------

@@ -16,6 +16,8 @@ the model is loaded):
                (GKDTrainer)
     worker     `WorkerSource` (rlft/train/sources/worker_source.py): the scored samples of the user's
                rollout worker (AsyncGRPOTrainer's rollout_worker=, TRL's)
+    sdft       `SDFTSource` (rlft/train/sdft.py): the student's completions, with each row's teacher
+               prompt (SDFTTrainer)
 and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling`
 (rlft/train/sources/dynamic_sampling.py).
 
@@ -274,3 +276,4 @@ register_source("generate", GeneratedSource)
 register_source("producer", "rlft.train.sources.async_source:ProducerSource")
 register_source("gkd", "rlft.train.gkd:GKDSource")
 register_source("worker", "rlft.train.sources.worker_source:WorkerSource")
+register_source("sdft", "rlft.train.sdft:SDFTSource")

@@ -13,7 +13,8 @@ from rlft.model.routing import route_state
 LAST_KEYS = ("num_tokens", "steps_skipped", "nonfinite_skipped", "learning_rate", "ref_model/syncs")
 TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                    "clip_ratio/delta_mean", "ratio_mean", "kl", "sampling/kept_mass/mean",
-                   "distill/teacher_entropy", "teacher/reverse_kl")
+                   "distill/teacher_entropy", "teacher/reverse_kl",
+                   "self_distillation/distillation_loss")
 SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean", "aux_loss")
 CLIP_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # parts of the loss, summed over micro-batches like it

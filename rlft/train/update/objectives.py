@@ -32,6 +32,7 @@ class Objective:
     needs_rewards = True  # its loss reads advantages computed from reward functions' scores
     # a teacher is required (else GRPO's optional teacher term, teacher_coef > 0)
     needs_teacher = False
+    teacher_is_student = False  # the trainer makes the teacher from the policy (self-distillation)
     progress_metric = "reward"  # the logged value the progress bar shows
     uses_old_logps = True  # the importance ratio's denominator when a rollout feeds several steps
     sequence_means: tuple[str, ...] = ()  # metrics averaged per sequence, not per token (StepSums)

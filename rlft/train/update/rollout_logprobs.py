@@ -19,6 +19,7 @@ import torch
 
 from rlft.core import segments
 from rlft.core.batching import balanced_bins, budget_count
+from rlft.core.self_distill import SelfDistillMode, sampled_token_loss
 from rlft.errors import ConfigError
 from rlft.model.scoring import score_rows
 from rlft.rollout.base import Rollout
@@ -98,6 +99,25 @@ class PolicyScorer:
             for whole, piece in zip(out, part):
                 whole[mine, :piece.shape[1]] = piece
         return tuple(out)
+
+    def self_divergence(self, rollout: Rollout, rows, beta: float, mode: SelfDistillMode, with_logps: bool):
+        """Self-distillation (rlft/core/self_distill.py), per token [b, c]: the objective's value
+        (D_alpha, or the sampled-token loss; differentiable in the policy), the policy's log-probs
+        (with `with_logps` or the sampled-token mode, else None), its entropy and the teacher's (None
+        in the sampled-token mode); padded forwards, the teacher reading the rollout's teacher
+        prompts."""
+        args, sampled = self.args, mode.name == "sampled_token"
+        scored = score_rows(self.model, rollout, rows, args.temperature, entropy=sampled,
+                            tile=args.logprob_chunk_size, pad_to_multiple_of=args.pad_to_multiple_of,
+                            teacher=self.teacher, beta=beta, with_logps=with_logps or sampled, mode=mode)
+        real = int(rollout.prompt_mask[rows].sum()) + int(rollout.completion_mask[rows].sum())
+        for key, value in (("computed", scored.tokens), ("real", real), ("forwards", 1)):
+            self._tally[key] += value
+        logps = scored.logps if with_logps or sampled else None
+        if sampled:
+            value = sampled_token_loss(scored.logps, scored.teacher_logps)
+            return value, logps, scored.entropy.detach(), None
+        return scored.divergence, logps, scored.entropy, scored.teacher_entropy
 
     def _divergence(self, rollout: Rollout, rows, beta: float, teacher):
         args = self.args
