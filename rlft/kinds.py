@@ -99,6 +99,11 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          "datasets have 'prompt' and 'privileged_context' columns.",
          script_args="rlft.cli.recipes:RewardScriptArguments", recipe="",
          trl_paths=("experimental.sdft",)),
+    Kind("sdpo", "rlft.config:SDPOConfig", "rlft.train.sdpo:SDPOTrainer",
+         "Self-distillation policy optimisation (TRL's experimental SDPOTrainer)",
+         "SDPO: GRPO whose student also learns from itself shown a successful sibling's completion. "
+         f"{_FIELDS}; TRL's reward_funcs are required.",
+         trl_paths=("experimental.sdpo",)),
     Kind("server_distillation", "rlft.config:ServerDistillationConfig",
          "rlft.train.distillation:ServerDistillationTrainer",
          "Distillation from a served teacher (TRL's experimental ServerDistillationTrainer)",

@@ -25,6 +25,7 @@ from rlft.config.classes import (  # noqa: F401 (public names)
     RewardConfig,
     RLOOConfig,
     SDFTConfig,
+    SDPOConfig,
     ServerDistillationConfig,
     SFTConfig,
     TrainConfig,

@@ -41,6 +41,7 @@ from rlft.config.options import (  # noqa: F401 (field_types: a public name)
     rlft_fields,
 )
 from rlft.config.rules import GenerationBatch, generation_batch, staleness  # noqa: F401 (public names)
+from rlft.config.self_teaching import SDPOConfig  # noqa: F401 (a public name)
 from rlft.core.losses import LOSSES
 from rlft.errors import ConfigError  # noqa: F401 (rlft.config.ConfigError, as before)
 
@@ -211,7 +212,7 @@ class SFTConfig(_BaseConfig):
 TrainConfig = _BaseConfig
 
 CONFIG_CLASSES = (GRPOConfig, RLOOConfig, AsyncGRPOConfig, DistillationConfig, GKDConfig,
-                  ServerDistillationConfig, SDFTConfig, GOLDConfig, RewardConfig)
+                  ServerDistillationConfig, SDFTConfig, GOLDConfig, SDPOConfig, RewardConfig)
 # rlft's additions to TRL's fields (docs/migration.md says why each exists), and the fields a
 # resumed run may change: queries of the fields' declarations.
 RLFT_FIELDS = frozenset().union(*map(rlft_fields, CONFIG_CLASSES))

@@ -7,10 +7,10 @@ gkd.py, sdft.py). Declared as rlft/config/classes.py declares GRPO's (`option`: 
 import string
 from typing import ClassVar
 
+from rlft.config import self_teaching as fields
 from rlft.config.common import config_class
 from rlft.config.grpo_fields import _GRPOFields
 from rlft.config.options import NON_NEGATIVE, POSITIVE, between, one_of, option
-from rlft.core.self_distill import MODES as SELF_DISTILL_MODES
 
 # GRPO fields a distillation run refuses away from these values: they would act on rewards or a
 # reference it does not have, or add a term its loss does not take.
@@ -180,41 +180,23 @@ class SDFTConfig(DistillationConfig):
     max_prompt_length: int | None = 512  # the student's and the teacher's prompts (TRL's default)
     gradient_checkpointing: bool = True
     logging_steps: float = 10
-    distillation_alpha: float = option(
-        0.5, check=between(0, 1, note=": 0 is the forward KL, 1 the reverse KL"),
-        help="SDFT: the divergence's mix (0 forward KL(teacher || student), 1 reverse KL, in between "
-             "the generalized Jensen-Shannon divergence)")
-    distillation_mode: str = option(
-        "topk_logits", check=one_of(SELF_DISTILL_MODES),
-        help="SDFT: 'topk_logits' (the divergence on the student's top distillation_topk tokens), "
-             "'full_logits' (over the vocabulary) or 'sampled_token' (the sampled token's reverse KL "
-             "estimate; distillation_alpha 1)")
-    distillation_topk: int | None = option(100, "SDFT: the student's top tokens of topk_logits")
-    distillation_is_clip: float | None = option(
-        2.0, help="SDFT: the cap of the importance weight of tokens sampled by older weights (None: "
-                  "no weight)")
-    distillation_add_tail: bool = option(
-        False, "SDFT topk_logits: one more bucket for the mass outside the top tokens (else both "
-               "are renormalised over them)")
+    distillation_alpha: float = fields.alpha(0.5)
+    distillation_mode: str = fields.mode("topk_logits")
+    distillation_topk: int | None = fields.topk(100)
+    distillation_is_clip: float | None = fields.is_clip()
+    distillation_add_tail: bool = fields.add_tail()
     num_loss_tokens_to_skip: int = option(
         0, check=NON_NEGATIVE, help="SDFT: the first completion tokens left out of the loss")
-    teacher_model_kind: str = option(
-        "base", check=one_of(("base", "live", "ema")),
-        help="SDFT: the teacher is the student as loaded ('base'), as it is now ('live') or its "
-             "moving average ('ema')")
-    teacher_update_rate: float = option(
-        0.05, check=between(0, 1), help="SDFT ema teacher: r in theta_t <- (1 - r) theta_t + r theta_s")
-    teacher_sync_steps: int = option(1, check=POSITIVE,
-                                     help="SDFT ema teacher: optimiser steps between its updates")
+    teacher_model_kind: str = fields.teacher_kind("base")
+    teacher_update_rate: float = fields.update_rate()
+    teacher_sync_steps: int = fields.sync_steps()
     generate_from_teacher: bool = option(
         False, "SDFT: sample the completions from the teacher's prompt (with the privileged context)")
     teacher_prompt_template: str = option(
         "{prompt}\n\n{privileged_context}",
         help="SDFT: the teacher's prompt from the student's (a chat prompt: its last user message's "
              "text) and the row's privileged_context")
-    use_teacher_server: bool = option(
-        False, refused="the self-teacher runs in the trainer's process; a live teacher scored by "
-                       "the vLLM generation server is not built (docs/migration.md)")
+    use_teacher_server: bool = fields.teacher_server()
 
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
@@ -227,17 +209,9 @@ class SDFTConfig(DistillationConfig):
                 errors.append(f"{name} is set, but SDFT's teacher is the student itself "
                               "(teacher_model_kind); distil from another model with "
                               "DistillationTrainer")
-        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
-            errors.append(f"distillation_mode='sampled_token' estimates the reverse KL only: set "
-                          f"distillation_alpha: 1.0 (got {self.distillation_alpha})")
-        if self.distillation_mode == "topk_logits" and (self.distillation_topk or 0) < 1:
-            errors.append(f"distillation_mode='topk_logits' needs distillation_topk >= 1, got "
-                          f"{self.distillation_topk!r}")
-        if self.distillation_is_clip is not None and self.distillation_is_clip <= 0:
-            errors.append(f"distillation_is_clip={self.distillation_is_clip!r} must be > 0, or None "
-                          "for no importance weight")
-        fields = {name for _, name, _, _ in string.Formatter().parse(self.teacher_prompt_template) if name}
-        if fields - {"prompt", "privileged_context"} or "privileged_context" not in fields:
+        fields.check_self_distillation(self, errors)
+        named = {name for _, name, _, _ in string.Formatter().parse(self.teacher_prompt_template) if name}
+        if named - {"prompt", "privileged_context"} or "privileged_context" not in named:
             errors.append(f"teacher_prompt_template={self.teacher_prompt_template!r} must hold "
                           "{privileged_context} (and may hold {prompt}), no other field")
 

@@ -230,6 +230,9 @@ class Rollout(Rows):
     # student's (self-distillation: the prompt with its privileged context; rlft/train/sdft.py)
     teacher_prompt_ids: torch.Tensor | None = rows("left", pad=PAD_TOKEN, saved=True, default=None)
     teacher_prompt_mask: torch.Tensor | None = rows("left", saved=True, default=None)  # [N, P']
+    # [N] 1 where the teacher's prompt holds what the student's lacks (SDPO: a sibling's success or
+    # feedback), 0 where it is the student's own; None: every row
+    teacher_rows: torch.Tensor | None = rows("row", saved=True, default=None)
 
     @property
     def loss_mask(self) -> torch.Tensor:

@@ -231,7 +231,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                             self.messages, unwrapped, self.tokenizer, self.engine, setup, source,
                             None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
                             self.steps_per_rollout, self.total_steps, self.teacher_model,
-                            getattr(self, "_worker", None))
+                            getattr(self, "_worker", None), self.reward_weights)
         self.source = self._source_class(parts)
         if args.dynamic_sampling:  # rounds until the batch holds groups with a reward spread (DAPO)
             self.source = DynamicSampling(self.source, args, acc, self.reward_weights,

@@ -55,41 +55,40 @@ def context_text(context, row) -> str:
     return context if isinstance(context, str) else str(context)
 
 
-def teacher_prompt(prompt, context, template: str, row):
-    """The teacher's prompt (module docstring) for one row."""
-    text = context_text(context, row)
+def rewritten(prompt, row, write):
+    """A teacher's prompt from a student's: a plain prompt is `write(prompt)`; a chat prompt keeps its
+    earlier messages, and its last, the user's, becomes one user message `write(its text)` (TRL's
+    rule)."""
     if not is_conversational(prompt):
-        return template.format(prompt=prompt, privileged_context=text)
+        return write(prompt)
     if not prompt or prompt[-1].get("role") != "user":
         role = prompt[-1].get("role") if prompt else None
-        raise DatasetError(f"row {row}: the prompt ends with a {role!r} message; SDFT's teacher prompt "
-                           "puts the privileged context into the last user message, so a prompt must "
-                           "end with the user's")
-    last = template.format(prompt=_text(prompt[-1].get("content", "")), privileged_context=text)
-    return list(prompt[:-1]) + [{"role": "user", "content": last}]
+        raise DatasetError(f"row {row}: the prompt ends with a {role!r} message; the teacher's prompt "
+                           "rewrites the last user message, so a prompt must end with the user's")
+    return list(prompt[:-1]) + [{"role": "user", "content": write(_text(prompt[-1].get("content", "")))}]
 
 
-class SDFTSource(SourceBase):
-    """The student's completions of each prompt, with the teacher's prompt for every row
-    (`Rollout.teacher_prompt_ids`)."""
+def teacher_prompt(prompt, context, template: str, row):
+    """SDFT's teacher prompt (module docstring) for one row."""
+    text = context_text(context, row)
+    return rewritten(prompt, row, lambda said: template.format(prompt=said, privileged_context=text))
+
+
+class SelfTeacherSource(SourceBase):
+    """What a self-distilling source shares: GRPO's generation, and the self-teacher's state in
+    checkpoints (rlft/train/update/self_teacher.py)."""
 
     def __init__(self, parts: SourceParts):
         self.args, self.schedule, self.rewards = parts.args, parts.schedule, parts.rewards
         self.throughput, self.tokenizer, self.teacher = parts.throughput, parts.tokenizer, parts.teacher
         self.device, self.group = parts.accelerator.device, parts.args.num_generations
         self.generated = GeneratedSource(parts)
-        rows = getattr(parts.schedule.prompts, "rows", None)
-        if rows is not None:  # every training row's teacher prompt, measured before the first step
-            whole = {"prompts": [r["prompt"] for r in rows]}
-            if rows and CONTEXT in rows[0]:
-                whole[CONTEXT] = [r[CONTEXT] for r in rows]
-            self.teacher_ids(whole)
 
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
         if tools or environment_factory is not None or rollout_func is not None:
-            raise ConfigError("SDFTTrainer samples with the rollout engine alone: tools=, "
-                              "environment_factory= and rollout_func= are not taken")
+            raise ConfigError(f"{cls.__name__[:-6]}Trainer samples with the rollout engine alone: "
+                              "tools=, environment_factory= and rollout_func= are not taken")
 
     @property
     def engine(self):
@@ -99,23 +98,50 @@ class SDFTSource(SourceBase):
     def engine(self, value) -> None:
         self.generated.engine = value
 
+    def tokenized(self, prompts: list, limit: int | None, keep_end: bool = False) -> tuple:
+        """Teacher prompts as left-padded ids and mask on the device: each rendered as a student prompt
+        is; over `limit` tokens an error naming the row, or (keep_end) its last `limit` tokens."""
+        out = []
+        for row, prompt in enumerate(prompts):
+            text = render_prompt(prompt, self.tokenizer, row, self.args.chat_template_kwargs)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if limit is not None and len(ids) > limit and not keep_end:
+                raise DatasetError(f"row {row}: the teacher's prompt (the prompt with its "
+                                   f"{CONTEXT}) has {len(ids)} tokens, over max_prompt_length={limit}; "
+                                   "raise max_prompt_length or shorten the context")
+            out.append(ids[-limit:] if limit is not None else ids)
+        return out
+
+    def state_dict(self):
+        return self.teacher.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        if state is not None:
+            self.teacher.load_state_dict(state)
+
+
+class SDFTSource(SelfTeacherSource):
+    """The student's completions of each prompt, with the teacher's prompt for every row
+    (`Rollout.teacher_prompt_ids`)."""
+
+    def __init__(self, parts: SourceParts):
+        super().__init__(parts)
+        rows = getattr(parts.schedule.prompts, "rows", None)
+        if rows is not None:  # every training row's teacher prompt, measured before the first step
+            whole = {"prompts": [r["prompt"] for r in rows]}
+            if rows and CONTEXT in rows[0]:
+                whole[CONTEXT] = [r[CONTEXT] for r in rows]
+            self.teacher_ids(whole)
+
     def teacher_ids(self, prompts: dict) -> list[list[int]]:
         """The teacher's prompt tokens for each prompt of a batch."""
         if CONTEXT not in prompts:
             raise DatasetError(f"the dataset has no '{CONTEXT}' column: SDFT's teacher reads each row's "
                                "prompt with its privileged context (a demonstration, the answer)")
-        args, out = self.args, []
-        for row, (prompt, context) in enumerate(zip(prompts["prompts"], prompts[CONTEXT])):
-            text = render_prompt(teacher_prompt(prompt, context, args.teacher_prompt_template, row),
-                                 self.tokenizer, row, args.chat_template_kwargs)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:
-                raise DatasetError(f"row {row}: the teacher's prompt (the prompt with its "
-                                   f"{CONTEXT}) has {len(ids)} tokens, over max_prompt_length="
-                                   f"{args.max_prompt_length}; raise max_prompt_length or shorten "
-                                   "the context")
-            out.append(ids)
-        return out
+        template = self.args.teacher_prompt_template
+        written = [teacher_prompt(prompt, context, template, row)
+                   for row, (prompt, context) in enumerate(zip(prompts["prompts"], prompts[CONTEXT]))]
+        return self.tokenized(written, self.args.max_prompt_length)
 
     def rollout(self, index: int) -> ScoredRollout:
         return self.round(index, 0)
@@ -143,15 +169,24 @@ class SDFTSource(SourceBase):
         rollout.teacher_prompt_ids, rollout.teacher_prompt_mask = ids.to(self.device), mask.to(self.device)
         return rollout
 
-    def state_dict(self):
-        return self.teacher.state_dict()
+class SelfTeaching:
+    """What a self-distilling trainer adds to its base: the teacher made from the policy once it is
+    prepared, and the ema teacher's update after each step."""
 
-    def load_state_dict(self, state) -> None:
-        if state is not None:
-            self.teacher.load_state_dict(state)
+    def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
+        super()._setup_policy(model, source, peft_config, optimizers, quantization_config, None)
+        unwrap = self.accelerator.unwrap_model
+        _plain_student_head(unwrap(self.model))
+        self.teacher_model = SelfTeacher.build(self.args, self.model, unwrap, self.engine, self.is_peft)
+
+    def _step(self, step: int) -> dict[str, float]:
+        """The base's step, then the ema teacher's update."""
+        metrics = super()._step(step)
+        metrics.update(self.teacher_model.after_step(step + 1))
+        return metrics
 
 
-class SDFTTrainer(DistillationTrainer):
+class SDFTTrainer(SelfTeaching, DistillationTrainer):
     """TRL-compatible SDFT: `SDFTTrainer(model, args, train_dataset=...).train()` on `prompt` +
     `privileged_context` rows."""
 
@@ -171,15 +206,3 @@ class SDFTTrainer(DistillationTrainer):
                               f"'{CONTEXT}' columns")
         super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, callbacks,
                          optimizers, quantization_config, peft_config)
-
-    def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
-        super()._setup_policy(model, source, peft_config, optimizers, quantization_config, None)
-        unwrap = self.accelerator.unwrap_model
-        _plain_student_head(unwrap(self.model))
-        self.teacher_model = SelfTeacher.build(self.args, self.model, unwrap, self.engine, self.is_peft)
-
-    def _step(self, step: int) -> dict[str, float]:
-        """GRPO's step, then the ema teacher's update."""
-        metrics = super()._step(step)
-        metrics.update(self.teacher_model.after_step(step + 1))
-        return metrics

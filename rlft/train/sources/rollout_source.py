@@ -18,6 +18,8 @@ the model is loaded):
                rollout worker (AsyncGRPOTrainer's rollout_worker=, TRL's)
     sdft       `SDFTSource` (rlft/train/sdft.py): the student's completions, with each row's teacher
                prompt (SDFTTrainer)
+    sdpo       `SDPOSource` (rlft/train/sdpo.py): GRPO's rollouts, each row's teacher prompt made
+               from its group's successes (SDPOTrainer)
 and `dynamic_sampling: true` wraps the chosen one in `DynamicSampling`
 (rlft/train/sources/dynamic_sampling.py).
 
@@ -139,6 +141,7 @@ class SourceParts:
     teacher: Any = None
     # AsyncGRPOTrainer's rollout_worker= / weight_transfer= (rlft/train/sources/worker_source.py)
     worker: Any = None
+    reward_weights: Any = None  # [F] each reward function's weight in the total (SDPO's successes)
 
 
 # dataset columns a rollout's rows carry for the trainer's own use (which teacher:
@@ -277,3 +280,4 @@ register_source("producer", "rlft.train.sources.async_source:ProducerSource")
 register_source("gkd", "rlft.train.gkd:GKDSource")
 register_source("worker", "rlft.train.sources.worker_source:WorkerSource")
 register_source("sdft", "rlft.train.sdft:SDFTSource")
+register_source("sdpo", "rlft.train.sdpo:SDPOSource")

@@ -18,7 +18,7 @@ TOKEN_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/re
 SEQUENCE_MEAN_KEYS = ("off_policy/masked_fraction", "vespo/phi_seq_mean", "aux_loss")
 CLIP_MEAN_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # parts of the loss, summed over micro-batches like it
-SHARE_KEYS = ("kl_loss", "entropy_loss", "router_loss", "teacher_loss")
+SHARE_KEYS = ("kl_loss", "entropy_loss", "router_loss", "teacher_loss", "distill_loss")
 
 
 def rollout_metrics(rewards: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor,
@@ -117,8 +117,8 @@ class StepSums:
         # TRL's policy_loss: the loss before the entropy bonus and the MoE router term (the KL term
         # included); rlft's teacher term is outside it too
         out = {"loss": loss, "policy_loss": loss - shares["entropy_loss"] - shares["router_loss"]
-               - shares["teacher_loss"]}
-        for key in ("entropy_loss", "teacher_loss"):
+               - shares["teacher_loss"] - shares["distill_loss"]}
+        for key in ("entropy_loss", "teacher_loss", "distill_loss"):
             if shares[key]:
                 out[key] = shares[key]
         for key, value in zip(keys, weighted):

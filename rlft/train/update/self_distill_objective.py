@@ -17,7 +17,21 @@ import torch
 
 from rlft.core.self_distill import SelfDistillMode, clipped_ratio, sequence_means
 from rlft.train.update.distill_objective import DistillationObjective
+from rlft.train.update.objectives import PolicyObjective
 from rlft.train.update.rollout_batch import RolloutBatch
+
+
+def distilled(rollout, rows, trained: torch.Tensor, value: torch.Tensor, logps, old, clip, num_sequences):
+    """(the self-distillation share of a micro-batch: the sum of its rows' token means of `value`
+    [b, c] over `trained` (less rows whose teacher adds nothing: `Rollout.teacher_rows`) / the step's
+    completions, the mask it was over, `value` as weighted). `old`: the sampling policy's log-probs
+    [b, c] of a reused rollout, whose tokens are weighted by the clipped ratio."""
+    mask = trained.to(value.dtype)
+    if rollout.teacher_rows is not None:
+        mask = mask * rollout.teacher_rows[rows].to(value.dtype)[:, None]
+    if old is not None:
+        value = value * clipped_ratio(logps, old, clip)
+    return sequence_means(value, mask).sum() / num_sequences, mask, value
 
 
 def skip_first(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -58,11 +72,9 @@ class SelfDistillationObjective(DistillationObjective):
         value, logps, entropy, teacher_entropy = u.scorer.self_divergence(rollout, rows, self.beta, self.mode,
                                                                          with_logps=old is not None)
         width = value.shape[1]
-        trained = (rollout.loss_mask if keep is None else keep)[rows, :width]
-        mask = skip_first(trained, self.skip).to(value.dtype)
-        if old is not None:
-            value = value * clipped_ratio(logps, old[rows, :width], self.clip)
-        loss = sequence_means(value, mask).sum() / num_sequences
+        trained = skip_first((rollout.loss_mask if keep is None else keep)[rows, :width], self.skip)
+        loss, mask, value = distilled(rollout, rows, trained, value, logps,
+                                      None if old is None else old[rows, :width], self.clip, num_sequences)
         self._apart = self._apart or bool((value.detach() * mask).ne(0).any())
         tokens = mask.sum().clamp(min=1)
         metrics = {"self_distillation/distillation_loss": (value.detach() * mask).sum() / tokens}
@@ -80,3 +92,56 @@ class SelfDistillationObjective(DistillationObjective):
             total += float(sequence_means(value, mask).sum())
             count += value.shape[0]
         return total / max(count, 1)
+
+
+class SDPOObjective(PolicyObjective):
+    """SDPO's loss (rlft/train/sdpo.py): (1 - w) x GRPO's policy loss + w x the self-distillation
+    share (`distilled`) over the rows whose teacher's prompt holds a sibling's success or feedback,
+    both from one forward of the policy (w = distillation_weight; at 0 the teacher is never run)."""
+
+    teacher_is_student = True
+
+    def __init__(self, loss_options, loss_type: str, weight: float, alpha: float, mode: SelfDistillMode,
+                 clip: float | None):
+        super().__init__(loss_options, loss_type)
+        self.weight, self.alpha, self.mode, self.clip = weight, alpha, mode, clip
+        self._apart = False  # some taught token of this step has a nonzero objective (this process)
+
+    def begin_step(self, u, batch: RolloutBatch) -> None:
+        self._apart = False
+
+    def weighted(self, u, kept: bool) -> bool:
+        """With the policy term off (w = 1) the gradient is the self-distillation term's alone: zero,
+        rightly, on a step where no row was reprompted or every teacher agrees with the student."""
+        if self.weight < 1.0:
+            return kept
+        return DistillationObjective.weighted(self, u, kept)
+
+    @classmethod
+    def build(cls, args, kl_in_reward: bool) -> SDPOObjective:
+        base = PolicyObjective.build(args, kl_in_reward)
+        mode = SelfDistillMode(args.distillation_mode, args.distillation_topk, args.distillation_add_tail)
+        return cls(base.loss_options, args.loss_type, args.distillation_weight, args.distillation_alpha, mode,
+                   args.distillation_is_clip)
+
+    def micro_loss(self, u, batch: RolloutBatch, rows, num_items, num_sequences, corrections: list,
+                   keep=None):
+        if self.weight == 0.0 or batch.rollout.teacher_prompt_ids is None:
+            return super().micro_loss(u, batch, rows, num_items, num_sequences, corrections, keep)
+        rollout, w = batch.rollout, self.weight
+        value, logps, entropy, teacher_entropy = u.scorer.self_divergence(rollout, rows, self.alpha,
+                                                                         self.mode, with_logps=True)
+        policy, metrics, mask = self._policy_loss(u, batch, rows, logps, num_items, num_sequences, keep,
+                                                  corrections)
+        width, old = logps.shape[1], batch.old_logps
+        clip_old = None if old is None or self.clip is None else old[rows, :width]
+        share, taught, value = distilled(rollout, rows, mask, value, logps, clip_old, self.clip,
+                                         num_sequences)
+        loss = (1 - w) * policy + w * share if w < 1 else share + 0.0 * policy
+        tokens = taught.sum().clamp(min=1)
+        self._apart = self._apart or bool((value.detach() * taught).ne(0).any())
+        metrics["distill_loss"] = (w * share).detach()
+        metrics["self_distillation/distillation_loss"] = (value.detach() * taught).sum() / tokens
+        if teacher_entropy is not None:
+            metrics["distill/teacher_entropy"] = (teacher_entropy * taught).sum() / tokens
+        return loss, metrics, entropy, mask

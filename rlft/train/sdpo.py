@@ -1,0 +1,142 @@
+"""Self-distillation policy optimisation under TRL 1.16's experimental names (`SDPOTrainer`,
+`SDPOConfig`; Hubotter et al. 2026, "Reinforcement Learning via Self-Distillation").
+
+Each rollout is GRPO's: completions, reward functions, group advantages. Then each completion gets a
+teacher's prompt (TRL's rule):
+- its demonstration: in its group (the prompt's num_generations completions), the first other
+  completion (or, with `dont_reprompt_on_self_success: false`, the first one, itself included) whose
+  total reward (weighted by `reward_weights`, NaN as 0) reaches `success_reward_threshold`, decoded
+  without special tokens (`<think>` blocks cut with `remove_thinking_from_demonstration`) and shown
+  by `solution_template`; none with `use_successful_as_teacher: false`;
+- its feedback, with `include_environment_feedback`: the row's `privileged_context`, a non-empty
+  string, shown by `feedback_template` (only where no demonstration was found, with
+  `environment_feedback_only_without_solution`);
+- with either, `reprompt_template` filled with the prompt's text, the solution and the feedback (a
+  chat prompt's last user message rewritten), cut to its last `max_reprompt_len` tokens; with
+  neither, the row keeps its own prompt and is left out of the self-distillation loss
+  (`Rollout.teacher_rows`).
+The teacher is the student (`teacher_model_kind`, ema by default: rlft/train/update/self_teacher.py);
+the loss is SDPOObjective's (rlft/train/update/self_distill_objective.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from rlft.config import SDPOConfig
+from rlft.data.prompts import left_pad
+from rlft.errors import ConfigError
+from rlft.train.grpo import GRPOTrainer, default_output_dir
+from rlft.train.sdft import CONTEXT, SelfTeacherSource, SelfTeaching, rewritten
+from rlft.train.update.rollout_batch import ScoredRollout
+from rlft.train.update.self_distill_objective import SDPOObjective
+
+
+def demonstrations(totals: torch.Tensor, group: int, threshold: float, self_excluded: bool) -> list:
+    """Each row's demonstration row (None: no sibling succeeded), groups of `group` consecutive rows."""
+    out = []
+    for i in range(len(totals)):
+        start = i - i % group
+        found = [j for j in range(start, start + group)
+                 if not (self_excluded and j == i) and float(totals[j]) >= threshold]
+        out.append(found[0] if found else None)
+    return out
+
+
+class SDPOSource(SelfTeacherSource):
+    """GRPO's rollouts, each row with its teacher's prompt (module docstring)."""
+
+    def __init__(self, parts):
+        super().__init__(parts)
+        self.weights, self.quiet, self.messages = parts.reward_weights, 0, parts.messages
+
+    def rollout(self, index: int) -> ScoredRollout:
+        return self.round(index, 0)
+
+    def round(self, index: int, round_index: int) -> ScoredRollout:
+        scored = self.generated.round(index, round_index)
+        feedback = self.schedule.batch(index, round_index).get(CONTEXT)
+        self.reprompt(scored, None if feedback is None else [f for f in feedback for _ in range(self.group)])
+        return scored
+
+    def generate(self, prompts: dict, count: int, greedy: bool = False):
+        return self.generated.generate(prompts, count, greedy)
+
+    def reprompt(self, scored: ScoredRollout, feedback: list | None) -> None:
+        """Each row's teacher prompt and whether it adds anything (module docstring), and TRL's
+        metrics of how many did."""
+        args, rollout = self.args, scored.rollout
+        weights = torch.ones(scored.rewards.shape[1]) if self.weights is None else self.weights.cpu()
+        totals = (scored.rewards.float().cpu() * weights).nansum(dim=1)
+        demos = demonstrations(totals, self.group, args.success_reward_threshold,
+                               args.dont_reprompt_on_self_success) \
+            if args.use_successful_as_teacher else [None] * len(totals)
+        said = [isinstance(f, str) and f.strip() != "" for f in feedback or [None] * len(totals)]
+        prompts, taught, used, reprompt = [], [], 0, args.reprompt_template
+        for row, prompt in enumerate(scored.prompts):
+            use = args.include_environment_feedback and said[row] and not (
+                args.environment_feedback_only_without_solution and demos[row] is not None)
+            used += use
+            if demos[row] is None and not use:
+                prompts.append(prompt)
+                taught.append(0.0)
+                continue
+            solution = "" if demos[row] is None else args.solution_template.format(
+                successful_previous_attempt=self._demo(rollout, demos[row]))
+            shown = args.feedback_template.format(feedback_raw=feedback[row]) if use else ""
+            prompts.append(rewritten(prompt, row, lambda text, s=solution, f=shown: reprompt.format(
+                prompt=text, solution=s, feedback=f)))
+            taught.append(1.0)
+        ids, mask = left_pad(self.tokenized(prompts, args.max_reprompt_len, keep_end=True),
+                             self.tokenizer.pad_token_id)
+        rollout.teacher_prompt_ids, rollout.teacher_prompt_mask = ids.to(self.device), mask.to(self.device)
+        rollout.teacher_rows = torch.tensor(taught, device=self.device)
+        self._metrics(scored, totals, demos, said, used, taught)
+
+    def _demo(self, rollout, row: int) -> str:
+        tokens = rollout.completion_ids[row][rollout.completion_mask[row].bool()]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if self.args.remove_thinking_from_demonstration:
+            text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL).strip()
+        return text
+
+    def _metrics(self, scored, totals, demos, said, used: int, taught: list) -> None:
+        args, n, g = self.args, len(totals), self.group
+        succeeded = totals >= args.success_reward_threshold
+        groups = [bool(succeeded[s:s + g].any()) for s in range(0, n, g)]
+        share = sum(taught) / n
+        for key, value in (("success_group_fraction", sum(groups) / len(groups)),
+                           ("success_sample_fraction", sum(d is not None for d in demos) / n),
+                           ("feedback_available_fraction", sum(said) / n),
+                           ("feedback_used_fraction", used / n), ("reprompt_sample_fraction", share)):
+            scored.scalars[f"self_distillation/{key}"] = [value]
+        self.quiet = self.quiet + 1 if share <= args.diagnostics_flat_tolerance else 0
+        interval = args.diagnostics_warning_interval
+        if interval and self.quiet and self.quiet % interval == 0:
+            self.messages.warn(f"SDPO: {self.quiet} rollouts in a row without a reprompted completion (no "
+                               f"sibling reached success_reward_threshold={args.success_reward_threshold} "
+                               "and no feedback used): the self-distillation term is 0; lower the "
+                               "threshold or check the reward functions")
+
+
+class SDPOTrainer(SelfTeaching, GRPOTrainer):
+    """TRL-compatible SDPO: `SDPOTrainer(model, reward_funcs, args, train_dataset=...).train()`."""
+
+    _tag_names = ["trl", "sdpo", "rlft"]
+    _name = "SDPO"
+    default_rollout_source = "sdpo"
+    objective = SDPOObjective
+
+    def __init__(self, model, reward_funcs=None, args: SDPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None, quantization_config=None):
+        args = args or SDPOConfig(output_dir=default_output_dir(model, "SDPO"))
+        if not isinstance(args, SDPOConfig):
+            raise ConfigError(f"SDPOTrainer takes an SDPOConfig, got {type(args).__name__}")
+        if not reward_funcs:
+            raise ConfigError("SDPOTrainer needs reward_funcs: SDPO scores rollouts to find the "
+                              "successful ones its teacher is shown")
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
