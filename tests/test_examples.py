@@ -77,3 +77,20 @@ def test_the_distillation_demo_runs_and_writes_its_figure(tmp_path, tiny_causal_
     numbers = json.loads(figure.with_suffix(".json").read_text())
     assert figure.stat().st_size > 0 and [step for step, _ in numbers["curve"]] == [0, 1, 2]
     assert 0 <= numbers["teacher_accuracy"] <= 1 and "student held-out accuracy" in result.stdout
+
+
+def test_the_self_distillation_demo_runs_and_writes_its_figure(tmp_path):
+    """examples/self_distillation_demo.py (docs/distillation.md's SDFT figure), cut to 2 steps."""
+    import json
+    import subprocess
+    import sys
+
+    figure = tmp_path / "sdft.png"
+    result = subprocess.run([sys.executable, "examples/self_distillation_demo.py", "--steps", "2", "--eval_every",
+                             "1", "--output_dir", str(tmp_path / "run"), "--out", str(figure)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    numbers = json.loads(figure.with_suffix(".json").read_text())
+    assert [step for step, _ in numbers["curve"]] == [0, 1, 2] and [s for s, _ in numbers["losses"]] == [1, 2]
+    assert numbers["teacher_accuracy"] == 0.0 and numbers["curve"][0][1] == 0.29

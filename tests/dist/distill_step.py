@@ -1,5 +1,5 @@
 """One DistillationTrainer optimiser step per beta (and with LoRA, with two teachers; GKD's on the dataset's
-and the student's completions), in 1 or N processes (torchrun), on the fixed completions of tests/dist/grpo_step.py's stand-in
+and the student's completions; SDFT's and SDPO's with the student as its own teacher), in 1 or N processes (torchrun), on the fixed completions of tests/dist/grpo_step.py's stand-in
 generator; writes the trained parameters and the step's metrics to OUT (main process only).
 
     torchrun --nproc_per_node 2 --standalone tests/dist/distill_step.py STUDENT_DIR TEACHER_DIR OUT [URL]
@@ -24,7 +24,13 @@ RUNS = {"forward_kl": dict(beta=0.0), "jsd": dict(beta=0.5), "reverse_kl": dict(
         "lora": dict(beta=0.5),
         "gkd_dataset": dict(beta=0.5, lmbda=0.0),  # GKD on the dataset's completions
         "gkd_student": dict(beta=0.5, lmbda=1.0),  # and on the student's
-        "teachers": dict(beta=0.5)}  # two teachers, each row routed by its teacher_id
+        "teachers": dict(beta=0.5),  # two teachers, each row routed by its teacher_id
+        "sdft": dict(distillation_topk=5),  # SDFT: the student's own teacher reading the answer, top-5
+        "sdpo": dict(distillation_weight=0.5)}  # SDPO: half GRPO, half the student shown its group's successes
+
+
+def even_length(completions, **kwargs):
+    return [float(len(c[-1]["content"]) % 2 == 0) for c in completions]
 
 
 def make_trainer(name: str, student: str, teacher: str | None, values: dict, peft):
@@ -32,6 +38,17 @@ def make_trainer(name: str, student: str, teacher: str | None, values: dict, pef
     common = dict(output_dir=f"{values.pop('out')}-run", optim="sgd", learning_rate=1.0, max_grad_norm=1e9,
                   seed=0, max_steps=1, report_to=["none"], disable_tqdm=True, gradient_checkpointing=False,
                   model_init_kwargs={"dtype": "float64"})  # compared to rounding: tests/helpers.py SAME_STEP
+    if name == "sdft":
+        from rlft.experimental.sdft import SDFTConfig, SDFTTrainer
+
+        rows = [dict(r, privileged_context=f"The answer is {r['answer']}.") for r in addition_rows(8)]
+        return SDFTTrainer(student, SDFTConfig(**common, num_generations=4, max_completion_length=8, **values),
+                           train_dataset=rows)
+    if name == "sdpo":
+        from rlft.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+        cfg = SDPOConfig(**common, num_generations=4, max_completion_length=8, **values)
+        return SDPOTrainer(student, even_length, cfg, train_dataset=addition_rows(8))
     if name.startswith("gkd"):
         from rlft.experimental.gkd import GKDConfig, GKDTrainer
 
