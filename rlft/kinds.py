@@ -110,6 +110,13 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          "On-policy distillation from a teacher behind teacher_model_server_url (its top-k "
          "log-probs).",
          command=False, trl_paths=("experimental.server_distillation",)),
+    Kind("async_distillation", "rlft.config:AsyncDistillationConfig",
+         "rlft.train.distillation:AsyncDistillationTrainer",
+         "Async distillation (TRL's experimental AsyncDistillationTrainer)",
+         "Async on-policy distillation: the producer samples while the trainer trains; served teachers.",
+         command=False, trl_paths=("experimental.async_distillation",
+                                   "experimental.async_distillation.async_distillation_config",
+                                   "experimental.async_distillation.async_distillation_trainer")),
     Kind("async_grpo", "rlft.config:AsyncGRPOConfig", "rlft.train.async_grpo:AsyncGRPOTrainer",
          "Async GRPO (TRL's experimental AsyncGRPOTrainer)",
          "Async GRPO: a producer process samples later steps' rollouts while the trainer trains.",

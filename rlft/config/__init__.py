@@ -15,6 +15,7 @@ from rlft.config.classes import (  # noqa: F401 (public names)
     LOSSES,
     MAY_CHANGE,
     RLFT_FIELDS,
+    AsyncDistillationConfig,
     AsyncGRPOConfig,
     ConfigError,
     DistillationConfig,

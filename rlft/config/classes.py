@@ -152,6 +152,42 @@ class AsyncGRPOConfig(_GRPOFields):
 
 
 @config_class
+class AsyncDistillationConfig(DistillationConfig, AsyncGRPOConfig):
+    """TRL 1.16's experimental AsyncDistillationConfig names and defaults: distillation's loss with
+    async GRPO's producer (a process sampling later steps' completions while the trainer trains:
+    docs/async.md) and teachers behind servers (`teacher_server_urls`, one per `teacher_id`; MOPD);
+    `teacher_top_k` and `add_tail_bucket` are the served support's (loss_top_k, loss_add_tail),
+    `teacher_temperature` the divergence's. rlft/train/distillation.py."""
+
+    logging_steps: float = 1
+    max_completion_length: int | None = 2048
+    beta: float = 0.0
+    dtype: str | None = option(
+        "float32", help="async distillation: the student's dtype where model_init_kwargs names none")
+    teacher_temperature: float = option(
+        1.0, check=POSITIVE, help="async distillation: the temperature of both sides of the divergence "
+                                  "(a served teacher answers at 1)")
+    teacher_top_k: int = option(
+        8, check=POSITIVE, help="async distillation: the served teacher's most likely tokens per position "
+                                "(plus the sampled one) the divergence sees; sets loss_top_k")
+    add_tail_bucket: bool = option(
+        True, "async distillation: the rest of the vocabulary as one more bucket; sets loss_add_tail")
+    log_completions_steps: int = option(
+        100, no_effect="completions are logged at every logging step (log_completions)")
+
+    @property
+    def divergence_temperature(self) -> float:
+        return self.teacher_temperature
+
+    def _normalize(self) -> None:
+        super()._normalize()
+        self.loss_top_k, self.loss_add_tail = self.teacher_top_k, self.add_tail_bucket
+        if self.dtype is not None and "dtype" not in (self.model_init_kwargs or {}) \
+                and isinstance(self.model_init_kwargs, dict | None):
+            self.model_init_kwargs = {**(self.model_init_kwargs or {}), "dtype": self.dtype}
+
+
+@config_class
 class RewardConfig(_BaseConfig):
     """Bradley-Terry reward-model run on chosen/rejected pairs."""
 
@@ -212,7 +248,8 @@ class SFTConfig(_BaseConfig):
 TrainConfig = _BaseConfig
 
 CONFIG_CLASSES = (GRPOConfig, RLOOConfig, AsyncGRPOConfig, DistillationConfig, GKDConfig,
-                  ServerDistillationConfig, SDFTConfig, GOLDConfig, SDPOConfig, RewardConfig)
+                  ServerDistillationConfig, SDFTConfig, GOLDConfig, SDPOConfig, AsyncDistillationConfig,
+                  RewardConfig)
 # rlft's additions to TRL's fields (docs/migration.md says why each exists), and the fields a
 # resumed run may change: queries of the fields' declarations.
 RLFT_FIELDS = frozenset().union(*map(rlft_fields, CONFIG_CLASSES))

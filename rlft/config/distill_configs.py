@@ -287,3 +287,4 @@ class GOLDConfig(DistillationConfig):
         if self.seq_kd and self.teacher_model_server_url:
             errors.append("seq_kd=True generates with the teacher, which a served teacher does not do "
                           "here: load the teacher locally, or set seq_kd: false")
+

@@ -10,7 +10,7 @@ generation, LoRA, sharded engines, exact resume and logging are GRPO's.
 
 from __future__ import annotations
 
-from rlft.config import DistillationConfig, ServerDistillationConfig
+from rlft.config import AsyncDistillationConfig, DistillationConfig, ServerDistillationConfig
 from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
 from rlft.train.update.distill_objective import DistillationObjective
@@ -54,3 +54,26 @@ class ServerDistillationTrainer(DistillationTrainer):
                               f"teacher_model_server_url set, got {type(args).__name__}")
         super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, callbacks,
                          optimizers, quantization_config, peft_config)
+
+
+class AsyncDistillationTrainer(DistillationTrainer):
+    """TRL's experimental AsyncDistillationTrainer: distillation whose completions come from async
+    GRPO's producer (a process sampling later steps' completions while the trainer trains,
+    rlft/train/sources/async_source.py: reproducible, exactly resumable), scored by the teachers of
+    `teacher_server_urls` (one per `teacher_id`: MOPD) or local ones; TRL's signature."""
+
+    _tag_names = ["trl", "async-distillation", "rlft"]
+    _name = "AsyncDistillation"
+    default_rollout_source = "producer"
+
+    def __init__(self, model, args: AsyncDistillationConfig | None = None, train_dataset=None,
+                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
+                 rollout_worker=None, weight_transfer=None, teacher_model=None, eval_dataset=None):
+        if not isinstance(args, AsyncDistillationConfig):
+            raise ConfigError("AsyncDistillationTrainer takes an AsyncDistillationConfig (its teachers "
+                              f"in teacher_server_urls), got {type(args).__name__}")
+        if rollout_worker is not None or weight_transfer is not None:
+            raise ConfigError("AsyncDistillationTrainer: rollout_worker= / weight_transfer= are not "
+                              "taken; rlft's producer samples the student's completions (docs/async.md)")
+        super().__init__(model, teacher_model, args, train_dataset, eval_dataset, processing_class, callbacks,
+                         optimizers, None, peft_config)
