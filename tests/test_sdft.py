@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from peft import LoraConfig
+from transformers import TrainerCallback
 
 from rlft.core.distill import Head
 from rlft.core.self_distill import clipped_ratio, sampled_token_loss, sequence_means, topk_divergence
@@ -229,8 +230,22 @@ def test_two_plus_two_steps_equal_four_with_an_ema_teacher(tmp_path, shipped_pol
 def test_a_reused_rollout_is_weighted_and_one_sampled_from_the_teachers_prompt_is_not(tmp_path,
                                                                                       shipped_policy_dir):
     """steps_per_generation 2: the rollout's second step weights each token by its clipped ratio to the sampling
-    policy (old log-probs kept); generate_from_teacher samples after the teacher's prompt and keeps none (TRL)."""
+    policy (old log-probs kept); generate_from_teacher samples after the teacher's prompt and keeps none (TRL).
+    TRL's self-distillation callback events report both, once per rollout."""
     seen = []
+
+    class Capture(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def on_generation_prompts_selected(self, generation_prompts=None, **kwargs):
+            self.events.append(("prompts", generation_prompts[0]))
+
+        def on_self_distillation_batch_prepared(self, old_per_token_logps=None, teacher_input_ids=None, **kwargs):
+            self.events.append(("prepared", old_per_token_logps is not None, teacher_input_ids.shape[0]))
+
+        def on_generation_batch_built(self, steps_per_generation=None, **kwargs):
+            self.events.append(("built", steps_per_generation))
 
     class Recording(FixedGenerator):
         def __call__(self, model, prompt_ids, num_generations, greedy=False):
@@ -240,32 +255,39 @@ def test_a_reused_rollout_is_weighted_and_one_sampled_from_the_teachers_prompt_i
     for from_teacher in (False, True):
         cfg = config(tmp_path, f"t{from_teacher}", steps_per_generation=2, per_device_train_batch_size=4,
                      generate_from_teacher=from_teacher)
-        trainer = SDFTTrainer(str(shipped_policy_dir), cfg, train_dataset=sdft_rows())
+        capture = Capture()
+        trainer = SDFTTrainer(str(shipped_policy_dir), cfg, train_dataset=sdft_rows(), callbacks=[capture])
         trainer.generator = Recording(trainer.tokenizer)
         batch = trainer._make_rollout(0)
         assert (batch.old_logps is None) == from_teacher
+        prompt = capture.events[0][1][-1]["content"]
+        assert capture.events[1:] == [("prepared", not from_teacher, 8), ("built", 2)]
+        assert ("The answer is" in prompt) == from_teacher
         prompt = trainer.tokenizer.decode(seen[-1][0])
         assert ("The answer is" in prompt) == from_teacher
         student = trainer.tokenizer.decode(batch.rollout.prompt_ids[0][batch.rollout.prompt_mask[0].bool()])
         assert "The answer is" not in student
+    capture.events.clear()
     assert trainer.train().global_step == 2
+    assert [e[0] for e in capture.events] == ["prompts", "prepared", "built"]  # one rollout for the 2 steps
 
 
 def test_bad_datasets_and_settings_are_named(tmp_path, shipped_policy_dir):
+    """Every training row's teacher prompt is built and measured when train() starts, before any step."""
     rows = sdft_rows(8)
     with pytest.raises(ValueError, match="no 'privileged_context' column"):
-        SDFTTrainer(str(shipped_policy_dir), config(tmp_path), train_dataset=addition_rows(8))
+        SDFTTrainer(str(shipped_policy_dir), config(tmp_path), train_dataset=addition_rows(8)).train()
     rows[3] = dict(rows[3], privileged_context=None)
-    with pytest.raises(ValueError, match="row 3: 'privileged_context' is missing"):
-        SDFTTrainer(str(shipped_policy_dir), config(tmp_path), train_dataset=rows)
+    with pytest.raises(ValueError, match="row 3: `privileged_context` must not be None"):
+        SDFTTrainer(str(shipped_policy_dir), config(tmp_path), train_dataset=rows).train()
     rows = sdft_rows(8)
     rows[2] = dict(rows[2], prompt=rows[2]["prompt"] + [{"role": "assistant", "content": "Sure"}])
     with pytest.raises(ValueError, match="row 2: the prompt ends with a 'assistant' message"):
-        SDFTTrainer(str(shipped_policy_dir), config(tmp_path), train_dataset=rows)
+        SDFTTrainer(str(shipped_policy_dir), config(tmp_path), train_dataset=rows).train()
     rows = sdft_rows(8)
     rows[5] = dict(rows[5], privileged_context="word " * 600)
     with pytest.raises(ValueError, match="row 5: the teacher's prompt .* over max_prompt_length=512"):
-        SDFTTrainer(str(shipped_policy_dir), config(tmp_path), train_dataset=rows)
+        SDFTTrainer(str(shipped_policy_dir), config(tmp_path), train_dataset=rows).train()
     for overrides, message in (
             ({"distillation_mode": "sampled_token"}, "estimates the reverse KL only"),
             ({"teacher_prompt_template": "{prompt} {answer}"}, "must hold {privileged_context}"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from rlft.errors import ConfigError
 from rlft.experimental.sdpo import SDPOConfig, SDPOTrainer
@@ -140,3 +141,27 @@ def test_bad_settings_are_named(tmp_path, shipped_policy_dir):
                                ({"distillation_weight": 1.5}, r"distillation_weight=1.5 must be in \[0, 1\]")):
         with pytest.raises(ConfigError, match=message):
             config(tmp_path, **overrides)
+
+
+def test_evaluation_reprompts_its_own_groups_and_reports_both_terms(tmp_path, shipped_policy_dir):
+    """evaluate(): num_generations_eval completions per prompt, scored, then reprompted within their own groups
+    (TRL's callback event reports the teacher prompts); eval_loss is the objective on them."""
+    class Capture(TrainerCallback):
+        texts: list = []
+
+        def on_teacher_context_built(self, processing_class=None, teacher_input_ids=None, **kwargs):
+            self.texts += [processing_class.decode(ids, skip_special_tokens=True) for ids in teacher_input_ids]
+
+    def alpha_succeeds(prompts, **kwargs):
+        return [float("Alpha" in p) for p in prompts]
+
+    prompts = [{"prompt": f"{name} prompt: what is 2+2?"} for name in ("Alpha", "Beta", "Gamma")]
+    cfg = config(tmp_path, num_generations_eval=2, success_reward_threshold=0.5, dont_reprompt_on_self_success=False)
+    capture = Capture()
+    trainer = SDPOTrainer(str(shipped_policy_dir), alpha_succeeds, cfg, train_dataset=addition_rows(8),
+                          eval_dataset=prompts, callbacks=[capture])
+    metrics = trainer.evaluate()
+    alpha = [t for t in capture.texts if "Alpha" in t]
+    assert len(alpha) == 2 and all("Correct solution:" in t for t in alpha)
+    assert all("Correct solution:" not in t for t in capture.texts if "Alpha" not in t)
+    assert metrics["eval_loss"] != 0.0 and metrics["eval_reward"] == pytest.approx(1 / 3)

@@ -53,6 +53,17 @@ class Flow:
         self.control = getattr(self.handler, event)(self.args, self.state, self.control, **kwargs)
         return self.control
 
+    def dispatch(self, event: str, **payload) -> None:
+        """A trainer's own event (TRL's self-distillation ones: `on_generation_batch_built`, ...):
+        each callback that defines the method gets args, state, control, model, processing_class and
+        the payload, as TRL calls them."""
+        handler = self.handler
+        for callback in handler.callbacks:
+            method = getattr(callback, event, None)
+            if method is not None:
+                method(args=self.args, state=self.state, control=self.control, model=handler.model,
+                       processing_class=handler.processing_class, **payload)
+
     def set_step(self, step: int) -> None:
         self.state.global_step = step
         self.state.epoch = step / self.steps_per_epoch

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from rlft.config import SDFTConfig
 from rlft.data.prompts import DatasetError, is_conversational, left_pad, render_prompt
 from rlft.errors import ConfigError
@@ -49,7 +51,8 @@ def _text(content) -> str:
 def context_text(context, row) -> str:
     """A row's privileged context as text (chat messages: their texts, a line each)."""
     if context is None:
-        raise DatasetError(f"row {row}: '{CONTEXT}' is missing (None): SDFT's teacher reads it")
+        raise DatasetError(f"row {row}: `{CONTEXT}` must not be None: SDFT's teacher reads it (give "
+                           "an empty string for a row without one)")
     if isinstance(context, list) and context and isinstance(context[0], dict):
         return "\n".join(text for text in (_text(m.get("content", "")) for m in context) if text)
     return context if isinstance(context, str) else str(context)
@@ -74,6 +77,12 @@ def teacher_prompt(prompt, context, template: str, row):
     return rewritten(prompt, row, lambda said: template.format(prompt=said, privileged_context=text))
 
 
+def teacher_inputs(rollout) -> tuple:
+    """(ids, attention mask) [N, P' + C] the teacher reads: its prompts, then the completions."""
+    return (torch.cat([rollout.teacher_prompt_ids, rollout.completion_ids], dim=1),
+            torch.cat([rollout.teacher_prompt_mask, rollout.completion_mask], dim=1))
+
+
 class SelfTeacherSource(SourceBase):
     """What a self-distilling source shares: GRPO's generation, and the self-teacher's state in
     checkpoints (rlft/train/update/self_teacher.py)."""
@@ -83,6 +92,7 @@ class SelfTeacherSource(SourceBase):
         self.throughput, self.tokenizer, self.teacher = parts.throughput, parts.tokenizer, parts.teacher
         self.device, self.group = parts.accelerator.device, parts.args.num_generations
         self.generated = GeneratedSource(parts)
+        self.generation_prompts: list = []  # per row, the prompt the last rollout was sampled after
 
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
@@ -124,10 +134,10 @@ class SDFTSource(SelfTeacherSource):
     """The student's completions of each prompt, with the teacher's prompt for every row
     (`Rollout.teacher_prompt_ids`)."""
 
-    def __init__(self, parts: SourceParts):
-        super().__init__(parts)
-        rows = getattr(parts.schedule.prompts, "rows", None)
-        if rows is not None:  # every training row's teacher prompt, measured before the first step
+    def open(self) -> None:
+        """Before the first step: every training row's teacher prompt built and measured."""
+        rows = getattr(self.schedule.prompts, "rows", None)
+        if rows is not None:
             whole = {"prompts": [r["prompt"] for r in rows]}
             if rows and CONTEXT in rows[0]:
                 whole[CONTEXT] = [r[CONTEXT] for r in rows]
@@ -157,9 +167,13 @@ class SDFTSource(SelfTeacherSource):
         """`count` completions per prompt, with the teacher's prompts; `from_teacher`: sampled after
         the teacher's prompt, then trained after the student's."""
         teacher = self.teacher_ids(prompts)
+        self.generation_prompts = [p for p in prompts["prompts"] for _ in range(count)]
         if not from_teacher:
             rollout = self.generated.generate(prompts, count, greedy)
         else:
+            self.generation_prompts = [teacher_prompt(p, c, self.args.teacher_prompt_template, row)
+                                       for row, (p, c) in enumerate(zip(prompts["prompts"], prompts[CONTEXT]))
+                                       for _ in range(count)]
             rollout = self.generated.generate({**prompts, "prompt_ids": teacher}, count, greedy)
             student, student_mask = left_pad([ids for ids in prompts["prompt_ids"] for _ in range(count)],
                                              self.tokenizer.pad_token_id)
@@ -184,6 +198,25 @@ class SelfTeaching:
         metrics = super()._step(step)
         metrics.update(self.teacher_model.after_step(step + 1))
         return metrics
+
+    def _make_rollout(self, rollout_index: int):
+        """The base's rollout, then TRL's self-distillation callback events about it."""
+        batch = super()._make_rollout(rollout_index)
+        rollout, fire = batch.rollout, self.flow.dispatch
+        teacher_ids, teacher_mask = teacher_inputs(rollout)
+        fire("on_generation_prompts_selected", generation_prompts=self.source.generation_prompts,
+             generation_prompt_text=None)
+        if rollout.teacher_rows is not None:
+            fire("on_teacher_context_built", teacher_input_ids=teacher_ids,
+                 teacher_attention_mask=teacher_mask, completion_mask=rollout.completion_mask,
+                 self_distillation_mask=rollout.teacher_rows)
+        fire("on_self_distillation_batch_prepared", old_per_token_logps=batch.old_logps,
+             prompt_ids=rollout.prompt_ids, completion_ids=rollout.completion_ids,
+             teacher_input_ids=teacher_ids, teacher_attention_mask=teacher_mask,
+             self_distillation_mask=rollout.teacher_rows)
+        fire("on_generation_batch_built", generate_every=self.steps_per_rollout,
+             steps_per_generation=self.args.steps_per_generation)
+        return batch
 
 
 class SDFTTrainer(SelfTeaching, DistillationTrainer):

@@ -29,7 +29,7 @@ from rlft.config import SDPOConfig
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
-from rlft.train.sdft import CONTEXT, SelfTeacherSource, SelfTeaching, rewritten
+from rlft.train.sdft import CONTEXT, SelfTeacherSource, SelfTeaching, rewritten, teacher_inputs
 from rlft.train.update.rollout_batch import ScoredRollout
 from rlft.train.update.self_distill_objective import SDPOObjective
 
@@ -51,6 +51,7 @@ class SDPOSource(SelfTeacherSource):
     def __init__(self, parts):
         super().__init__(parts)
         self.weights, self.quiet, self.messages = parts.reward_weights, 0, parts.messages
+        self.feedback: list | None = None  # per row, the privileged_context of the last rollout's prompts
 
     def rollout(self, index: int) -> ScoredRollout:
         return self.round(index, 0)
@@ -58,42 +59,56 @@ class SDPOSource(SelfTeacherSource):
     def round(self, index: int, round_index: int) -> ScoredRollout:
         scored = self.generated.round(index, round_index)
         feedback = self.schedule.batch(index, round_index).get(CONTEXT)
-        self.reprompt(scored, None if feedback is None else [f for f in feedback for _ in range(self.group)])
+        self.generation_prompts = scored.prompts
+        self.feedback = None if feedback is None else [f for f in feedback for _ in range(self.group)]
+        shares = self.reprompt(scored.rollout, scored.rewards, scored.prompts, self.feedback, self.group)
+        scored.scalars.update({key: [value] for key, value in shares.items()})
+        self._watch(shares["self_distillation/reprompt_sample_fraction"])
         return scored
 
     def generate(self, prompts: dict, count: int, greedy: bool = False):
+        """Evaluation's completions; their prompts and feedback are kept for `reprompt` once they are
+        scored (SDPOTrainer._eval_loss)."""
+        self.generation_prompts = [p for p in prompts["prompts"] for _ in range(count)]
+        self.feedback = [f for f in prompts[CONTEXT] for _ in range(count)] if CONTEXT in prompts else None
         return self.generated.generate(prompts, count, greedy)
 
-    def reprompt(self, scored: ScoredRollout, feedback: list | None) -> None:
-        """Each row's teacher prompt and whether it adds anything (module docstring), and TRL's
-        metrics of how many did."""
-        args, rollout = self.args, scored.rollout
-        weights = torch.ones(scored.rewards.shape[1]) if self.weights is None else self.weights.cpu()
-        totals = (scored.rewards.float().cpu() * weights).nansum(dim=1)
-        demos = demonstrations(totals, self.group, args.success_reward_threshold,
-                               args.dont_reprompt_on_self_success) \
-            if args.use_successful_as_teacher else [None] * len(totals)
+    def reprompt(self, rollout, rewards: torch.Tensor, prompts: list, feedback: list | None,
+                 group: int) -> dict[str, float]:
+        """Each row's teacher prompt and whether it adds anything (module docstring), on `rollout`;
+        TRL's metrics of how many did."""
+        args = self.args
+        weights = torch.ones(rewards.shape[1]) if self.weights is None else self.weights.cpu()
+        totals = (rewards.float().cpu() * weights).nansum(dim=1)
+        demos = [None] * len(totals) if not args.use_successful_as_teacher else \
+            demonstrations(totals, group, args.success_reward_threshold, args.dont_reprompt_on_self_success)
         said = [isinstance(f, str) and f.strip() != "" for f in feedback or [None] * len(totals)]
-        prompts, taught, used, reprompt = [], [], 0, args.reprompt_template
-        for row, prompt in enumerate(scored.prompts):
+        written, taught, used, reprompt = [], [], 0, args.reprompt_template
+        for row, prompt in enumerate(prompts):
             use = args.include_environment_feedback and said[row] and not (
                 args.environment_feedback_only_without_solution and demos[row] is not None)
             used += use
             if demos[row] is None and not use:
-                prompts.append(prompt)
+                written.append(prompt)
                 taught.append(0.0)
                 continue
             solution = "" if demos[row] is None else args.solution_template.format(
                 successful_previous_attempt=self._demo(rollout, demos[row]))
             shown = args.feedback_template.format(feedback_raw=feedback[row]) if use else ""
-            prompts.append(rewritten(prompt, row, lambda text, s=solution, f=shown: reprompt.format(
+            written.append(rewritten(prompt, row, lambda text, s=solution, f=shown: reprompt.format(
                 prompt=text, solution=s, feedback=f)))
             taught.append(1.0)
-        ids, mask = left_pad(self.tokenized(prompts, args.max_reprompt_len, keep_end=True),
+        ids, mask = left_pad(self.tokenized(written, args.max_reprompt_len, keep_end=True),
                              self.tokenizer.pad_token_id)
         rollout.teacher_prompt_ids, rollout.teacher_prompt_mask = ids.to(self.device), mask.to(self.device)
         rollout.teacher_rows = torch.tensor(taught, device=self.device)
-        self._metrics(scored, totals, demos, said, used, taught)
+        n, succeeded = len(totals), totals >= args.success_reward_threshold
+        groups = [bool(succeeded[s:s + group].any()) for s in range(0, n, group)]
+        return {f"self_distillation/{key}": value for key, value in (
+            ("success_group_fraction", sum(groups) / len(groups)),
+            ("success_sample_fraction", sum(d is not None for d in demos) / n),
+            ("feedback_available_fraction", sum(said) / n), ("feedback_used_fraction", used / n),
+            ("reprompt_sample_fraction", sum(taught) / n))}
 
     def _demo(self, rollout, row: int) -> str:
         tokens = rollout.completion_ids[row][rollout.completion_mask[row].bool()]
@@ -102,16 +117,9 @@ class SDPOSource(SelfTeacherSource):
             text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL).strip()
         return text
 
-    def _metrics(self, scored, totals, demos, said, used: int, taught: list) -> None:
-        args, n, g = self.args, len(totals), self.group
-        succeeded = totals >= args.success_reward_threshold
-        groups = [bool(succeeded[s:s + g].any()) for s in range(0, n, g)]
-        share = sum(taught) / n
-        for key, value in (("success_group_fraction", sum(groups) / len(groups)),
-                           ("success_sample_fraction", sum(d is not None for d in demos) / n),
-                           ("feedback_available_fraction", sum(said) / n),
-                           ("feedback_used_fraction", used / n), ("reprompt_sample_fraction", share)):
-            scored.scalars[f"self_distillation/{key}"] = [value]
+    def _watch(self, share: float) -> None:
+        """Warn after diagnostics_warning_interval rollouts in a row with nothing reprompted."""
+        args = self.args
         self.quiet = self.quiet + 1 if share <= args.diagnostics_flat_tolerance else 0
         interval = args.diagnostics_warning_interval
         if interval and self.quiet and self.quiet % interval == 0:
@@ -140,3 +148,14 @@ class SDPOTrainer(SelfTeaching, GRPOTrainer):
                               "successful ones its teacher is shown")
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
+
+    def _eval_loss(self, rollout, rewards: torch.Tensor, group: int) -> float:
+        """The loss on evaluation completions: their teacher prompts built from their own rewards in
+        groups of num_generations_eval (TRL's), then the objective's both terms, on-policy."""
+        source = self.source
+        source.reprompt(rollout, rewards, source.generation_prompts, source.feedback, group)
+        ids, mask = teacher_inputs(rollout)
+        self.flow.dispatch("on_teacher_context_built", teacher_input_ids=ids, teacher_attention_mask=mask,
+                           completion_mask=rollout.completion_mask,
+                           self_distillation_mask=rollout.teacher_rows)
+        return super()._eval_loss(rollout, rewards, group)

@@ -145,3 +145,18 @@ class SDPOObjective(PolicyObjective):
         if teacher_entropy is not None:
             metrics["distill/teacher_entropy"] = (teacher_entropy * taught).sum() / tokens
         return loss, metrics, entropy, mask
+
+    @torch.no_grad()
+    def eval_loss(self, u, rollout, advantages: torch.Tensor, kl_in_loss: bool) -> float:
+        """(1 - w) x the policy term on-policy + w x the self-distillation term, on evaluation
+        completions whose teacher prompts are built (SDPOTrainer._eval_loss)."""
+        policy = super().eval_loss(u, rollout, advantages, kl_in_loss) if self.weight < 1 else 0.0
+        if self.weight == 0.0 or rollout.teacher_prompt_ids is None:
+            return policy
+        total, count = 0.0, 0
+        for rows in u.scorer.micro_batches(rollout):
+            value = u.scorer.self_divergence(rollout, rows, self.alpha, self.mode, with_logps=False)[0]
+            trained = rollout.loss_mask[rows, :value.shape[1]]
+            share = distilled(rollout, rows, trained, value, None, None, None, 1)
+            total, count = total + float(share[0]), count + value.shape[0]
+        return (1 - self.weight) * policy + self.weight * total / max(count, 1)
