@@ -291,6 +291,7 @@ def test_bad_datasets_and_settings_are_named(tmp_path, shipped_policy_dir):
     for overrides, message in (
             ({"distillation_mode": "sampled_token"}, "estimates the reverse KL only"),
             ({"teacher_prompt_template": "{prompt} {answer}"}, "must hold {privileged_context}"),
+            ({"teacher_prompt_template": "{prompt} { {privileged_context}"}, "write a literal brace as"),
             ({"teacher_model_name_or_path": "x"}, "SDFT's teacher is the student itself"),
             ({"use_teacher_server": True}, "use_teacher_server=True is not supported"),
             ({"beta": 0.5}, "the divergence's mix is distillation_alpha"),

@@ -138,7 +138,9 @@ def test_bad_settings_are_named(tmp_path, shipped_policy_dir):
                                  "entropy_coef": 0.01}, "an entropy bonus is not combined"),
                                ({"distillation_alpha": 0.5}, "estimates the reverse KL only"),
                                ({"distillation_mode": "topk_logits"}, "needs distillation_topk >= 1"),
-                               ({"distillation_weight": 1.5}, r"distillation_weight=1.5 must be in \[0, 1\]")):
+                               ({"distillation_weight": 1.5}, r"distillation_weight=1.5 must be in \[0, 1\]"),
+                               ({"reprompt_template": "{prompt}{answer}"}, r"may hold only \{feedback\}, \{prompt\}"),
+                               ({"feedback_template": "{"}, "write a literal brace as")):
         with pytest.raises(ConfigError, match=message):
             config(tmp_path, **overrides)
 

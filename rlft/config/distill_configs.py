@@ -4,7 +4,6 @@
 gkd.py, sdft.py). Declared as rlft/config/classes.py declares GRPO's (`option`: help, checks, facts).
 """
 
-import string
 from typing import ClassVar
 
 from rlft.config import self_teaching as fields
@@ -210,10 +209,11 @@ class SDFTConfig(DistillationConfig):
                               "(teacher_model_kind); distil from another model with "
                               "DistillationTrainer")
         fields.check_self_distillation(self, errors)
-        named = {name for _, name, _, _ in string.Formatter().parse(self.teacher_prompt_template) if name}
+        named = fields.template_fields(self.teacher_prompt_template) or set()
         if named - {"prompt", "privileged_context"} or "privileged_context" not in named:
             errors.append(f"teacher_prompt_template={self.teacher_prompt_template!r} must hold "
-                          "{privileged_context} (and may hold {prompt}), no other field")
+                          "{privileged_context} (and may hold {prompt}), no other field; write a "
+                          "literal brace as {{ or }}")
 
 
 _ULD = "the ULD loss only (use_uld_loss, not built in rlft)"

@@ -4,6 +4,8 @@ here): the objective against the student's own teacher (rlft/core/self_distill.p
 `check_self_distillation`; a config gives its own TRL defaults.
 """
 
+import string
+
 from rlft.config.common import config_class
 from rlft.config.grpo_fields import _GRPOFields
 from rlft.config.options import POSITIVE, between, one_of, option
@@ -56,6 +58,22 @@ def teacher_server():
     return option(False, refused="the self-teacher runs in the trainer's process; a live teacher "
                                  "scored by the vLLM generation server is not built "
                                  "(docs/migration.md)")
+
+
+def template_fields(template: str) -> set[str] | None:
+    """The fields a str.format template names (None: it does not parse, e.g. an unmatched brace)."""
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(template) if name}
+    except ValueError:
+        return None
+
+
+def check_template(cfg, name: str, allowed: set[str], errors: list[str]) -> None:
+    named = template_fields(getattr(cfg, name))
+    if named is None or named - allowed:
+        fields = ", ".join("{" + f + "}" for f in sorted(allowed))
+        errors.append(f"{name}={getattr(cfg, name)!r} may hold only {fields}; write a literal brace as "
+                      "{{ or }}")
 
 
 def check_self_distillation(cfg, errors: list[str]) -> None:
@@ -127,6 +145,9 @@ class SDPOConfig(_GRPOFields):
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
         check_self_distillation(self, errors)
+        check_template(self, "reprompt_template", {"prompt", "solution", "feedback"}, errors)
+        check_template(self, "solution_template", {"successful_previous_attempt"}, errors)
+        check_template(self, "feedback_template", {"feedback_raw"}, errors)
         if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
             errors.append("entropy_coef / use_adaptive_entropy: an entropy bonus is not combined with "
                           "SDPO's self-distillation term here; leave them off")

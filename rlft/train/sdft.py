@@ -108,9 +108,9 @@ class SelfTeacherSource(SourceBase):
     def engine(self, value) -> None:
         self.generated.engine = value
 
-    def tokenized(self, prompts: list, limit: int | None, keep_end: bool = False) -> tuple:
-        """Teacher prompts as left-padded ids and mask on the device: each rendered as a student prompt
-        is; over `limit` tokens an error naming the row, or (keep_end) its last `limit` tokens."""
+    def tokenized(self, prompts: list, limit: int | None, keep_end: bool = False) -> list[list[int]]:
+        """Teacher prompts' token ids, each rendered as a student prompt is; over `limit` tokens an
+        error naming the row, or (keep_end) its last `limit` tokens."""
         out = []
         for row, prompt in enumerate(prompts):
             text = render_prompt(prompt, self.tokenizer, row, self.args.chat_template_kwargs)
