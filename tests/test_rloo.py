@@ -194,5 +194,5 @@ def test_the_kl_in_the_reward_is_refused_where_it_cannot_go(tmp_path):
 
 def test_an_unknown_rollout_source_names_the_registered_ones(tmp_path, shipped_policy_dir):
     cfg = tiny_grpo_config(tmp_path, rollout_source="replay_jsonl")
-    with pytest.raises(ConfigError, match=r"rollout_source='replay_jsonl': choose one of \['generate', 'gkd', 'producer', 'worker'\]"):
+    with pytest.raises(ConfigError, match=r"rollout_source='replay_jsonl': choose one of \['generate', 'gkd', 'producer', 'sdft', 'sdpo', 'worker'\]"):
         GRPOTrainer(str(shipped_policy_dir), [correct_answer], cfg, addition_rows(16))
