@@ -94,3 +94,19 @@ def test_the_self_distillation_demo_runs_and_writes_its_figure(tmp_path):
     numbers = json.loads(figure.with_suffix(".json").read_text())
     assert [step for step, _ in numbers["curve"]] == [0, 1, 2] and [s for s, _ in numbers["losses"]] == [1, 2]
     assert numbers["teacher_accuracy"] == 0.0 and numbers["curve"][0][1] == 0.29
+
+
+def test_the_sdpo_demo_runs_and_writes_its_figure(tmp_path):
+    """examples/sdpo_demo.py (docs/distillation.md's SDPO figure), cut to 2 steps at two weights."""
+    import json
+    import subprocess
+    import sys
+
+    figure = tmp_path / "sdpo.png"
+    result = subprocess.run([sys.executable, "examples/sdpo_demo.py", "--weights", "0", "1", "--steps", "2",
+                             "--eval_every", "1", "--output_dir", str(tmp_path / "run"), "--out", str(figure)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    curves = json.loads(figure.with_suffix(".json").read_text())["curves"]
+    assert sorted(curves) == ["0.0", "1.0"] and all([s for s, _ in c] == [0, 1, 2] for c in curves.values())

@@ -121,7 +121,7 @@ class SDPOSource(SelfTeacherSource):
         """Warn after diagnostics_warning_interval rollouts in a row with nothing reprompted."""
         args = self.args
         self.quiet = self.quiet + 1 if share <= args.diagnostics_flat_tolerance else 0
-        interval = args.diagnostics_warning_interval
+        interval = args.diagnostics_warning_interval if args.distillation_weight > 0 else 0
         if interval and self.quiet and self.quiet % interval == 0:
             self.messages.warn(f"SDPO: {self.quiet} rollouts in a row without a reprompted completion (no "
                                f"sibling reached success_reward_threshold={args.success_reward_threshold} "
