@@ -4,10 +4,14 @@ docs/distillation.md come from:
 
     python examples/distillation_demo.py --out docs/figures/distillation.png
     python examples/distillation_demo.py --trainer gkd --out docs/figures/gkd.png
+    python examples/distillation_demo.py --trainer gold --teacher runs/distillation-teacher --out docs/figures/gold.png
+    python examples/distillation_demo.py --trainer async --teacher runs/distillation-teacher --out docs/figures/async-distillation.png
 
 With `--trainer gkd`, GKDTrainer instead: each step with probability `--lmbda` on the student's own
 completions, else on the dataset's (each problem's correct answer, TRL's `messages` format), the same
-divergence to the teacher on either.
+divergence to the teacher on either. `--trainer gold`: GOLDTrainer, the same with the divergence at the
+sampling temperature. `--trainer async`: AsyncDistillationTrainer, the student's completions sampled by the
+async producer one step ahead (producer on core 1, trainer on core 0).
 
 1. The teacher: `rlft demo`'s run (GRPO, LoRA r16, 1,500 steps, seed 0), its adapter merged into the shipped
    tiny-adder (`--teacher DIR` takes one already trained: a model folder, or the demo's output folder).
@@ -30,11 +34,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from rlft import DistillationConfig, DistillationTrainer
 from rlft.cli.demo import demo_lora
-from rlft.config import GKDConfig
+from rlft.config import AsyncDistillationConfig, GKDConfig, GOLDConfig
 from rlft.data.addition import rows, split_problems
 from rlft.model.loading import shipped_policy_path
 from rlft.rewards.builtins import exact_match_reward
-from rlft.train.gkd import GKDTrainer
+from rlft.train.distillation import AsyncDistillationTrainer
+from rlft.train.gkd import GKDTrainer, GOLDTrainer
 
 
 @torch.no_grad()
@@ -111,12 +116,20 @@ def build(args, teacher, train: list[dict], held: HeldOut):
                   logging_steps=25, save_steps=args.steps, report_to="none", gradient_checkpointing=False,
                   disable_tqdm=True)
     student = str(shipped_policy_path())
-    if args.trainer == "gkd":
+    if args.trainer in ("gkd", "gold"):
         messages = [{"messages": r["prompt"] + [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}]}
                     for r in train]
+        if args.trainer == "gold":
+            cfg = GOLDConfig(**common, max_completion_length=8, lmbda=args.lmbda)
+            return GOLDTrainer(student, teacher, cfg, train_dataset=messages, callbacks=[held],
+                               peft_config=demo_lora(True))
         cfg = GKDConfig(**common, max_new_tokens=8, lmbda=args.lmbda)
         return GKDTrainer(student, teacher, cfg, train_dataset=messages, callbacks=[held],
                           peft_config=demo_lora(True))
+    if args.trainer == "async":
+        cfg = AsyncDistillationConfig(**common, max_completion_length=8, producer_cpus=[1], producer_threads=1)
+        return AsyncDistillationTrainer(student, cfg, train, callbacks=[held], peft_config=demo_lora(True),
+                                        teacher_model=teacher)
     cfg = DistillationConfig(**common, max_completion_length=8)
     return DistillationTrainer(student, teacher, cfg, train, callbacks=[held], peft_config=demo_lora(True))
 
@@ -129,7 +142,7 @@ def main() -> None:
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trainer", choices=["distillation", "gkd"], default="distillation")
+    parser.add_argument("--trainer", choices=["distillation", "gkd", "gold", "async"], default="distillation")
     parser.add_argument("--lmbda", type=float, default=0.5, help="gkd: the share of on-policy steps")
     parser.add_argument("--output_dir", default=None, help="default runs/<trainer>-demo")
     parser.add_argument("--out", default=None, help="figure (PNG); its numbers go beside it as JSON")
@@ -150,15 +163,17 @@ def main() -> None:
           f"(teacher {teacher_accuracy:.1%}); {wall:.0f} s including the teacher's evaluation")
     if args.out:
         out = Path(args.out)
-        how = f"GKD, lmbda {args.lmbda}" if args.trainer == "gkd" else "on-policy"
-        flag = " --trainer gkd" if args.trainer == "gkd" else ""
+        how = {"gkd": f"GKD, lmbda {args.lmbda}", "gold": f"GOLD, lmbda {args.lmbda}",
+               "async": "async on-policy"}.get(args.trainer, "on-policy")
+        flag = f" --trainer {args.trainer}" if args.trainer != "distillation" else ""
+        flag += f" --teacher {args.teacher}" if args.teacher else ""
         title = (f"A GRPO-trained tiny-adder distilled into the shipped one ({how}, beta {args.beta}, LoRA r16)"
                  f"\npython examples/distillation_demo.py{flag} --out {args.out}")
         plot(held.curve, teacher_accuracy, out, title)
         out.with_suffix(".json").write_text(json.dumps(
             {"teacher_accuracy": teacher_accuracy, "curve": held.curve, "steps": args.steps, "beta": args.beta,
              "seed": args.seed, "seconds": wall, "trainer": args.trainer,
-             **({"lmbda": args.lmbda} if args.trainer == "gkd" else {})}, indent=1) + "\n")
+             **({"lmbda": args.lmbda} if args.trainer in ("gkd", "gold") else {})}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
