@@ -347,3 +347,44 @@ def test_a_teacher_replaced_in_place_is_refused_on_resume(tmp_path, shipped_poli
     again = DistillationTrainer(str(shipped_policy_dir), str(teacher), cfg(), addition_rows(16))
     with pytest.raises(ConfigError, match=r"different config[\s\S]*_teacher:.*'weights'"):
         again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+
+
+def test_a_teacher_padded_past_the_students_vocabulary_with_its_tokenizer_is_read_over_the_students_rows(
+        tmp_path, shipped_policy_dir):
+    """Qwen2.5-7B's embedding matrix has 152,064 rows for the 151,936 of 0.5B's, the same tokenizer: a teacher
+    whose extra rows are padding no token reaches is taken, its distribution over the student's rows (TRL's GKD
+    resizes it the same way); the step is the definition with the teacher cut to those rows. A larger teacher
+    with another tokenizer stays refused (test_bad_teachers_and_configs_are_named), and seq_kd with it too."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    student_vocab = AutoModelForCausalLM.from_pretrained(shipped_policy_dir).get_output_embeddings().weight.shape[0]
+    teacher = perturbed(shipped_policy_dir, 0.05)
+    teacher.resize_token_embeddings(student_vocab + 64)
+    with torch.no_grad():  # padding rows that would matter if they were read
+        teacher.get_output_embeddings().weight[student_vocab:] = 3.0
+    folder = tmp_path / "padded"
+    teacher.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(shipped_policy_dir).save_pretrained(folder)
+    cut = copy.deepcopy(teacher)
+    cut.resize_token_embeddings(student_vocab)
+    cfg = config(tmp_path, optim="sgd", learning_rate=1.0, max_grad_norm=1e9, beta=0.5, logprob_chunk_size=5)
+    trainer = DistillationTrainer(str(shipped_policy_dir), str(folder), cfg, addition_rows(16))
+    trainer.generator = FixedGenerator(trainer.tokenizer)
+    batch = trainer._make_rollout(0)
+    student = trainer.model
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    want = reference_loss(student, cut.eval(), batch.rollout, 0.5, 1.0)
+    grads = torch.autograd.grad(want, list(student.parameters()))
+    metrics = trainer.updater.step(batch)
+    assert metrics["loss"] == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    for (name, p), g in zip(student.named_parameters(), grads):
+        assert torch.allclose(before[name] - p.detach(), g.float(), atol=2e-6, rtol=1e-4), name
+    from rlft.experimental.gkd import GKDConfig, GKDTrainer
+
+    with pytest.raises(ConfigError, match="seq_kd=True samples from the teacher, whose vocab_size is padded"):
+        GKDTrainer(str(shipped_policy_dir), str(folder), GKDConfig(output_dir=str(tmp_path / "gkd"), seq_kd=True,
+                                                                 report_to="none"),
+                   train_dataset=[{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": "4"}]}
+                                  for r in addition_rows(8)])

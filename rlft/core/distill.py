@@ -44,12 +44,15 @@ from rlft.core.fused_head import HeadGrads, _logits, tile_positions, vocabulary_
 @dataclass(frozen=True)
 class Head:
     """One model's LM head as the divergence reads it: weight [V, H], bias [V] or None, logit scale,
-    softcapping, and `whole()`: a context in which a partitioned weight is whole (ZeRO-3)."""
+    softcapping, `whole()`: a context in which a partitioned weight is whole (ZeRO-3), and `vocab`:
+    only its first `vocab` rows are the vocabulary (a teacher whose embedding matrix is padded past
+    the student's, with the same tokenizer: the rows after are never a token; None: all)."""
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     scale: float = 1.0
     softcap: float | None = None
     whole: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    vocab: int | None = None
 
 
 def divergence_from_logprobs(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
@@ -118,6 +121,8 @@ def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, k
     backward)."""
     z_s, squashed = _logits(h_s, student.weight, student.bias, student.scale, student.softcap, temperature)
     z_t, _ = _logits(h_t, teacher.weight, teacher.bias, teacher.scale, teacher.softcap, temperature)
+    if teacher.vocab is not None:  # (the softmax over the vocabulary's rows alone)
+        z_t = z_t[:, :teacher.vocab]
     log_ps = z_s - torch.logsumexp(z_s, dim=-1, keepdim=True)
     log_pt = z_t.to(log_ps.dtype) - torch.logsumexp(z_t, dim=-1, keepdim=True).to(log_ps.dtype)
     return (log_ps, log_pt, squashed) if keep_squashed else (log_ps, log_pt)
@@ -136,7 +141,7 @@ def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: He
     """D [N] and the two entropies [N] at N positions from the student's hidden states [N, H_s]
     (differentiable, as are the student head's weight and bias) and the teacher's [N, H_t] (no
     gradient). Never allocates [N, V]. The heads must share the vocabulary (V)."""
-    vocab, teacher_vocab = vocabulary_rows(student.weight), vocabulary_rows(teacher.weight)
+    vocab, teacher_vocab = vocabulary_rows(student.weight), teacher.vocab or vocabulary_rows(teacher.weight)
     if vocab != teacher_vocab:
         raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) "
                          "differ: distillation compares their next-token distributions token by "

@@ -274,7 +274,8 @@ def teacher_states(teacher, ids, mask, position_ids, completion_mask, beta: floa
     scale, softcap = head_settings(inner.config)
     # the parameters themselves (read inside the divergence's autograd function: no graph), not
     # detached copies: a ZeRO-3 gather fills the parameter in place
-    return TeacherStates(hidden, Head(weight, bias, scale, softcap, _gathered(weight, bias)), beta)
+    vocab = getattr(inner, "rlft_vocab_rows", None)  # a padded teacher's vocabulary (distill_objective.py)
+    return TeacherStates(hidden, Head(weight, bias, scale, softcap, _gathered(weight, bias), vocab), beta)
 
 
 def _module_scores(head, hidden, targets, kept, score: Score, scale: float, softcap: float | None):

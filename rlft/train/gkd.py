@@ -77,6 +77,11 @@ class GKDSource(SourceBase):
         self.device = parts.accelerator.device
         self.generated = GeneratedSource(parts)  # the student's completions (the config's engine)
         self.teacher, self.eos_ids = parts.teacher, eos_token_ids(parts.model, parts.tokenizer)
+        padded = getattr(getattr(self.teacher, "module", self.teacher), "rlft_vocab_rows", None)
+        if self.args.seq_kd and padded:
+            raise ConfigError("seq_kd=True samples from the teacher, whose vocab_size is padded past the "
+                              "student's: it could sample a padding id the student has no row for; "
+                              "set seq_kd: false, or use a teacher of the student's vocab_size")
         args = self.args
         self.teacher_engine = HFGenerator(parts.tokenizer, args.max_completion_length, args.temperature,
                                           args.top_p, args.top_k, args.repetition_penalty,

@@ -191,6 +191,10 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                              quantization_config, self._tag_names, routes_recorded=records)
         teacher = load_teacher(teacher, args, training_dtype(args, self.accelerator.device), policy.model,
                                self.tokenizer)
+        rows = getattr(teacher, "rlft_vocab_rows", None)
+        if rows is not None:
+            self._setup_notes.append(f"the teacher's vocab_size is padded past the student's {rows} (the "
+                                     f"same tokenizer): the divergence reads its first {rows} rows")
         # (None, local, served, or several)
         self.teacher_model = prepare_teacher(teacher, self.engine)
         self._setup_notes += policy.notes

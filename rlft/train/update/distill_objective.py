@@ -120,13 +120,33 @@ def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
     inner = student.get_base_model() if hasattr(student, "get_base_model") else student
     student_vocab, teacher_vocab = _vocabulary(inner), _vocabulary(model)
     if student_vocab != teacher_vocab:
-        name = teacher if isinstance(teacher, str | Path) else type(teacher).__name__
-        raise ConfigError(f"the student model has vocab_size {student_vocab} but the teacher model "
-                          f"({name}) has vocab_size {teacher_vocab}: distillation compares the "
-                          "student's and the teacher's next-token distributions token by token, so "
-                          "both must share one vocabulary (use a teacher with the student's "
-                          "tokenizer and vocab_size)")
+        if not _padded_past(model, teacher, student_vocab, teacher_vocab, tokenizer):
+            name = teacher if isinstance(teacher, str | Path) else type(teacher).__name__
+            raise ConfigError(f"the student model has vocab_size {student_vocab} but the teacher model "
+                              f"({name}) has vocab_size {teacher_vocab}: distillation compares the "
+                              "student's and the teacher's next-token distributions token by token, so "
+                              "both must share one vocabulary (use a teacher with the student's "
+                              "tokenizer; a larger vocab_size is taken when the tokenizers are the same "
+                              "and the extra rows are padding)")
+        model.rlft_vocab_rows = student_vocab  # its first rows are the vocabulary (rlft/core/distill.py)
     return model.eval().requires_grad_(False)
+
+
+def _padded_past(model, teacher, student_vocab: int, teacher_vocab: int, tokenizer) -> bool:
+    """The teacher's embedding matrix is the student's vocabulary padded with rows no token reaches
+    (Qwen2.5-7B's 152,064 against Qwen2.5-0.5B's 151,936): it is larger, its tokenizer (from its
+    folder) is the student's, and every token id of that tokenizer is below the student's size."""
+    source = teacher if isinstance(teacher, str | Path) else getattr(model, "name_or_path", None)
+    if teacher_vocab < student_vocab or tokenizer is None or not source:
+        return False
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError):
+        return False
+    mine = tokenizer.get_vocab()
+    return theirs.get_vocab() == mine and max(mine.values()) < student_vocab
 
 
 def prepare_teacher(teacher, engine):
