@@ -105,9 +105,9 @@ def test_one_step_is_the_definitions_loss_and_gradient(tmp_path, shipped_policy_
         assert torch.allclose(before[name] - p.detach(), g.float(), atol=2e-6, rtol=1e-4), name
 
 
-def test_a_rollout_with_no_success_trains_and_two_plus_two_steps_equal_four(tmp_path, shipped_policy_dir):
-    """No completion reaches the threshold at first (the shipped policy rarely answers these right): nothing is
-    reprompted, the w = 1 loss is 0 and the gradient-flow check must not call that a fault; an ema teacher's run
+def test_a_rollout_with_no_success_trains_and_two_plus_two_steps_equal_four(tmp_path, shipped_policy_dir, caplog):
+    """No completion reaches the threshold: nothing is reprompted, the w = 1 loss is 0, the gradient-flow check
+    must not call that a fault, and TRL's diagnostics say so at the first such rollout; an ema teacher's run
     resumes exactly."""
     def trainer(name):
         cfg = config(tmp_path, name, max_steps=4, save_steps=2, teacher_update_rate=0.3)
@@ -115,7 +115,12 @@ def test_a_rollout_with_no_success_trains_and_two_plus_two_steps_equal_four(tmp_
 
     quiet = SDPOTrainer(str(shipped_policy_dir), even_length,
                         config(tmp_path, "quiet", success_reward_threshold=5.0), train_dataset=addition_rows(16))
-    assert quiet.train().metrics["train_loss"] == 0.0
+    with caplog.at_level("WARNING", logger="rlft"):
+        assert quiet.train().metrics["train_loss"] == 0.0
+    assert "SDPO self-distillation is inactive because no reprompted samples were constructed" in caplog.text
+    assert "SDPO did not find any successful rollouts" in caplog.text
+    assert {"self_distillation/reward_std", "self_distillation/flat_group_fraction"} <= set(
+        quiet.state.log_history[0])
     straight = trainer("straight")
     straight.train()
     split = trainer("split")

@@ -5,6 +5,7 @@ here): the objective against the student's own teacher (rlft/core/self_distill.p
 """
 
 import string
+from typing import ClassVar
 
 from rlft.config.common import config_class
 from rlft.config.grpo_fields import _GRPOFields
@@ -141,6 +142,8 @@ class SDPOConfig(_GRPOFields):
         10, help="SDPO: warn after this many rollouts in a row with no reprompted row (0: never)")
     diagnostics_flat_tolerance: float = option(
         1e-8, "SDPO: a reprompted-row share at or below this counts as none")
+    # (TRL's SDPO takes one completion per prompt: its feedback still teaches, with no group advantage)
+    min_generations: ClassVar[int] = 1
 
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)

@@ -97,7 +97,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None,
                  rollout_func=None, environment_factory=None, teacher_model=None):
         self.args = args = validate(args or GRPOConfig(output_dir=default_output_dir(model, "GRPO")))
-        if args.min_generations < 2 and not self.objective.needs_teacher:
+        objective = self.objective
+        if args.min_generations < 2 and not (objective.needs_teacher or objective.teacher_is_student):
             raise ConfigError(f"{type(self).__name__} takes a GRPO-family config, not a "
                               f"{type(args).__name__} (its beta is a divergence's, not a KL "
                               "weight): use DistillationTrainer")

@@ -50,7 +50,8 @@ class SDPOSource(SelfTeacherSource):
 
     def __init__(self, parts):
         super().__init__(parts)
-        self.weights, self.quiet, self.messages = parts.reward_weights, 0, parts.messages
+        self.weights, self.messages = parts.reward_weights, parts.messages
+        self.quiet: dict[str, int] = {}  # diagnostic -> rollouts in a row it held (_watch)
         self.feedback: list | None = None  # per row, the privileged_context of the last rollout's prompts
 
     def rollout(self, index: int) -> ScoredRollout:
@@ -62,8 +63,8 @@ class SDPOSource(SelfTeacherSource):
         self.generation_prompts = scored.prompts
         self.feedback = None if feedback is None else [f for f in feedback for _ in range(self.group)]
         shares = self.reprompt(scored.rollout, scored.rewards, scored.prompts, self.feedback, self.group)
+        shares.update(self._watch(shares, self._totals(scored.rewards)))
         scored.scalars.update({key: [value] for key, value in shares.items()})
-        self._watch(shares["self_distillation/reprompt_sample_fraction"])
         return scored
 
     def generate(self, prompts: dict, count: int, greedy: bool = False):
@@ -77,9 +78,7 @@ class SDPOSource(SelfTeacherSource):
                  group: int) -> dict[str, float]:
         """Each row's teacher prompt and whether it adds anything (module docstring), on `rollout`;
         TRL's metrics of how many did."""
-        args = self.args
-        weights = torch.ones(rewards.shape[1]) if self.weights is None else self.weights.cpu()
-        totals = (rewards.float().cpu() * weights).nansum(dim=1)
+        args, totals = self.args, self._totals(rewards)
         demos = [None] * len(totals) if not args.use_successful_as_teacher else \
             demonstrations(totals, group, args.success_reward_threshold, args.dont_reprompt_on_self_success)
         said = [isinstance(f, str) and f.strip() != "" for f in feedback or [None] * len(totals)]
@@ -110,6 +109,11 @@ class SDPOSource(SelfTeacherSource):
             ("feedback_available_fraction", sum(said) / n), ("feedback_used_fraction", used / n),
             ("reprompt_sample_fraction", sum(taught) / n))}
 
+    def _totals(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Each row's total reward [N]: the functions' rewards weighted, NaN as 0 (TRL's nansum)."""
+        weights = torch.ones(rewards.shape[1]) if self.weights is None else self.weights.cpu()
+        return (rewards.float().cpu() * weights).nansum(dim=1)
+
     def _demo(self, rollout, row: int) -> str:
         tokens = rollout.completion_ids[row][rollout.completion_mask[row].bool()]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -117,16 +121,41 @@ class SDPOSource(SelfTeacherSource):
             text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL).strip()
         return text
 
-    def _watch(self, share: float) -> None:
-        """Warn after diagnostics_warning_interval rollouts in a row with nothing reprompted."""
-        args = self.args
-        self.quiet = self.quiet + 1 if share <= args.diagnostics_flat_tolerance else 0
+    def _watch(self, shares: dict[str, float], totals: torch.Tensor) -> dict[str, float]:
+        """TRL's diagnostics of a training rollout: its reward statistics, and a warning (at the first
+        and every diagnostics_warning_interval-th rollout in a row) while the rewards are flat, nothing
+        was reprompted, or no group succeeded."""
+        args, tol, g = self.args, self.args.diagnostics_flat_tolerance, self.group
+        spread = totals.view(-1, g).std(dim=1) if g > 1 else torch.zeros(len(totals) // g)
+        std = float(totals.std()) if len(totals) > 1 else 0.0
+        flat = float((spread <= tol).float().mean()) if len(spread) else 1.0
+        states = {"flat_rewards": std <= tol and flat >= 1.0 - tol,
+                  "inactive_self_distillation": shares["self_distillation/reprompt_sample_fraction"] <= tol,
+                  "no_successful_rollouts": shares["self_distillation/success_group_fraction"] <= tol}
         interval = args.diagnostics_warning_interval if args.distillation_weight > 0 else 0
-        if interval and self.quiet and self.quiet % interval == 0:
-            self.messages.warn(f"SDPO: {self.quiet} rollouts in a row without a reprompted completion (no "
-                               f"sibling reached success_reward_threshold={args.success_reward_threshold} "
-                               "and no feedback used): the self-distillation term is 0; lower the "
-                               "threshold or check the reward functions")
+        for key, degenerate in states.items():
+            self.quiet[key] = self.quiet.get(key, 0) + 1 if degenerate else 0
+            count = self.quiet[key]
+            if interval and count and (count == 1 or count % interval == 0):
+                self.messages.warn(f"{DIAGNOSTICS[key]} Consecutive degenerate steps: {count}.")
+        stats = {"reward_mean": float(totals.mean()), "reward_std": std, "reward_min": float(totals.min()),
+                 "reward_max": float(totals.max()), "flat_group_fraction": flat,
+                 "group_reward_std_mean": float(spread.mean()) if len(spread) else std}
+        return {f"self_distillation/{key}": value for key, value in stats.items()}
+
+
+# TRL's diagnostic messages (SDPOSource._watch)
+DIAGNOSTICS = {
+    "flat_rewards":
+        "Observed flat SDPO rewards across all sampled generations. Policy advantages will collapse to zero, "
+        "and SDPO will not learn. Check reward density, reward shaping, or `success_reward_threshold`.",
+    "inactive_self_distillation":
+        "SDPO self-distillation is inactive because no reprompted samples were constructed. This "
+        "usually means no rollout exceeded `success_reward_threshold` and no usable privileged feedback was "
+        "available.",
+    "no_successful_rollouts":
+        "SDPO did not find any successful rollouts in the current generation groups. If this persists, "
+        "reduce task difficulty, adjust reward shaping, or lower `success_reward_threshold`."}
 
 
 class SDPOTrainer(SelfTeaching, GRPOTrainer):
