@@ -171,3 +171,44 @@ def test_a_trl_style_gkd_script_trains_and_saves(tmp_path, shipped_policy_dir):
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+def test_trls_static_helpers_and_generation_config(tmp_path, shipped_policy_dir):
+    """GKDTrainer.generalized_jsd_loss (TRL's static method, for logits a caller holds) is the generalized JSD
+    per kept position, reduced as TRL reduces; generate_on_policy_outputs masks the prompt and what follows the
+    first EOS; generation_config states the student's sampling settings."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from rlft.core.distill import divergence_from_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 5, 11, generator=g, dtype=torch.float64), torch.randn(2, 5, 11, generator=g, dtype=torch.float64)
+    labels = torch.tensor([[-100, 3, 4, -100, -100], [-100, -100, 1, 2, 3]])
+    for beta in (0.0, 0.5, 1.0):
+        per = divergence_from_logprobs(torch.log_softmax(s / 0.7, -1), torch.log_softmax(t / 0.7, -1), beta)
+        kept = per[labels != -100]
+        loss = GKDTrainer.generalized_jsd_loss(s, t, labels, beta=beta, temperature=0.7)
+        assert torch.allclose(loss, kept.sum() / 5, atol=1e-12)
+        assert torch.allclose(GKDTrainer.generalized_jsd_loss(s, t, labels, beta, 0.7, "sum"), kept.sum(), atol=1e-12)
+        terms = GKDTrainer.generalized_jsd_loss(s, t, None, beta, 0.7, "none")
+        assert terms.shape == (2, 5, 11) and torch.allclose(terms.sum(-1), per, atol=1e-12)
+        assert torch.allclose(GKDTrainer.generalized_jsd_loss(s, t, None, beta, 0.7), per.sum() / 2, atol=1e-12)
+    tok = AutoTokenizer.from_pretrained(shipped_policy_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(shipped_policy_dir)
+    batch = tok(["What is 1+2?", "What is 30+4?"], return_tensors="pt", padding=True)
+    greedy = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+    ids, mask, labels = GKDTrainer.generate_on_policy_outputs(
+        model, {"prompts": batch["input_ids"], "prompt_attention_mask": batch["attention_mask"]}, greedy)
+    width = batch["input_ids"].shape[1]
+    assert torch.equal(ids[:, :width], batch["input_ids"]) and torch.equal(mask[:, :width], batch["attention_mask"])
+    assert (labels[:, :width] == -100).all()
+    for row in range(2):
+        tail = ids[row, width:].tolist()
+        stop = tail.index(tok.eos_token_id) + 1 if tok.eos_token_id in tail else len(tail)
+        assert mask[row, width:].tolist() == [1] * stop + [0] * (len(tail) - stop)
+        assert labels[row, width:width + stop].tolist() == tail[:stop]
+    trainer = GKDTrainer(str(shipped_policy_dir), None, config(tmp_path), train_dataset=messages_rows(8))
+    generation = trainer.generation_config
+    assert (generation.max_new_tokens, generation.temperature, generation.top_k, generation.top_p) == (8, 0.9, 0, 1.0)
+    assert trainer.train_dataset[0].keys() == {"messages"}  # the caller's dataset, as TRL keeps it

@@ -66,6 +66,18 @@ def divergence_from_logprobs(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: f
             + (1 - beta) * (log_ps.exp() * (log_ps - log_m)).sum(-1))
 
 
+def divergence_terms(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
+    """D's terms [..., V] before the sum over the vocabulary (the module docstring's three cases, one
+    term per token): D = divergence_terms(...).sum(-1). For whole [B, T, V] logits a caller already
+    holds (TRL's `generalized_jsd_loss`); rlft's own steps never form them."""
+    if beta == 0.0:
+        return log_pt.exp() * (log_pt - log_ps)
+    if beta == 1.0:
+        return log_ps.exp() * (log_ps - log_pt)
+    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
+    return beta * log_pt.exp() * (log_pt - log_m) + (1 - beta) * log_ps.exp() * (log_ps - log_m)
+
+
 def _divergence_grad(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float,
                      d: torch.Tensor) -> torch.Tensor:
     """dD/dz_s [t, V] (the module docstring), `d` [t] the tile's D."""

@@ -23,8 +23,10 @@ import random
 import time
 
 import torch
+from transformers import GenerationConfig
 
 from rlft.config import GKDConfig, GOLDConfig
+from rlft.core.distill import divergence_terms
 from rlft.data.prompts import DatasetError, is_conversational, left_pad, load_dataset_any
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
@@ -168,6 +170,48 @@ class GKDSource(SourceBase):
 
 
 
+def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta: float = 0.5,
+                         temperature: float = 1.0, reduction: str = "batchmean", num_items_in_batch=None):
+    """TRL's `GKDTrainer.generalized_jsd_loss` for logits a caller holds ([B, T, V] each): the
+    generalized JSD at `beta` (rlft/core/distill.py: divergence_terms) at `temperature`, the positions
+    whose `labels` are -100 left out; "batchmean" sums and divides by the kept positions (by B without
+    labels), "sum", "mean" (over every term), else the terms; `num_items_in_batch` divides the sum."""
+    log_ps = torch.log_softmax(student_logits / temperature, dim=-1)
+    log_pt = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    terms = divergence_terms(log_ps, log_pt, beta)
+    if labels is not None:
+        terms = terms[labels != -100]
+    if num_items_in_batch is not None:
+        return terms.sum() / num_items_in_batch
+    if reduction == "batchmean":
+        kept = int((labels != -100).sum()) if labels is not None else terms.shape[0]
+        return terms.sum() / max(kept, 1)
+    if reduction == "sum":
+        return terms.sum()
+    return terms.mean() if reduction == "mean" else terms
+
+
+@torch.no_grad()
+def generate_on_policy_outputs(model, inputs: dict, generation_config: GenerationConfig):
+    """TRL's `GKDTrainer.generate_on_policy_outputs`: `model.generate` from `inputs["prompts"]` and
+    `inputs["prompt_attention_mask"]` (left-padded); returns (sequences, attention mask, labels), the
+    completion kept through its first end-of-sequence id (whole without one), labels -100 on the
+    prompt and on what is not kept."""
+    prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
+    sequences = model.generate(input_ids=prompts, attention_mask=prompt_mask,
+                               generation_config=generation_config, return_dict_in_generate=True).sequences
+    completion = sequences[:, prompts.shape[1]:]
+    stops = generation_config.eos_token_id
+    if stops is None:
+        kept = torch.ones_like(completion)
+    else:
+        kept = completion_mask_from(completion, [stops] if isinstance(stops, int) else list(stops))[0]
+    mask = torch.cat([prompt_mask.to(kept.dtype), kept], dim=1)
+    labels = sequences.masked_fill(mask == 0, -100)
+    labels[:, :prompts.shape[1]] = -100
+    return sequences, mask, labels
+
+
 class GKDTrainer(DistillationTrainer):
     """TRL-compatible GKD: `GKDTrainer(model, teacher_model, args, train_dataset=...).train()`; the
     teacher defaults to the config's teacher_model_name_or_path, else the student's own checkpoint
@@ -177,6 +221,9 @@ class GKDTrainer(DistillationTrainer):
     _name = "GKD"
     default_rollout_source = "gkd"
     config_class = GKDConfig
+    # TRL's public static methods
+    generalized_jsd_loss = staticmethod(generalized_jsd_loss)
+    generate_on_policy_outputs = staticmethod(generate_on_policy_outputs)
 
     def __init__(self, model=None, teacher_model=None, args: GKDConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
@@ -199,6 +246,16 @@ class GKDTrainer(DistillationTrainer):
             teacher_model = model if isinstance(model, str) else getattr(model, "name_or_path", None)
         super().__init__(model, teacher_model, args, gkd_rows(train_dataset), gkd_rows(eval_dataset),
                          processing_class, callbacks, optimizers, None, peft_config)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset  # the caller's, as TRL keeps them
+
+    @property
+    def generation_config(self) -> GenerationConfig:
+        """The student's sampling settings (TRL's attribute): what the rollout engine samples with."""
+        args, model = self.args, self.accelerator.unwrap_model(self.model)
+        return GenerationConfig(max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                                do_sample=True, top_k=args.top_k, top_p=args.top_p,
+                                pad_token_id=self.tokenizer.pad_token_id,
+                                eos_token_id=model.generation_config.eos_token_id)
 
 
 class GOLDTrainer(GKDTrainer):
