@@ -56,6 +56,12 @@ class Kind:
 _FIELDS = ("Fields of every group below can be in the --config YAML or given here (options win "
            "over the YAML)")
 
+# TRL's self-distillation loss helpers (`trl.experimental.sdft.loss_utils`, sdpo's the same)
+_LOSS_UTILS = {name: f"rlft.core.self_distill:{name}" for name in (
+    "add_tail_bucket", "apply_importance_sampling_clipping", "compute_divergence",
+    "compute_full_logit_self_distillation_loss", "compute_sampled_token_self_distillation_loss",
+    "compute_topk_self_distillation_loss")}
+
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     Kind("grpo", "rlft.config:GRPOConfig", "rlft.train.grpo:GRPOTrainer", "GRPO training",
          f"GRPO training. {_FIELDS}; TRL's `trl grpo` arguments are accepted; examples/configs/ "
@@ -86,7 +92,7 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          f"dataset's (or the teacher's: seq_kd); the generalized JSD at beta. {_FIELDS}; "
          "`messages` datasets as TRL's.",
          script_args="rlft.cli.recipes:RewardScriptArguments", recipe="rlft.cli.recipes:with_teacher",
-         trl_paths=("experimental.gkd",)),
+         trl_paths=("experimental.gkd", "experimental.gkd.gkd_config", "experimental.gkd.gkd_trainer")),
     Kind("gold", "rlft.config:GOLDConfig", "rlft.train.gkd:GOLDTrainer",
          "GOLD with a same-tokenizer teacher (TRL's experimental GOLDTrainer)",
          "GOLD: GKD's rollouts and divergence at the sampling temperature, TRL's GOLDConfig fields.",
@@ -98,12 +104,16 @@ KINDS: dict[str, Kind] = {kind.name: kind for kind in (
          f"it predicts with it (the teacher is the student: teacher_model_kind). {_FIELDS}; "
          "datasets have 'prompt' and 'privileged_context' columns.",
          script_args="rlft.cli.recipes:RewardScriptArguments", recipe="",
-         trl_paths=("experimental.sdft",)),
+         trl_paths=("experimental.sdft", "experimental.sdft.sdft_config", "experimental.sdft.sdft_trainer",
+                    "experimental.sdft.loss_utils"),
+         extra_names=_LOSS_UTILS),
     Kind("sdpo", "rlft.config:SDPOConfig", "rlft.train.sdpo:SDPOTrainer",
          "Self-distillation policy optimisation (TRL's experimental SDPOTrainer)",
          "SDPO: GRPO whose student also learns from itself shown a successful sibling's completion. "
          f"{_FIELDS}; TRL's reward_funcs are required.",
-         trl_paths=("experimental.sdpo",)),
+         trl_paths=("experimental.sdpo", "experimental.sdpo.sdpo_config", "experimental.sdpo.sdpo_trainer",
+                    "experimental.sdpo.loss_utils"),
+         extra_names=_LOSS_UTILS),
     Kind("server_distillation", "rlft.config:ServerDistillationConfig",
          "rlft.train.distillation:ServerDistillationTrainer",
          "Distillation from a served teacher (TRL's experimental ServerDistillationTrainer)",

@@ -371,3 +371,15 @@ def test_a_trl_style_sdft_script_trains_evaluates_and_saves(tmp_path, shipped_po
     assert "'eval_loss'" in result.stdout
     history = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     assert "tool_eval_after/length" in history
+
+
+def test_a_student_given_with_its_own_adapter_is_warned_about(tmp_path, shipped_policy_dir, caplog):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(shipped_policy_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    with caplog.at_level("WARNING", logger="rlft"):
+        trainer = SDFTTrainer(model, config(tmp_path), train_dataset=sdft_rows(8))
+    assert "already contains a PEFT adapter: `teacher_model_kind='base'` may refer to the underlying base" in \
+        caplog.text and trainer.teacher_model.kind == "base"

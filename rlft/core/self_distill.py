@@ -149,3 +149,48 @@ def sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each row's mean of `values` [b, c] over its `mask`ed tokens [b] (0 for a row with none)."""
     mask = mask.to(values.dtype)
     return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+# ---- TRL's loss_utils names (`trl.experimental.sdft.loss_utils`), for logits a caller holds [B, T, V] ----
+def compute_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, alpha: float):
+    """D_alpha per position [...] from log-prob rows [..., V] (rlft/core/distill.py)."""
+    return divergence_from_logprobs(student_log_probs, teacher_log_probs, alpha)
+
+
+def add_tail_bucket(log_probs: torch.Tensor) -> torch.Tensor:
+    """Log-probs over a support [..., k] with one more entry, the log of the mass outside it."""
+    held = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
+    return torch.cat([log_probs, torch.log(-torch.expm1(held))], dim=-1)
+
+
+def apply_importance_sampling_clipping(per_token_loss, student_log_probs, old_log_probs, clip_coeff: float):
+    """`per_token_loss` weighted by the clipped ratio (module docstring)."""
+    return per_token_loss * clipped_ratio(student_log_probs, old_log_probs, clip_coeff)
+
+
+def compute_topk_self_distillation_loss(student_logits, teacher_logits, *, distillation_topk: int,
+                                        distillation_alpha: float, distillation_add_tail: bool):
+    """The topk_logits objective per position from whole logits (module docstring)."""
+    log_ps, log_pt = torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1)
+    shape = log_ps.shape
+    a, q = topk_support_logprobs(log_ps.reshape(-1, shape[-1]), log_pt.reshape(-1, shape[-1]),
+                                 distillation_topk, distillation_add_tail)
+    return divergence_from_logprobs(a, q, distillation_alpha).reshape(shape[:-1])
+
+
+def compute_full_logit_self_distillation_loss(student_logits, teacher_logits, *, distillation_alpha: float):
+    """The full_logits objective per position from whole logits."""
+    log_ps, log_pt = torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1)
+    return divergence_from_logprobs(log_ps, log_pt, distillation_alpha)
+
+
+def compute_sampled_token_self_distillation_loss(student_logits, teacher_logits, completion_ids, *,
+                                                 distillation_alpha: float):
+    """The sampled_token objective per position from whole logits (reverse KL only: alpha 1)."""
+    if distillation_alpha != 1.0:
+        raise ValueError("distillation_mode='sampled_token' estimates the reverse KL only: "
+                         f"distillation_alpha must be 1.0, got {distillation_alpha}")
+    index = completion_ids.unsqueeze(-1)
+    logps = torch.log_softmax(student_logits, -1).gather(-1, index).squeeze(-1)
+    teacher = torch.log_softmax(teacher_logits, -1).gather(-1, index).squeeze(-1)
+    return sampled_token_loss(logps, teacher)

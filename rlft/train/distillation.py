@@ -10,10 +10,34 @@ generation, LoRA, sharded engines, exact resume and logging are GRPO's.
 
 from __future__ import annotations
 
+import torch
+
 from rlft.config import AsyncDistillationConfig, DistillationConfig, ServerDistillationConfig
+from rlft.core.distill import divergence_terms
 from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
 from rlft.train.update.distill_objective import DistillationObjective
+
+
+def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta: float = 0.5,
+                         temperature: float = 1.0, reduction: str = "batchmean", num_items_in_batch=None):
+    """TRL's `GKDTrainer.generalized_jsd_loss` for logits a caller holds ([B, T, V] each): the
+    generalized JSD at `beta` (rlft/core/distill.py: divergence_terms) at `temperature`, the positions
+    whose `labels` are -100 left out; "batchmean" sums and divides by the kept positions (by B without
+    labels), "sum", "mean" (over every term), else the terms; `num_items_in_batch` divides the sum."""
+    log_ps = torch.log_softmax(student_logits / temperature, dim=-1)
+    log_pt = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    terms = divergence_terms(log_ps, log_pt, beta)
+    if labels is not None:
+        terms = terms[labels != -100]
+    if num_items_in_batch is not None:
+        return terms.sum() / num_items_in_batch
+    if reduction == "batchmean":
+        kept = int((labels != -100).sum()) if labels is not None else terms.shape[0]
+        return terms.sum() / max(kept, 1)
+    if reduction == "sum":
+        return terms.sum()
+    return terms.mean() if reduction == "mean" else terms
 
 
 class DistillationTrainer(GRPOTrainer):
@@ -25,6 +49,7 @@ class DistillationTrainer(GRPOTrainer):
     _tag_names = ["trl", "distillation", "rlft"]
     _name = "Distillation"
     objective = DistillationObjective
+    generalized_jsd_loss = staticmethod(generalized_jsd_loss)  # TRL's public static method (GKD's too)
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),

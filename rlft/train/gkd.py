@@ -26,7 +26,6 @@ import torch
 from transformers import GenerationConfig
 
 from rlft.config import GKDConfig, GOLDConfig
-from rlft.core.distill import divergence_terms
 from rlft.data.prompts import DatasetError, is_conversational, left_pad, load_dataset_any
 from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
@@ -170,27 +169,6 @@ class GKDSource(SourceBase):
 
 
 
-def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta: float = 0.5,
-                         temperature: float = 1.0, reduction: str = "batchmean", num_items_in_batch=None):
-    """TRL's `GKDTrainer.generalized_jsd_loss` for logits a caller holds ([B, T, V] each): the
-    generalized JSD at `beta` (rlft/core/distill.py: divergence_terms) at `temperature`, the positions
-    whose `labels` are -100 left out; "batchmean" sums and divides by the kept positions (by B without
-    labels), "sum", "mean" (over every term), else the terms; `num_items_in_batch` divides the sum."""
-    log_ps = torch.log_softmax(student_logits / temperature, dim=-1)
-    log_pt = torch.log_softmax(teacher_logits / temperature, dim=-1)
-    terms = divergence_terms(log_ps, log_pt, beta)
-    if labels is not None:
-        terms = terms[labels != -100]
-    if num_items_in_batch is not None:
-        return terms.sum() / num_items_in_batch
-    if reduction == "batchmean":
-        kept = int((labels != -100).sum()) if labels is not None else terms.shape[0]
-        return terms.sum() / max(kept, 1)
-    if reduction == "sum":
-        return terms.sum()
-    return terms.mean() if reduction == "mean" else terms
-
-
 @torch.no_grad()
 def generate_on_policy_outputs(model, inputs: dict, generation_config: GenerationConfig):
     """TRL's `GKDTrainer.generate_on_policy_outputs`: `model.generate` from `inputs["prompts"]` and
@@ -221,9 +199,7 @@ class GKDTrainer(DistillationTrainer):
     _name = "GKD"
     default_rollout_source = "gkd"
     config_class = GKDConfig
-    # TRL's public static methods
-    generalized_jsd_loss = staticmethod(generalized_jsd_loss)
-    generate_on_policy_outputs = staticmethod(generate_on_policy_outputs)
+    generate_on_policy_outputs = staticmethod(generate_on_policy_outputs)  # TRL's public static method
 
     def __init__(self, model=None, teacher_model=None, args: GKDConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,

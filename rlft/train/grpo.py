@@ -55,6 +55,7 @@ from rlft.train.update.optimization import GuardedOptimizer
 from rlft.train.update.rollout_advantages import Advantages, estimator_spec
 from rlft.train.update.rollout_batch import RolloutBatch, ScoredRollout, row_view, timing_metrics
 from rlft.train.update.rollout_logprobs import PolicyScorer
+from rlft.train.update.self_teacher import SelfTeacher
 from rlft.train.update.updater import PolicyUpdater
 
 ZERO_LOSS_NOTE = (
@@ -206,6 +207,10 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         self.scheduler = scheduler or run_state.build_scheduler(optimizer, args, self.total_steps)
         self.model, self.optimizer = self.engine.prepare(policy.model, optimizer, args.max_grad_norm)
         self.ref_model = None if policy.reference is None else self.engine.prepare_reference(policy.reference)
+        if self.objective.teacher_is_student:  # self-distillation: the student as loaded, live or averaged
+            given = peft_config is None and getattr(model, "peft_config", None) is not None
+            self.teacher_model = SelfTeacher.build(args, self.model, self.accelerator.unwrap_model,
+                                                   self.engine, self.is_peft, given_adapter=given)
 
     def _compose(self, source, setup, rollout_func) -> None:
         """The parts: the estimator, the scorer, the guarded optimiser and the policy updater, the
@@ -236,7 +241,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
                             self.messages, unwrapped, self.tokenizer, self.engine, setup, source,
                             None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
                             self.steps_per_rollout, self.total_steps, self.teacher_model,
-                            getattr(self, "_worker", None), self.reward_weights)
+                            getattr(self, "_worker", None), self.reward_weights, self.flow.dispatch)
         self.source = self._source_class(parts)
         if args.dynamic_sampling:  # rounds until the batch holds groups with a reward spread (DAPO)
             self.source = DynamicSampling(self.source, args, acc, self.reward_weights,
@@ -299,7 +304,10 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         else:
             advantages, total, stats, everyone = self.advantages.given(scored.advantages, scored.totals,
                                                                        scored.rollout)
-        return self._batch_of(scored, advantages, total, stats, everyone)
+        batch = self._batch_of(scored, advantages, total, stats, everyone)
+        if hasattr(self.source, "batch_made"):  # (TRL's self-distillation callback events)
+            self.source.batch_made(batch)
+        return batch
 
     def _batch_of(self, scored: ScoredRollout, advantages, total, stats, everyone) -> RolloutBatch:
         """The batch: masks, the old and reference log-probs the update needs, the rollout's metrics
@@ -436,6 +444,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
             rollout = self.source.generate(batch, n, greedy=self.args.num_generations_eval is None)
             carry_row_columns(rollout, batch, n)
             all_rewards.append(self.reward_scorer(rollout, batch, n)[0])
+            if hasattr(self.source, "eval_scored"):  # (SDPO reprompts them: rlft/train/sdpo.py)
+                self.source.eval_scored(rollout, all_rewards[-1], n)
             loss += self._eval_loss(rollout, all_rewards[-1], n) * all_rewards[-1].shape[0]
         rewards = torch.cat(all_rewards)  # [E * n, F]
         metrics = {f"{prefix}_loss": loss / max(rewards.shape[0], 1)}

@@ -34,10 +34,8 @@ from rlft.rollout.base import Rollout
 from rlft.train.distillation import DistillationTrainer
 from rlft.train.grpo import default_output_dir
 from rlft.train.sources.rollout_source import GeneratedSource, SourceBase, SourceParts, score_rollout
-from rlft.train.update.distill_objective import _plain_student_head
 from rlft.train.update.rollout_batch import ScoredRollout
 from rlft.train.update.self_distill_objective import SelfDistillationObjective
-from rlft.train.update.self_teacher import SelfTeacher
 
 CONTEXT = "privileged_context"  # TRL's column
 
@@ -93,6 +91,7 @@ class SelfTeacherSource(SourceBase):
         self.device, self.group = parts.accelerator.device, parts.args.num_generations
         self.generated = GeneratedSource(parts)
         self.generation_prompts: list = []  # per row, the prompt the last rollout was sampled after
+        self.events, self.steps_per_rollout = parts.events, parts.steps_per_rollout
 
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
@@ -128,6 +127,24 @@ class SelfTeacherSource(SourceBase):
     def load_state_dict(self, state) -> None:
         if state is not None:
             self.teacher.load_state_dict(state)
+
+    def batch_made(self, batch) -> None:
+        """After the trainer made the batch of a rollout: TRL's self-distillation callback events
+        about it (callbacks that define them get TRL's arguments)."""
+        rollout, fire = batch.rollout, self.events
+        teacher_ids, teacher_mask = teacher_inputs(rollout)
+        fire("on_generation_prompts_selected", generation_prompts=self.generation_prompts,
+             generation_prompt_text=None)
+        if rollout.teacher_rows is not None:
+            fire("on_teacher_context_built", teacher_input_ids=teacher_ids,
+                 teacher_attention_mask=teacher_mask, completion_mask=rollout.completion_mask,
+                 self_distillation_mask=rollout.teacher_rows)
+        fire("on_self_distillation_batch_prepared", old_per_token_logps=batch.old_logps,
+             prompt_ids=rollout.prompt_ids, completion_ids=rollout.completion_ids,
+             teacher_input_ids=teacher_ids, teacher_attention_mask=teacher_mask,
+             self_distillation_mask=rollout.teacher_rows)
+        fire("on_generation_batch_built", generate_every=self.steps_per_rollout,
+             steps_per_generation=self.args.steps_per_generation)
 
 
 class SDFTSource(SelfTeacherSource):
@@ -183,43 +200,7 @@ class SDFTSource(SelfTeacherSource):
         rollout.teacher_prompt_ids, rollout.teacher_prompt_mask = ids.to(self.device), mask.to(self.device)
         return rollout
 
-class SelfTeaching:
-    """What a self-distilling trainer adds to its base: the teacher made from the policy once it is
-    prepared, and the ema teacher's update after each step."""
-
-    def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
-        super()._setup_policy(model, source, peft_config, optimizers, quantization_config, None)
-        unwrap = self.accelerator.unwrap_model
-        _plain_student_head(unwrap(self.model))
-        self.teacher_model = SelfTeacher.build(self.args, self.model, unwrap, self.engine, self.is_peft)
-
-    def _step(self, step: int) -> dict[str, float]:
-        """The base's step, then the ema teacher's update."""
-        metrics = super()._step(step)
-        metrics.update(self.teacher_model.after_step(step + 1))
-        return metrics
-
-    def _make_rollout(self, rollout_index: int):
-        """The base's rollout, then TRL's self-distillation callback events about it."""
-        batch = super()._make_rollout(rollout_index)
-        rollout, fire = batch.rollout, self.flow.dispatch
-        teacher_ids, teacher_mask = teacher_inputs(rollout)
-        fire("on_generation_prompts_selected", generation_prompts=self.source.generation_prompts,
-             generation_prompt_text=None)
-        if rollout.teacher_rows is not None:
-            fire("on_teacher_context_built", teacher_input_ids=teacher_ids,
-                 teacher_attention_mask=teacher_mask, completion_mask=rollout.completion_mask,
-                 self_distillation_mask=rollout.teacher_rows)
-        fire("on_self_distillation_batch_prepared", old_per_token_logps=batch.old_logps,
-             prompt_ids=rollout.prompt_ids, completion_ids=rollout.completion_ids,
-             teacher_input_ids=teacher_ids, teacher_attention_mask=teacher_mask,
-             self_distillation_mask=rollout.teacher_rows)
-        fire("on_generation_batch_built", generate_every=self.steps_per_rollout,
-             steps_per_generation=self.args.steps_per_generation)
-        return batch
-
-
-class SDFTTrainer(SelfTeaching, DistillationTrainer):
+class SDFTTrainer(DistillationTrainer):
     """TRL-compatible SDFT: `SDFTTrainer(model, args, train_dataset=...).train()` on `prompt` +
     `privileged_context` rows."""
 

@@ -29,7 +29,7 @@ from rlft.config import SDPOConfig
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
 from rlft.train.grpo import GRPOTrainer, default_output_dir
-from rlft.train.sdft import CONTEXT, SelfTeacherSource, SelfTeaching, rewritten, teacher_inputs
+from rlft.train.sdft import CONTEXT, SelfTeacherSource, rewritten, teacher_inputs
 from rlft.train.update.rollout_batch import ScoredRollout
 from rlft.train.update.self_distill_objective import SDPOObjective
 
@@ -69,10 +69,19 @@ class SDPOSource(SelfTeacherSource):
 
     def generate(self, prompts: dict, count: int, greedy: bool = False):
         """Evaluation's completions; their prompts and feedback are kept for `reprompt` once they are
-        scored (SDPOTrainer._eval_loss)."""
+        scored (`eval_scored`)."""
         self.generation_prompts = [p for p in prompts["prompts"] for _ in range(count)]
         self.feedback = [f for f in prompts[CONTEXT] for _ in range(count)] if CONTEXT in prompts else None
         return self.generated.generate(prompts, count, greedy)
+
+    def eval_scored(self, rollout, rewards: torch.Tensor, group: int) -> None:
+        """Evaluation completions once scored: their teacher prompts built from their own rewards in
+        groups of num_generations_eval (TRL's), reported to the callbacks; the objective's eval_loss
+        then takes both terms on them."""
+        self.reprompt(rollout, rewards, self.generation_prompts, self.feedback, group)
+        ids, mask = teacher_inputs(rollout)
+        self.events("on_teacher_context_built", teacher_input_ids=ids, teacher_attention_mask=mask,
+                    completion_mask=rollout.completion_mask, self_distillation_mask=rollout.teacher_rows)
 
     def reprompt(self, rollout, rewards: torch.Tensor, prompts: list, feedback: list | None,
                  group: int) -> dict[str, float]:
@@ -158,7 +167,7 @@ DIAGNOSTICS = {
         "reduce task difficulty, adjust reward shaping, or lower `success_reward_threshold`."}
 
 
-class SDPOTrainer(SelfTeaching, GRPOTrainer):
+class SDPOTrainer(GRPOTrainer):
     """TRL-compatible SDPO: `SDPOTrainer(model, reward_funcs, args, train_dataset=...).train()`."""
 
     _tag_names = ["trl", "sdpo", "rlft"]
@@ -177,14 +186,3 @@ class SDPOTrainer(SelfTeaching, GRPOTrainer):
                               "successful ones its teacher is shown")
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
-
-    def _eval_loss(self, rollout, rewards: torch.Tensor, group: int) -> float:
-        """The loss on evaluation completions: their teacher prompts built from their own rewards in
-        groups of num_generations_eval (TRL's), then the objective's both terms, on-policy."""
-        source = self.source
-        source.reprompt(rollout, rewards, source.generation_prompts, source.feedback, group)
-        ids, mask = teacher_inputs(rollout)
-        self.flow.dispatch("on_teacher_context_built", teacher_input_ids=ids, teacher_attention_mask=mask,
-                           completion_mask=rollout.completion_mask,
-                           self_distillation_mask=rollout.teacher_rows)
-        return super()._eval_loss(rollout, rewards, group)

@@ -142,6 +142,8 @@ class SourceParts:
     # AsyncGRPOTrainer's rollout_worker= / weight_transfer= (rlft/train/sources/worker_source.py)
     worker: Any = None
     reward_weights: Any = None  # [F] each reward function's weight in the total (SDPO's successes)
+    # (event, **payload) -> None: a trainer event to the callbacks that define it (rlft/train/flow.py)
+    events: Any = None
 
 
 # dataset columns a rollout's rows carry for the trainer's own use (which teacher:

@@ -149,7 +149,7 @@ class SDPOObjective(PolicyObjective):
     @torch.no_grad()
     def eval_loss(self, u, rollout, advantages: torch.Tensor, kl_in_loss: bool) -> float:
         """(1 - w) x the policy term on-policy + w x the self-distillation term, on evaluation
-        completions whose teacher prompts are built (SDPOTrainer._eval_loss)."""
+        completions whose teacher prompts are built (SDPOSource.eval_scored)."""
         policy = super().eval_loss(u, rollout, advantages, kl_in_loss) if self.weight < 1 else 0.0
         if self.weight == 0.0 or rollout.teacher_prompt_ids is None:
             return policy

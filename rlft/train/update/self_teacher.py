@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 
 import torch
 
@@ -42,8 +43,18 @@ class SelfTeacher:
             self.average = {name: p.detach().clone() for name, p in self._adapter().items()}
 
     @classmethod
-    def build(cls, args, policy, unwrap, engine, is_peft: bool) -> SelfTeacher:
-        """The teacher the config's teacher_model_kind names, for the engine-wrapped `policy`."""
+    def build(cls, args, policy, unwrap, engine, is_peft: bool, given_adapter: bool = False) -> SelfTeacher:
+        """The teacher the config's teacher_model_kind names, for the engine-wrapped `policy`
+        (`given_adapter`: the caller passed a model with its own adapter, no peft_config)."""
+        from rlft.train.update.distill_objective import _plain_student_head
+
+        _plain_student_head(unwrap(policy))
+        if given_adapter:
+            logging.getLogger("rlft").warning(
+                "The student model given already contains a PEFT adapter: `teacher_model_kind='base'` may "
+                "refer to the underlying base weights (the model under the adapter, turned off), not the "
+                "student as given, and 'ema' averages the adapter from its values now. For a teacher equal "
+                "to the student as given, merge the adapter first (merge_and_unload) and pass peft_config=")
         kind = args.teacher_model_kind
         if kind == "live" or is_peft:
             return cls(kind, policy, unwrap, None, args.teacher_update_rate, args.teacher_sync_steps)

@@ -203,15 +203,16 @@ class PolicyUpdater:
     def sync_reference(self, step: int) -> dict[str, float]:
         """TR-DPO: every ref_model_sync_steps optimiser steps the reference moves toward the policy
         (rlft/core/regularizers.py: mix_reference). Rollouts made before a sync keep their reference
-        log-probs."""
-        args, ref = self.args, self.scorer.ref_model
+        log-probs. A self-teacher's moving average moves here too (rlft/train/update/self_teacher.py)."""
+        args, ref, teacher = self.args, self.scorer.ref_model, self.scorer.teacher
+        metrics = teacher.after_step(step) if hasattr(teacher, "after_step") else {}
         if not args.sync_ref_model or ref is None or step % args.ref_model_sync_steps:
-            return {}
+            return metrics
         policy = self.accelerator.unwrap_model(self.scorer.model)
         for mine, current in zip(ref.parameters(), policy.parameters(), strict=True):
             mix_reference(mine.data, current.data, args.ref_model_mixup_alpha)
         self.counters.ref_syncs += 1
-        return {"ref_model/syncs": float(self.counters.ref_syncs)}
+        return {**metrics, "ref_model/syncs": float(self.counters.ref_syncs)}
 
     # ---- checkpoints
     # ----------------------------------------------------------------------------------
