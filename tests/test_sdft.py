@@ -383,3 +383,32 @@ def test_a_student_given_with_its_own_adapter_is_warned_about(tmp_path, shipped_
         trainer = SDFTTrainer(model, config(tmp_path), train_dataset=sdft_rows(8))
     assert "already contains a PEFT adapter: `teacher_model_kind='base'` may refer to the underlying base" in \
         caplog.text and trainer.teacher_model.kind == "base"
+
+
+def test_trls_loss_utils_on_whole_logits_are_the_definitions():
+    """rlft.experimental.sdft.loss_utils (TRL's names, for [B, T, V] logits a caller holds)."""
+    from rlft.experimental.sdft.loss_utils import (
+        add_tail_bucket,
+        apply_importance_sampling_clipping,
+        compute_full_logit_self_distillation_loss,
+        compute_sampled_token_self_distillation_loss,
+        compute_topk_self_distillation_loss,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    z_s, z_t = torch.randn(2, 3, 9, generator=g, dtype=torch.float64), torch.randn(2, 3, 9, generator=g, dtype=torch.float64)
+    got = compute_topk_self_distillation_loss(z_s, z_t, distillation_topk=4, distillation_alpha=0.5,
+                                              distillation_add_tail=True)
+    assert torch.allclose(got, topk_definition(z_s.reshape(6, 9), z_t.reshape(6, 9), 4, 0.5, True).reshape(2, 3))
+    full = compute_full_logit_self_distillation_loss(z_s, z_t, distillation_alpha=0.0)
+    assert torch.allclose(full, divergence(torch.log_softmax(z_s, -1), torch.log_softmax(z_t, -1), 0.0))
+    ids = torch.randint(0, 9, (2, 3), generator=g)
+    sampled = compute_sampled_token_self_distillation_loss(z_s, z_t, ids, distillation_alpha=1.0)
+    ls = torch.log_softmax(z_s, -1).gather(-1, ids[..., None]).squeeze(-1)
+    lt = torch.log_softmax(z_t, -1).gather(-1, ids[..., None]).squeeze(-1)
+    assert torch.allclose(sampled, (ls - lt) * ls)
+    with pytest.raises(ValueError, match="reverse KL only"):
+        compute_sampled_token_self_distillation_loss(z_s, z_t, ids, distillation_alpha=0.5)
+    top = torch.log_softmax(z_s, -1).topk(4, -1).values
+    assert torch.allclose(add_tail_bucket(top).exp().sum(-1), torch.ones(2, 3, dtype=torch.float64))
+    assert torch.allclose(apply_importance_sampling_clipping(sampled, ls, ls - 1.0, 2.0), sampled * 2.0)
