@@ -1,4 +1,5 @@
-"""The student as its own teacher (SDFT's `teacher_model_kind`, TRL 1.16's meanings; rlft/train/sdft.py):
+"""The student as its own teacher (SDFT's and SDPO's `teacher_model_kind`, TRL 1.16's meanings;
+rlft/train/sdft.py, rlft/train/sdpo.py):
 
     live   the student as it is now (a forward under no_grad, adapters on)
     base   the student as it was loaded: with LoRA the model under its adapters (turned off for the
@@ -26,6 +27,7 @@ import torch
 from rlft.core.regularizers import mix_reference
 from rlft.errors import ConfigError
 from rlft.train.run.checkpoint import PartState
+from rlft.train.update.distill_objective import _plain_student_head
 
 KINDS = ("base", "live", "ema")
 PREFIX = "self_teacher."
@@ -46,8 +48,6 @@ class SelfTeacher:
     def build(cls, args, policy, unwrap, engine, is_peft: bool, given_adapter: bool = False) -> SelfTeacher:
         """The teacher the config's teacher_model_kind names, for the engine-wrapped `policy`
         (`given_adapter`: the caller passed a model with its own adapter, no peft_config)."""
-        from rlft.train.update.distill_objective import _plain_student_head
-
         _plain_student_head(unwrap(policy))
         if given_adapter:
             logging.getLogger("rlft").warning(
