@@ -94,7 +94,8 @@ def test_truncated_sampling_without_the_replay_is_a_warning(tmp_path, shipped_po
 def test_a_distillation_recipe_is_checked_as_one(tmp_path, shipped_policy_dir, tiny_causal_dir, capsys):
     """A YAML naming a teacher (no teacher_coef, no reward functions) is a distillation recipe: student and
     teacher load with one vocabulary, a rollout is sampled, the divergence's gradient reaches the adapters; a
-    teacher with another vocabulary fails naming both sizes."""
+    teacher with a smaller vocabulary fails naming both sizes (a larger one with the student's tokenizer is a
+    padded one, taken: tests/test_distillation.py)."""
     data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
     path = tmp_path / "distill.yaml"
     path.write_text(f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {tiny_causal_dir}\n"
@@ -104,9 +105,9 @@ def test_a_distillation_recipe_is_checked_as_one(tmp_path, shipped_policy_dir, t
     for check in ("distillation config is valid", "models", "generation", "gradient flow", "beta=0.5"):
         assert check in out, check
     other = AutoModelForCausalLM.from_pretrained(tiny_causal_dir)
-    other.resize_token_embeddings(400)
+    other.resize_token_embeddings(300)
     code, report = run_doctor(str(path), teacher_model=other)
-    assert code == 1 and "the teacher's" in report.text() and "400" in report.text()
+    assert code == 1 and "the teacher's" in report.text() and "300" in report.text()
 
 
 def test_a_sampler_in_another_precision_without_a_correction_and_an_moe_policy_are_warnings():
