@@ -1,10 +1,11 @@
-"""Every setting of a run: the config classes (classes.py; GRPO's fields in grpo_fields.py, every
-config's in common.py), each field declared once with its facts by `option` (options.py, which
-answers every question about the fields: rlft's own, may change on resume, takes a mapping, no
-effect, refused), the rules across fields (checks.py), the rules a config and a trainer both apply
-(rules.py), TRL's fields rlft does not act on (compat.py), `ModelConfig` (model_config.py), script
-arguments and `TrlParser` (script_args.py), and how a launch's processes are set up (launch.py).
-This package imports only rlft.core and rlft.errors.
+"""Every setting of a run: the config classes (classes.py; the distillation family's in
+distill_configs.py, the self-distillation fields and SDPOConfig in self_teaching.py; GRPO's fields
+in grpo_fields.py, every config's in common.py), each field declared once with its facts by
+`option` (options.py, which answers every question about the fields: rlft's own, may change on
+resume, takes a mapping, no effect, refused), the rules across fields (checks.py), the rules a
+config and a trainer both apply (rules.py), TRL's fields rlft does not act on (compat.py),
+`ModelConfig` (model_config.py), script arguments and `TrlParser` (script_args.py), and how a
+launch's processes are set up (launch.py). This package imports only rlft.core and rlft.errors.
 
 `rlft.config` keeps every name it had as a module.
 """
