@@ -6,6 +6,29 @@ from rlft import GRPOConfig
 from rlft.data.addition import rows, split_problems
 
 
+def run_trl_script(tmp_path, script: str, recipe: str, train: list[dict], test: list[dict]):
+    """A TRL-shaped script (its text) run in a fresh process on a dataset folder of train/test JSONL, with a
+    recipe YAML (`recipe`, `dataset_name` added) and --output_dir tmp_path/out; asserts it succeeded and
+    returns the CompletedProcess."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", train)
+    write_jsonl(data / "test.jsonl", test)
+    config = tmp_path / "recipe.yaml"
+    config.write_text(f"dataset_name: {data}\n{recipe}")
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, str(path), "--config", str(config), "--output_dir", str(tmp_path / "out")],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def write_jsonl(path, rows: list[dict]):
     """rows -> a jsonl dataset file; returns the path."""
     import json

@@ -18,7 +18,7 @@ from rlft.telemetry.tracking import read_metrics
 from rlft.train.run.checkpoint import latest_checkpoint
 from tests.dist.grpo_step import FixedGenerator
 from tests.helpers import SAME_STEP, addition_rows, assert_params_close, write_jsonl
-from tests.test_grpo_resume import assert_same_rows
+from tests.test_grpo_resume import resumed_run_equals_straight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,19 +117,9 @@ def test_two_plus_two_steps_equal_four_with_lora(tmp_path, shipped_policy_dir, t
 
     lora = dict(peft_config=None)
     lora["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    straight = DistillationTrainer(str(shipped_policy_dir), str(teacher_dir),
-                                   config(tmp_path, "straight", max_steps=4, save_steps=2), addition_rows(32), **lora)
-    straight.train()
-    split = DistillationTrainer(str(shipped_policy_dir), str(teacher_dir),
-                                config(tmp_path, "split", max_steps=4, save_steps=2), addition_rows(32), **lora)
-    split.total_steps = 2
-    split.train()
-    resumed = DistillationTrainer(str(shipped_policy_dir), str(teacher_dir),
-                                  config(tmp_path, "split", max_steps=4, save_steps=2), addition_rows(32), **lora)
-    resumed.train(resume_from_checkpoint=True)
-    assert_same_rows(tmp_path / "straight", tmp_path / "split", 4)
-    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
-        assert torch.equal(p, q), name
+    resumed_run_equals_straight(lambda name: DistillationTrainer(
+        str(shipped_policy_dir), str(teacher_dir), config(tmp_path, name, max_steps=4, save_steps=2),
+        addition_rows(32), **lora), 4, 2)
     assert (tmp_path / "straight" / "checkpoint-4" / "adapter_model.safetensors").exists()
 
 

@@ -4,8 +4,6 @@ or the dataset's completions; the step is distillation's divergence on them at t
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +13,9 @@ from rlft.errors import ConfigError
 from rlft.experimental.gkd import GKDConfig, GKDTrainer
 from rlft.train.gkd import GKDSource
 from rlft.train.run.checkpoint import latest_checkpoint
-from tests.helpers import addition_rows, write_jsonl
-from tests.test_distillation import ROOT, perturbed, reference_loss
-from tests.test_grpo_resume import assert_same_rows
+from tests.helpers import addition_rows, run_trl_script
+from tests.test_distillation import perturbed, reference_loss
+from tests.test_grpo_resume import resumed_run_equals_straight
 
 
 def messages_rows(count: int = 32, heldout: bool = False) -> list[dict]:
@@ -104,17 +102,8 @@ def test_two_plus_two_steps_equal_four_with_a_mixed_draw(tmp_path, shipped_polic
         return GKDTrainer(str(shipped_policy_dir), teacher, config(tmp_path, name, max_steps=4, save_steps=2,
                                                                   learning_rate=1e-3), train_dataset=messages_rows(32))
 
-    straight = trainer("straight")
+    straight, _ = resumed_run_equals_straight(trainer, 4, 2)
     assert [straight.source.kind(i) for i in range(4)] == ["dataset", "dataset", "student", "dataset"]  # mixed
-    straight.train()
-    split = trainer("split")
-    split.total_steps = 2
-    split.train()
-    resumed = trainer("split")
-    resumed.train(resume_from_checkpoint=True)
-    assert_same_rows(tmp_path / "straight", tmp_path / "split", 4)
-    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
-        assert torch.equal(p, q), name
     assert latest_checkpoint(tmp_path / "split").name == "checkpoint-4"
 
 
@@ -155,21 +144,11 @@ trainer.save_model(training_args.output_dir)
 
 
 def test_a_trl_style_gkd_script_trains_and_saves(tmp_path, shipped_policy_dir):
-    data = tmp_path / "data"
-    data.mkdir()
-    write_jsonl(data / "train.jsonl", messages_rows(16))
-    write_jsonl(data / "test.jsonl", messages_rows(4, heldout=True))
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {shipped_policy_dir}\n"
-                      f"dataset_name: {data}\nmax_steps: 2\nper_device_train_batch_size: 4\nmax_new_tokens: 8\n"
-                      "lmbda: 0.5\nuse_peft: true\nlora_r: 4\nreport_to: none\ndisable_tqdm: true\n"
-                      "logging_steps: 1\neval_strategy: steps\neval_steps: 2\n")
-    script = tmp_path / "gkd.py"
-    script.write_text(SCRIPT)
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, str(script), "--config", str(recipe), "--output_dir", str(tmp_path / "out")],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    recipe = (f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {shipped_policy_dir}\n"
+              "max_steps: 2\nper_device_train_batch_size: 4\nmax_new_tokens: 8\n"
+              "lmbda: 0.5\nuse_peft: true\nlora_r: 4\nreport_to: none\ndisable_tqdm: true\n"
+              "logging_steps: 1\neval_strategy: steps\neval_steps: 2\n")
+    run_trl_script(tmp_path, SCRIPT, recipe, messages_rows(16), messages_rows(4, heldout=True))
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
 
 

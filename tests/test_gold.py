@@ -4,16 +4,13 @@ ULD refused by name, and TRL's GOLD script's shape with the imports changed."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from rlft.errors import ConfigError
 from rlft.experimental.gold import GOLDConfig, GOLDTrainer
-from tests.helpers import write_jsonl
-from tests.test_distillation import ROOT, perturbed, reference_loss
+from tests.helpers import run_trl_script
+from tests.test_distillation import perturbed, reference_loss
 from tests.test_gkd import messages_rows
 
 
@@ -86,21 +83,11 @@ trainer.save_model(training_args.output_dir)
 
 
 def test_a_trl_style_gold_script_trains_and_saves(tmp_path, shipped_policy_dir):
-    data = tmp_path / "data"
-    data.mkdir()
     rows = [{"prompt": m["messages"][:-1], "completion": m["messages"][-1:]} for m in messages_rows(20)]
-    write_jsonl(data / "train.jsonl", rows[:16])
-    write_jsonl(data / "test.jsonl", rows[16:])
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {shipped_policy_dir}\n"
-                      f"dataset_name: {data}\nmax_steps: 2\nper_device_train_batch_size: 4\nmax_completion_length: 8\n"
-                      "learning_rate: 2e-4\nuse_peft: true\nlora_r: 4\nlora_alpha: 16\nreport_to: none\n"
-                      "disable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\neval_steps: 2\n"
-                      "gradient_checkpointing: false\n")
-    script = tmp_path / "gold.py"
-    script.write_text(SCRIPT)
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, str(script), "--config", str(recipe), "--output_dir", str(tmp_path / "out")],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    recipe = (f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {shipped_policy_dir}\n"
+              "max_steps: 2\nper_device_train_batch_size: 4\nmax_completion_length: 8\n"
+              "learning_rate: 2e-4\nuse_peft: true\nlora_r: 4\nlora_alpha: 16\nreport_to: none\n"
+              "disable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\neval_steps: 2\n"
+              "gradient_checkpointing: false\n")
+    run_trl_script(tmp_path, SCRIPT, recipe, rows[:16], rows[16:])
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()

@@ -30,6 +30,24 @@ def assert_same_rows(straight, split, steps: int) -> None:
             assert row_a[key] == pytest.approx(row_b[key], abs=1e-6), key
 
 
+def resumed_run_equals_straight(make, steps: int, stop: int, rows: bool = True):
+    """`make(name)` builds a trainer writing to a folder named `name`: the straight run, and one stopped
+    after `stop` steps (its checkpoint) then resumed to `steps`; their trained weights are equal bitwise and,
+    with `rows`, every logged row. Returns (straight, resumed)."""
+    straight = make("straight")
+    straight.train()
+    split = make("split")
+    split.total_steps = stop
+    split.train()
+    resumed = make("split")
+    resumed.train(resume_from_checkpoint=True)
+    if rows:
+        assert_same_rows(straight.args.output_dir, resumed.args.output_dir, steps)
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+    return straight, resumed
+
+
 def run(tmp_path, name, shipped, steps, resume=None, full=False, **overrides):
     args = tiny_grpo_config(tmp_path, output_dir=str(tmp_path / name), max_steps=6, save_steps=3, **overrides)
     trainer = GRPOTrainer(str(shipped), [correct_answer, has_answer_tags], args, addition_rows(32),

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,9 +20,8 @@ from rlft.errors import ConfigError
 from rlft.experimental.sdft import SDFTConfig, SDFTTrainer
 from rlft.train.run.checkpoint import latest_checkpoint
 from tests.dist.grpo_step import FixedGenerator
-from tests.helpers import addition_rows, write_jsonl
-from tests.test_distillation import ROOT
-from tests.test_grpo_resume import assert_same_rows
+from tests.helpers import addition_rows, run_trl_script
+from tests.test_grpo_resume import resumed_run_equals_straight
 
 
 def sdft_rows(count: int = 16, chat: bool = True) -> list[dict]:
@@ -211,16 +208,7 @@ def test_two_plus_two_steps_equal_four_with_an_ema_teacher(tmp_path, shipped_pol
                      steps_per_generation=2, gradient_accumulation_steps=1, per_device_train_batch_size=4)
         return SDFTTrainer(str(shipped_policy_dir), cfg, train_dataset=sdft_rows(32))
 
-    straight = trainer("straight")
-    straight.train()
-    split = trainer("split")
-    split.total_steps = 2
-    split.train()
-    resumed = trainer("split")
-    resumed.train(resume_from_checkpoint=True)
-    assert_same_rows(tmp_path / "straight", tmp_path / "split", 4)
-    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
-        assert torch.equal(p, q), name
+    straight, resumed = resumed_run_equals_straight(trainer, 4, 2)
     for (name, p), (_, q) in zip(straight.teacher_model.module.named_parameters(),
                                  resumed.teacher_model.module.named_parameters()):
         assert torch.equal(p, q), name
@@ -350,23 +338,13 @@ print("EVAL", sorted(metrics))
 
 
 def test_a_trl_style_sdft_script_trains_evaluates_and_saves(tmp_path, shipped_policy_dir):
-    data = tmp_path / "data"
-    data.mkdir()
     rows = [{"prompt": r["prompt"], "golden_response": f"<answer>{r['answer']}</answer>"} for r in addition_rows(20)]
-    write_jsonl(data / "train.jsonl", rows[:16])
-    write_jsonl(data / "test.jsonl", rows[16:])
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model_name_or_path: {shipped_policy_dir}\ndataset_name: {data}\nmax_steps: 2\n"
-                      "per_device_train_batch_size: 4\nnum_generations: 4\nmax_completion_length: 8\n"
-                      "teacher_model_kind: ema\nteacher_update_rate: 0.01\nuse_peft: true\nlora_r: 4\n"
-                      "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\neval_steps: 2\n"
-                      "gradient_checkpointing: false\n")
-    script = tmp_path / "sdft.py"
-    script.write_text(SCRIPT)
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, str(script), "--config", str(recipe), "--output_dir", str(tmp_path / "out")],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    recipe = (f"model_name_or_path: {shipped_policy_dir}\nmax_steps: 2\n"
+              "per_device_train_batch_size: 4\nnum_generations: 4\nmax_completion_length: 8\n"
+              "teacher_model_kind: ema\nteacher_update_rate: 0.01\nuse_peft: true\nlora_r: 4\n"
+              "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\neval_steps: 2\n"
+              "gradient_checkpointing: false\n")
+    result = run_trl_script(tmp_path, SCRIPT, recipe, rows[:16], rows[16:])
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
     assert "'eval_loss'" in result.stdout
     history = json.loads((tmp_path / "out" / "eval_results.json").read_text())

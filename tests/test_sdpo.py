@@ -14,7 +14,7 @@ from rlft.experimental.sdpo import SDPOConfig, SDPOTrainer
 from rlft.train.sdpo import demonstrations
 from tests.dist.grpo_step import FixedGenerator
 from tests.helpers import addition_rows
-from tests.test_grpo_resume import assert_same_rows
+from tests.test_grpo_resume import resumed_run_equals_straight
 
 
 def even_length(completions, **kwargs):
@@ -121,16 +121,7 @@ def test_a_rollout_with_no_success_trains_and_two_plus_two_steps_equal_four(tmp_
     assert "SDPO did not find any successful rollouts" in caplog.text
     assert {"self_distillation/reward_std", "self_distillation/flat_group_fraction"} <= set(
         quiet.state.log_history[0])
-    straight = trainer("straight")
-    straight.train()
-    split = trainer("split")
-    split.total_steps = 2
-    split.train()
-    resumed = trainer("split")
-    resumed.train(resume_from_checkpoint=True)
-    assert_same_rows(tmp_path / "straight", tmp_path / "split", 4)
-    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
-        assert torch.equal(p, q), name
+    straight, resumed = resumed_run_equals_straight(trainer, 4, 2)
     for (name, p), (_, q) in zip(straight.teacher_model.module.named_parameters(),
                                  resumed.teacher_model.module.named_parameters()):
         assert torch.equal(p, q), name
