@@ -21,6 +21,7 @@ from rlft.experimental.sdft import SDFTConfig, SDFTTrainer
 from rlft.train.run.checkpoint import latest_checkpoint
 from tests.dist.grpo_step import FixedGenerator
 from tests.helpers import addition_rows, run_trl_script
+from tests.test_core_distill import reference_from_logprobs
 from tests.test_grpo_resume import resumed_run_equals_straight
 
 
@@ -40,17 +41,6 @@ def config(tmp_path, name="run", **overrides) -> SDFTConfig:
 
 
 # ---- the core functions against their definitions --------------------------------------------------------
-def divergence(a: torch.Tensor, q: torch.Tensor, alpha: float) -> torch.Tensor:
-    """D_alpha between two log-prob rows (GKD's generalized JSD; 0 forward KL(q || a), 1 reverse KL(a || q))."""
-    pa, pq = a.exp(), q.exp()
-    if alpha == 0.0:
-        return (pq * (q - a)).sum(-1)
-    if alpha == 1.0:
-        return (pa * (a - q)).sum(-1)
-    m = (1 - alpha) * pa + alpha * pq
-    return alpha * (pq * (q - m.log())).sum(-1) + (1 - alpha) * (pa * (a - m.log())).sum(-1)
-
-
 def topk_definition(z_s, z_t, k: int, alpha: float, tail: bool) -> torch.Tensor:
     """SDFT's top-k objective from full logits [N, V]: the student's k most likely tokens, both distributions
     restricted to them and renormalised, or with one more bucket for the rest."""
@@ -62,7 +52,7 @@ def topk_definition(z_s, z_t, k: int, alpha: float, tail: bool) -> torch.Tensor:
         q = torch.cat([q, torch.log1p(-q.exp().sum(-1, keepdim=True))], -1)
     else:
         a, q = a - a.logsumexp(-1, keepdim=True), q - q.logsumexp(-1, keepdim=True)
-    return divergence(a, q, alpha)
+    return reference_from_logprobs(a, q, alpha)
 
 
 @pytest.mark.parametrize(("alpha", "tail"), [(0.0, False), (0.5, False), (1.0, True), (0.3, True)])
@@ -88,7 +78,7 @@ def test_the_tiled_topk_divergence_is_the_definition_in_float64(alpha, tail):
     # k = V: the support is the vocabulary, so the top-k objective is the full divergence
     whole = topk_divergence(hidden_s, hidden_t, Head(weight, bias, scale), Head(weight_t), v, alpha, temperature,
                             False, tile=4)
-    full = divergence(ls, torch.log_softmax(hidden_t @ weight_t.T / temperature, -1), alpha)
+    full = reference_from_logprobs(ls, torch.log_softmax(hidden_t @ weight_t.T / temperature, -1), alpha)
     assert torch.allclose(whole.value, full, atol=1e-12)
 
 
@@ -130,7 +120,7 @@ def reference_loss(trainer, rollout, mode: str, alpha: float, skip: int, k: int)
         lt = torch.log_softmax(z_t, -1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
         per_token = (ls - lt).detach() * ls
     elif mode == "full_logits":
-        per_token = divergence(torch.log_softmax(z_s, -1), torch.log_softmax(z_t, -1), alpha)
+        per_token = reference_from_logprobs(torch.log_softmax(z_s, -1), torch.log_softmax(z_t, -1), alpha)
     else:
         per_token = topk_definition(z_s, z_t, k, alpha, False)
     mask = rollout.loss_mask.double().clone()
@@ -379,7 +369,7 @@ def test_trls_loss_utils_on_whole_logits_are_the_definitions():
                                               distillation_add_tail=True)
     assert torch.allclose(got, topk_definition(z_s.reshape(6, 9), z_t.reshape(6, 9), 4, 0.5, True).reshape(2, 3))
     full = compute_full_logit_self_distillation_loss(z_s, z_t, distillation_alpha=0.0)
-    assert torch.allclose(full, divergence(torch.log_softmax(z_s, -1), torch.log_softmax(z_t, -1), 0.0))
+    assert torch.allclose(full, reference_from_logprobs(torch.log_softmax(z_s, -1), torch.log_softmax(z_t, -1), 0.0))
     ids = torch.randint(0, 9, (2, 3), generator=g)
     sampled = compute_sampled_token_self_distillation_loss(z_s, z_t, ids, distillation_alpha=1.0)
     ls = torch.log_softmax(z_s, -1).gather(-1, ids[..., None]).squeeze(-1)

@@ -148,11 +148,17 @@ class Divergence(NamedTuple):
     teacher_entropy: torch.Tensor
 
 
-def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: Head, teacher: Head,
-                     beta: float = 1.0, temperature: float = 1.0, tile: int | None = None) -> Divergence:
-    """D [N] and the two entropies [N] at N positions from the student's hidden states [N, H_s]
-    (differentiable, as are the student head's weight and bias) and the teacher's [N, H_t] (no
-    gradient). Never allocates [N, V]. The heads must share the vocabulary (V)."""
+def no_positions(hidden: torch.Tensor) -> Divergence | None:
+    """For a tile loop over no position: zeros of length 0, still connected to the graph (else None)."""
+    if hidden.shape[0]:
+        return None
+    empty = hidden.sum(-1).float()
+    return Divergence(empty, empty.detach(), empty.detach())
+
+
+def local_tile(hidden_s: torch.Tensor, student: Head, teacher: Head, beta: float, tile: int | None) -> int:
+    """Positions per tile of a divergence to a local teacher's head, once what it needs is checked:
+    one vocabulary (V) and beta in [0, 1]."""
     vocab, teacher_vocab = vocabulary_rows(student.weight), teacher.vocab or vocabulary_rows(teacher.weight)
     if vocab != teacher_vocab:
         raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) "
@@ -160,9 +166,15 @@ def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: He
                          "token, so both must use the same tokenizer")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
-    if hidden_s.shape[0] == 0:
-        empty = hidden_s.sum(-1).float()
-        return Divergence(empty, empty.detach(), empty.detach())
-    tile = tile or tile_positions(vocab, device=hidden_s.device)
-    return Divergence(*_TiledDivergence.apply(hidden_s, student.weight, student.bias, hidden_t.detach(),
-                                              student, teacher, float(beta), float(temperature), int(tile)))
+    return tile or tile_positions(vocab, device=hidden_s.device)
+
+
+def tiled_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: Head, teacher: Head,
+                     beta: float = 1.0, temperature: float = 1.0, tile: int | None = None) -> Divergence:
+    """D [N] and the two entropies [N] at N positions from the student's hidden states [N, H_s]
+    (differentiable, as are the student head's weight and bias) and the teacher's [N, H_t] (no
+    gradient). Never allocates [N, V]. The heads must share the vocabulary (V)."""
+    tile = local_tile(hidden_s, student, teacher, beta, tile)
+    return no_positions(hidden_s) or Divergence(*_TiledDivergence.apply(
+        hidden_s, student.weight, student.bias, hidden_t.detach(), student, teacher, float(beta),
+        float(temperature), int(tile)))

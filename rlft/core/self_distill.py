@@ -37,8 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
-from rlft.core.distill import Divergence, Head, _tile_logprobs, divergence_from_logprobs
-from rlft.core.fused_head import HeadGrads, _logits, tile_positions, vocabulary_rows
+from rlft.core.distill import (
+    Divergence,
+    Head,
+    _tile_logprobs,
+    divergence_from_logprobs,
+    local_tile,
+    no_positions,
+)
+from rlft.core.fused_head import HeadGrads, _logits
 from rlft.core.sparse_distill import bucketed_logprobs
 
 MODES = ("full_logits", "topk_logits", "sampled_token")
@@ -119,18 +126,10 @@ def topk_divergence(hidden_s: torch.Tensor, hidden_t: torch.Tensor, student: Hea
     """D_alpha [N] on the student's top-k support (module docstring) and both models' full
     entropies [N], from the student's hidden states [N, H_s] (differentiable, as are its head's
     weight and bias) and the teacher's [N, H_t] (no gradient). Never allocates [N, V]."""
-    vocab, teacher_vocab = vocabulary_rows(student.weight), vocabulary_rows(teacher.weight)
-    if vocab != teacher_vocab:
-        raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) differ")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
-    if hidden_s.shape[0] == 0:
-        empty = hidden_s.sum(-1).float()
-        return Divergence(empty, empty.detach(), empty.detach())
-    tile = tile or tile_positions(vocab, device=hidden_s.device)
-    return Divergence(*_TiledTopkDivergence.apply(hidden_s, student.weight, student.bias, hidden_t.detach(),
-                                                  student, teacher, float(beta), float(temperature), int(k),
-                                                  bool(tail), int(tile)))
+    tile = local_tile(hidden_s, student, teacher, beta, tile)
+    return no_positions(hidden_s) or Divergence(*_TiledTopkDivergence.apply(
+        hidden_s, student.weight, student.bias, hidden_t.detach(), student, teacher, float(beta),
+        float(temperature), int(k), bool(tail), int(tile)))
 
 
 def sampled_token_loss(logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:

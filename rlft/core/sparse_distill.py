@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from rlft.core.distill import Divergence, Head, divergence_from_logprobs
+from rlft.core.distill import Divergence, Head, divergence_from_logprobs, no_positions
 from rlft.core.fused_head import HeadGrads, _logits, tile_positions, vocabulary_rows
 
 # a padding column's log-prob on both sides: exp(PAD) is 0, adding nothing to D or its gradient
@@ -135,8 +135,7 @@ def sparse_divergence(hidden: torch.Tensor, student: Head, ids: torch.Tensor, te
         raise ValueError("a position has no teacher token (its support's column 0 is padding): the "
                          "answers were not placed at the scored positions")
     if hidden.shape[0] == 0:
-        empty = hidden.sum(-1).float()
-        return Divergence(empty, empty.detach(), empty.detach())
+        return no_positions(hidden)
     tile = tile or tile_positions(vocab, device=hidden.device)
     return Divergence(*_SparseDivergence.apply(hidden, student.weight, student.bias, ids,
                                                teacher_logps.detach(), student, float(beta),

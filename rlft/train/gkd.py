@@ -33,8 +33,8 @@ from rlft.rollout.hf import HFGenerator, completion_mask_from, eos_token_ids
 from rlft.train.distillation import DistillationTrainer
 from rlft.train.grpo import default_output_dir
 from rlft.train.sources.rollout_source import (
+    EngineSource,
     GeneratedSource,
-    SourceBase,
     SourceParts,
     score_rollout,
 )
@@ -68,9 +68,11 @@ def _split_messages(row: dict, index: int) -> dict:
     return {"prompt": messages[:-1], "completion": messages[-1:]}
 
 
-class GKDSource(SourceBase):
+class GKDSource(EngineSource):
     """The rollouts of a GKD run (module docstring): the student's, the teacher's or the dataset's
     completions, one draw per rollout."""
+
+    trainer, agents_hint = "GKDTrainer", " (use DistillationTrainer, which takes them)"
 
     def __init__(self, parts: SourceParts):
         self.args, self.schedule, self.rewards = parts.args, parts.schedule, parts.rewards
@@ -87,21 +89,6 @@ class GKDSource(SourceBase):
         self.teacher_engine = HFGenerator(parts.tokenizer, args.max_completion_length, args.temperature,
                                           args.top_p, args.top_k, args.repetition_penalty,
                                           min_p=args.min_p) if args.seq_kd else None
-
-    @classmethod
-    def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
-        if tools or environment_factory is not None or rollout_func is not None:
-            raise ConfigError("GKDTrainer samples the student's completions with the rollout "
-                              "engine alone: tools=, environment_factory= and rollout_func= are "
-                              "not taken (use DistillationTrainer, which takes them)")
-
-    @property
-    def engine(self):
-        return self.generated.engine
-
-    @engine.setter
-    def engine(self, value) -> None:
-        self.generated.engine = value
 
     def kind(self, index: int) -> str:
         """Whose completions rollout `index` trains on."""

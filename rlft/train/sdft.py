@@ -33,7 +33,7 @@ from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 from rlft.train.distillation import DistillationTrainer
 from rlft.train.grpo import default_output_dir
-from rlft.train.sources.rollout_source import GeneratedSource, SourceBase, SourceParts, score_rollout
+from rlft.train.sources.rollout_source import EngineSource, GeneratedSource, SourceParts, score_rollout
 from rlft.train.update.rollout_batch import ScoredRollout
 from rlft.train.update.self_distill_objective import SelfDistillationObjective
 
@@ -81,7 +81,7 @@ def teacher_inputs(rollout) -> tuple:
             torch.cat([rollout.teacher_prompt_mask, rollout.completion_mask], dim=1))
 
 
-class SelfTeacherSource(SourceBase):
+class SelfTeacherSource(EngineSource):
     """What a self-distilling source shares: GRPO's generation, and the self-teacher's state in
     checkpoints (rlft/train/update/self_teacher.py)."""
 
@@ -92,20 +92,6 @@ class SelfTeacherSource(SourceBase):
         self.generated = GeneratedSource(parts)
         self.generation_prompts: list = []  # per row, the prompt the last rollout was sampled after
         self.events, self.steps_per_rollout = parts.events, parts.steps_per_rollout
-
-    @classmethod
-    def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
-        if tools or environment_factory is not None or rollout_func is not None:
-            raise ConfigError(f"{cls.__name__[:-6]}Trainer samples with the rollout engine alone: "
-                              "tools=, environment_factory= and rollout_func= are not taken")
-
-    @property
-    def engine(self):
-        return self.generated.engine
-
-    @engine.setter
-    def engine(self, value) -> None:
-        self.generated.engine = value
 
     def tokenized(self, prompts: list, limit: int | None, keep_end: bool = False) -> list[list[int]]:
         """Teacher prompts' token ids, each rendered as a student prompt is; over `limit` tokens an
@@ -150,6 +136,8 @@ class SelfTeacherSource(SourceBase):
 class SDFTSource(SelfTeacherSource):
     """The student's completions of each prompt, with the teacher's prompt for every row
     (`Rollout.teacher_prompt_ids`)."""
+
+    trainer = "SDFTTrainer"
 
     def open(self) -> None:
         """Before the first step: every training row's teacher prompt built and measured."""

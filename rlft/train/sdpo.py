@@ -48,6 +48,8 @@ def demonstrations(totals: torch.Tensor, group: int, threshold: float, self_excl
 class SDPOSource(SelfTeacherSource):
     """GRPO's rollouts, each row with its teacher's prompt (module docstring)."""
 
+    trainer = "SDPOTrainer"
+
     def __init__(self, parts):
         super().__init__(parts)
         self.weights, self.messages = parts.reward_weights, parts.messages

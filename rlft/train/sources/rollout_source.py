@@ -247,6 +247,32 @@ class GeneratedSource(SourceBase):
         return self.generation(prompts, count, greedy)
 
 
+class EngineSource(SourceBase):
+    """A source built on `GeneratedSource` (`self.generated`: the config's engine samples the student's
+    completions) that works on its rollouts (GKD, self-distillation); its engine is that one's, and
+    tools, environments and rollout_func are not taken."""
+
+    trainer = "This trainer"  # its trainer's name, for the refusal
+    agents_hint = ""  # where tools are taken instead
+
+    @classmethod
+    def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
+        if tools or environment_factory is not None or rollout_func is not None:
+            from rlft.errors import ConfigError
+
+            raise ConfigError(f"{cls.trainer} samples the student's completions with the rollout engine "
+                              "alone: tools=, environment_factory= and rollout_func= are not taken"
+                              + cls.agents_hint)
+
+    @property
+    def engine(self):
+        return self.generated.engine
+
+    @engine.setter
+    def engine(self, value) -> None:
+        self.generated.engine = value
+
+
 # name -> the source class, or "module:Class" for one imported when a run asks for it
 SOURCES: dict[str, type[SourceBase] | str] = {}
 
