@@ -146,17 +146,17 @@ class SDFTSource(SelfTeacherSource):
             whole = {"prompts": [r["prompt"] for r in rows]}
             if rows and CONTEXT in rows[0]:
                 whole[CONTEXT] = [r[CONTEXT] for r in rows]
-            self.teacher_ids(whole)
+            self.teacher_prompts(whole)
 
-    def teacher_ids(self, prompts: dict) -> list[list[int]]:
-        """The teacher's prompt tokens for each prompt of a batch."""
+    def teacher_prompts(self, prompts: dict) -> tuple[list, list[list[int]]]:
+        """The teacher's prompt for each prompt of a batch, and its tokens."""
         if CONTEXT not in prompts:
             raise DatasetError(f"the dataset has no '{CONTEXT}' column: SDFT's teacher reads each row's "
                                "prompt with its privileged context (a demonstration, the answer)")
         template = self.args.teacher_prompt_template
         written = [teacher_prompt(prompt, context, template, row)
                    for row, (prompt, context) in enumerate(zip(prompts["prompts"], prompts[CONTEXT]))]
-        return self.tokenized(written, self.args.max_prompt_length)
+        return written, self.tokenized(written, self.args.max_prompt_length)
 
     def rollout(self, index: int) -> ScoredRollout:
         return self.round(index, 0)
@@ -171,14 +171,12 @@ class SDFTSource(SelfTeacherSource):
                  from_teacher: bool = False) -> Rollout:
         """`count` completions per prompt, with the teacher's prompts; `from_teacher`: sampled after
         the teacher's prompt, then trained after the student's."""
-        teacher = self.teacher_ids(prompts)
-        self.generation_prompts = [p for p in prompts["prompts"] for _ in range(count)]
+        written, teacher = self.teacher_prompts(prompts)
+        sampled_after = written if from_teacher else prompts["prompts"]
+        self.generation_prompts = [p for p in sampled_after for _ in range(count)]
         if not from_teacher:
             rollout = self.generated.generate(prompts, count, greedy)
         else:
-            self.generation_prompts = [teacher_prompt(p, c, self.args.teacher_prompt_template, row)
-                                       for row, (p, c) in enumerate(zip(prompts["prompts"], prompts[CONTEXT]))
-                                       for _ in range(count)]
             rollout = self.generated.generate({**prompts, "prompt_ids": teacher}, count, greedy)
             student, student_mask = left_pad([ids for ids in prompts["prompt_ids"] for _ in range(count)],
                                              self.tokenizer.pad_token_id)

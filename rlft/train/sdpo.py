@@ -64,8 +64,9 @@ class SDPOSource(SelfTeacherSource):
         feedback = self.schedule.batch(index, round_index).get(CONTEXT)
         self.generation_prompts = scored.prompts
         self.feedback = None if feedback is None else [f for f in feedback for _ in range(self.group)]
-        shares = self.reprompt(scored.rollout, scored.rewards, scored.prompts, self.feedback, self.group)
-        shares.update(self._watch(shares, self._totals(scored.rewards)))
+        totals = self._totals(scored.rewards)
+        shares = self.reprompt(scored.rollout, totals, scored.prompts, self.feedback, self.group)
+        shares.update(self._watch(shares, totals))
         scored.scalars.update({key: [value] for key, value in shares.items()})
         return scored
 
@@ -80,16 +81,16 @@ class SDPOSource(SelfTeacherSource):
         """Evaluation completions once scored: their teacher prompts built from their own rewards in
         groups of num_generations_eval (TRL's), reported to the callbacks; the objective's eval_loss
         then takes both terms on them."""
-        self.reprompt(rollout, rewards, self.generation_prompts, self.feedback, group)
+        self.reprompt(rollout, self._totals(rewards), self.generation_prompts, self.feedback, group)
         ids, mask = teacher_inputs(rollout)
         self.events("on_teacher_context_built", teacher_input_ids=ids, teacher_attention_mask=mask,
                     completion_mask=rollout.completion_mask, self_distillation_mask=rollout.teacher_rows)
 
-    def reprompt(self, rollout, rewards: torch.Tensor, prompts: list, feedback: list | None,
+    def reprompt(self, rollout, totals: torch.Tensor, prompts: list, feedback: list | None,
                  group: int) -> dict[str, float]:
         """Each row's teacher prompt and whether it adds anything (module docstring), on `rollout`;
         TRL's metrics of how many did."""
-        args, totals = self.args, self._totals(rewards)
+        args = self.args
         demos = [None] * len(totals) if not args.use_successful_as_teacher else \
             demonstrations(totals, group, args.success_reward_threshold, args.dont_reprompt_on_self_success)
         said = [isinstance(f, str) and f.strip() != "" for f in feedback or [None] * len(totals)]
