@@ -171,26 +171,61 @@ def test_any_field_on_the_command_line_without_a_yaml(tmp_path, shipped_policy_d
     assert main(["grpo", "--learning_rat", "1"]) == 2
 
 
-def test_import_rlft_and_the_commands_help_load_no_torch_and_a_kinds_help_loads_no_trainer():
+def test_import_rlft_and_the_commands_help_load_no_torch_and_a_kinds_help_loads_no_trainer(tmp_path):
     """`import rlft` and `rlft --help` answer at once (no torch, no transformers: TRL's lazy module is the
-    anchor); `rlft grpo --help` reads the configs but loads no trainer, model or rollout engine."""
+    anchor); `rlft grpo --help` reads the configs but loads no trainer, model or rollout engine the first
+    time, and nothing heavy once its text is cached (rlft/cli/help_cache.py): the same text, at once."""
     script = ("import sys\nimport rlft\nassert rlft.__all__ and 'GRPOTrainer' in rlft.__all__\n"
               "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
               "assert not heavy, heavy[:5]\nfrom rlft.cli import main\n"
               "try:\n    main([{args}])\nexcept SystemExit:\n    pass\n"
               "loaded = sorted(m for m in sys.modules if m.split('.')[0] in {forbidden})\n"
               "assert not loaded, loaded[:5]\n")
-    cases = {"'--help'": ("torch", "transformers"),
-             "'grpo', '--help'": ("rlft.train", "rlft.rollout", "rlft.model.", "vllm"),
-             "'distillation', '--help'": ("rlft.train", "rlft.rollout", "rlft.model.", "vllm")}
-    for args, forbidden in cases.items():
+    cases = [("'--help'", ("torch", "transformers")),
+             ("'grpo', '--help'", ("rlft.train", "rlft.rollout", "rlft.model.", "vllm")),
+             ("'distillation', '--help'", ("rlft.train", "rlft.rollout", "rlft.model.", "vllm")),
+             ("'grpo', '--help'", ("torch", "transformers", "datasets"))]  # now from the cache
+    printed = []
+    for args, forbidden in cases:
         forbidden_modules = {name for name in forbidden if "." not in name}
         code = script.format(args=args, forbidden=repr(forbidden_modules))
         code += "".join(f"assert not any(m.startswith({prefix!r}) for m in sys.modules), {prefix!r}\n"
                         for prefix in forbidden if "." in prefix)
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path),
+                                     "COLUMNS": "100"}, timeout=120)
         assert result.returncode == 0, (args, result.stderr[-2000:])
+        printed.append(result.stdout)
+    assert printed[1] == printed[3] and "--num_generations" in printed[3]
+    assert sorted(p.name.partition("-")[0] for p in (tmp_path / "rlft" / "help").iterdir()) == [
+        "distillation", "grpo"]
+
+
+def test_a_cached_help_text_is_used_only_under_its_own_key_and_replaced_when_anything_changes(
+        tmp_path, monkeypatch, capsys):
+    from rlft.cli import help_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "100")
+    help_cache._installation.cache_clear()
+    folder = tmp_path / "rlft" / "help"
+    first = help_cache.help_text("rloo")
+    assert first == help_cache.render("rloo") and "--num_generations" in first
+    (kept,) = folder.iterdir()
+    kept.write_text("a text kept for this key")  # read back as it is while the key holds
+    assert main(["rloo", "--help"]) == 0 and capsys.readouterr().out == "a text kept for this key"
+    monkeypatch.setenv("COLUMNS", "120")  # another width: another key, rendered again
+    assert help_cache.help_text("rloo") == help_cache.render("rloo") != first
+    assert [p.name for p in folder.iterdir()] == [f"rloo-{help_cache.cache_key('rloo')}.txt"]  # the old gone
+    before = help_cache.cache_key("rloo")
+    with monkeypatch.context() as patch:
+        patch.setattr(help_cache, "_versions", lambda: "transformers=another")
+        help_cache._installation.cache_clear()
+        assert help_cache.cache_key("rloo") != before  # a package upgraded
+    help_cache._installation.cache_clear()
+    help_cache.warm(["gkd"])  # what a training command leaves for later
+    assert (folder / f"gkd-{help_cache.cache_key('gkd')}.txt").read_text() == help_cache.render("gkd")
+    help_cache._installation.cache_clear()
 
 
 def test_trls_module_paths_come_from_the_kind_rows_and_the_deprecated_one_warns_as_trls():
