@@ -216,16 +216,15 @@ class SDFTConfig(DistillationConfig):
                           "literal brace as {{ or }}")
 
 
-_ULD = "the ULD loss only (use_uld_loss, not built in rlft)"
 _SFT_DATA = "SFTTrainer's data field: GOLD reads 'messages' or 'prompt' + 'completion' rows itself"
 
 
 @config_class
 class GOLDConfig(DistillationConfig):
     """TRL 1.16's experimental GOLDConfig names and defaults (GKD's mix of on-policy and fixed
-    completions, rlft/train/gkd.py, with the generalized JSD taken at the sampling `temperature`):
-    a teacher with the student's tokenizer. Cross-tokenizer distillation (`use_uld_loss`, TRL's
-    Universal Logit Distillation) is refused; its and SFTTrainer's data fields are accepted and
+    completions, rlft/train/gkd.py, with the generalized JSD taken at the sampling `temperature`), and,
+    with `use_uld_loss`, cross-tokenizer distillation by the Universal Logit Distillation loss
+    (rlft/core/uld.py, rlft/train/update/cross_tokenizer.py). SFTTrainer's data fields are accepted and
     change nothing (docs/migration.md)."""
 
     learning_rate: float = option(1e-7, "peak learning rate (TRL's GOLD default)")
@@ -243,21 +242,37 @@ class GOLDConfig(DistillationConfig):
     shuffle_dataset: bool = False
     vllm_server_port: int = 8001
     vllm_gpu_memory_utilization: float = 0.9
-    teacher_tokenizer_name_or_path: str | None = option(None, no_effect=_ULD)
+    teacher_tokenizer_name_or_path: str | None = option(
+        None, "GOLD with use_uld_loss: the teacher's tokenizer (hub id or folder; default: the teacher's "
+              "own folder)")
     use_uld_loss: bool = option(
-        False, refused="cross-tokenizer distillation (Universal Logit Distillation) is not built: "
-                       "use a teacher with the student's tokenizer (docs/migration.md)")
-    use_extended_uld: bool = option(True, no_effect=_ULD)
-    uld_token_merge_strategy: str = option("observed", no_effect=_ULD)
-    uld_use_hybrid_loss: bool = option(False, no_effect=_ULD)
-    uld_hybrid_matched_weight: float | None = option(None, no_effect=_ULD)
-    uld_hybrid_unmatched_weight: float | None = option(None, no_effect=_ULD)
-    uld_crossentropy_weight: float = option(0.0, no_effect=_ULD)
-    uld_distillation_weight: float = option(1.0, no_effect=_ULD)
-    uld_student_temperature: float = option(1.0, no_effect=_ULD)
-    uld_teacher_temperature: float = option(1.0, no_effect=_ULD)
-    uld_skip_student_eos: bool = option(True, no_effect=_ULD)
-    uld_skip_teacher_eos: bool = option(True, no_effect=_ULD)
+        False, "GOLD: cross-tokenizer distillation by the Universal Logit Distillation loss "
+               "(rlft/core/uld.py) instead of the generalized JSD: the teacher may have another tokenizer")
+    use_extended_uld: bool = option(
+        True, "ULD: align the two tokenizations by the bytes each token covers and merge split tokens "
+              "(ByteLevel BPE tokenizers); false: pair tokens by position, as the ULD paper")
+    uld_token_merge_strategy: str = option(
+        "observed", check=one_of(("observed", "bayesian")),
+        help="ULD: a group of tokens is the first token's distribution times the later tokens' "
+             "probabilities (observed) or the last token's times the earlier ones' (bayesian)")
+    uld_use_hybrid_loss: bool = option(
+        False, "ULD: token strings both vocabularies hold compared entry by entry (generalized JSD at "
+               "beta), the rest by sorted probabilities")
+    uld_hybrid_matched_weight: float | None = option(
+        None, "ULD hybrid: the matched part's weight (None with the unmatched one: the matched share "
+              "of the teacher's vocabulary)")
+    uld_hybrid_unmatched_weight: float | None = option(
+        None, "ULD hybrid: the unmatched part's weight (set with uld_hybrid_matched_weight)")
+    uld_crossentropy_weight: float = option(
+        0.0, check=NON_NEGATIVE, help="ULD: weight of the student's cross-entropy on its completion tokens")
+    uld_distillation_weight: float = option(
+        1.0, check=NON_NEGATIVE, help="ULD: weight of the distillation term")
+    uld_student_temperature: float = option(
+        1.0, check=POSITIVE, help="ULD: the student's softmax temperature")
+    uld_teacher_temperature: float = option(
+        1.0, check=POSITIVE, help="ULD: the teacher's softmax temperature")
+    uld_skip_student_eos: bool = option(True, "ULD: leave the student's EOS token out of the comparison")
+    uld_skip_teacher_eos: bool = option(True, "ULD: leave the teacher's EOS token out of the comparison")
     vllm_sync_frequency: int = option(
         1, refused="rlft syncs a vLLM engine's weights after every applied optimiser step")
     log_completions_steps: int = option(
@@ -281,6 +296,7 @@ class GOLDConfig(DistillationConfig):
 
     def _check(self, errors: list[str]) -> None:
         super()._check(errors)
+        self._check_uld(errors)
         if self.num_generations != 1:
             errors.append(f"num_generations={self.num_generations!r}: GOLD here trains one completion "
                           "per prompt (the dataset's and the teacher's are one each); leave it at 1")
@@ -288,3 +304,19 @@ class GOLDConfig(DistillationConfig):
             errors.append("seq_kd=True generates with the teacher, which a served teacher does not do "
                           "here: load the teacher locally, or set seq_kd: false")
 
+    def _check_uld(self, errors: list[str]) -> None:
+        matched, unmatched = self.uld_hybrid_matched_weight, self.uld_hybrid_unmatched_weight
+        if (matched is None) != (unmatched is None):
+            errors.append("uld_hybrid_matched_weight and uld_hybrid_unmatched_weight are set together "
+                          f"(both numbers) or both left None (weights from the vocabularies' overlap); got "
+                          f"{matched!r} and {unmatched!r}")
+        elif matched is not None and min(matched, unmatched) < 0:
+            errors.append("uld_hybrid_matched_weight / uld_hybrid_unmatched_weight must be >= 0")
+        if not self.use_uld_loss:
+            return
+        for name, why in (("seq_kd", "the teacher's completions are in its own tokens"),
+                          ("teacher_model_server_url", "ULD needs the teacher's whole distribution"),
+                          ("teacher_models", "one teacher and one tokenizer"),
+                          ("teacher_server_urls", "one teacher and one tokenizer")):
+            if getattr(self, name):
+                errors.append(f"{name} is set with use_uld_loss: {why}; leave {name} out")

@@ -28,6 +28,7 @@ from rlft.core.distill import Head, tiled_divergence
 from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
 from rlft.core.self_distill import SelfDistillMode, topk_divergence
 from rlft.core.sparse_distill import sparse_divergence
+from rlft.core.uld import ULDPlan, spread, uld_distance
 from rlft.model.packing import Packed, install, pack_rows, packed_forward
 from rlft.model.routing import replay
 
@@ -77,6 +78,8 @@ class TeacherStates:
     # self-distillation (rlft/core/self_distill.py): the objective taken against this teacher; None:
     # the generalized JSD over the vocabulary (or a served teacher's support)
     mode: SelfDistillMode | None = None
+    # a teacher with another tokenizer (rlft/core/uld.py): `hidden` are at its own completion positions
+    uld: ULDPlan | None = None
 
 
 @dataclass
@@ -151,6 +154,8 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
         grad = score.loss_grad(place(values))
         return grad[mask] if packed is None else grad[packed.rows, packed.cols]
 
+    if score.teacher is not None and score.teacher.uld is not None:
+        return _uld_scored(head, hidden, targets, score, scale, softcap, place)
     divergence = teacher_entropy = teacher_logps = None
     sampled = score.teacher is not None and score.teacher.mode is not None \
         and score.teacher.mode.name == "sampled_token"
@@ -175,6 +180,32 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
     aux = _router_loss(model, outputs, kwargs.get("attention_mask")) if score.router_loss else None
     return Scored(logps, entropy, aux, logmass, divergence=divergence, teacher_entropy=teacher_entropy,
                   teacher_logps=teacher_logps)
+
+
+def _uld_scored(head, hidden, targets, score: Score, scale: float, softcap: float | None, place) -> Scored:
+    """Cross-tokenizer distillation's per-token loss [b, c]: each group's ULD distance (rlft/core/uld.py)
+    shared among its student tokens, times the distillation weight, plus the cross-entropy weight
+    times -log p of each token (at temperature 1); the student's entropy; no teacher entropy."""
+    plain = _plain_weight(head, sharded=True)
+    if plain is None:
+        raise ValueError("distillation reads the student's LM head as a weight; an LM head adapted "
+                         "by peft is not supported: leave lm_head out of the LoRA target_modules")
+    weight, bias = plain
+    teacher, plan = score.teacher, score.teacher.uld
+    whole = _gathered(weight, bias)
+    logps, entropy, _ = fused_kept_logprobs(hidden.to(weight.dtype), weight, targets, None, bias,
+                                            plan.temperatures[0], scale, softcap, True, score.tile, whole)
+    distance = uld_distance(hidden, Head(weight, bias, scale, softcap, whole), logps, teacher.hidden,
+                            teacher.head, plan.teacher_token_logps, plan.pairs, plan.temperatures,
+                            plan.hybrid)
+    per_token = plan.weights[0] * spread(distance, plan.pairs)
+    if plan.weights[1]:
+        ce = logps if plan.temperatures[0] == 1 else fused_kept_logprobs(
+            hidden.to(weight.dtype), weight, targets, None, bias, 1.0, scale, softcap, tile=score.tile,
+            whole=whole)[0]
+        per_token = per_token - plan.weights[1] * ce
+    entropy = place(entropy).detach()
+    return Scored(torch.zeros_like(entropy), entropy, None, divergence=place(per_token))
 
 
 @torch.no_grad()
@@ -362,6 +393,8 @@ def score_rows(model, rollout, rows, temperature: float = 1.0, entropy: bool = F
     # rollout/teacher_server.py
     if teacher is not None and hasattr(teacher, "support"):
         score.teacher = TeacherStates(None, None, beta, *teacher.support(rollout, rows, width), teacher.tail)
+    elif teacher is not None and hasattr(teacher, "uld_states"):  # its own tokens (rlft/core/uld.py)
+        score.teacher = teacher.uld_states(rollout, rows, width, beta, tile)
     elif teacher is not None:
         inputs = _teacher_inputs(rollout, rows, ids, mask, position_ids, width)
         score.teacher = teacher_states(teacher, *inputs, completion_mask[:, :width], beta)

@@ -107,16 +107,9 @@ def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
                               "its server: leave them unset")
         return ServedTeacher(teacher.url, args.vllm_server_timeout, args.loss_top_k, args.loss_add_tail,
                              tokenizer)
-    kwargs = dict(args.teacher_model_init_kwargs or {})
-    if isinstance(teacher, torch.nn.Module):
-        if kwargs:
-            raise ConfigError("teacher_model_init_kwargs only applies when the teacher is given as "
-                              "a name or path; the teacher_model passed in is already loaded")
-    elif args.teacher_model_revision is not None:
-        kwargs.setdefault("revision", args.teacher_model_revision)
-    model = load_causal_lm(teacher if isinstance(teacher, torch.nn.Module) else str(teacher), dtype, kwargs,
-                           args.trust_remote_code)
-    install_scoring(model)
+    model = _load_local(teacher, args, dtype)
+    if getattr(args, "use_uld_loss", False):  # its own tokenizer: no vocabulary to share
+        return _cross_tokenizer(model, teacher, args, student, tokenizer)
     inner = student.get_base_model() if hasattr(student, "get_base_model") else student
     student_vocab, teacher_vocab = _vocabulary(inner), _vocabulary(model)
     if student_vocab != teacher_vocab:
@@ -127,9 +120,48 @@ def load_teacher(teacher, args, dtype: torch.dtype, student, tokenizer=None):
                               "student's and the teacher's next-token distributions token by token, so "
                               "both must share one vocabulary (use a teacher with the student's "
                               "tokenizer; a larger vocab_size is taken when the tokenizers are the same "
-                              "and the extra rows are padding)")
+                              "and the extra rows are padding; GOLDTrainer with use_uld_loss distils "
+                              "across tokenizers)")
         model.rlft_vocab_rows = student_vocab  # its first rows are the vocabulary (rlft/core/distill.py)
+    return model
+
+
+def _load_local(teacher, args, dtype: torch.dtype):
+    """A local teacher loaded (with teacher_model_init_kwargs and teacher_model_revision), frozen, in
+    eval mode, with the scoring forward."""
+    kwargs = dict(args.teacher_model_init_kwargs or {})
+    if isinstance(teacher, torch.nn.Module):
+        if kwargs:
+            raise ConfigError("teacher_model_init_kwargs only applies when the teacher is given as "
+                              "a name or path; the teacher_model passed in is already loaded")
+    elif args.teacher_model_revision is not None:
+        kwargs.setdefault("revision", args.teacher_model_revision)
+    model = load_causal_lm(teacher if isinstance(teacher, torch.nn.Module) else str(teacher), dtype, kwargs,
+                           args.trust_remote_code)
+    install_scoring(model)
     return model.eval().requires_grad_(False)
+
+
+def _cross_tokenizer(model, teacher, args, student, tokenizer):
+    """GOLD's ULD teacher: the model with its tokenizer (teacher_tokenizer_name_or_path, else the
+    teacher's own folder; rlft/train/update/cross_tokenizer.py)."""
+    from transformers import AutoTokenizer
+
+    from rlft.rollout.hf import eos_token_ids
+    from rlft.train.update.cross_tokenizer import CrossTokenizerTeacher
+
+    source = args.teacher_tokenizer_name_or_path or (
+        teacher if isinstance(teacher, str | Path) else getattr(model, "name_or_path", None))
+    if not source:
+        raise ConfigError("use_uld_loss needs the teacher's tokenizer: set teacher_tokenizer_name_or_path "
+                          "(the teacher_model passed in names no folder)")
+    try:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(str(source),
+                                                          trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"teacher_tokenizer_name_or_path: no tokenizer could be loaded from {source!r} "
+                          f"({err}); name the teacher's tokenizer folder or hub id") from err
+    return CrossTokenizerTeacher(model, teacher_tokenizer, tokenizer, args, eos_token_ids(student, tokenizer))
 
 
 def _padded_past(model, teacher, student_vocab: int, teacher_vocab: int, tokenizer) -> bool:
@@ -159,6 +191,12 @@ def prepare_teacher(teacher, engine):
                               "sharded forwards must run on every process together; train under "
                               "DDP, or one teacher")
         return teacher.prepared(engine.prepare_reference)
+    if hasattr(teacher, "uld_states"):  # a teacher with its own tokenizer: the model inside
+        if engine.sharded and engine.name.startswith("zero"):
+            raise ConfigError(f"use_uld_loss under {engine.name}: the ULD loss reads the LM heads as whole "
+                              "weights; train under DDP or FSDP2")
+        teacher.model = engine.prepare_reference(teacher.model)
+        return teacher
     return engine.prepare_reference(teacher) if isinstance(teacher, torch.nn.Module) else teacher
 
 
@@ -223,7 +261,8 @@ class DistillationObjective(Objective):
         mask = (rollout.loss_mask if keep is None else keep)[rows, :width].to(divergence.dtype)
         loss = (divergence * mask).sum() / num_items
         self._apart = self._apart or bool((divergence.detach() * mask).ne(0).any())
-        metrics = {"distill/teacher_entropy": (teacher_entropy * mask).sum() / mask.sum().clamp(min=1)}
+        metrics = {} if teacher_entropy is None else {  # (None: a teacher of another tokenizer)
+            "distill/teacher_entropy": (teacher_entropy * mask).sum() / mask.sum().clamp(min=1)}
         return loss, metrics, entropy, mask
 
     @torch.no_grad()
