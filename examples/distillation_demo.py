@@ -6,11 +6,15 @@ docs/distillation.md come from:
     python examples/distillation_demo.py --trainer gkd --out docs/figures/gkd.png
     python examples/distillation_demo.py --trainer gold --teacher runs/distillation-teacher --out docs/figures/gold.png
     python examples/distillation_demo.py --trainer async --teacher runs/distillation-teacher --out docs/figures/async-distillation.png
+    python examples/build_tiny_policy.py --out runs/uld-teacher --seed 1 --vocab-size 512 --no-tag-tokens --stop-at 0.9 --eval-every 50
+    python examples/distillation_demo.py --trainer gold --uld hybrid --teacher runs/uld-teacher --out docs/figures/gold-uld.png
 
 With `--trainer gkd`, GKDTrainer instead: each step with probability `--lmbda` on the student's own
 completions, else on the dataset's (each problem's correct answer, TRL's `messages` format), the same
 divergence to the teacher on either. `--trainer gold`: GOLDTrainer, the same with the divergence at the
-sampling temperature. `--trainer async`: AsyncDistillationTrainer, the student's completions sampled by the
+sampling temperature; with `--uld plain|hybrid`, a teacher with its own tokenizer (the second-to-last command builds one: the
+tiny adder's recipe with another seed and vocabulary size, `<answer>` tags cut by BPE into several tokens,
+supervised to 90% accuracy) through the ULD loss. `--trainer async`: AsyncDistillationTrainer, the student's completions sampled by the
 async producer one step ahead (producer on core 1, trainer on core 0).
 
 1. The teacher: `rlft demo`'s run (GRPO, LoRA r16, 1,500 steps, seed 0), its adapter merged into the shipped
@@ -43,7 +47,7 @@ from rlft.train.gkd import GKDTrainer, GOLDTrainer
 
 
 @torch.no_grad()
-def accuracy(model, tokenizer, problems: list[dict]) -> float:
+def accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int = 8) -> float:
     """Greedy held-out accuracy: the fraction of problems whose answer is exactly right."""
     was_training = model.training
     model.eval()
@@ -51,7 +55,7 @@ def accuracy(model, tokenizer, problems: list[dict]) -> float:
              for p in problems]
     tokenizer.padding_side = "left"
     inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     completions = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     model.train(was_training)
     scores = exact_match_reward(completions, [p["answer"] for p in problems])
@@ -120,9 +124,11 @@ def build(args, teacher, train: list[dict], held: HeldOut):
         messages = [{"messages": r["prompt"] + [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}]}
                     for r in train]
         if args.trainer == "gold":
-            cfg = GOLDConfig(**common, max_completion_length=8, lmbda=args.lmbda)
-            return GOLDTrainer(student, teacher, cfg, train_dataset=messages, callbacks=[held],
-                               peft_config=demo_lora(True))
+            uld = {} if not args.uld else dict(use_uld_loss=True,  # (its own tokenizer: from its folder)
+                                               uld_use_hybrid_loss=args.uld == "hybrid")
+            cfg = GOLDConfig(**{**common, **uld}, max_completion_length=8, lmbda=args.lmbda)
+            return GOLDTrainer(student, args.teacher if args.uld else teacher, cfg, train_dataset=messages,
+                               callbacks=[held], peft_config=demo_lora(True))
         cfg = GKDConfig(**common, max_new_tokens=8, lmbda=args.lmbda)
         return GKDTrainer(student, teacher, cfg, train_dataset=messages, callbacks=[held],
                           peft_config=demo_lora(True))
@@ -144,6 +150,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trainer", choices=["distillation", "gkd", "gold", "async"], default="distillation")
     parser.add_argument("--lmbda", type=float, default=0.5, help="gkd: the share of on-policy steps")
+    parser.add_argument("--uld", choices=["plain", "hybrid"], default=None,
+                        help="gold: the teacher (--teacher, a folder) has its own tokenizer: the ULD loss, "
+                             "plain or hybrid (uld_use_hybrid_loss)")
     parser.add_argument("--output_dir", default=None, help="default runs/<trainer>-demo")
     parser.add_argument("--out", default=None, help="figure (PNG); its numbers go beside it as JSON")
     args = parser.parse_args()
@@ -152,7 +161,9 @@ def main() -> None:
     problems = rows(heldout)
     tokenizer = AutoTokenizer.from_pretrained(shipped_policy_path())
     teacher = teacher_model(args.teacher)
-    teacher_accuracy = accuracy(teacher, tokenizer, problems)
+    teacher_tokenizer = AutoTokenizer.from_pretrained(args.teacher) if args.uld else tokenizer
+    # (a teacher with its own tokenizer may take more tokens for the same answer)
+    teacher_accuracy = accuracy(teacher, teacher_tokenizer, problems, 16 if args.uld else 8)
     print(f"teacher held-out accuracy {teacher_accuracy:.1%}", flush=True)
     held = HeldOut(tokenizer, problems, args.eval_every)
     trainer = build(args, teacher, rows(train), held)
@@ -163,17 +174,20 @@ def main() -> None:
           f"(teacher {teacher_accuracy:.1%}); {wall:.0f} s including the teacher's evaluation")
     if args.out:
         out = Path(args.out)
-        how = {"gkd": f"GKD, lmbda {args.lmbda}", "gold": f"GOLD, lmbda {args.lmbda}",
+        how = {"gkd": f"GKD, lmbda {args.lmbda}", "gold": f"GOLD{f' ULD {args.uld}' if args.uld else ''}, lmbda {args.lmbda}",
                "async": "async on-policy"}.get(args.trainer, "on-policy")
         flag = f" --trainer {args.trainer}" if args.trainer != "distillation" else ""
-        flag += f" --teacher {args.teacher}" if args.teacher else ""
-        title = (f"A GRPO-trained tiny-adder distilled into the shipped one ({how}, beta {args.beta}, LoRA r16)"
+        flag += (f" --uld {args.uld}" if args.uld else "") + (f" --teacher {args.teacher}" if args.teacher else "")
+        who = "A tiny adder with another tokenizer" if args.uld else "A GRPO-trained tiny-adder"
+        mix = "" if args.uld else f", beta {args.beta}"
+        title = (f"{who} distilled into the shipped one ({how}{mix}, LoRA r16)"
                  f"\npython examples/distillation_demo.py{flag} --out {args.out}")
         plot(held.curve, teacher_accuracy, out, title)
         out.with_suffix(".json").write_text(json.dumps(
             {"teacher_accuracy": teacher_accuracy, "curve": held.curve, "steps": args.steps, "beta": args.beta,
              "seed": args.seed, "seconds": wall, "trainer": args.trainer,
-             **({"lmbda": args.lmbda} if args.trainer in ("gkd", "gold") else {})}, indent=1) + "\n")
+             **({"lmbda": args.lmbda} if args.trainer in ("gkd", "gold") else {}),
+             **({"uld": args.uld} if args.uld else {})}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -67,14 +67,17 @@ def _tokenizer_corpus(seed: int, lines: int = 2000, tools: bool = False) -> list
     return corpus
 
 
-def build_tokenizer(seed: int = 0, vocab_size: int = 384, tools: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(seed: int = 0, vocab_size: int = 384, tools: bool = False,
+                    tag_tokens: bool = True) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer with Qwen2's normalizer and pre-tokenizer.
 
     Special tokens: `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos); `<answer>` and
     `</answer>` are single added tokens. The chat template is ChatML, like Qwen2's. With `tools`
     the corpus also holds tool calls, `<tool_call>` / `</tool_call>` are added tokens and the chat
     template renders tools, tool calls and tool messages (Hermes format).
-    Padding is on the left, as generation wants it.
+    Padding is on the left, as generation wants it. `tag_tokens` False: `<answer>` / `</answer>` are
+    left to BPE (several tokens each): another family's cut of the same completions (a teacher for
+    cross-tokenizer distillation, rlft/core/uld.py).
     """
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
@@ -92,7 +95,7 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 384, tools: bool = False) -
         show_progress=False,
     )
     tok.train_from_iterator(_tokenizer_corpus(seed, tools=tools), trainer)
-    tok.add_tokens(ANSWER_TOKENS + (TOOL_TOKENS if tools else []))
+    tok.add_tokens((ANSWER_TOKENS if tag_tokens else []) + (TOOL_TOKENS if tools else []))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
