@@ -220,7 +220,7 @@ def test_two_processes_take_the_step_one_process_takes(tmp_path, shipped_policy_
     """The loss is normalised by the trained tokens of the whole step on every process: one step on 2 processes
     (and in 4 micro-batches) equals one process in one batch, for each beta, with LoRA, with the teacher
     served (each process asking for its own rows), with two teachers (each row routed by its teacher_id),
-    GKD's on the dataset's and the student's completions, and SDFT's and SDPO's (each process's rows read by
+    GKD's on the dataset's and the student's completions, GOLD's ULD (the teacher in its own tokens), and SDFT's and SDPO's (each process's rows read by
     their own teacher prompts; SDPO's successes found within each process's groups)."""
     from transformers import AutoTokenizer
 

@@ -15,6 +15,7 @@ from rlft.experimental.gold import GOLDConfig, GOLDTrainer
 from tests.helpers import run_trl_script
 from tests.test_distillation import perturbed, reference_loss
 from tests.test_gkd import messages_rows
+from tests.test_grpo_resume import resumed_run_equals_straight
 
 
 def gold_config(tmp_path, **overrides) -> GOLDConfig:
@@ -178,20 +179,22 @@ def test_byte_spans_are_exact_for_characters_a_byte_level_tokenizer_splits(tmp_p
     assert s_groups[-1] == [] and t_groups[-1] == [len(teacher_ids) - 1]  # the unpaired EOS: left out
 
 
-def test_uld_trains_on_the_students_own_completions_and_refuses_what_it_cannot_align(
+def test_uld_runs_resume_exactly_and_what_cannot_be_aligned_is_refused(
         tmp_path, shipped_policy_dir, other_tokenizer_teacher):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from rlft.tiny import build_causal_lm, save_tiny
 
-    cfg = gold_config(tmp_path, lmbda=1.0, use_uld_loss=True, uld_use_hybrid_loss=True,
-                      uld_crossentropy_weight=0.1)
-    trainer = GOLDTrainer(str(shipped_policy_dir), str(other_tokenizer_teacher), cfg, train_dataset=wordy_rows(16))
-    trainer.train()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 and r["gkd/student_completions"] == 1
-                                                       for r in rows)
+    def make(name):  # the student's own completions and the dataset's, mixed; 2 + 2 steps resumed equal 4
+        cfg = gold_config(tmp_path, output_dir=str(tmp_path / name), max_steps=4, save_steps=2, lmbda=0.5,
+                          use_uld_loss=True, uld_use_hybrid_loss=True, uld_crossentropy_weight=0.1)
+        return GOLDTrainer(str(shipped_policy_dir), str(other_tokenizer_teacher), cfg, train_dataset=wordy_rows(16))
+
+    resumed_run_equals_straight(make, 4, 2)
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in rows)
+    assert {r["gkd/student_completions"] for r in rows} == {0.0, 1.0}
     # a word-level tokenizer has no byte pieces: byte alignment is refused by name, positional ULD runs
     words = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1, "<pad>": 2}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -1,5 +1,5 @@
 """One DistillationTrainer optimiser step per beta (and with LoRA, with two teachers; GKD's on the dataset's
-and the student's completions; SDFT's and SDPO's with the student as its own teacher), in 1 or N processes (torchrun), on the fixed completions of tests/dist/grpo_step.py's stand-in
+and the student's completions; GOLD's ULD with the teacher's own tokenizer; SDFT's and SDPO's with the student as its own teacher), in 1 or N processes (torchrun), on the fixed completions of tests/dist/grpo_step.py's stand-in
 generator; writes the trained parameters and the step's metrics to OUT (main process only).
 
     torchrun --nproc_per_node 2 --standalone tests/dist/distill_step.py STUDENT_DIR TEACHER_DIR OUT [URL]
@@ -24,6 +24,8 @@ RUNS = {"forward_kl": dict(beta=0.0), "jsd": dict(beta=0.5), "reverse_kl": dict(
         "lora": dict(beta=0.5),
         "gkd_dataset": dict(beta=0.5, lmbda=0.0),  # GKD on the dataset's completions
         "gkd_student": dict(beta=0.5, lmbda=1.0),  # and on the student's
+        # GOLD's ULD: the teacher reads the completions in its own tokenizer (hybrid, with cross-entropy)
+        "gold_uld": dict(lmbda=1.0, use_uld_loss=True, uld_use_hybrid_loss=True, uld_crossentropy_weight=0.1),
         "teachers": dict(beta=0.5),  # two teachers, each row routed by its teacher_id
         "sdft": dict(distillation_topk=5),  # SDFT: the student's own teacher reading the answer, top-5
         "sdpo": dict(distillation_weight=0.5)}  # SDPO: half GRPO, half the student shown its group's successes
@@ -49,11 +51,15 @@ def make_trainer(name: str, student: str, teacher: str | None, values: dict, pef
 
         cfg = SDPOConfig(**common, num_generations=4, max_completion_length=8, **values)
         return SDPOTrainer(student, even_length, cfg, train_dataset=addition_rows(8))
-    if name.startswith("gkd"):
+    if name.startswith(("gkd", "gold")):
         from rlft.experimental.gkd import GKDConfig, GKDTrainer
+        from rlft.experimental.gold import GOLDConfig, GOLDTrainer
 
         rows = [{"messages": r["prompt"] + [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}]}
                 for r in addition_rows(8)]
+        if name.startswith("gold"):
+            cfg = GOLDConfig(**common, max_completion_length=8, **values)
+            return GOLDTrainer(student, teacher, cfg, train_dataset=rows)
         return GKDTrainer(student, teacher, GKDConfig(**common, max_new_tokens=8, **values), train_dataset=rows)
     cfg = DistillationConfig(**common, max_completion_length=8, **values)
     rows = addition_rows(8)
