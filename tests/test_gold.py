@@ -177,6 +177,15 @@ def test_byte_spans_are_exact_for_characters_a_byte_level_tokenizer_splits(tmp_p
     for sg, tg in zip(s_groups[:-1], t_groups[:-1]):  # every group but the EOS's ends on one byte
         assert s_ends[sg[-1]] == t_ends[tg[-1]]
     assert s_groups[-1] == [] and t_groups[-1] == [len(teacher_ids) - 1]  # the unpaired EOS: left out
+    # the student's text spelling the teacher's special token: the teacher reads it as that token, as wide as
+    # its text, and the groups close on each side of it
+    pieces = ["o", "k", "Ġ", *"<|im_end|>", "x"]  # (one byte each: every one is in the vocabulary)
+    completion = st.convert_tokens_to_ids(pieces) + [st.eos_token_id]
+    assert st.unk_token_id not in completion and 0 not in completion
+    _, teacher_ids, s_groups, t_groups = teacher._row(st("2+2=")["input_ids"], completion)
+    assert tt.eos_token_id in teacher_ids[:-1]  # "<|im_end|>" read as one teacher token, before its own EOS
+    at = teacher_ids.index(tt.eos_token_id)
+    assert [list(range(3, 13))] == [g for g, h in zip(s_groups, t_groups) if h == [at]]
 
 
 def test_uld_runs_resume_exactly_and_what_cannot_be_aligned_is_refused(

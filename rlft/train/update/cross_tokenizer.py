@@ -55,11 +55,13 @@ def is_byte_level(tokenizer) -> bool:
 
 
 class TokenBytes:
-    """Each token id's UTF-8 bytes under one tokenizer (cached per id)."""
+    """Each token id's UTF-8 bytes under one tokenizer (cached per id). `text_specials`: the tokens were
+    read from text, so a special token stands for its own text (the teacher's side); else a special
+    token was generated and is zero-width (the student's)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, text_specials: bool = False):
         self.tokenizer = tokenizer
-        self.special = set(tokenizer.all_special_ids)
+        self.special = set() if text_specials else set(tokenizer.all_special_ids)
         self.added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
         self._cache: dict[int, bytes] = {}
 
@@ -112,7 +114,8 @@ class CrossTokenizerTeacher:
         if tokenizer.eos_token_id is None:
             raise ConfigError("the teacher's tokenizer has no eos_token: set one in its "
                               "tokenizer_config.json")
-        self.student_bytes, self.teacher_bytes = TokenBytes(student_tokenizer), TokenBytes(tokenizer)
+        self.student_bytes = TokenBytes(student_tokenizer)
+        self.teacher_bytes = TokenBytes(tokenizer, text_specials=True)
         self.hybrid = self._hybrid(args) if args.uld_use_hybrid_loss else None
         self._prompts: dict[tuple[int, ...], list[int]] = {}
 
@@ -138,6 +141,8 @@ class CrossTokenizerTeacher:
     def _teacher_prompt(self, prompt: list[int]) -> list[int]:
         key = tuple(prompt)
         if key not in self._prompts:
+            if len(self._prompts) >= 4096:  # (a rollout's rows share prompts; a dataset's need not stay)
+                self._prompts.clear()
             text = self.student_tokenizer.decode(prompt, skip_special_tokens=False,
                                                  clean_up_tokenization_spaces=False)
             ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -158,9 +163,10 @@ class CrossTokenizerTeacher:
         t_kept = len(teacher) - (ended and self.skip_teacher_eos)
         if not self.extended:
             s_groups, t_groups = positional_groups(s_kept, t_kept)
-        else:
+        else:  # (each side's EOS, where kept, zero-width at the end)
             s_ends = self.student_bytes.ends(completion[:s_kept])
-            t_ends = self.teacher_bytes.ends(teacher[:t_kept])
+            t_ends = self.teacher_bytes.ends(teacher_body)
+            t_ends = (t_ends + [t_ends[-1] if t_ends else 0])[:t_kept]
             s_groups, t_groups = align_by_byte_ends(s_ends, t_ends)
         return self._teacher_prompt(prompt), teacher, s_groups, t_groups
 
