@@ -22,6 +22,13 @@ Needs rlft and trl==1.16.0 in one environment (benchmarks/packing.py says how); 
 
     .venv-bench/bin/python benchmarks/distillation.py            # G=4 completions of 1,024 tokens
     .venv-bench/bin/python benchmarks/distillation.py --quick     # tiny smoke run
+    .venv-bench/bin/python benchmarks/distillation.py --teachers 2   # rlft with two teachers (below)
+
+With `--teachers 2` rlft distils from two teachers of the teacher's shape (seeds 1 and 2), each row routed by its
+`teacher_id` (a, b, a, b: each teacher scores about half the rows), against TRL's one-teacher step on the same rows:
+the same teacher work in tokens and FLOPs. TRL 1.16's own multi-teacher trainer (experimental async distillation)
+takes its student and teachers from vLLM servers with NCCL weight transfer, which a CPU cannot run, so its
+one-teacher DistillationTrainer is the nearest TRL step; rlft holds both teachers in memory, TRL one.
 """
 
 from __future__ import annotations
@@ -71,8 +78,9 @@ def build(spec: dict):
         built.generation_config.max_length = None
         return built
 
-    return (model(*spec["student"], 0), model(*spec["teacher"], 1), tokenizer,
-            [{"prompt": prompt} for _ in range(64)])
+    teachers = [model(*spec["teacher"], 1 + k) for k in range(spec.get("teachers", 1))]
+    return (model(*spec["student"], 0), teachers, tokenizer,
+            [{"prompt": prompt, "teacher_id": "ab"[i % 2]} for i in range(64)])
 
 
 def instrument(spec: dict, tokenizer) -> None:
@@ -113,7 +121,8 @@ def worker(variant: str, spec: dict, steps: int, out_dir: str) -> dict:
     import torch
     from peft import LoraConfig
 
-    student, teacher, tokenizer, rows = build(spec)
+    student, teachers, tokenizer, rows = build(spec)
+    teacher = teachers[0] if variant == "trl" or len(teachers) == 1 else dict(zip("ab", teachers))
     instrument(spec, tokenizer)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     measured: list[dict] = []
@@ -133,7 +142,9 @@ def worker(variant: str, spec: dict, steps: int, out_dir: str) -> dict:
 
         cfg = DistillationConfig(**fields, report_to="none", save_strategy="no", bf16=False, use_cpu=True)
         trainer = DistillationTrainer(model=student, teacher_model=teacher, args=cfg,
-                                      train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                                      train_dataset=datasets.Dataset.from_list([{"prompt": r["prompt"]}
+                                                                                for r in rows]),
+                                      processing_class=tokenizer,
                                       peft_config=lora, callbacks=[clock(measured)])
     torch.manual_seed(0)
     trainer.train()
@@ -142,9 +153,9 @@ def worker(variant: str, spec: dict, steps: int, out_dir: str) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run(variant: str, steps: int, quick: bool) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--steps", str(steps)] + \
-        (["--quick"] if quick else [])
+def run(variant: str, steps: int, quick: bool, teachers: int = 1) -> dict:
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--steps", str(steps),
+               "--teachers", str(teachers)] + (["--quick"] if quick else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if result.returncode:
@@ -176,7 +187,7 @@ def summarize(runs: dict, spec: dict, args) -> dict:
                             "peak_rss_mb": max(r["peak_rss_mb"] for r in done),
                             "first_loss": done[0]["losses"][0]}
     r, t = summary["rlft"], summary["trl"]
-    return {"date": str(date.today()), "quick": args.quick, "spec": spec, "steps": args.steps,
+    return {"date": str(date.today()), "quick": args.quick, "spec": spec, "rlft_teachers": args.teachers, "steps": args.steps,
             "repeats": args.repeats, "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), "
             f"torch threads {torch.get_num_threads()}, float32",
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -197,8 +208,9 @@ def report(results: dict, spec: dict, out: str | None) -> None:
           f"| {spec['completions']} x {spec['length']} tokens, vocab {spec['vocab']:,} | "
           f"{r['median_update_seconds']:.2f} | {t['median_update_seconds']:.2f} | {results['time_ratio']:.2f}x | "
           f"{r['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {results['memory_ratio']:.2f}x |")
-    print(f"first-step loss rlft {r['first_loss']:.6f} vs TRL {t['first_loss']:.6f} "
-          f"(relative gap {results['first_loss_relative_gap']:.2e})")
+    if results.get("rlft_teachers", 1) == 1:  # (two teachers: another loss)
+        print(f"first-step loss rlft {r['first_loss']:.6f} vs TRL {t['first_loss']:.6f} "
+              f"(relative gap {results['first_loss_relative_gap']:.2e})")
 
 
 def main() -> None:
@@ -208,17 +220,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model and vocabulary: a smoke run")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results-distillation.json; "
                                                     "none with --quick)")
+    parser.add_argument("--teachers", type=int, choices=[1, 2], default=1,
+                        help="2: rlft distils from two teachers, rows routed by teacher_id (module docstring)")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    spec = QUICK if args.quick else FULL
+    spec = {**(QUICK if args.quick else FULL), "teachers": args.teachers}
     if args.worker:
         import tempfile
 
         with tempfile.TemporaryDirectory() as out_dir:
             print(json.dumps(worker(args.worker, spec, args.steps, out_dir)))
         return
-    runs = alternate(lambda variant: run(variant, args.steps, args.quick), args)
-    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results-distillation.json"))
+    runs = alternate(lambda variant: run(variant, args.steps, args.quick, args.teachers), args)
+    name = "results-distillation.json" if args.teachers == 1 else "results-multi-teacher.json"
+    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / name))
     report(summarize(runs, spec, args), spec, out)
 
 
