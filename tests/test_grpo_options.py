@@ -98,3 +98,46 @@ def test_combinations_the_papers_did_not_use_are_noted(tmp_path, shipped_policy_
     assert "leave it at token" in option_notes(GRPOConfig(loss_type="vespo", importance_sampling_level="sequence"))[0]
     assert "not above 1 + epsilon_high" in option_notes(GRPOConfig(delta=1.1))[0]
     assert option_notes(GRPOConfig(loss_type="luspo", importance_sampling_level="sequence", delta=2.0)) == []
+
+
+def test_bypass_takes_the_samplers_log_probs_as_pi_old_and_applies_no_weight(tmp_path, shipped_policy_dir):
+    """verl's bypass mode: a step with rollout_correction_bypass equals the step whose pi_old is the sampler's
+    log-probs, uncorrected (the clipped ratio is pi_theta / pi_sampler); it differs from the decoupled step
+    (pi_old the policy now, weighted by pi_old / pi_sampler); a rollout with sampler log-probs needs no forward
+    for pi_old, one without still does; the mismatch is still measured."""
+    import dataclasses
+
+    def token_sum_reward(completion_ids, **kwargs):  # (spread within every group: advantages not 0)
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    steps = {}
+    for name, overrides in (("bypass", {}), ("old_is_sampler", dict(vllm_importance_sampling_correction=False)),
+                            ("decoupled", {})):
+        cfg = tiny_grpo_config(tmp_path, output_dir=str(tmp_path / name), optim="sgd", learning_rate=1.0,
+                               max_grad_norm=1e9, loss_type="dapo", epsilon=0.1, **overrides)
+        trainer = GRPOTrainer(str(shipped_policy_dir), token_sum_reward, cfg, addition_rows(16))
+        batch = trainer._make_rollout(0)
+        rollout = batch.rollout
+        with torch.no_grad():
+            logps = trainer.scorer.policy_logps(rollout)
+        noise = torch.randn(logps.shape, generator=torch.Generator().manual_seed(0)) * 0.3
+        rollout.sampling_logps = (logps + noise) * rollout.completion_mask
+        if name == "old_is_sampler":
+            batch = dataclasses.replace(batch, old_logps=rollout.sampling_logps.clone())
+        trainer.args.rollout_correction_bypass = name == "bypass"  # (the check wants vLLM or async)
+        if name == "bypass":
+            assert not trainer.updater.objective.needs_old_logps(trainer.args, rollout)
+            assert trainer.updater.objective.needs_old_logps(trainer.args, dataclasses.replace(rollout, sampling_logps=None))
+        metrics = trainer.updater.step(batch)
+        steps[name] = (metrics, [p.detach().clone() for p in trainer.model.parameters()])
+    (bypass, b_params), (same, s_params), (decoupled, d_params) = (steps[k] for k in ("bypass", "old_is_sampler",
+                                                                                      "decoupled"))
+    assert bypass["loss"] == pytest.approx(same["loss"], rel=1e-6) and bypass["clip_ratio/region_mean"] > 0.05
+    for p, q in zip(b_params, s_params):
+        assert torch.allclose(p, q, atol=1e-7)
+    assert not all(torch.allclose(p, q, atol=1e-6) for p, q in zip(b_params, d_params))
+    assert bypass["sampling/sampling_logp_difference/mean"] == pytest.approx(
+        decoupled["sampling/sampling_logp_difference/mean"], rel=1e-6) and bypass[
+        "sampling/sampling_logp_difference/mean"] > 0.1
+    with pytest.raises(ConfigError, match="rollout_correction_bypass=True takes the sampler's log-probs"):
+        tiny_grpo_config(tmp_path, rollout_correction_bypass=True)

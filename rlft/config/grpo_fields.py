@@ -202,6 +202,11 @@ class _GRPOFields(_BaseConfig):
     vllm_importance_sampling_clip_min: float | None = option(
         None, "lower bound of the correction weight (icepop, sequence_geometric_mask: null is 1 / "
               "the upper)")
+    rollout_correction_bypass: bool = option(
+        False, rlft=True,
+        help="verl's bypass mode: the sampler's log-probs are pi_old, so the clipped ratio is pi_theta / "
+             "pi_sampler, no pi_old / pi_sampler weight is applied and no forward computes pi_old "
+             "(engines that return log-probs: vLLM, the async producer)")
     off_policy_mask_threshold: float | None = option(
         None, check=NON_NEGATIVE,
         help="DeepSeek-V3.2: drop A < 0 completions whose sampler/policy KL exceeds this")

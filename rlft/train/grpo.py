@@ -317,7 +317,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
         if args.mask_truncated_completions:
             rollout.completion_mask[rollout.truncated] = 0
         old = self.scorer.policy_logps(rollout) \
-            if self.steps_per_rollout > 1 and self.updater.objective.uses_old_logps else None
+            if self.steps_per_rollout > 1 and self.updater.objective.needs_old_logps(args, rollout) else None
         self.scorer.forget()  # the rollout's log-probs are in the batch now, or not needed
         # what its forwards read from the rows (several teachers: each row's)
         self.scorer.prepare(rollout)

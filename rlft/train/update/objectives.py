@@ -37,6 +37,12 @@ class Objective:
     uses_old_logps = True  # the importance ratio's denominator when a rollout feeds several steps
     sequence_means: tuple[str, ...] = ()  # metrics averaged per sequence, not per token (StepSums)
 
+    def needs_old_logps(self, args, rollout) -> bool:
+        """A forward computes pi_old for a rollout that feeds several steps: the loss has a ratio, and
+        the sampler's own log-probs do not stand for pi_old (`rollout_correction_bypass`)."""
+        bypass = getattr(args, "rollout_correction_bypass", False) and rollout.sampling_logps is not None
+        return self.uses_old_logps and not bypass
+
     @classmethod
     def build(cls, args, kl_in_reward: bool) -> Objective:
         """The objective for a run's config (`kl_in_reward`: beta's KL is in the reward, not in the
@@ -155,7 +161,11 @@ class PolicyObjective(Objective):
         old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
         sampler = rollout.sampling_logps[rows, :width] if rollout.sampling_logps is not None else None
         weights = None
-        if sampler is not None and args.vllm_importance_sampling_correction:
+        if sampler is not None and args.rollout_correction_bypass:  # the sampler is pi_old: no weight
+            if corrections is not None:  # (the mismatch of the policy now, measured all the same)
+                corrections.append(correction_stats(logps.detach(), sampler, mask, torch.ones_like(sampler)))
+            old = sampler
+        elif sampler is not None and args.vllm_importance_sampling_correction:
             weights = sampling_correction(old, sampler, mask, args.vllm_importance_sampling_mode,
                                           args.vllm_importance_sampling_clip_min,
                                           args.vllm_importance_sampling_cap
