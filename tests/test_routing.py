@@ -301,3 +301,37 @@ def test_a_forward_nobody_armed_routes_freely_after_a_replayed_one(tokenizer):
     assert state.mode == "free"
     HFGenerator(tokenizer, max_new_tokens=4, generation_kwargs={"num_beams": 2})(model, [prompt[0].tolist()], 2)
     assert state.mode == "free"
+
+
+def test_tool_rollouts_carry_each_tokens_route_and_the_trainer_replays_them(tmp_path):
+    """Multi-turn rollouts (the tool loop): every token the sampler read has its route, from the forward that
+    first read it (a turn's decoding, or the next turn's prompt for a turn's last token and the tool's
+    output); only each row's final token, never read, routes freely. One precision on both sides: the trainer's
+    router agrees with every replayed choice, which it would not if a route sat one position off."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlft import GRPOTrainer
+    from rlft.data import calculator
+    from rlft.model.loading import shipped_policy_path
+    from rlft.tiny import save_tiny, upcycle_to_moe
+
+    dense = shipped_policy_path("tiny-calculator")
+    folder = save_tiny(upcycle_to_moe(AutoModelForCausalLM.from_pretrained(dense)),
+                       AutoTokenizer.from_pretrained(dense), tmp_path / "calculator-moe")
+    cfg = tiny_grpo_config(tmp_path, max_steps=1, max_completion_length=64, per_device_train_batch_size=8)
+    from rlft.data.addition import split_problems
+
+    trainer = GRPOTrainer(str(folder), [calculator.answer_reward], cfg, calculator.rows(split_problems()[0][:16]),
+                          tools=calculator.TOOLS)
+    rollout = trainer._make_rollout(0).rollout
+    assert rollout.stats["tool_calls"].sum() > 0 and (rollout.tool_mask == 0).logical_and(
+        rollout.completion_mask.bool()).any()  # tool output inside the completions
+    inside = rollout.completion_mask.bool()
+    read = inside.clone()
+    read[torch.arange(read.shape[0]), inside.sum(1) - 1] = False  # each row's final token may not be read
+    recorded = (rollout.completion_routes >= 0).all(dim=(-1, -2))
+    assert recorded[read].all() and not recorded[~inside].any()
+    assert (rollout.completion_routes >= 0).all(dim=(-1, -2)).eq((rollout.completion_routes >= 0).any(
+        dim=(-1, -2))).all()  # a token's route is whole or absent
+    trainer.train()
+    assert [r["sampling/route_agreement"] for r in trainer.state.log_history if "loss" in r] == [1.0]

@@ -40,6 +40,9 @@ class _Row:
     calls: int = 0
     failures: int = 0
     turns: int = 0
+    # a MoE policy's routes [layers, k] per completion token, from the forward that first read it (None:
+    # not read yet: a turn's last token, tool output, until the next turn's prompt reads them)
+    routes: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class ToolLoop:
@@ -95,6 +98,8 @@ class ToolLoop:
             row.ended = len(ids) <= room and not bool(out.truncated[i])
             ids = ids[:room]
             context = row.prompt + row.ids
+            if out.completion_routes is not None:
+                self._take_routes(row, out, i, len(context), len(ids))
             row.ids += ids
             row.mask += [1] * len(ids)
             if out.sampling_logps is not None:
@@ -110,6 +115,18 @@ class ToolLoop:
             valid = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                      for c in row.pending if c.error is None]
             row.messages.append({**message, "tool_calls": valid} if valid else message)
+
+    @staticmethod
+    def _take_routes(row: _Row, out: Rollout, i: int, context: int, count: int) -> None:
+        """A turn's routes for row `row` (the turn's row `i`): its prompt read every earlier token of
+        the row, so the ones no forward had read (the last token of the previous turn, tool output) take
+        their routes from it; the turn's own tokens take theirs from its decoding."""
+        read = out.prompt_routes[i, out.prompt_routes.shape[1] - context:]  # [context, layers, k]
+        start = len(row.prompt)
+        for j, route in enumerate(row.routes):
+            if route is None or bool((route < 0).all()):
+                row.routes[j] = read[start + j]
+        row.routes += list(out.completion_routes[i, :count])
 
     def _answer(self, rows: list[_Row]) -> list[_Row]:
         """Run every pending call of every row at once; append the tool messages as tokens (mask 0).
@@ -130,6 +147,7 @@ class ToolLoop:
             row.mask += [0] * len(suffix)
             row.logps += [0.0] * len(suffix)
             row.kept += [None] * len(suffix)
+            row.routes += [None] * len(suffix)
             row.messages += messages
             going.append(row)
         return going
@@ -145,7 +163,16 @@ class ToolLoop:
             ("turns", lambda r: r.turns), ("hit_limit", lambda r: bool(r.pending)))}
         truncated = torch.tensor([not r.ended for r in rows], device=device)
         kept = None if first.sampling_kept is None else kept_tensor([r.kept for r in rows], ids.shape[1])
-        return Rollout(first.prompt_ids, first.prompt_mask, ids.to(device), mask.to(device), truncated,
-                       None if logps is None else logps.to(device), tool_mask.to(device),
-                       completions=[r.messages for r in rows], stats=stats,
-                       sampling_kept=None if kept is None else kept.to(device))
+        rollout = Rollout(first.prompt_ids, first.prompt_mask, ids.to(device), mask.to(device), truncated,
+                          None if logps is None else logps.to(device), tool_mask.to(device),
+                          completions=[r.messages for r in rows], stats=stats,
+                          sampling_kept=None if kept is None else kept.to(device))
+        if first.completion_routes is not None:  # (-1: never read, route freely)
+            routes = first.completion_routes.new_full((len(rows), ids.shape[1],
+                                                       *first.completion_routes.shape[2:]), -1)
+            for r, row in enumerate(rows):
+                for j, route in enumerate(row.routes):
+                    if route is not None:
+                        routes[r, j] = route
+            rollout.prompt_routes, rollout.completion_routes = first.prompt_routes, routes
+        return rollout

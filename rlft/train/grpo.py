@@ -187,8 +187,8 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
     def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
         args = self.args
         # routes a MoE policy's sampler chose, recorded where transformers' generate runs here
-        records = self._source_class.records_routes and not args.use_vllm and not (
-            self.tools or self.environments or self.rollout_func)
+        records = self._source_class.records_routes and not args.use_vllm and not self.rollout_func and (
+            self._source_class.records_tool_routes or not (self.tools or self.environments))
         policy = load_policy(model, source, args, self.engine, self.accelerator.device, peft_config,
                              quantization_config, self._tag_names, routes_recorded=records)
         teacher = load_teacher(teacher, args, training_dtype(args, self.accelerator.device), policy.model,

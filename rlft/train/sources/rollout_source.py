@@ -185,6 +185,7 @@ class SourceBase:
     schedule: PromptSchedule
     engine: Any = None
     records_routes = False  # whether its rollouts carry a MoE policy's routes (routing_replay)
+    records_tool_routes = False  # ... tool and environment rollouts too (rlft/rollout/multiturn.py)
     scores_itself = False  # its rollouts come with their advantages (the trainer's reward functions unused)
 
     @classmethod
@@ -215,6 +216,7 @@ class GeneratedSource(SourceBase):
     """Each rollout generated when its step comes, by the engine the config asks for."""
 
     records_routes = True  # transformers' generate here records a MoE policy's routes
+    records_tool_routes = True  # each turn's (the tool loop's, rlft/rollout/multiturn.py)
 
     def __init__(self, parts: SourceParts):
         self.args, self.schedule, self.rewards = parts.args, parts.schedule, parts.rewards
