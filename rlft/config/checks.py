@@ -230,7 +230,7 @@ def _validate_algorithm_options(cfg, errors: list[str]) -> None:
             "sync_ref_model=True with beta=0: there is no reference model to update (the KL term "
             "is off); set beta > 0 or sync_ref_model: false"
         )
-    if cfg.rollout_correction_bypass and not cfg.use_vllm and not hasattr(cfg, "rollout_lag"):
+    if cfg.rollout_correction_bypass and not cfg.use_vllm and not cfg.producer_logps:
         errors.append("rollout_correction_bypass=True takes the sampler's log-probs as pi_old, and "
                       "transformers' generate here returns none: set use_vllm: true, or train with "
                       "AsyncGRPOTrainer (its producer records them)")

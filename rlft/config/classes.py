@@ -11,6 +11,7 @@ error names the field, the value and what is allowed. docs/migration.md lists ev
 difference with its reason.
 """
 
+from typing import ClassVar
 
 from rlft.config.checks import (  # noqa: F401 (public names)
     check_async,
@@ -83,6 +84,7 @@ class AsyncGRPOConfig(_GRPOFields):
     trains; the rollouts of step t are sampled from the weights of step t - rollout_lag
     (reproducible, exactly resumable: docs/async.md)."""
 
+    producer_logps: ClassVar[bool] = True  # (rollout_correction_bypass takes them)
     # a field given only a new default keeps GRPOConfig's help (config_class copies it)
     logging_steps: float = 1
     lr_scheduler_type: str = option(

@@ -319,6 +319,8 @@ class _GRPOFields(_BaseConfig):
         help="seconds one tool call may run; then the policy reads a timeout error")
 
     min_generations: ClassVar[int] = 2  # group-relative advantages need two completions of a prompt
+    # the rollouts carry their sampler's log-probs without vLLM (the async producer records them)
+    producer_logps: ClassVar[bool] = False
 
     @property
     def kl_coef(self) -> float:
