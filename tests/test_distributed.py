@@ -167,6 +167,7 @@ def test_dynamic_sampling_on_two_processes_trains_on_the_groups_one_process_woul
     assert_params_close(two["params"], one["params"], SAME_STEP)
 
 
+@pytest.mark.slow  # (CI time, 38 s: the tool-loop test below runs the same producers per process, with tools)
 def test_async_grpo_on_two_processes_each_with_its_producer_resumes_exactly(tmp_path):
     """Each process's producer samples its slice of the prompts; a checkpoint holds each process's requested
     rollouts (extra_<rank>), so a 2-process async run resumed from step 2 equals the straight one."""
@@ -193,7 +194,8 @@ def test_async_grpo_on_two_processes_each_with_its_producer_resumes_exactly(tmp_
 def test_async_tool_loops_on_two_processes_resume_exactly(tmp_path):
     """Tools under AsyncGRPOTrainer on 2 processes: each process's driver thread runs its slice's tool loops on
     its own producer while DDP trains; a run resumed from its step-2 checkpoint (each rank's scored rollouts
-    requested ahead in extra_<rank>) logs the same steps and ends on the same weights as the straight run."""
+    requested ahead in extra_<rank>, each rank's its own) logs the same steps, one step stale after the
+    first, and ends on the same weights as the straight run."""
     from safetensors.torch import load_file
 
     from rlft.model.loading import shipped_policy_path
@@ -203,9 +205,14 @@ def test_async_tool_loops_on_two_processes_resume_exactly(tmp_path):
     for args in ([model, str(straight)], [model, str(resumed), "--resume", str(straight / "checkpoint-2")]):
         result = launch(["tests/dist/async_run.py", *args, "--tools"], 2)
         assert result.returncode == 0, result.stderr[-3000:]
-    kept = ("step", "loss", "reward", "sample/version", "tools/call_frequency", "completions/mean_length")
+    carried = [load_file(straight / "checkpoint-2" / f"extra_{rank}.safetensors") for rank in (0, 1)]
+    assert all(any(k.startswith("async.") for k in part) for part in carried)  # the rollouts requested ahead
+    assert not torch.equal(carried[0]["async.2.prompt_ids"], carried[1]["async.2.prompt_ids"])  # each rank its own
+    kept = ("step", "loss", "reward", "sample/version", "sample/staleness_max", "tools/call_frequency",
+            "completions/mean_length")
     rows = lambda folder: [{k: r[k] for k in kept} for r in read_metrics(folder)]  # noqa: E731
     assert all(r["tools/call_frequency"] > 0.5 for r in rows(straight))
+    assert [r["sample/staleness_max"] for r in rows(straight)] == [0.0, 1.0, 1.0, 1.0]
     assert rows(resumed) == rows(straight)[2:]
     a, b = (load_file(folder / "final" / "adapter_model.safetensors") for folder in (straight, resumed))
     assert all(torch.equal(a[name], b[name]) for name in a)
