@@ -249,12 +249,17 @@ trainer.save_model(training_args.output_dir)
 '''
 
 
-def test_a_trl_style_gold_script_trains_and_saves(tmp_path, shipped_policy_dir):
+def test_a_trl_style_gold_script_trains_and_saves(tmp_path, shipped_policy_dir, other_tokenizer_teacher):
+    """TRL's GOLD script with a teacher of another tokenizer (use_uld_loss, hybrid, from the recipe)."""
     rows = [{"prompt": m["messages"][:-1], "completion": m["messages"][-1:]} for m in messages_rows(20)]
-    recipe = (f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {shipped_policy_dir}\n"
+    recipe = (f"model_name_or_path: {shipped_policy_dir}\nteacher_model_name_or_path: {other_tokenizer_teacher}\n"
+              "use_uld_loss: true\nuld_use_hybrid_loss: true\n"
               "max_steps: 2\nper_device_train_batch_size: 4\nmax_completion_length: 8\n"
               "learning_rate: 2e-4\nuse_peft: true\nlora_r: 4\nlora_alpha: 16\nreport_to: none\n"
               "disable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\neval_steps: 2\n"
               "gradient_checkpointing: false\n")
     run_trl_script(tmp_path, SCRIPT, recipe, rows[:16], rows[16:])
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in logged if "loss" in r]
+    assert len(trained) == 2 and all(r["loss"] > 0 and "distill/teacher_entropy" not in r for r in trained)
