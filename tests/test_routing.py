@@ -246,23 +246,33 @@ def test_checkpointed_layers_recompute_with_the_replayed_routes(tmp_path, moe_di
     assert_params_close(params[True], params[False], SAME_STEP, "checkpointing")
 
 
-def test_the_async_producer_records_the_routes_it_samples_and_a_resume_replays_the_saved_ones(tmp_path, moe_dir):
+@pytest.mark.parametrize("partial", [0, 1])
+def test_the_async_producer_records_the_routes_it_samples_and_a_resume_replays_the_saved_ones(tmp_path, moe_dir,
+                                                                                              partial):
     """AsyncGRPOTrainer: the producer process records its rollouts' routes and hands them over in a file; the
     trainer replays them, and a checkpoint holding rollouts requested ahead keeps their routes (the resumed run
-    logs the same rows, route agreement included)."""
+    logs the same rows, route agreement included). With partial rollouts a completion carried across the
+    producer's windows keeps each token's route from the window that first read it (the pool carries them, in
+    checkpoints too), and the trainer agrees with them in one precision."""
     from tests.helpers import has_answer_tags, stop_after
     from tests.test_async_grpo import async_config, rows_of, trained
 
-    straight = trained(tmp_path, "straight", model=moe_dir, max_steps=3, save_steps=2)
+    # (partial: the weights held still (a 1e-20 step changes no float32 weight), so a stale route cannot lower
+    # the agreement; a misplaced one would)
+    look = dict(partial_rollouts=1, max_staleness=2, max_completion_length=24, learning_rate=1e-20) if partial else {}
+    straight = trained(tmp_path, "straight", model=moe_dir, max_steps=3, save_steps=2, **look)
     rows = [r for r in rows_of(tmp_path / "straight") if "loss" in r]
     assert len(rows) == 3 and all("sampling/route_agreement" in r for r in rows)
     assert routing.route_state(straight.model) is not None
+    if partial:
+        assert all(r["sampling/route_agreement"] >= 0.999 for r in rows), rows
+        assert any(r["partial/carried_share"] > 0 for r in rows)  # completions did cross windows
     from rlft import AsyncGRPOTrainer
 
     AsyncGRPOTrainer(str(moe_dir), [correct_answer, has_answer_tags],
-                     async_config(tmp_path, "split", max_steps=3, save_steps=2),
+                     async_config(tmp_path, "split", max_steps=3, save_steps=2, **look),
                      addition_rows(32), callbacks=[stop_after(2)]).train()
-    trained(tmp_path, "split", model=moe_dir, max_steps=3, save_steps=2, resume=True)
+    trained(tmp_path, "split", model=moe_dir, max_steps=3, save_steps=2, resume=True, **look)
     assert rows_of(tmp_path / "straight") == rows_of(tmp_path / "split")
 
 

@@ -48,6 +48,10 @@ class Row:
     kept: list[list[int]] | None = None
     versions: list[int] = field(default_factory=list)
     done: bool = False
+    # a MoE policy's routes (routing replay): each token's [layers][k] from the forward that first read it
+    # (None: not read yet, the window's last token), and its prompt's from the first window
+    routes: list | None = None
+    prompt_routes: list | None = None
 
 
 class WindowStop(StoppingCriteria):
@@ -82,10 +86,12 @@ class Pool:
         # decode steps taken while idle since the last result, and the tokens they prefilled again
         self.between = {"partial/advance_steps": 0.0, "partial/advance_reprefill_tokens": 0.0}
 
-    def add(self, key: str, prompt_ids: list[list[int]], num_generations: int, replay_mask: bool) -> None:
+    def add(self, key: str, prompt_ids: list[list[int]], num_generations: int, replay_mask: bool,
+            routes: bool = False) -> None:
         if key in self.cohorts:
             return
-        rows = [Row(kept=[] if replay_mask else None) for _ in range(len(prompt_ids) * num_generations)]
+        rows = [Row(kept=[] if replay_mask else None, routes=[] if routes else None)
+                for _ in range(len(prompt_ids) * num_generations)]
         self.cohorts[key] = {"prompts": [list(p) for p in prompt_ids], "num_generations": num_generations,
                              "rows": rows}
 
@@ -102,9 +108,6 @@ class Pool:
         rows = self.cohorts[key]["rows"]
         before = sum(len(row.tokens) for row in rows)
         if any(k == key for k, _, _ in active):
-            if route_state(model) is not None:
-                raise RuntimeError("partial rollouts do not keep a MoE policy's routes across "
-                                   "windows (AsyncGRPOConfig refuses the pair; an rlft bug)")
             self.stats = self._generate(model, generator, key, version, switch, active)
         else:  # done in earlier windows
             self.stats = {"partial/window_rows": 0.0, "partial/window_steps": 0.0,
@@ -138,6 +141,9 @@ class Pool:
         stop = WindowStop(ids.shape[1], budgets, must, eos_ids)
         was_training = model.training
         model.eval()
+        routes = route_state(model)
+        if routes is not None:  # a MoE policy under routing replay: this window's routes recorded
+            routes.record()
         try:
             sampling, recorder = generator._settings(model, False, device)
             if recorder is None or not recorder.record_logps:
@@ -147,11 +153,17 @@ class Pool:
             sampling.update(max_new_tokens=most, stopping_criteria=StoppingCriteriaList([stop]))
             out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=eos_ids, use_cache=True, **sampling)
+        except BaseException:
+            if routes is not None:
+                routes.free()
+            raise
         finally:
             model.train(was_training)
         new = out[:, ids.shape[1]:]
         steps = new.shape[1]
         counts = torch.where(stop.ended >= 0, stop.ended, steps).clamp(max=steps).tolist()
+        if routes is not None:
+            _take_routes(active, prefixes, counts, *routes.assemble(len(active), ids.shape[1], steps))
         lengths = torch.tensor(counts, device=device)[:, None]
         logps, kept = recorder.finish(new, (torch.arange(steps, device=device)[None, :] < lengths).long())
         versions = switch.versions if switch is not None else [version] * steps
@@ -179,6 +191,43 @@ class Pool:
                                    "rows": [Row(**copy.deepcopy(row)) for row in e["rows"]]} for e in state}
 
 
+def _take_routes(active, prefixes: list[list[int]], counts: list[int], read: torch.Tensor,
+                 decoded: torch.Tensor) -> None:
+    """A window's routes into its rows (before their tokens are appended): the prefill read each row's
+    prompt (kept from the first window) and its carried tokens (filling those no forward had read: the
+    last token of its previous window); decoding read the new tokens (all but a cut row's last)."""
+    for r, (_, _, row) in enumerate(active):
+        if row.routes is None:  # (a pool kept by a run without routes)
+            continue
+        prefix = read[r, read.shape[1] - len(prefixes[r]):]  # [prompt + carried, L, k]
+        prompt = len(prefixes[r]) - len(row.tokens)
+        if row.prompt_routes is None:
+            row.prompt_routes = prefix[:prompt].tolist()
+        for j, route in enumerate(row.routes):
+            if route is None:
+                row.routes[j] = prefix[prompt + j].tolist()
+        row.routes += [None if bool((step < 0).all()) else step.tolist() for step in decoded[r, :counts[r]]]
+
+
+def window_routes(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A finished rollout's routes as (prompt [N, P, L, k] left-padded, completion [N, C, L, k]), int16,
+    -1 where no forward read a position; None: none recorded."""
+    if not rows or rows[0].routes is None or rows[0].prompt_routes is None:
+        return None
+    shape = torch.tensor(rows[0].prompt_routes[0] if rows[0].prompt_routes else rows[0].routes[0]).shape
+    width = max(len(row.prompt_routes) for row in rows)
+    length = max(max(len(row.routes) for row in rows), 1)
+    prompt = torch.full((len(rows), width, *shape), -1, dtype=torch.int16)
+    completion = torch.full((len(rows), length, *shape), -1, dtype=torch.int16)
+    for r, row in enumerate(rows):
+        if row.prompt_routes:
+            prompt[r, width - len(row.prompt_routes):] = torch.tensor(row.prompt_routes, dtype=torch.int16)
+        for j, step in enumerate(row.routes):
+            if step is not None:
+                completion[r, j] = torch.tensor(step, dtype=torch.int16)
+    return prompt, completion
+
+
 def serve_window(pool: Pool, model, engine, message: dict, version: int, switch=None) -> dict:
     """The producer's answer to a partial-rollout request: `message` names rollout k ("key",
     "prompt_ids"), the rollouts to look ahead to ("ahead": [{"key", "prompt_ids"}]) and, after the
@@ -189,13 +238,14 @@ def serve_window(pool: Pool, model, engine, message: dict, version: int, switch=
     started = time.perf_counter()
     if message.get("carry") is not None:
         pool.load(message["carry"])
+    routes = route_state(model) is not None
     for entry in ({"key": message["key"], "prompt_ids": message["prompt_ids"]}, *message["ahead"]):
-        pool.add(entry["key"], entry["prompt_ids"], message["num_generations"], engine.replay_mask)
+        pool.add(entry["key"], entry["prompt_ids"], message["num_generations"], engine.replay_mask, routes)
     torch.manual_seed(message["seed"])
     rows = pool.window(model, engine, message["key"], version, switch)
     return {"type": "result", "key": message["key"], "version": version,
             "tokens": [row.tokens for row in rows], "logprobs": [row.logprobs for row in rows],
             "kept": [row.kept for row in rows] if engine.replay_mask else None,
-            "row_versions": [row.versions for row in rows], "routes": None,
+            "row_versions": [row.versions for row in rows], "routes": window_routes(rows),
             "seconds": time.perf_counter() - started, "carry": pool.state(), **pool.stats,
             "score_seconds": 0.0}

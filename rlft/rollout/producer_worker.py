@@ -167,12 +167,15 @@ def _routes_file(rollout, lengths: list[int], folder: Path, key: str) -> str | N
     and deletes it); None: none recorded."""
     if rollout.prompt_routes is None:
         return None
+    return _save_routes(rollout.prompt_routes, rollout.completion_routes[:, :max(lengths, default=0)], folder,
+                        key)
+
+
+def _save_routes(prompt, completion, folder: Path, key: str) -> str:
     from safetensors.torch import save_file
 
     path = folder / f"routes-{key}.safetensors"
-    width = max(lengths, default=0)
-    save_file({"prompt": rollout.prompt_routes.cpu().contiguous(),
-               "completion": rollout.completion_routes[:, :width].cpu().contiguous()}, str(path))
+    save_file({"prompt": prompt.cpu().contiguous(), "completion": completion.cpu().contiguous()}, str(path))
     return str(path)
 
 
@@ -286,6 +289,8 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
             engine.weight_switch = switch
         if pool is not None and "ahead" in message:  # partial rollouts: a window (rlft/rollout/partial.py)
             result = serve_window(pool, model, engine, message, version, switch)
+            if result["routes"] is not None:  # (tensors: a file, as _generate's)
+                result["routes"] = _save_routes(*result["routes"], folder, message["key"])
         else:
             result = _generate(model, engine, args, message, version, folder)
         width = result.pop("width", None)

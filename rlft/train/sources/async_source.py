@@ -28,7 +28,6 @@ import torch
 
 from rlft.config.rules import generation_batch, staleness
 from rlft.errors import ConfigError
-from rlft.model.routing import route_state
 from rlft.rollout.producer import ProcessProducer, Produced, ProducerError
 from rlft.train.run.checkpoint import PartState, latest_checkpoint
 from rlft.train.sources.agent_driver import TURN_SEED, AgentDriver, agent_generation, load_scored, save_scored
@@ -85,11 +84,6 @@ class ProducerSource(SourceBase):
         self.model, self.sharded = parts.model, parts.training_engine.sharded
         self.steps_per_rollout, self.rollouts = parts.steps_per_rollout, -(-parts.total_steps
                                                                            // parts.steps_per_rollout)
-        if getattr(parts.args, "partial_rollouts", 0) and route_state(parts.model) is not None:
-            raise ConfigError(f"partial_rollouts={parts.args.partial_rollouts} with routing replay of a "
-                              "MoE policy: a carried completion's routes are not kept across the "
-                              "producer's windows (not built yet); set routing_replay: none or "
-                              "partial_rollouts: 0")
         gather = parts.training_engine.full_weights if self.sharded else None
         self.engine = ProcessProducer(parts.args, parts.tokenizer, parts.model, gather,
                                       parts.accelerator.device)
