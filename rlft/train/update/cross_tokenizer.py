@@ -189,8 +189,7 @@ class CrossTokenizerTeacher:
         return (*self._padded([(p, c) for p, c, _, _ in made], prompt_ids.device), pairs)
 
     def _padded(self, rows: list[tuple[list[int], list[int]]], device):
-        pad = self.tokenizer.pad_token_id
-        pad = self.tokenizer.eos_token_id if pad is None else pad
+        pad = self.tokenizer.pad_token_id  # (load_tokenizer gave it one)
         p_width = max(len(p) for p, _ in rows)
         c_width = max(max(len(c) for _, c in rows), 1)
         ids = torch.full((len(rows), p_width + c_width), pad, dtype=torch.long)

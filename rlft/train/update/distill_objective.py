@@ -145,8 +145,7 @@ def _load_local(teacher, args, dtype: torch.dtype):
 def _cross_tokenizer(model, teacher, args, student, tokenizer):
     """GOLD's ULD teacher: the model with its tokenizer (teacher_tokenizer_name_or_path, else the
     teacher's own folder; rlft/train/update/cross_tokenizer.py)."""
-    from transformers import AutoTokenizer
-
+    from rlft.model.loading import load_tokenizer
     from rlft.rollout.hf import eos_token_ids
     from rlft.train.update.cross_tokenizer import CrossTokenizerTeacher
 
@@ -155,9 +154,8 @@ def _cross_tokenizer(model, teacher, args, student, tokenizer):
     if not source:
         raise ConfigError("use_uld_loss needs the teacher's tokenizer: set teacher_tokenizer_name_or_path "
                           "(the teacher_model passed in names no folder)")
-    try:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(str(source),
-                                                          trust_remote_code=args.trust_remote_code)
+    try:  # (with a pad token: its eos where it has none)
+        teacher_tokenizer = load_tokenizer(source, "left", args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise ConfigError(f"teacher_tokenizer_name_or_path: no tokenizer could be loaded from {source!r} "
                           f"({err}); name the teacher's tokenizer folder or hub id") from err
