@@ -198,6 +198,19 @@ def route_state(model) -> RouteState | None:
     return _FOUND[model]
 
 
+def extend_first_reads(routes: list, read: torch.Tensor, decoded: torch.Tensor, value=lambda t: t) -> None:
+    """A row sampled in several generate calls (the turns of a tool loop, the windows of partial rollouts)
+    keeps each completion token's route from the call that first read it. `routes`: one entry per
+    completion token so far (None: no call has read it yet: the last token of a call, tool output);
+    `read` [n, L, k]: this call's prefill routes of those tokens, which fill the unread ones; `decoded`
+    [m, L, k]: its decoding's routes of the m tokens it sampled, appended (None where not read). `value`
+    turns a [L, k] tensor into what `routes` holds (a nested list to keep it JSON)."""
+    for j, route in enumerate(routes):
+        if route is None:
+            routes[j] = value(read[j])
+    routes += [None if bool((step < 0).all()) else value(step) for step in decoded]
+
+
 def replay(model, routes: torch.Tensor | None, valid: torch.Tensor | None = None) -> None:
     """Before a forward of `model`: route by `routes` [b, t, L, k] (the forward's tokens in order;
     -1: free), comparing with the free choice where `valid` [b, t]; None: route freely. No-op for a

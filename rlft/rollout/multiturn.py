@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlft.data.prompts import right_pad
+from rlft.model.routing import extend_first_reads
 from rlft.rollout.base import Rollout, engine_metrics, holds_own_weights, weights_changed
 from rlft.rollout.tools import ToolCall, ToolRunner, parse_turn, tool_suffix_ids
 from rlft.rollout.truncation import kept_tensor
@@ -122,11 +123,7 @@ class ToolLoop:
         the row, so the ones no forward had read (the last token of the previous turn, tool output) take
         their routes from it; the turn's own tokens take theirs from its decoding."""
         read = out.prompt_routes[i, out.prompt_routes.shape[1] - context:]  # [context, layers, k]
-        start = len(row.prompt)
-        for j, route in enumerate(row.routes):
-            if route is None or bool((route < 0).all()):
-                row.routes[j] = read[start + j]
-        row.routes += list(out.completion_routes[i, :count])
+        extend_first_reads(row.routes, read[len(row.prompt):], out.completion_routes[i, :count])
 
     def _answer(self, rows: list[_Row]) -> list[_Row]:
         """Run every pending call of every row at once; append the tool messages as tokens (mask 0).

@@ -29,7 +29,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from rlft.data.prompts import left_pad
-from rlft.model.routing import route_state
+from rlft.model.routing import extend_first_reads, route_state
 from rlft.rollout.hf import eos_token_ids
 
 # The throughput mode (in-flight weight updates whenever weights arrive): between two requests the
@@ -203,10 +203,7 @@ def _take_routes(active, prefixes: list[list[int]], counts: list[int], read: tor
         prompt = len(prefixes[r]) - len(row.tokens)
         if row.prompt_routes is None:
             row.prompt_routes = prefix[:prompt].tolist()
-        for j, route in enumerate(row.routes):
-            if route is None:
-                row.routes[j] = prefix[prompt + j].tolist()
-        row.routes += [None if bool((step < 0).all()) else step.tolist() for step in decoded[r, :counts[r]]]
+        extend_first_reads(row.routes, prefix[prompt:], decoded[r, :counts[r]], torch.Tensor.tolist)
 
 
 def window_routes(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor] | None:
