@@ -31,6 +31,7 @@ import torch
 
 from rlft.errors import RlftError
 from rlft.rollout.base import Rollout
+from rlft.train.sources.rollout_source import engine_of
 from rlft.train.update.rollout_batch import ScoredRollout, add_timing
 
 SPREAD_TOLERANCE = 1e-6
@@ -74,13 +75,7 @@ class DynamicSampling:
         self.reward_weights, self.pad_token_id, self.messages = reward_weights, pad_token_id, messages
         self.schedule = inner.schedule
 
-    @property
-    def engine(self):
-        return self.inner.engine
-
-    @engine.setter
-    def engine(self, value) -> None:
-        self.inner.engine = value
+    engine = engine_of("inner")
 
     def rollout(self, index: int) -> ScoredRollout:
         """Rounds of generate + score until all processes together hold as many informative groups

@@ -177,6 +177,13 @@ def score_rollout(rewards: RewardScorer, throughput, prompts: dict, rollout: Rol
                          reward_log.columns(len(completions)), reward_log.scalars, timing)
 
 
+def engine_of(holder: str) -> property:
+    """`engine` (what `trainer.generator` reads and sets) for a source whose engine is held by the object
+    in its attribute `holder`: read and set there."""
+    return property(lambda self: getattr(self, holder).engine,
+                    lambda self, value: setattr(getattr(self, holder), "engine", value))
+
+
 class SourceBase:
     """What every source shares: nothing to check, start, stop, log or save beyond its rollouts. A
     source defines `rollout`, `round` (dynamic sampling's later rounds) and `generate`
@@ -227,13 +234,7 @@ class GeneratedSource(SourceBase):
                                      parts.accelerator.device, parts.training_engine, parts.setup,
                                      parts.rollout_func)
 
-    @property
-    def engine(self):
-        return self.generation.engine
-
-    @engine.setter
-    def engine(self, value) -> None:
-        self.generation.engine = value
+    engine = engine_of("generation")
 
     def rollout(self, index: int) -> ScoredRollout:
         return self.round(index, 0)
@@ -266,13 +267,7 @@ class EngineSource(SourceBase):
                               "alone: tools=, environment_factory= and rollout_func= are not taken"
                               + cls.agents_hint)
 
-    @property
-    def engine(self):
-        return self.generated.engine
-
-    @engine.setter
-    def engine(self, value) -> None:
-        self.generated.engine = value
+    engine = engine_of("generated")
 
 
 # name -> the source class, or "module:Class" for one imported when a run asks for it
