@@ -94,6 +94,18 @@ class HeldOut(TrainerCallback):
             print(f"step {state.global_step}: held-out accuracy {self.curve[-1][1]:.1%}", flush=True)
 
 
+def tokenizer_facts(student, teacher) -> dict:
+    """What docs/distillation.md says of two tokenizers: their sizes, the token strings both hold, and how
+    many tokens each spends on one answer (with its EOS)."""
+    from rlft.core.uld import matched_vocabulary
+
+    answer = "<answer>126</answer>"
+    return {"vocabulary": {"student": len(student), "teacher": len(teacher),
+                           "shared_strings": len(matched_vocabulary(student.get_vocab(), teacher.get_vocab())[0])},
+            "answer_tokens": {side: len(tok(answer, add_special_tokens=False)["input_ids"]) + 1
+                              for side, tok in (("student", student), ("teacher", teacher))}}
+
+
 def plot(curve, teacher: float, out: Path, title: str) -> None:
     import matplotlib
 
@@ -187,7 +199,8 @@ def main() -> None:
             {"teacher_accuracy": teacher_accuracy, "curve": held.curve, "steps": args.steps, "beta": args.beta,
              "seed": args.seed, "seconds": wall, "trainer": args.trainer,
              **({"lmbda": args.lmbda} if args.trainer in ("gkd", "gold") else {}),
-             **({"uld": args.uld} if args.uld else {})}, indent=1) + "\n")
+             **({"uld": args.uld, **tokenizer_facts(tokenizer, teacher_tokenizer)} if args.uld else {})},
+            indent=1) + "\n")
 
 
 if __name__ == "__main__":
