@@ -299,17 +299,19 @@ def check_async(cfg, errors: list[str]) -> None:
         staleness(cfg, 1)
     except ConfigError as err:
         errors.append(str(err))
-    if cfg.inflight_weight_updates and (cfg.use_vllm or cfg.repetition_penalty != 1.0
-                                        or cfg.generation_kwargs):
-        errors.append("inflight_weight_updates needs the producer's transformers engine recording "
-                      "each token's log-prob as it samples: not with use_vllm (not built yet), "
-                      "repetition_penalty or generation_kwargs (the recorded log-probs would not be "
-                      "the trainer's softmax); turn one of them off")
-    if cfg.partial_rollouts and (cfg.use_vllm or cfg.repetition_penalty != 1.0 or cfg.generation_kwargs):
-        errors.append(f"partial_rollouts={cfg.partial_rollouts} needs the producer's transformers "
-                      "engine recording each token's log-prob as it samples (a carried token keeps "
-                      "the log-prob of the weights that drew it): not with use_vllm (not built "
-                      "yet), repetition_penalty or generation_kwargs; turn one of them off")
+    server = cfg.use_vllm and cfg.vllm_mode == "server"
+    if cfg.inflight_weight_updates and (server or cfg.repetition_penalty != 1.0 or cfg.generation_kwargs):
+        errors.append("inflight_weight_updates needs an engine in the producer recording each "
+                      "token's log-prob as it samples (transformers' generate, or vLLM with "
+                      "vllm_mode: colocate): not with vllm_mode: server (one HTTP call per "
+                      "generation: not built yet), repetition_penalty or generation_kwargs (the "
+                      "recorded log-probs would not be the trainer's softmax); turn one of them off")
+    if cfg.partial_rollouts and (server or cfg.repetition_penalty != 1.0 or cfg.generation_kwargs):
+        errors.append(f"partial_rollouts={cfg.partial_rollouts} needs an engine in the producer "
+                      "recording each token's log-prob as it samples (a carried token keeps the "
+                      "log-prob of the weights that drew it; transformers' generate, or vLLM with "
+                      "vllm_mode: colocate): not with vllm_mode: server (not built yet), "
+                      "repetition_penalty or generation_kwargs; turn one of them off")
     if cfg.partial_rollouts and cfg.max_completion_length is None:
         errors.append(f"partial_rollouts={cfg.partial_rollouts} needs max_completion_length: each "
                       "carried completion's budget is what is left of it")

@@ -235,11 +235,16 @@ class WeightSwitch:
         self.version, self.pending, self.versions = version, pending, []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.step()
+        return scores
+
+    def step(self) -> None:
+        """One decode step's tokens were drawn from `version`; newer weights may load now (a vLLM
+        engine stepped by rlft/rollout/vllm_steps.py calls it between its steps)."""
         self.versions.append(self.version)
         loaded = self.pending(len(self.versions))  # tokens sampled so far
         if loaded is not None:
             self.version = loaded
-        return scores
 
 
 class HFGenerator:

@@ -130,53 +130,23 @@ class Pool:
             self.between["partial/advance_reprefill_tokens"] += stats["partial/reprefill_tokens"]
 
     def _generate(self, model, generator, key, version, switch, active, limit: int | None = None) -> dict:
-        tokenizer = generator.tokenizer
         prefixes = [self.cohorts[k]["prompts"][i // self.cohorts[k]["num_generations"]] + row.tokens
                     for k, i, row in active]
-        device = next(model.parameters()).device
-        ids, mask = (t.to(device) for t in left_pad(prefixes, tokenizer.pad_token_id))
-        budgets = torch.tensor([self.max_tokens - len(row.tokens) for _, _, row in active], device=device)
-        must = None if key is None else torch.tensor([k == key for k, _, _ in active], device=device)
-        eos_ids = eos_token_ids(model, tokenizer)
-        stop = WindowStop(ids.shape[1], budgets, must, eos_ids)
-        was_training = model.training
-        model.eval()
-        routes = route_state(model)
-        if routes is not None:  # a MoE policy under routing replay: this window's routes recorded
-            routes.record()
-        try:
-            sampling, recorder = generator._settings(model, False, device)
-            if recorder is None or not recorder.record_logps:
-                raise RuntimeError("partial rollouts need the sampler's log-probs recorded while "
-                                   "generate samples (an rlft bug: the config allows only that case)")
-            most = int(budgets.max()) if limit is None else min(limit, int(budgets.max()))
-            sampling.update(max_new_tokens=most, stopping_criteria=StoppingCriteriaList([stop]))
-            out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=eos_ids, use_cache=True, **sampling)
-        except BaseException:
-            if routes is not None:
-                routes.free()
-            raise
-        finally:
-            model.train(was_training)
-        new = out[:, ids.shape[1]:]
-        steps = new.shape[1]
-        counts = torch.where(stop.ended >= 0, stop.ended, steps).clamp(max=steps).tolist()
-        if routes is not None:
-            _take_routes(active, prefixes, counts, *routes.assemble(len(active), ids.shape[1], steps))
-        lengths = torch.tensor(counts, device=device)[:, None]
-        logps, kept = recorder.finish(new, (torch.arange(steps, device=device)[None, :] < lengths).long())
-        versions = switch.versions if switch is not None else [version] * steps
+        budgets = [self.max_tokens - len(row.tokens) for _, _, row in active]
+        must = None if key is None else [k == key for k, _, _ in active]
+        if hasattr(generator, "continue_rows"):  # a colocated vLLM engine, stepped (rollout/vllm_steps.py)
+            out = generator.continue_rows(model, prefixes, budgets, must, limit, switch, version)
+        else:
+            out = _hf_window(model, generator, active, prefixes, budgets, must, limit, version, switch)
         for r, (_, _, row) in enumerate(active):
-            n = counts[r]
-            row.tokens += new[r, :n].tolist()
-            row.logprobs += logps[r, :n].tolist()
-            if row.kept is not None and kept is not None:
-                row.kept += [[k for k in step if k >= 0] for step in kept[r, :n].tolist()]
-            row.versions += versions[:n]
-            row.done = bool(stop.ended[r] >= 0)
-        carried = sum(len(row.tokens) - counts[r] for r, (_, _, row) in enumerate(active))
-        return {"partial/window_rows": float(len(active)), "partial/window_steps": float(steps),
+            row.tokens += out.tokens[r]
+            row.logprobs += out.logprobs[r]
+            if row.kept is not None and out.kept is not None:
+                row.kept += out.kept[r]
+            row.versions += out.versions[r]
+            row.done = out.finished[r]
+        carried = sum(len(row.tokens) - len(out.tokens[r]) for r, (_, _, row) in enumerate(active))
+        return {"partial/window_rows": float(len(active)), "partial/window_steps": float(out.steps),
                 "partial/reprefill_tokens": float(carried)}
 
     # ---- what a checkpoint keeps ------------------------------------------------------------------
@@ -189,6 +159,65 @@ class Pool:
     def load(self, state: list[dict]) -> None:
         self.cohorts = {e["key"]: {"prompts": e["prompts"], "num_generations": e["num_generations"],
                                    "rows": [Row(**copy.deepcopy(row)) for row in e["rows"]]} for e in state}
+
+
+@dataclass
+class Stepped:
+    """A window's new tokens per row: each one's log-prob, kept ids (None where not replayed) and
+    weights version, and whether the row finished (EOS or its budget) rather than being cut."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    kept: list[list[list[int] | None]] | None
+    versions: list[list[int]]
+    finished: list[bool]
+    steps: int
+
+
+def _hf_window(model, generator, active, prefixes, budgets, must, limit, version, switch) -> Stepped:
+    """One window with transformers' generate: the prefixes left-padded, each row stopped at EOS or
+    its budget, the window at `must`'s rows' end (or `limit` decode steps)."""
+    tokenizer = generator.tokenizer
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in left_pad(prefixes, tokenizer.pad_token_id))
+    budgets = torch.tensor(budgets, device=device)
+    must = None if must is None else torch.tensor(must, device=device)
+    eos_ids = eos_token_ids(model, tokenizer)
+    stop = WindowStop(ids.shape[1], budgets, must, eos_ids)
+    was_training = model.training
+    model.eval()
+    routes = route_state(model)
+    if routes is not None:  # a MoE policy under routing replay: this window's routes recorded
+        routes.record()
+    try:
+        sampling, recorder = generator._settings(model, False, device)
+        if recorder is None or not recorder.record_logps:
+            raise RuntimeError("partial rollouts need the sampler's log-probs recorded while "
+                               "generate samples (an rlft bug: the config allows only that case)")
+        most = int(budgets.max()) if limit is None else min(limit, int(budgets.max()))
+        sampling.update(max_new_tokens=most, stopping_criteria=StoppingCriteriaList([stop]))
+        out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=eos_ids, use_cache=True, **sampling)
+    except BaseException:
+        if routes is not None:
+            routes.free()
+        raise
+    finally:
+        model.train(was_training)
+    new = out[:, ids.shape[1]:]
+    steps = new.shape[1]
+    counts = torch.where(stop.ended >= 0, stop.ended, steps).clamp(max=steps).tolist()
+    if routes is not None:
+        _take_routes(active, prefixes, counts, *routes.assemble(len(active), ids.shape[1], steps))
+    lengths = torch.tensor(counts, device=device)[:, None]
+    logps, kept = recorder.finish(new, (torch.arange(steps, device=device)[None, :] < lengths).long())
+    versions = switch.versions if switch is not None else [version] * steps
+    return Stepped(
+        [new[r, :n].tolist() for r, n in enumerate(counts)],
+        [logps[r, :n].tolist() for r, n in enumerate(counts)],
+        None if kept is None else [[[k for k in step if k >= 0] for step in kept[r, :n].tolist()]
+                                   for r, n in enumerate(counts)],
+        [versions[:n] for n in counts], (stop.ended >= 0).tolist(), steps)
 
 
 def _take_routes(active, prefixes: list[list[int]], counts: list[int], read: torch.Tensor,

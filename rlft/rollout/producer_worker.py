@@ -194,8 +194,11 @@ def _generate(model, engine, args, message: dict, version: int, folder: Path) ->
     kept = None if rollout.sampling_kept is None else [
         [[k for k in step if k >= 0] for step in row[:n]]
         for row, n in zip(rollout.sampling_kept.tolist(), lengths)]
+    # a stepped vLLM engine's in-flight updates: each row's own versions (its rows do not step together)
+    stepped = {} if rollout.token_versions is None else {"row_versions": [
+        row[:n] for row, n in zip(rollout.token_versions.tolist(), lengths)]}
     return {"type": "result", "key": message["key"], "version": version, "tokens": tokens,
-            "logprobs": logprobs, "kept": kept, "seconds": generated - started,
+            "logprobs": logprobs, "kept": kept, "seconds": generated - started, **stepped,
             "routes": _routes_file(rollout, lengths, folder, message["key"]),
             "width": rollout.completion_ids.shape[1],
             "score_seconds": time.perf_counter() - generated}

@@ -269,6 +269,9 @@ class VLLMColocate(StaleAfterStep):
             self.adapters = tempfile.mkdtemp(prefix="rlft-lora-", dir=_shm())
             weakref.finalize(self, shutil.rmtree, self.adapters, ignore_errors=True)
         self.lora_request, self.base_pushed = None, False
+        # a rollout producer's in-flight weight updates (rlft/rollout/vllm_steps.py)
+        self.weight_switch, self.cache_stale = None, False
+        self.replay_mask = replay_plan(args)[0]
         # torchrun: the engine joins the trainer's world
         trainer_group = torch.distributed.is_initialized()
         max_len = args.vllm_max_model_length
@@ -299,7 +302,9 @@ class VLLMColocate(StaleAfterStep):
 
     # ---- weights ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def sync(self, model) -> None:
+    def sync(self, model, in_flight: bool = False) -> None:
+        """Push the model's weights. `in_flight`: between two steps of running requests (which keep
+        their keys and values); the prefix cache is reset once they are gone (after_requests)."""
         self._wake()
         started = time.perf_counter()
         if self.lora_mode == "adapter":
@@ -311,7 +316,9 @@ class VLLMColocate(StaleAfterStep):
         else:
             sent = self._push_buckets(model, module_tensors)
         # cached prompt keys/values were computed with the old weights
-        self.llm.reset_prefix_cache()
+        self.cache_stale = True
+        if not in_flight:
+            self.after_requests()
         self._record_sync(time.perf_counter() - started, sent)
         self.stale = False
         self.syncs += 1
@@ -368,6 +375,13 @@ class VLLMColocate(StaleAfterStep):
             self.llm.sleep(level=1)
             self.asleep = True
 
+    def after_requests(self) -> None:
+        """No request runs: drop the prefix cache's blocks if weights changed since they were
+        computed."""
+        if self.cache_stale:
+            self.llm.reset_prefix_cache()
+            self.cache_stale = False
+
     # ---- the rollout protocol
     # ----------------------------------------------------------------------------
     def sampling_params(self, count: int, greedy: bool, max_tokens: int | None = None) -> list:
@@ -383,6 +397,8 @@ class VLLMColocate(StaleAfterStep):
             self.sync(model)
         self._wake()
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+        if self.weight_switch is not None and not greedy:  # in-flight weight updates: step by step
+            return self._stepped(model, repeated, greedy, max_new_tokens)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in repeated],
                                     self.sampling_params(len(repeated), greedy, max_new_tokens),
                                     use_tqdm=False, lora_request=self.lora_request)
@@ -396,6 +412,38 @@ class VLLMColocate(StaleAfterStep):
         return engine_rollout(repeated, [list(s.token_ids) for s in samples], logprobs,
                               self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
                               greedy, kept)
+
+    def _stepped(self, model, repeated: list[list[int]], greedy: bool, max_new_tokens: int | None) -> Rollout:
+        from rlft.rollout.vllm_steps import run_steps
+
+        out = run_steps(self, model, repeated, self.sampling_params(len(repeated), greedy, max_new_tokens),
+                        self.weight_switch)
+        self._sleep()
+        device = next(model.parameters()).device
+        rollout = engine_rollout(repeated, out.tokens, out.logprobs, self.tokenizer.pad_token_id,
+                                 self.eos_ids, device, greedy, out.kept)
+        versions = torch.full(rollout.completion_ids.shape, -1, dtype=torch.int32)
+        for row, drawn in enumerate(out.versions):
+            versions[row, :len(drawn)] = torch.tensor(drawn, dtype=torch.int32)
+        rollout.token_versions = versions.to(device).masked_fill(rollout.completion_mask == 0, -1)
+        return rollout
+
+    def continue_rows(self, model, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,
+                      limit: int | None, switch=None, version: int = 0):
+        """Partial rollouts' window (rlft/rollout/partial.py): each prefix (prompt + tokens so far)
+        continued by up to its budget of tokens, until every `must` row finished (or `limit` steps)."""
+        from rlft.rollout.vllm_steps import run_steps
+
+        if self.stale:
+            self.sync(model)
+        self._wake()
+        from vllm import SamplingParams
+
+        params = [SamplingParams(detokenize=False, **request_fields(self.args, self.eos_ids, seed, budget))
+                  for seed, budget in zip(request_seeds(len(prefixes), False), budgets)]
+        out = run_steps(self, model, prefixes, params, switch, must, limit, version)
+        self._sleep()
+        return out
 
     def close(self) -> None:
         """Free the engine (its KV cache) before the process ends; the generator is unusable

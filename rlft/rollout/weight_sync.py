@@ -186,6 +186,14 @@ def lora_sync_mode(args, model) -> str | None:
     choice = args.vllm_lora_sync
     if choice == "merged":
         return "merged"
+    if getattr(args, "inflight_weight_updates", False):  # (an AsyncGRPOConfig field)
+        # a running request keeps the adapter it was added with: newer weights reach it only merged
+        if choice == "adapter":
+            raise ConfigError("vllm_lora_sync='adapter' with inflight_weight_updates: a running vLLM "
+                              "request keeps the adapter it started with, so weights loaded between "
+                              "its steps must be the merged model; set vllm_lora_sync to 'merged' "
+                              "(or 'auto')")
+        return "merged"
     reasons = unservable_reasons(model)
     if not reasons:
         return "adapter"

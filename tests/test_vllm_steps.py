@@ -1,0 +1,162 @@
+"""A colocated vLLM engine stepped by rlft (rlft/rollout/vllm_steps.py; issue 58): weights switched between two
+of its steps while requests run (in-flight updates), and partial rollouts' windows on it. Each token's recorded
+version and behaviour log-prob are checked against transformers forwards of the weights that drew it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from rlft.rollout.hf import WeightSwitch
+from tests.test_inflight import load, logps_of
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory):
+    """The shipped policy in float32, a second set of its weights, and a float32 vLLM engine on it."""
+    pytest.importorskip("vllm")
+    from rlft import AsyncGRPOConfig
+    from rlft.model.loading import load_causal_lm, load_tokenizer, shipped_policy_path
+    from rlft.rollout.vllm import VLLMColocate
+
+    path = str(shipped_policy_path())
+    tokenizer = load_tokenizer(path)
+    model = load_causal_lm(path, torch.float32, None, False).eval().requires_grad_(False)
+    older = {name: p.detach().clone() for name, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(3)
+    newer = {name: p + 0.02 * torch.randn(p.shape, generator=generator) for name, p in older.items()}
+    args = AsyncGRPOConfig(output_dir=str(tmp_path_factory.mktemp("out")), use_vllm=True, vllm_dtype="float32",
+                           max_completion_length=12, inflight_weight_updates=True, partial_rollouts=1)
+    engine = VLLMColocate(args, tokenizer, model, path)
+    yield model, tokenizer, engine, older, newer
+    engine.close()
+
+
+def prompts_of(tokenizer):
+    """Two prompts, the first longer than the engine's KV block (so that vLLM's prefix cache holds blocks of it)."""
+    long = [{"role": "system", "content": "x " * 200}, {"role": "user", "content": "What is 17 + 25?"}]
+    return [tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+            for messages in (long, [{"role": "user", "content": "What is 3 + 4?"}])]
+
+
+def test_weights_loaded_between_two_vllm_steps_reach_the_running_requests_which_keep_their_cache(stepped):
+    """The switch loads version 1 after the 2nd token: tokens 0-1 record version 0, the rest version 1, and each
+    recorded log-prob equals version 0's forward over the prefix and version 1's over the rest on version 0's
+    cache (vLLM float32 against transformers float64: 2e-4); neither version alone gives those log-probs."""
+    model, tokenizer, engine, older, newer = stepped
+    load(model, older)
+    engine.on_weights_changed()
+
+    def pending(tokens):
+        if tokens == 2:
+            load(model, newer)
+            engine.on_weights_changed()
+            return 1
+        return None
+
+    engine.weight_switch = WeightSwitch(0, pending)
+    torch.manual_seed(0)
+    try:
+        rollout = engine(model, prompts_of(tokenizer), 2)
+    finally:
+        engine.weight_switch = None
+    width = rollout.completion_ids.shape[1]
+    lengths = rollout.completion_mask.sum(1).tolist()
+    assert width > 3
+    for row, n in zip(rollout.token_versions.tolist(), lengths):
+        assert row[:n] == ([0] * 2 + [1] * (n - 2))[:n] and set(row[n:]) <= {-1}
+
+    reference = model.double()
+    try:
+        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+        mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
+        prompt = rollout.prompt_ids.shape[1]
+        load(reference, older)
+        cache = DynamicCache(config=reference.config)
+        before = logps_of(reference, ids, mask, 0, prompt + 1, cache)[:, prompt - 1:]  # tokens 0-1
+        load(reference, newer)
+        after = logps_of(reference, ids, mask, prompt + 1, prompt + width - 1, cache)
+        want = torch.cat([before, after], dim=1)
+        scored = rollout.completion_mask.bool()
+        torch.testing.assert_close(rollout.sampling_logps[scored].double(), want[scored], atol=2e-4, rtol=0)
+        for weights, part in ((newer, slice(0, 2)), (older, slice(2, None))):
+            load(reference, weights)
+            alone = logps_of(reference, ids, mask, 0, prompt + width - 1)[:, prompt - 1:]
+            assert (alone[:, part][scored[:, part]] - want[:, part][scored[:, part]]).abs().max() > 1e-3
+    finally:
+        model.float()
+
+
+def test_partial_windows_on_vllm_carry_rows_and_continue_them_under_newer_weights(stepped):
+    """The pool on the vLLM engine: 2 tokens of every row under version 0 (the producer's idle advance), then
+    version 1 is loaded and rollout r0's window runs until r0's rows are done. Each r0 row records [0] * 2 +
+    [1] * rest; each recorded log-prob equals the forward of the version that drew it over the whole sequence
+    (carried tokens are prefilled again under the newer weights); r1's rows are carried with their tokens."""
+    from rlft.rollout.partial import Pool
+
+    model, tokenizer, engine, older, newer = stepped
+    load(model, older)
+    engine.on_weights_changed()
+    pool = Pool(12)
+    prompts = prompts_of(tokenizer)
+    pool.add("r0", prompts, 2, engine.replay_mask)
+    pool.add("r1", prompts[::-1], 2, engine.replay_mask)
+    torch.manual_seed(0)
+    pool.advance(model, engine, 2, 0)
+    assert all(len(row.tokens) == 2 and row.versions == [0] * 2 for c in pool.cohorts.values() for row in c["rows"])
+    carried = sum(not row.done for c in pool.cohorts.values() for row in c["rows"])
+    assert carried >= 4 and not any(row.done for row in pool.cohorts["r0"]["rows"][:2])  # the long prompt's
+    load(model, newer)
+    engine.on_weights_changed()
+    rows = pool.window(model, engine, "r0", 1)
+    assert all(row.done and row.versions == [0] * 2 + [1] * (len(row.tokens) - 2) for row in rows)
+    assert list(pool.cohorts) == ["r1"] and all(len(row.tokens) >= 2 for row in pool.cohorts["r1"]["rows"])
+    assert pool.stats["partial/reprefill_tokens"] == 2 * carried
+
+    reference = model.double()
+    try:
+        for r, row in enumerate(rows):
+            ids = torch.tensor([prompts[r // 2] + row.tokens])
+            mask = torch.ones_like(ids)
+            want = []
+            for weights in (older, newer):
+                load(reference, weights)
+                want.append(logps_of(reference, ids, mask, 0, ids.shape[1] - 1)[0, len(prompts[r // 2]) - 1:])
+            expected = torch.where(torch.tensor(row.versions) == 0, want[0], want[1])
+            torch.testing.assert_close(torch.tensor(row.logprobs, dtype=torch.float64), expected, atol=2e-4, rtol=0)
+    finally:
+        model.float()
+
+
+def test_an_async_run_on_vllm_with_partial_rollouts_and_in_flight_updates_repeats_and_resumes_exactly(tmp_path):
+    """AsyncGRPOTrainer, the producer's engine vLLM (float32, LoRA pushed merged between two of its steps):
+    partial_rollouts=2 with in-flight updates at a fixed token. Carried tokens and tokens of newer weights are
+    trained, the sampler's log-probs match the trainer's, and a run stopped at a checkpoint and resumed equals
+    the straight one."""
+    from rlft import AsyncGRPOTrainer
+    from rlft.model.loading import shipped_policy_path
+    from tests.helpers import addition_rows, correct_answer, has_answer_tags, stop_after
+    from tests.test_async_grpo import async_config, rows_of
+    from tests.test_grpo_trainer import lora
+
+    settings = dict(max_steps=6, save_steps=3, partial_rollouts=2, max_completion_length=24, use_vllm=True,
+                    vllm_dtype="float32", inflight_weight_updates=True, inflight_switch_tokens=3,
+                    learning_rate=1e-2, temperature=1.2, num_generations=2, per_device_train_batch_size=4)
+    trainer = AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer, has_answer_tags],
+                               async_config(tmp_path, "a", **settings), addition_rows(32), peft_config=lora())
+    trainer.train()
+    rows = rows_of(tmp_path / "a")
+    losses = [r for r in rows if "loss" in r]
+    assert len(losses) == 6
+    assert any(r["sampling/tokens_from_older_weights"] > 0 for r in losses)
+    assert any(r["sampling/tokens_from_newer_weights"] > 0 for r in losses)
+    assert all(r["sample/staleness_mean"] <= r["sample/staleness_max"] <= 3 for r in losses)
+    for callbacks, resume in (([stop_after(3)], None), ([], True)):
+        AsyncGRPOTrainer(str(shipped_policy_path()), [correct_answer, has_answer_tags],
+                         async_config(tmp_path, "split", **settings), addition_rows(32), peft_config=lora(),
+                         callbacks=callbacks).train(resume_from_checkpoint=resume)
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows]  # noqa: E731
+    assert untimed(rows_of(tmp_path / "split")) == untimed(rows)
