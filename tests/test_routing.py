@@ -313,26 +313,50 @@ def test_a_forward_nobody_armed_routes_freely_after_a_replayed_one(tokenizer):
     assert state.mode == "free"
 
 
+def calculator_moe(tmp_path):
+    """The shipped calculator policy upcycled to a Mixture of Experts, saved."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlft.model.loading import shipped_policy_path
+    from rlft.tiny import save_tiny, upcycle_to_moe
+
+    dense = shipped_policy_path("tiny-calculator")
+    return save_tiny(upcycle_to_moe(AutoModelForCausalLM.from_pretrained(dense)),
+                     AutoTokenizer.from_pretrained(dense), tmp_path / "calculator-moe")
+
+
+def test_async_tool_rollouts_carry_the_producers_routes_and_the_trainer_agrees_with_every_one(tmp_path):
+    """AsyncGRPOTrainer with tools: each turn is a request to the producer process, whose routes come back with
+    it, and the tool loop keeps each token's route from the forward that first read it, as in the synchronous
+    trainer. With the weights held still (a 1e-20 step) the trainer, in its own process, agrees with every
+    replayed choice (one precision), which it would not if a turn's routes sat one position off."""
+    from rlft import AsyncGRPOTrainer
+    from rlft.data import calculator
+    from rlft.data.addition import split_problems
+    from tests.test_async_grpo import async_config, rows_of
+
+    AsyncGRPOTrainer(str(calculator_moe(tmp_path)), [calculator.answer_reward],
+                     async_config(tmp_path, "run", max_steps=2, max_completion_length=64, learning_rate=1e-20,
+                                  producer_threads=1),
+                     calculator.rows(split_problems()[0][:16]), tools=calculator.TOOLS).train()
+    rows = [r for r in rows_of(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 2 and all(r["tools/producer_requests"] >= 2 for r in rows)  # tool turns
+    assert [r["sampling/route_agreement"] for r in rows] == [1.0, 1.0]
+
+
 def test_tool_rollouts_carry_each_tokens_route_and_the_trainer_replays_them(tmp_path):
     """Multi-turn rollouts (the tool loop): every token the sampler read has its route, from the forward that
     first read it (a turn's decoding, or the next turn's prompt for a turn's last token and the tool's
     output); only each row's final token, never read, routes freely. One precision on both sides: the trainer's
     router agrees with every replayed choice, which it would not if a route sat one position off."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlft import GRPOTrainer
     from rlft.data import calculator
-    from rlft.model.loading import shipped_policy_path
-    from rlft.tiny import save_tiny, upcycle_to_moe
-
-    dense = shipped_policy_path("tiny-calculator")
-    folder = save_tiny(upcycle_to_moe(AutoModelForCausalLM.from_pretrained(dense)),
-                       AutoTokenizer.from_pretrained(dense), tmp_path / "calculator-moe")
-    cfg = tiny_grpo_config(tmp_path, max_steps=1, max_completion_length=64, per_device_train_batch_size=8)
     from rlft.data.addition import split_problems
 
-    trainer = GRPOTrainer(str(folder), [calculator.answer_reward], cfg, calculator.rows(split_problems()[0][:16]),
-                          tools=calculator.TOOLS)
+    cfg = tiny_grpo_config(tmp_path, max_steps=1, max_completion_length=64, per_device_train_batch_size=8)
+    trainer = GRPOTrainer(str(calculator_moe(tmp_path)), [calculator.answer_reward], cfg,
+                          calculator.rows(split_problems()[0][:16]), tools=calculator.TOOLS)
     rollout = trainer._make_rollout(0).rollout
     assert rollout.stats["tool_calls"].sum() > 0 and (rollout.tool_mask == 0).logical_and(
         rollout.completion_mask.bool()).any()  # tool output inside the completions

