@@ -251,6 +251,10 @@ class StaleAfterStep:
 class VLLMColocate(StaleAfterStep):
     """The rollout protocol on a vLLM engine in this process."""
 
+    # a rollout producer's in-flight weight updates (rlft/rollout/vllm_steps.py); whether the prefix
+    # cache holds blocks of weights older than the engine's
+    weight_switch, cache_stale = None, False
+
     def __init__(self, args, tokenizer, model, source=None, full_weights=None):
         from rlft.errors import ConfigError
 
@@ -276,8 +280,6 @@ class VLLMColocate(StaleAfterStep):
             self.adapters = tempfile.mkdtemp(prefix="rlft-lora-", dir=_shm())
             weakref.finalize(self, shutil.rmtree, self.adapters, ignore_errors=True)
         self.lora_request, self.base_pushed = None, False
-        # a rollout producer's in-flight weight updates (rlft/rollout/vllm_steps.py)
-        self.weight_switch, self.cache_stale = None, False
         self.replay_mask = replay_plan(args)[0]
         # torchrun: the engine joins the trainer's world
         trainer_group = torch.distributed.is_initialized()
