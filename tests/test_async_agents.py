@@ -5,6 +5,7 @@ the row before another rollout resets it; weights never change inside a rollout'
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from peft import LoraConfig
@@ -74,3 +75,35 @@ def test_what_async_agents_cannot_run_is_refused_by_name(tmp_path):
         AsyncGRPOTrainer(path, answer_reward, async_config(tmp_path), rows, rollout_func=lambda p, t: {})
     with pytest.raises(ConfigError, match="partial_rollouts with tools or environments"):
         AsyncGRPOTrainer(path, answer_reward, async_config(tmp_path, partial_rollouts=1), rows, tools=TOOLS)
+    with pytest.raises(ConfigError, match="inflight_switch_tokens with tools or environments.*not reproducible"):
+        AsyncGRPOTrainer(path, answer_reward, async_config(tmp_path, inflight_weight_updates=True,
+                                                           inflight_switch_tokens=4), rows, tools=TOOLS)
+
+
+class SlowCalculator(CalculatorEnv):
+    """The calculator's environment, each call taking 0.2 s (a tool that waits on something): a rollout's loop
+    outlasts a training step."""
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        time.sleep(0.2)
+        return super().add(a, b)
+
+
+def test_in_flight_updates_reach_a_running_tool_loop_and_each_token_records_its_version(tmp_path):
+    """inflight_weight_updates with tools and rollout_lag 2: the trainer pushes weights without waiting for the
+    tool loops requested earlier, so later turns (or the rest of a turn) come from newer weights (here a slow
+    tool keeps each loop running past a training step); every token's recorded version is at least its
+    rollout's scheduled one and at most the trainer's step."""
+    calculator(tmp_path, "run", rollout_lag=2, max_staleness=2, inflight_weight_updates=True, save_steps=1000,
+               reward_weights=None, reward_funcs=[answer_reward], environment_factory=SlowCalculator)
+    steps = [r for r in rows_of(tmp_path / "run") if "loss" in r]
+    assert len(steps) == 4 and all(r["tools/producer_requests"] >= 2 for r in steps)
+    for step, r in enumerate(steps):
+        assert r["sample/version"] <= r["sample/token_version_min"] <= r["sample/token_version_mean"] <= step
+    assert any(r["sampling/tokens_from_newer_weights"] > 0 for r in steps)

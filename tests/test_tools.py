@@ -215,3 +215,28 @@ def test_one_forward_gives_the_per_turn_log_probs(tok, tiny_tool_dir):
             per_turn = torch.log_softmax(turn_logits.float(), -1).gather(1, context[0, len(prompt) + start:][:, None])
             torch.testing.assert_close(one_pass[row, start:end], per_turn[:, 0], atol=2e-5, rtol=0)
         assert len(starts) == 3
+
+
+def test_each_tokens_weights_version_is_kept_across_turns_and_tool_output_takes_the_one_before_it(tok):
+    """In-flight weight updates reach a tool loop between (or inside) turns: each turn's tokens keep the
+    versions its engine recorded, the tool's output (not sampled) the version of the token before it."""
+    engine = Scripted(tok, add_then_answer)
+    versions = iter([5, 7])
+
+    def versioned(model, prompt_ids, num_generations, greedy=False, max_new_tokens=None):
+        out = Scripted.__call__(engine, model, prompt_ids, num_generations, greedy, max_new_tokens)
+        version = next(versions)
+        out.token_versions = torch.full_like(out.completion_ids, version, dtype=torch.int32)
+        out.token_versions[:, 1:] += 1  # newer weights loaded after each turn's first token
+        out.token_versions = out.token_versions.masked_fill(out.completion_mask == 0, -1)
+        return out
+
+    toolset = Toolset({"add": add}, tool_schemas([add]))
+    rollout = ToolLoop(versioned, tok, toolset, 96)(None, [prompt_ids(tok)], 1)
+    row, mask, policy = rollout.token_versions[0], rollout.completion_mask[0].bool(), rollout.tool_mask[0].bool()
+    output = ~policy & mask  # the tool's output: in the completion, not sampled
+    sampled = row[policy & mask].tolist()
+    turn_one = len(tok(call("add", a=12, b=34), add_special_tokens=False)["input_ids"]) + 1  # + EOS
+    assert sampled == [5] + [6] * (turn_one - 1) + [7] + [8] * (len(sampled) - turn_one - 1)
+    assert set(row[output].tolist()) == {6} and int(output.nonzero()[0]) == turn_one
+    assert (row[~mask] == -1).all()

@@ -44,6 +44,9 @@ class _Row:
     # a MoE policy's routes [layers, k] per completion token, from the forward that first read it (None:
     # not read yet: a turn's last token, tool output, until the next turn's prompt reads them)
     routes: list[torch.Tensor | None] = field(default_factory=list)
+    # in-flight weight updates (an async producer's turns): each token's weights version; a tool's output
+    # takes the version of the token before it (it is not sampled, and not trained)
+    versions: list[int] = field(default_factory=list)
 
 
 class ToolLoop:
@@ -107,6 +110,8 @@ class ToolLoop:
                 row.logps += out.sampling_logps[i][:len(ids)].tolist()
             if out.sampling_kept is not None:
                 row.kept += [[k for k in step if k >= 0] for step in out.sampling_kept[i][:len(ids)].tolist()]
+            if out.token_versions is not None:
+                row.versions += out.token_versions[i][:len(ids)].tolist()
             row.turns += 1
             if row.ended:  # a cut turn's calls are incomplete: not run
                 content, row.pending = parse_turn(self.tokenizer, ids, context, row.toolset.schemas)
@@ -145,6 +150,7 @@ class ToolLoop:
             row.logps += [0.0] * len(suffix)
             row.kept += [None] * len(suffix)
             row.routes += [None] * len(suffix)
+            row.versions += row.versions[-1:] * len(suffix)
             row.messages += messages
             going.append(row)
         return going
@@ -172,4 +178,7 @@ class ToolLoop:
                     if route is not None:
                         routes[r, j] = route
             rollout.prompt_routes, rollout.completion_routes = first.prompt_routes, routes
+        if first.token_versions is not None:
+            versions = right_pad([r.versions for r in rows], -1, torch.int32)[0].to(device)
+            rollout.token_versions = versions.masked_fill(rollout.completion_mask == 0, -1)
         return rollout

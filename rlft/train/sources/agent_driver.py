@@ -10,11 +10,15 @@ environment that owns its reward is read before the next rollout resets it). The
 while the driver works. Rollouts are driven one at a time, in order, so an environment instance is
 never shared by two rollouts in flight.
 
-Which weights sample a turn is still the trainer's decision alone: before the trainer pushes newer
+Which weights sample a turn is the trainer's decision alone: before the trainer pushes newer
 weights it waits until the driver has finished every rollout requested before (`drain`); a turn
 therefore never meets weights its rollout was not scheduled for, and the same seed gives the same run
 (with tools and environments that answer the same). With `rollout_lag: 1` that wait costs nothing
 (the trainer needs that rollout next anyway); with a larger lag the later rollouts wait for it.
+With `inflight_weight_updates` the trainer does not wait: weights pushed while a loop runs reach its
+next turns (or the rest of the turn being sampled), each token records the version that sampled it
+(`Rollout.token_versions`, tool output the version of the token before it), and timing decides which;
+a resume continues from what the checkpoint saved.
 
 A checkpoint waits for the rollouts requested ahead and saves them scored (`save_scored`), so a
 resumed run equals the uninterrupted one.
@@ -52,14 +56,22 @@ class ProducerTurns:
         engine.submit(key, prompt_ids, num_generations, self.seed_of(self.turns), greedy,
                       max_new_tokens=max_new_tokens)
         produced = engine.take(key)
-        if self.version is not None and produced.version != self.version:
+        # in-flight weight updates: weights may be pushed while the loop runs, so a turn may start from
+        # newer ones (never older); without them every turn comes from the rollout's scheduled weights
+        newer_allowed = getattr(self.source.args, "inflight_weight_updates", False)
+        if self.version is not None and (produced.version < self.version if newer_allowed
+                                         else produced.version != self.version):
             raise RuntimeError(f"{key} was sampled from the weights of step {produced.version}, not "
                                f"{self.version} (an rlft bug: weights were pushed while a rollout's "
                                "tool loop was running)")
         self.turns += 1
         self.seconds += produced.seconds
-        return engine.to_rollout(produced, prompt_ids, num_generations, self.source.accelerator.device,
-                                 greedy)
+        rollout = engine.to_rollout(produced, prompt_ids, num_generations, self.source.accelerator.device,
+                                    greedy)
+        if newer_allowed and rollout.token_versions is None:  # (a greedy turn: no switch inside it)
+            versions = torch.full_like(rollout.completion_ids, produced.version, dtype=torch.int32)
+            rollout.token_versions = versions.masked_fill(rollout.completion_mask == 0, -1)
+        return rollout
 
 
 class AgentDriver:

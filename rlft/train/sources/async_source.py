@@ -71,11 +71,17 @@ class ProducerSource(SourceBase):
                               "pass rollout_worker= (your worker generates and scores), or use "
                               "GRPOTrainer")
         if tools or args.tools or environment_factory:
-            for name in ("partial_rollouts", "inflight_weight_updates"):
-                if getattr(args, name, False):
-                    raise ConfigError(f"{name} with tools or environments: a tool loop's turns are "
-                                      "separate requests, which neither carries across windows nor "
-                                      f"switches weights inside (not built yet); set {name} off")
+            if getattr(args, "partial_rollouts", 0):
+                raise ConfigError("partial_rollouts with tools or environments: a tool loop's turns are "
+                                  "separate requests, which the producer's windows do not carry (not "
+                                  "built yet); set partial_rollouts: 0 (inflight_weight_updates works "
+                                  "with tools)")
+            if getattr(args, "inflight_switch_tokens", None) is not None:
+                raise ConfigError("inflight_switch_tokens with tools or environments: the tool loop's "
+                                  "turns are requested from a thread of their own, so the producer's "
+                                  "switch point would depend on which thread writes first (not "
+                                  "reproducible); leave it unset (in-flight updates whenever weights "
+                                  "arrive)")
         staleness(args, generation_batch(args, processes).steps_per_rollout)
 
     def __init__(self, parts: SourceParts):
@@ -230,12 +236,14 @@ class ProducerSource(SourceBase):
         self.outstanding.discard(index)
         queued = sum(len(p.completions) for p in self.scored.values())
         self.last = {"perf/rollout_wait_s": time.perf_counter() - started,
-                     "sample/rollout_queue_size": float(queued), **scored.metrics}
+                     "sample/rollout_queue_size": float(queued), **scored.metrics,
+                     **_version_metrics(scored.rollout, int(scored.metrics["sample/version"]))}
         return scored
 
-    def _drain(self) -> None:
-        """Before newer weights reach the producer: every tool loop requested earlier is done."""
-        if self.agents is not None:
+    def _drain(self, pushing: bool = False) -> None:
+        """Before newer weights reach the producer: every tool loop requested earlier is done (not
+        with in-flight weight updates, `pushing`: their later turns take the newer weights)."""
+        if self.agents is not None and not (pushing and self.args.inflight_weight_updates):
             self.agents.drain()
 
     def _submit_ahead(self, last: int) -> None:
@@ -252,7 +260,7 @@ class ProducerSource(SourceBase):
                         f"{step}): an async run "
                         "resumed with a larger max_steps than the checkpoint's run had cannot keep "
                         "its schedule; resume with that max_steps")
-                self._drain()
+                self._drain(pushing=True)
                 self.engine.push(self.model, version)
             self._submit(self.next_submit)
 
