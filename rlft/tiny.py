@@ -144,13 +144,24 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
         from transformers import OlmoeConfig
 
         return OlmoeConfig(**common, num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01)
-    raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama', 'qwen2_moe', 'qwen3_moe' or 'olmoe'")
+    # DeepSeek-V3's sigmoid router: bias-corrected choice within the best group of two, weights scaled
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        heads = common["num_attention_heads"]
+        return DeepseekV3Config(**{**common, "num_key_value_heads": heads}, n_routed_experts=8,
+                                num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                moe_intermediate_size=hidden_size, first_k_dense_replace=0, q_lora_rank=None,
+                                kv_lora_rank=hidden_size // 2, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                                v_head_dim=32, routed_scaling_factor=2.5, norm_topk_prob=True)
+    raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama', 'qwen2_moe', 'qwen3_moe', 'olmoe' or "
+                     "'deepseek_v3'")
 
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
                     seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE) causal LM sized for
-    CPU tests."""
+    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) causal LM
+    sized for CPU tests."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, tokenizer, hidden_size, num_layers))
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -4,6 +4,7 @@ policy to the experts the sampler chose."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,6 +143,100 @@ def test_a_replayed_router_weights_the_recorded_experts_by_its_current_softmax()
         sorted(free_chosen[t].tolist()) == sorted(chosen[t].tolist()) for t in (0, 2)) / 2)
     (scores * torch.arange(2.0, dtype=torch.float64)).sum().backward()  # (their sum is 1: no gradient)
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def family_router(name: str, experts: int = 8, k: int = 2, hidden: int = 8):
+    """A router of class `name` (transformers 5.24) with the attributes its forward reads, its weight random."""
+    import importlib
+
+    from transformers import models
+
+    found = [path for path in Path(models.__path__[0]).glob("*/modeling_*.py")
+             if f"class {name}(" in path.read_text()]
+    module = importlib.import_module(f"transformers.models.{found[0].parent.name}.{found[0].stem}")
+    router = getattr(module, name).__new__(getattr(module, name))
+    torch.nn.Module.__init__(router)
+    generator = torch.Generator().manual_seed(0)
+    router.weight = torch.nn.Parameter(torch.randn(experts, hidden, generator=generator))
+    router.bias = torch.nn.Parameter(torch.randn(experts, generator=generator))  # (gpt-oss's)
+    router.e_score_correction_bias = torch.randn(experts, generator=generator)  # (DeepSeek-V3's: the choice only)
+    router.top_k, router.num_experts, router.hidden_dim, router.routed_scaling_factor = k, experts, hidden, 2.5
+    router.num_group, router.topk_group, router.norm_topk_prob, router.topk_method = 2, 1, True, "greedy"
+    return router
+
+
+@pytest.mark.parametrize("name, definition", [
+    ("Qwen3MoeTopKRouter", lambda z, chosen: (lambda p: p / p.sum(-1, keepdim=True))(z.softmax(-1).gather(-1, chosen))),
+    ("DeepseekV3TopkRouter", lambda z, chosen: 2.5 * (lambda p: p / p.sum(-1, keepdim=True))(z.sigmoid().gather(-1, chosen))),
+    ("DeepseekV2TopkRouter", lambda z, chosen: 2.5 * z.softmax(-1).gather(-1, chosen)),
+    ("GptOssTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1)),
+    ("GraniteMoeTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1))])
+def test_each_router_family_replays_its_own_choice_exactly_and_weights_a_recorded_one_by_its_definition(
+        name, definition):
+    """Replaying the router's own choice returns exactly the weights its forward computed (so the family's
+    formula is that router's); a recorded choice it would not make gets the family's definition at it, with the
+    logits unchanged and a gradient reaching the router's weight."""
+    router = family_router(name)
+    state = routing.RouteState([router])
+    routing.attach(router, 0, state)
+    hidden = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    free_logits, free_scores, free_chosen = router(hidden)
+    state.mode, state.routes = "replay", free_chosen[:, None].to(torch.int16)
+    _, scores, chosen = router(hidden)
+    assert torch.equal(chosen, free_chosen)
+    torch.testing.assert_close(scores, free_scores, atol=1e-6, rtol=1e-6)
+    other = torch.tensor([[6, 1]] * 5)
+    state.routes = other[:, None].to(torch.int16)
+    logits, scores, chosen = router(hidden)
+    assert torch.equal(logits, free_logits) and torch.equal(chosen, other)
+    torch.testing.assert_close(scores, definition(free_logits.float(), other), atol=1e-6, rtol=1e-6)
+    (scores * torch.tensor([1.0, 3.0])).sum().backward()
+    assert router.weight.grad.abs().sum() > 0
+
+
+def test_a_deepseek_v3_trainer_replaying_a_samplers_routes_scores_exactly_what_the_sampler_sampled(tokenizer):
+    """DeepSeek-V3's router chooses by sigmoid + `e_score_correction_bias` (load balancing without a loss) and
+    weights by the sigmoid alone. A sampler whose biases differ (the same weights otherwise) routes some
+    tokens elsewhere; the trainer replaying its routes gives the sampler's log-probs (float32 both sides, one
+    precision), routing freely it does not."""
+    trainer = strong_experts_moe(tokenizer, "deepseek_v3", layers=2)
+    sampler = copy.deepcopy(trainer)
+    generator = torch.Generator().manual_seed(5)
+    for router in routing.moe_routers(sampler):
+        router.e_score_correction_bias.copy_(0.02 * torch.randn(router.e_score_correction_bias.shape,
+                                                                generator=generator))
+    routing.install(sampler)
+    rollout = sample(sampler, tokenizer, group=4)
+    state = routing.install(trainer)
+    free, replayed = log_ratios(trainer, rollout, False).abs(), log_ratios(trainer, rollout, True).abs()
+    assert state.take_agreement() < 0.95  # the biases moved choices
+    assert replayed.max() < 1e-5 < free.max()
+
+
+def test_every_replayed_router_class_has_its_familys_forward():
+    """Each class `REPLAY_WEIGHTS` names has the same forward source as its family's tested representative
+    (above), class names aside: a transformers release that changes one makes this fail instead of replaying it
+    wrongly."""
+    import re
+
+    from transformers import models
+
+    sources = {}
+    for path in Path(models.__path__[0]).glob("*/modeling_*.py"):
+        text = path.read_text()
+        for match in re.finditer(r"^class (\w+Router)\(.*?(?=^class |\Z)", text, re.M | re.S):
+            body = re.search(r"    def forward\(.*?(?=^    def |^\S|\Z)", match.group(0), re.M | re.S)
+            sources[match.group(1)] = re.sub(r"\s+|#[^\n]*", " ", body.group(0)) if body else None
+    representative = {routing.REPLAY_WEIGHTS[name]: name for name in (
+        "Qwen3MoeTopKRouter", "DeepseekV3TopkRouter", "DeepseekV2TopkRouter", "GraniteMoeTopKRouter")}
+    allowed = {"Qwen3MoeTopKRouter": {"Qwen3_5MoeTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3VLMoeTextTopKRouter",
+                                      "MixtralTopKRouter", "MiniMaxTopKRouter"},  # (always renormalise)
+               "GraniteMoeTopKRouter": {"GptOssTopKRouter"}}  # (tested above on its own)
+    for name, how in routing.REPLAY_WEIGHTS.items():
+        if name not in sources:
+            continue  # not in this transformers
+        base = representative[how]
+        assert sources[name] == sources[base] or name in allowed.get(base, ()), name
 
 
 def test_routes_travel_with_their_rows_through_cat_select_and_checkpoint_tensors(tokenizer):

@@ -8,17 +8,20 @@ optimiser step caused. Replaying the sampler's routes removes that part of the m
 routing replay", R3: W. Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and
 Inference Routers", 2025; verl, slime and SkyRL ship it).
 
-How, for the routers that share transformers' softmax-then-top-k contract (`SOFTMAX_TOPK_ROUTERS`:
-`forward(hidden) -> (router_logits, router_scores, router_indices)`, scores = the top-k of
-softmax(logits), renormalised when `norm_topk_prob`):
+How, for the routers whose forward has transformers' contract `forward(hidden) -> (router_logits,
+weights, indices)` and whose weights are a known function of the logits at the chosen experts
+(`REPLAY_WEIGHTS`: softmax-then-top-k, DeepSeek-V3's sigmoid with bias-corrected group-limited choice,
+DeepSeek-V2's scaled softmax, top-k-of-logits-then-softmax; each family's classes found by comparing
+their forward's source):
 
 - recording: while the engine generates, each router's chosen experts are kept per forward call;
   `RouteState.assemble` lays them out per row as `Rollout.prompt_routes` [N, P, layers, k] and
   `Rollout.completion_routes` [N, C, layers, k] (int16; -1: not recorded, route freely);
 - replaying: a forward given routes (`replay(model, routes, valid)`, [b, t, layers, k] in that
   forward's token order) keeps the router's logits (so its load-balancing loss is unchanged) and
-  replaces its choice by the recorded one; the weights of the chosen experts are the current
-  softmax gathered at them, renormalised as the router would, so gradients reach the router.
+  replaces its choice by the recorded one; the weights of the chosen experts are the router's own
+  function of its current logits gathered at them (a choice-only bias, such as DeepSeek-V3's
+  `e_score_correction_bias`, does not enter them), so gradients reach the router.
 
 The state is set before each forward and stays set until the next one, so that a checkpointed
 layer recomputed in the backward pass routes as its forward did.
@@ -32,12 +35,51 @@ import torch
 
 from rlft.errors import ConfigError
 
-# transformers' routers whose forward is softmax(logits) -> top-k (-> renormalised when
-# norm_topk_prob): a recorded choice is replayed by gathering the softmax at it
-SOFTMAX_TOPK_ROUTERS = frozenset({
-    "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "Qwen3NextTopKRouter", "Qwen3OmniMoeThinkerTextTopKRouter",
-    "Qwen3OmniMoeTalkerTextTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter", "MixtralTopKRouter",
-    "MiniMaxTopKRouter", "MellumTopKRouter"})
+
+def _softmax_topk(router, logits, chosen):
+    """softmax(logits) at the chosen experts, renormalised when `norm_topk_prob` (Mixtral's and
+    Qwen3.5's routers always renormalise: no such attribute)."""
+    top = torch.softmax(logits, dim=-1).gather(-1, chosen)
+    return top / top.sum(dim=-1, keepdim=True) if getattr(router, "norm_topk_prob", True) else top
+
+
+def _sigmoid_group(router, logits, chosen):
+    """DeepSeek-V3's router (and its copies): sigmoid(logits) at the chosen experts (the choice adds
+    `e_score_correction_bias` and limits groups; the weights do not), renormalised when
+    `norm_topk_prob`, times `routed_scaling_factor`."""
+    top = torch.sigmoid(logits).gather(-1, chosen)
+    if router.norm_topk_prob:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * router.routed_scaling_factor
+
+
+def _softmax_scaled(router, logits, chosen):
+    """DeepSeek-V2's router: softmax(logits) at the chosen experts times `routed_scaling_factor`
+    (greedy or group-limited choice; no renormalisation)."""
+    return torch.softmax(logits, dim=-1).gather(-1, chosen) * router.routed_scaling_factor
+
+
+def _topk_logits_softmax(router, logits, chosen):
+    """gpt-oss's and Granite-MoE's routers: a softmax over the chosen experts' logits."""
+    return torch.softmax(logits.gather(-1, chosen), dim=-1)
+
+
+# transformers' router classes whose recorded choice rlft replays, by how their weights follow from the
+# logits (each family's classes have the same forward source, transformers 5.24)
+_FAMILIES = {
+    _softmax_topk: """Qwen2MoeTopKRouter Qwen3MoeTopKRouter Qwen3NextTopKRouter
+        Qwen3OmniMoeThinkerTextTopKRouter Qwen3OmniMoeTalkerTextTopKRouter OlmoeTopKRouter FlexOlmoTopKRouter
+        MixtralTopKRouter MiniMaxTopKRouter MellumTopKRouter Qwen4ExpTextTopKRouter Qwen3_5MoeTopKRouter
+        Qwen3OmniMoeTextTopKRouter Qwen3VLMoeTextTopKRouter""",
+    _sigmoid_group: """DeepseekV3TopkRouter DeepseekV32TopkRouter AXK1TopkRouter BailingHybridTopkRouter
+        Dots1TopkRouter Dots3NoteTextTopkRouter ExaoneMoeTopkRouter Glm4MoeTopkRouter Glm4MoeLiteTopkRouter
+        Glm4vMoeTextTopkRouter Glm5NextTextTopkRouter GlmMoeDsaTopkRouter HYV4TopkRouter HYV4VLTopkRouter
+        KimiLinearTopkRouter MiMoV2FlashTopkRouter NemotronHTopkRouter SolarOpenTopkRouter""",
+    _softmax_scaled: "DeepseekV2TopkRouter DeepseekOcr2TextTopkRouter UnlimitedOcrTextTopkRouter",
+    _topk_logits_softmax: """GptOssTopKRouter GraniteMoeTopKRouter GraniteMoeSWATopKRouter
+        GraniteMoeHybridTopKRouter GraniteMoeSharedTopKRouter""",
+}
+REPLAY_WEIGHTS = {name: how for how, names in _FAMILIES.items() for name in names.split()}
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -48,7 +90,7 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def unsupported_routers(model: torch.nn.Module) -> list[str]:
     """Names of the model's router classes that replay cannot run (sorted)."""
-    return sorted({type(m).__name__ for m in moe_routers(model)} - SOFTMAX_TOPK_ROUTERS)
+    return sorted({type(m).__name__ for m in moe_routers(model)} - set(REPLAY_WEIGHTS))
 
 
 class RouteState:
@@ -131,9 +173,7 @@ def _route(router: torch.nn.Module, inputs, output):
         state.compared += float(compare.sum())
     # at least float32, as the routers compute it
     precision = torch.promote_types(logits.dtype, torch.float32)
-    top = torch.softmax(logits.to(precision), dim=-1).gather(-1, chosen)
-    if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalises
-        top = top / top.sum(dim=-1, keepdim=True)
+    top = REPLAY_WEIGHTS[type(router).__name__](router, logits.to(precision), chosen)
     return logits, torch.where(recorded[:, None], top.to(scores.dtype), scores), chosen
 
 
@@ -175,9 +215,9 @@ def install(model: torch.nn.Module) -> RouteState:
     unsupported = unsupported_routers(model)
     if unsupported:
         raise ConfigError(f"routing_replay='rollout': the routers {unsupported} are not replayable "
-                          "yet (rlft replays softmax-top-k routers: "
-                          f"{sorted(SOFTMAX_TOPK_ROUTERS)}); set "
-                          "routing_replay: none")
+                          f"yet (rlft replays {len(REPLAY_WEIGHTS)} router classes: softmax-top-k, "
+                          "DeepSeek-V3's sigmoid, DeepSeek-V2's scaled softmax, top-k-of-logits "
+                          "softmax; docs/moe.md lists them); set routing_replay: none")
     state = RouteState(routers)
     for layer, router in enumerate(routers):
         attach(router, layer, state)
