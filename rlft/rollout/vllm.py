@@ -441,13 +441,13 @@ class VLLMColocate(StaleAfterStep):
                       limit: int | None, switch=None, version: int = 0):
         """Partial rollouts' window (rlft/rollout/partial.py): each prefix (prompt + tokens so far)
         continued by up to its budget of tokens, until every `must` row finished (or `limit` steps)."""
+        from vllm import SamplingParams
+
         from rlft.rollout.vllm_steps import run_steps
 
         if self.stale:
             self.sync(model)
         self._wake()
-        from vllm import SamplingParams
-
         params = [SamplingParams(detokenize=False, **request_fields(self.args, self.eos_ids, seed, budget))
                   for seed, budget in zip(request_seeds(len(prefixes), False), budgets)]
         out = run_steps(self, model, prefixes, params, switch, must, limit, version)
