@@ -90,14 +90,19 @@ def test_weights_loaded_between_two_vllm_steps_reach_the_running_requests_which_
         model.float()
 
 
-def test_partial_windows_on_vllm_carry_rows_and_continue_them_under_newer_weights(stepped):
-    """The pool on the vLLM engine: 2 tokens of every row under version 0 (the producer's idle advance), then
-    version 1 is loaded and rollout r0's window runs until r0's rows are done. Each r0 row records [0] * 2 +
-    [1] * rest; each recorded log-prob equals the forward of the version that drew it over the whole sequence
-    (carried tokens are prefilled again under the newer weights); r1's rows are carried with their tokens."""
+@pytest.mark.parametrize("mode", ["reproducible", "throughput"])
+def test_partial_windows_on_vllm_carry_rows_and_continue_them_under_newer_weights(stepped, mode):
+    """The pool on the vLLM engine: 2 tokens of every row under version 0 (an idle advance), then version 1 is
+    loaded and rollout r0's window runs until r0's rows are done. Each r0 row records [0] * 2 + [1] * rest.
+    Reproducible mode (inflight_switch_tokens set): the carried requests were aborted and are prefilled again,
+    so each recorded log-prob equals the forward of the version that drew it over the whole sequence (and with
+    the prefix cache left stale this fails). Throughput mode: they stayed in the engine and go on on their
+    cache, nothing prefilled again, so each log-prob equals version 0's forward over the first tokens and
+    version 1's over the rest on version 0's cache; r1's unfinished requests stay for the next window."""
     from rlft.rollout.partial import Pool
 
     model, tokenizer, engine, older, newer = stepped
+    engine.args.inflight_switch_tokens = 4 if mode == "reproducible" else None
     load(model, older)
     engine.on_weights_changed()
     pool = Pool(12)
@@ -105,27 +110,44 @@ def test_partial_windows_on_vllm_carry_rows_and_continue_them_under_newer_weight
     pool.add("r0", prompts, 2, engine.replay_mask)
     pool.add("r1", prompts[::-1], 2, engine.replay_mask)
     torch.manual_seed(0)
-    pool.advance(model, engine, 2, 0)
-    assert all(len(row.tokens) == 2 and row.versions == [0] * 2 for c in pool.cohorts.values() for row in c["rows"])
-    carried = sum(not row.done for c in pool.cohorts.values() for row in c["rows"])
-    assert carried >= 4 and not any(row.done for row in pool.cohorts["r0"]["rows"][:2])  # the long prompt's
-    load(model, newer)
-    engine.on_weights_changed()
-    rows = pool.window(model, engine, "r0", 1)
+    try:
+        pool.advance(model, engine, 2, 0)
+        assert all(len(row.tokens) == 2 and row.versions == [0] * 2 for c in pool.cohorts.values()
+                   for row in c["rows"])
+        carried = sum(not row.done for c in pool.cohorts.values() for row in c["rows"])
+        assert carried >= 4 and not any(row.done for row in pool.cohorts["r0"]["rows"][:2])  # the long prompt's
+        assert len(engine.kept) == (carried if mode == "throughput" else 0)
+        load(model, newer)
+        engine.on_weights_changed()
+        rows = pool.window(model, engine, "r0", 1)
+        left = [(key, i) for key, c in pool.cohorts.items() for i, row in enumerate(c["rows"]) if not row.done]
+        assert sorted(engine.kept) == (sorted(left) if mode == "throughput" else [])
+    finally:
+        engine.drop_kept()
+        engine.args.inflight_switch_tokens = None
     assert all(row.done and row.versions == [0] * 2 + [1] * (len(row.tokens) - 2) for row in rows)
     assert list(pool.cohorts) == ["r1"] and all(len(row.tokens) >= 2 for row in pool.cohorts["r1"]["rows"])
-    assert pool.stats["partial/reprefill_tokens"] == 2 * carried
+    assert pool.stats["partial/reprefill_tokens"] == (2 * carried if mode == "reproducible" else 0)
 
     reference = model.double()
     try:
         for r, row in enumerate(rows):
-            ids = torch.tensor([prompts[r // 2] + row.tokens])
+            prompt = prompts[r // 2]
+            ids = torch.tensor([prompt + row.tokens])
             mask = torch.ones_like(ids)
-            want = []
-            for weights in (older, newer):
-                load(reference, weights)
-                want.append(logps_of(reference, ids, mask, 0, ids.shape[1] - 1)[0, len(prompts[r // 2]) - 1:])
-            expected = torch.where(torch.tensor(row.versions) == 0, want[0], want[1])
+            if mode == "reproducible":
+                want = []
+                for weights in (older, newer):
+                    load(reference, weights)
+                    want.append(logps_of(reference, ids, mask, 0, ids.shape[1] - 1)[0, len(prompt) - 1:])
+                expected = torch.where(torch.tensor(row.versions) == 0, want[0], want[1])
+            else:
+                load(reference, older)
+                cache = DynamicCache(config=reference.config)
+                before = logps_of(reference, ids, mask, 0, len(prompt) + 1, cache)[0, len(prompt) - 1:]
+                load(reference, newer)
+                expected = torch.cat([before, logps_of(reference, ids, mask, len(prompt) + 1, ids.shape[1] - 1,
+                                                       cache)[0]])
             torch.testing.assert_close(torch.tensor(row.logprobs, dtype=torch.float64), expected, atol=2e-4, rtol=0)
     finally:
         model.float()

@@ -135,7 +135,8 @@ class Pool:
         budgets = [self.max_tokens - len(row.tokens) for _, _, row in active]
         must = None if key is None else [k == key for k, _, _ in active]
         if hasattr(generator, "continue_rows"):  # a colocated vLLM engine, stepped (rollout/vllm_steps.py)
-            out = generator.continue_rows(model, prefixes, budgets, must, limit, switch, version)
+            out = generator.continue_rows(model, prefixes, budgets, must, limit, switch, version,
+                                          rows=[(k, i) for k, i, _ in active])
         else:
             out = _hf_window(model, generator, active, prefixes, budgets, must, limit, version, switch)
         for r, (_, _, row) in enumerate(active):
@@ -145,7 +146,8 @@ class Pool:
                 row.kept += out.kept[r]
             row.versions += out.versions[r]
             row.done = out.finished[r]
-        carried = sum(len(row.tokens) - len(out.tokens[r]) for r, (_, _, row) in enumerate(active))
+        carried = sum(len(row.tokens) - len(out.tokens[r]) for r, (_, _, row) in enumerate(active)
+                      if not (out.continued and out.continued[r]))
         return {"partial/window_rows": float(len(active)), "partial/window_steps": float(out.steps),
                 "partial/reprefill_tokens": float(carried)}
 
@@ -172,6 +174,8 @@ class Stepped:
     versions: list[list[int]]
     finished: list[bool]
     steps: int
+    # per row: it went on in the engine's own cache (a kept vLLM request), nothing prefilled again
+    continued: list[bool] | None = None
 
 
 def _hf_window(model, generator, active, prefixes, budgets, must, limit, version, switch) -> Stepped:

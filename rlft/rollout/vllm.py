@@ -254,6 +254,8 @@ class VLLMColocate(StaleAfterStep):
     # a rollout producer's in-flight weight updates (rlft/rollout/vllm_steps.py); whether the prefix
     # cache holds blocks of weights older than the engine's
     weight_switch, cache_stale = None, False
+    # partial rollouts in the throughput mode: a row -> its request left running between windows
+    kept: dict = {}  # (reassigned, never mutated)
 
     def __init__(self, args, tokenizer, model, source=None, full_weights=None):
         from rlft.errors import ConfigError
@@ -402,6 +404,7 @@ class VLLMColocate(StaleAfterStep):
     @torch.no_grad()
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
                  max_new_tokens: int | None = None) -> Rollout:
+        self.drop_kept()  # (a plain request, or evaluation, between partial-rollout windows)
         if self.stale:
             self.sync(model)
         self._wake()
@@ -423,36 +426,32 @@ class VLLMColocate(StaleAfterStep):
                               greedy, kept)
 
     def _stepped(self, model, repeated: list[list[int]], greedy: bool, max_new_tokens: int | None) -> Rollout:
-        from rlft.rollout.vllm_steps import run_steps
+        from rlft.rollout.vllm_steps import stepped_rollout
 
-        out = run_steps(self, model, repeated, self.sampling_params(len(repeated), greedy, max_new_tokens),
-                        self.weight_switch)
+        params = self.sampling_params(len(repeated), greedy, max_new_tokens)
+        rollout = stepped_rollout(self, model, repeated, params)
         self._sleep()
-        device = next(model.parameters()).device
-        rollout = engine_rollout(repeated, out.tokens, out.logprobs, self.tokenizer.pad_token_id,
-                                 self.eos_ids, device, greedy, out.kept)
-        versions = torch.full(rollout.completion_ids.shape, -1, dtype=torch.int32)
-        for row, drawn in enumerate(out.versions):
-            versions[row, :len(drawn)] = torch.tensor(drawn, dtype=torch.int32)
-        rollout.token_versions = versions.to(device).masked_fill(rollout.completion_mask == 0, -1)
         return rollout
 
     def continue_rows(self, model, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,
-                      limit: int | None, switch=None, version: int = 0):
-        """Partial rollouts' window (rlft/rollout/partial.py): each prefix (prompt + tokens so far)
-        continued by up to its budget of tokens, until every `must` row finished (or `limit` steps)."""
-        from vllm import SamplingParams
+                      limit: int | None, switch=None, version: int = 0, rows: list | None = None):
+        """Partial rollouts' window (rlft/rollout/partial.py; rlft/rollout/vllm_steps.py)."""
+        from rlft.rollout.vllm_steps import continue_rows
 
-        from rlft.rollout.vllm_steps import run_steps
-
-        if self.stale:
-            self.sync(model)
+        if self.stale:  # kept requests go on under the newer weights, on their cache
+            self.sync(model, in_flight=bool(self.kept))
         self._wake()
-        params = [SamplingParams(detokenize=False, **request_fields(self.args, self.eos_ids, seed, budget))
-                  for seed, budget in zip(request_seeds(len(prefixes), False), budgets)]
-        out = run_steps(self, model, prefixes, params, switch, must, limit, version)
+        out = continue_rows(self, model, prefixes, budgets, must, limit, switch, version, rows)
         self._sleep()
         return out
+
+    def drop_kept(self) -> None:
+        """Abort the requests kept between partial-rollout windows (before anything else runs the
+        engine)."""
+        if self.kept:
+            self.llm.llm_engine.abort_request(list(self.kept.values()))
+            self.kept = {}
+            self.after_requests()
 
     def close(self) -> None:
         """Free the engine (its KV cache) before the process ends; the generator is unusable

@@ -10,10 +10,13 @@ to the engine and `LLMEngine.step()` is called in a loop; each step returns the 
   requests keep their KV cache. Each token records the version of the weights whose forward
   produced its logits, and its log-prob is that distribution's: the per-token correction is exact.
   The prefix cache is reset once the requests are gone (its blocks hold the older weights' keys);
-- partial rollouts: a window stops as soon as every completion that must finish (rollout k's) has,
-  and the engine's other requests are aborted; what they sampled is carried by the pool and prefilled
-  again in the next window (rlft/rollout/partial.py: Pool). With the same weights, vLLM's prefix cache
-  serves that prefill from the blocks it already holds.
+- partial rollouts: a window stops as soon as every completion that must finish (rollout k's) has;
+  what the others sampled is carried by the pool (rlft/rollout/partial.py: Pool). In the reproducible
+  modes their requests are aborted and prefilled again in the next window, under the weights then
+  (vLLM's prefix cache serves that prefill where the weights are the same). In the throughput mode
+  (in-flight updates whenever weights arrive) they stay in the engine with their KV cache and their
+  seed and simply go on in the next window, as a request going on under in-flight updates does:
+  nothing is prefilled again.
 
 Each request has its own seed (drawn from rlft's RNG), so what a request samples does not depend on
 which other requests share its steps.
@@ -30,23 +33,40 @@ _IDS = itertools.count()
 
 
 def run_steps(engine, model, prompts: list[list[int]], params: list, switch=None,
-              must: list[bool] | None = None, limit: int | None = None, version: int = 0) -> Stepped:
+              must: list[bool] | None = None, limit: int | None = None, version: int = 0,
+              rows: list | None = None) -> Stepped:
     """Run `prompts` (token ids, one request each, with vLLM SamplingParams `params`) on the colocated
     engine `engine` (rlft/rollout/vllm.py: VLLMColocate) step by step until every request finished,
-    or (`must`) every request flagged True did, or (`limit`) that many steps were taken; unfinished
-    requests are aborted. `switch`: in-flight weight updates, between steps; `version`: the weights'
-    version without one."""
+    or (`must`) every request flagged True did, or (`limit`) that many steps were taken. `switch`:
+    in-flight weight updates, between steps; `version`: the weights' version without one.
+
+    Unfinished requests are aborted, unless `rows` names each prompt's row (hashable): then they stay
+    in the engine (`engine.kept`, row -> request), keeping their KV cache and their seed, and a later
+    call naming the same row continues that request instead of adding its prompt again (its prompt
+    and params are then not read); a kept request that a call does not name is aborted."""
     from vllm.sampling_params import RequestOutputKind
 
     llm = engine.llm.llm_engine
-    ids = [f"rlft-{next(_IDS)}" for _ in prompts]
-    index = {request: i for i, request in enumerate(ids)}
-    for request, prompt, param in zip(ids, prompts, params):
+    kept = engine.kept if rows is not None else {}
+    names = rows if rows is not None else [None] * len(prompts)
+    stale = [request for row, request in kept.items() if row not in set(names)]
+    if stale:
+        llm.abort_request(stale)
+    continued = [name in kept for name in names]
+    ids = []
+    for name, prompt, param in zip(names, prompts, params):
+        if name in kept:
+            ids.append(kept[name])
+            continue
+        ids.append(f"rlft-{next(_IDS)}")
         param.output_kind = RequestOutputKind.DELTA
-        llm.add_request(request, {"prompt_token_ids": prompt}, param, lora_request=engine.lora_request)
+        # blocks of the prefix cache are reused only under the weights that computed them
+        llm.add_request(ids[-1], {"prompt_token_ids": prompt, "cache_salt": f"rlft-weights-{engine.syncs}"},
+                        param, lora_request=engine.lora_request)
+    index = {request: i for i, request in enumerate(ids)}
     replayed = engine.replay_mask
     out = Stepped([[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts] if replayed else None,
-                  [[] for _ in prompts], [False] * len(prompts), 0)
+                  [[] for _ in prompts], [False] * len(prompts), 0, continued)
     must = must or [True] * len(prompts)
     try:
         while llm.has_unfinished_requests():
@@ -63,11 +83,50 @@ def run_steps(engine, model, prompts: list[list[int]], params: list, switch=None
                 if engine.stale:  # loaded between two steps: the running requests keep their cache
                     engine.sync(model, in_flight=True)
     finally:
-        unfinished = [request for request, done in zip(ids, out.finished) if not done]
-        if unfinished:
-            llm.abort_request(unfinished)
-        engine.after_requests()
+        unfinished = [(name, request) for name, request, done in zip(names, ids, out.finished) if not done]
+        if rows is None and unfinished:
+            llm.abort_request([request for _, request in unfinished])
+        engine.kept = {name: request for name, request in unfinished} if rows is not None else {}
+        if not engine.kept:
+            engine.after_requests()
     return out
+
+
+def stepped_rollout(engine, model, repeated: list[list[int]], params: list):
+    """One rollout (`repeated`: each completion's prompt) under in-flight weight updates
+    (`engine.weight_switch`), each token's version in `Rollout.token_versions`."""
+    import torch
+
+    from rlft.rollout.vllm import engine_rollout
+
+    out = run_steps(engine, model, repeated, params, engine.weight_switch)
+    device = next(model.parameters()).device
+    rollout = engine_rollout(repeated, out.tokens, out.logprobs, engine.tokenizer.pad_token_id,
+                             engine.eos_ids, device, False, out.kept)
+    versions = torch.full(rollout.completion_ids.shape, -1, dtype=torch.int32)
+    for row, drawn in enumerate(out.versions):
+        versions[row, :len(drawn)] = torch.tensor(drawn, dtype=torch.int32)
+    rollout.token_versions = versions.to(device).masked_fill(rollout.completion_mask == 0, -1)
+    return rollout
+
+
+def continue_rows(engine, model, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,
+                  limit: int | None, switch=None, version: int = 0, rows: list | None = None) -> Stepped:
+    """Partial rollouts' window: each prefix (prompt + tokens so far) continued by up to its budget of
+    tokens, until every `must` row finished (or `limit` steps). `rows` names them: in the throughput
+    mode (in-flight updates whenever weights arrive) an unfinished row's request stays in the engine
+    for the next window; otherwise it is aborted and its prefix prefilled again next time."""
+    from vllm import SamplingParams
+
+    from rlft.rollout.vllm import request_fields, request_seeds
+
+    args = engine.args
+    params = [SamplingParams(detokenize=False, **request_fields(args, engine.eos_ids, seed, budget))
+              for seed, budget in zip(request_seeds(len(prefixes), False), budgets)]
+    throughput = getattr(args, "inflight_weight_updates", False) and getattr(
+        args, "inflight_switch_tokens", None) is None
+    return run_steps(engine, model, prefixes, params, switch, must, limit, version,
+                     rows if throughput else None)
 
 
 def _take(out: Stepped, row: int, output, version: int, replayed: bool) -> None:
