@@ -46,6 +46,8 @@ MODES = {"sync": {}, "async": {"rollout_lag": 1},
          "async+inflight": {"rollout_lag": 1, "inflight_weight_updates": True},
          "async+partial 3": {"rollout_lag": 1, "inflight_weight_updates": True, "partial_rollouts": 3,
                              "max_staleness": 4},
+         "async+partial 5": {"rollout_lag": 1, "inflight_weight_updates": True, "partial_rollouts": 5,
+                             "max_staleness": 6},
          "async+partial 7": {"rollout_lag": 1, "inflight_weight_updates": True, "partial_rollouts": 7,
                              "max_staleness": 8}}
 

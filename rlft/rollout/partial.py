@@ -17,7 +17,9 @@ each window samples after `torch.manual_seed(seed of rollout k)`: the same seed 
 and the pool travels with every result so that a checkpoint holds it (`Pool.state` / `Pool.load`).
 
 Re-prefilling carried completions costs one forward over their tokens per window (the price of
-continuing under new weights without a KV cache that the new weights did not compute).
+continuing under new weights without a KV cache that the new weights did not compute). A colocated vLLM
+engine in the throughput mode keeps their requests, and caches, between windows instead
+(rlft/rollout/vllm_steps.py).
 """
 
 from __future__ import annotations
