@@ -426,22 +426,33 @@ class VLLMColocate(StaleAfterStep):
                               greedy, kept)
 
     def _stepped(self, model, repeated: list[list[int]], greedy: bool, max_new_tokens: int | None) -> Rollout:
-        from rlft.rollout.vllm_steps import stepped_rollout
+        from rlft.rollout.vllm_steps import run_steps, token_versions
 
-        params = self.sampling_params(len(repeated), greedy, max_new_tokens)
-        rollout = stepped_rollout(self, model, repeated, params)
+        out = run_steps(self, model, repeated, self.sampling_params(len(repeated), greedy, max_new_tokens),
+                        self.weight_switch)
         self._sleep()
+        rollout = engine_rollout(repeated, out.tokens, out.logprobs, self.tokenizer.pad_token_id,
+                                 self.eos_ids, next(model.parameters()).device, greedy, out.kept)
+        rollout.token_versions = token_versions(out.versions, rollout.completion_mask)
         return rollout
 
     def continue_rows(self, model, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,
                       limit: int | None, switch=None, version: int = 0, rows: list | None = None):
-        """Partial rollouts' window (rlft/rollout/partial.py; rlft/rollout/vllm_steps.py)."""
-        from rlft.rollout.vllm_steps import continue_rows
+        """Partial rollouts' window (rlft/rollout/partial.py): each prefix (prompt + tokens so far)
+        continued by up to its budget of tokens, until every `must` row finished (or `limit` steps).
+        `rows` names them: in the throughput mode an unfinished row's request stays in the engine for
+        the next window, otherwise it is aborted (rlft/rollout/vllm_steps.py)."""
+        from vllm import SamplingParams
+
+        from rlft.rollout.vllm_steps import run_steps, throughput_mode
 
         if self.stale:  # kept requests go on under the newer weights, on their cache
             self.sync(model, in_flight=bool(self.kept))
         self._wake()
-        out = continue_rows(self, model, prefixes, budgets, must, limit, switch, version, rows)
+        params = [SamplingParams(detokenize=False, **request_fields(self.args, self.eos_ids, seed, budget))
+                  for seed, budget in zip(request_seeds(len(prefixes), False), budgets)]
+        out = run_steps(self, model, prefixes, params, switch, must, limit, version,
+                        rows if throughput_mode(self.args) else None)
         self._sleep()
         return out
 

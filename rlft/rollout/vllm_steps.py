@@ -92,41 +92,22 @@ def run_steps(engine, model, prompts: list[list[int]], params: list, switch=None
     return out
 
 
-def stepped_rollout(engine, model, repeated: list[list[int]], params: list):
-    """One rollout (`repeated`: each completion's prompt) under in-flight weight updates
-    (`engine.weight_switch`), each token's version in `Rollout.token_versions`."""
+def token_versions(versions: list[list[int]], completion_mask):
+    """Per row, each token's version (`Stepped.versions`) as a [N, C] int32 tensor, -1 outside the
+    completion."""
     import torch
 
-    from rlft.rollout.vllm import engine_rollout
-
-    out = run_steps(engine, model, repeated, params, engine.weight_switch)
-    device = next(model.parameters()).device
-    rollout = engine_rollout(repeated, out.tokens, out.logprobs, engine.tokenizer.pad_token_id,
-                             engine.eos_ids, device, False, out.kept)
-    versions = torch.full(rollout.completion_ids.shape, -1, dtype=torch.int32)
-    for row, drawn in enumerate(out.versions):
-        versions[row, :len(drawn)] = torch.tensor(drawn, dtype=torch.int32)
-    rollout.token_versions = versions.to(device).masked_fill(rollout.completion_mask == 0, -1)
-    return rollout
+    out = torch.full(completion_mask.shape, -1, dtype=torch.int32)
+    for row, drawn in enumerate(versions):
+        out[row, :len(drawn)] = torch.tensor(drawn[:completion_mask.shape[1]], dtype=torch.int32)
+    return out.to(completion_mask.device).masked_fill(completion_mask == 0, -1)
 
 
-def continue_rows(engine, model, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,
-                  limit: int | None, switch=None, version: int = 0, rows: list | None = None) -> Stepped:
-    """Partial rollouts' window: each prefix (prompt + tokens so far) continued by up to its budget of
-    tokens, until every `must` row finished (or `limit` steps). `rows` names them: in the throughput
-    mode (in-flight updates whenever weights arrive) an unfinished row's request stays in the engine
-    for the next window; otherwise it is aborted and its prefix prefilled again next time."""
-    from vllm import SamplingParams
-
-    from rlft.rollout.vllm import request_fields, request_seeds
-
-    args = engine.args
-    params = [SamplingParams(detokenize=False, **request_fields(args, engine.eos_ids, seed, budget))
-              for seed, budget in zip(request_seeds(len(prefixes), False), budgets)]
-    throughput = getattr(args, "inflight_weight_updates", False) and getattr(
+def throughput_mode(args) -> bool:
+    """In-flight updates whenever weights arrive (no fixed switch token): partial rollouts keep their
+    requests between windows."""
+    return bool(getattr(args, "inflight_weight_updates", False)) and getattr(
         args, "inflight_switch_tokens", None) is None
-    return run_steps(engine, model, prefixes, params, switch, must, limit, version,
-                     rows if throughput else None)
 
 
 def _take(out: Stepped, row: int, output, version: int, replayed: bool) -> None:
