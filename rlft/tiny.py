@@ -154,14 +154,23 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
                                 moe_intermediate_size=hidden_size, first_k_dense_replace=0, q_lora_rank=None,
                                 kv_lora_rank=hidden_size // 2, qk_rope_head_dim=16, qk_nope_head_dim=16,
                                 v_head_dim=32, routed_scaling_factor=2.5, norm_topk_prob=True)
-    raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama', 'qwen2_moe', 'qwen3_moe', 'olmoe' or "
-                     "'deepseek_v3'")
+    # Llama 4's router: the sigmoid of its top-1 logit, a dense [tokens, experts] score matrix
+    if arch == "llama4":
+        from transformers import Llama4TextConfig
+
+        heads = common["num_attention_heads"]
+        return Llama4TextConfig(**{**common, "num_key_value_heads": 1}, intermediate_size_mlp=2 * hidden_size,
+                                head_dim=hidden_size // heads, num_local_experts=4, num_experts_per_tok=1,
+                                interleave_moe_layer_step=1, no_rope_layers=[1] * num_layers,
+                                attention_chunk_size=common["max_position_embeddings"])
+    raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama', 'qwen2_moe', 'qwen3_moe', 'olmoe', "
+                     "'deepseek_v3' or 'llama4'")
 
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
                     seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) causal LM
-    sized for CPU tests."""
+    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Llama 4)
+    causal LM sized for CPU tests."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, tokenizer, hidden_size, num_layers))
     model.generation_config.pad_token_id = tokenizer.pad_token_id

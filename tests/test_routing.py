@@ -213,6 +213,45 @@ def test_a_deepseek_v3_trainer_replaying_a_samplers_routes_scores_exactly_what_t
     assert replayed.max() < 1e-5 < free.max()
 
 
+def test_llama4s_router_replays_a_recorded_choice_as_its_dense_sigmoid_scores():
+    """Llama 4's router returns (scores [tokens, experts], logits): the sigmoid of its top-k logits, 0 elsewhere.
+    Replaying its own choice returns exactly its scores; a recorded other expert gets the sigmoid of that
+    expert's logit and 0 elsewhere, the gradient reaching the router; the logits are unchanged. On a whole tiny
+    Llama 4, replaying the routes its own generate recorded agrees with every choice and scores the same."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama4.modeling_llama4 import Llama4Router
+
+    torch.manual_seed(0)
+    router = Llama4Router(SimpleNamespace(hidden_size=8, num_local_experts=4, num_experts_per_tok=1))
+    state = routing.RouteState([router])
+    routing.attach(router, 0, state)
+    hidden = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    free_scores, free_logits = router(hidden)
+    own = free_logits.topk(1, dim=1).indices
+    state.mode, state.routes = "replay", own[:, None].to(torch.int16)
+    assert torch.equal(router(hidden)[0], free_scores)
+    other = (own + 1) % 4
+    state.routes = other[:, None].to(torch.int16)
+    scores, logits = router(hidden)
+    want = torch.zeros_like(free_logits).scatter(1, other, free_logits.gather(1, other).sigmoid())
+    assert torch.equal(logits, free_logits)
+    torch.testing.assert_close(scores, want, atol=1e-7, rtol=0)
+    scores.sum().backward()
+    assert router.weight.grad.abs().sum() > 0
+
+    from rlft.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer(0)
+    model = strong_experts_moe(tokenizer, "llama4", layers=2)
+    state = routing.install(model)
+    rollout = sample(model, tokenizer, group=2)
+    assert bool((rollout.completion_routes[rollout.completion_mask.bool()][:-1] >= 0).any())
+    free, replayed = log_ratios(model, rollout, False), log_ratios(model, rollout, True)
+    assert state.take_agreement() == 1.0
+    torch.testing.assert_close(replayed, free, atol=1e-5, rtol=0)
+
+
 def test_every_replayed_router_class_has_its_familys_forward():
     """Each class `REPLAY_WEIGHTS` names has the same forward source as its family's tested representative
     (above), class names aside: a transformers release that changes one makes this fail instead of replaying it

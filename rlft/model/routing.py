@@ -80,6 +80,9 @@ _FAMILIES = {
         GraniteMoeHybridTopKRouter GraniteMoeSharedTopKRouter""",
 }
 REPLAY_WEIGHTS = {name: how for how, names in _FAMILIES.items() for name in names.split()}
+# routers whose forward returns (dense scores [tokens, experts], logits) instead: Llama 4's (the sigmoid
+# of the top-k logits, 0 elsewhere)
+DENSE_SCORE_ROUTERS = frozenset({"Llama4Router"})
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -90,7 +93,7 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def unsupported_routers(model: torch.nn.Module) -> list[str]:
     """Names of the model's router classes that replay cannot run (sorted)."""
-    return sorted({type(m).__name__ for m in moe_routers(model)} - set(REPLAY_WEIGHTS))
+    return sorted({type(m).__name__ for m in moe_routers(model)} - set(REPLAY_WEIGHTS) - DENSE_SCORE_ROUTERS)
 
 
 class RouteState:
@@ -154,7 +157,12 @@ def _route(router: torch.nn.Module, inputs, output):
     It reads its state and layer from the router itself, so a deep copy of the model (a frozen
     reference) records and replays on a state of its own."""
     state, layer = router._rlft_route_state, router._rlft_route_layer
-    logits, scores, indices = output
+    dense = type(router).__name__ in DENSE_SCORE_ROUTERS
+    if dense:  # (scores [tokens, experts], logits); its choice: the top-k of the logits, as it takes it
+        scores, logits = output
+        indices = torch.topk(logits, router.top_k, dim=1).indices
+    else:
+        logits, scores, indices = output
     if state.mode == "record":
         state.recorded[layer].append(indices.detach())
         return None
@@ -171,10 +179,19 @@ def _route(router: torch.nn.Module, inputs, output):
         same = (chosen.sort(dim=-1).values == indices.sort(dim=-1).values).all(dim=-1)
         state.agree += float((same & compare).sum())
         state.compared += float(compare.sum())
+    if dense:
+        return torch.where(recorded[:, None], _dense_sigmoid(logits, chosen).to(scores.dtype), scores), logits
     # at least float32, as the routers compute it
     precision = torch.promote_types(logits.dtype, torch.float32)
     top = REPLAY_WEIGHTS[type(router).__name__](router, logits.to(precision), chosen)
     return logits, torch.where(recorded[:, None], top.to(scores.dtype), scores), chosen
+
+
+def _dense_sigmoid(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Llama 4's router's scores for the experts `chosen`: sigmoid of their logits, 0 (sigmoid of
+    -inf) at every other expert, as a dense [tokens, experts] matrix."""
+    scattered = torch.full_like(logits, float("-inf")).scatter(1, chosen, logits.gather(1, chosen))
+    return torch.sigmoid(scattered.float())
 
 
 def attach(router: torch.nn.Module, layer: int, state: RouteState) -> None:
@@ -215,9 +232,10 @@ def install(model: torch.nn.Module) -> RouteState:
     unsupported = unsupported_routers(model)
     if unsupported:
         raise ConfigError(f"routing_replay='rollout': the routers {unsupported} are not replayable "
-                          f"yet (rlft replays {len(REPLAY_WEIGHTS)} router classes: softmax-top-k, "
-                          "DeepSeek-V3's sigmoid, DeepSeek-V2's scaled softmax, top-k-of-logits "
-                          "softmax; docs/moe.md lists them); set routing_replay: none")
+                          f"yet (rlft replays {len(REPLAY_WEIGHTS) + len(DENSE_SCORE_ROUTERS)} router "
+                          "classes: softmax-top-k, DeepSeek-V3's sigmoid, DeepSeek-V2's scaled softmax, "
+                          "top-k-of-logits softmax, Llama 4's; docs/moe.md lists them); set "
+                          "routing_replay: none")
     state = RouteState(routers)
     for layer, router in enumerate(routers):
         attach(router, layer, state)

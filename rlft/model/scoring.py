@@ -127,12 +127,19 @@ def install_scoring(model) -> None:
     model._rlft_scoring = True
 
 
+def _backbone(model):
+    """The causal LM's decoder stack (what its forward runs before the LM head). Llama 4's text-only
+    model names `language_model` as its prefix (its multimodal parent's) but holds `model`."""
+    found = getattr(model, model.base_model_prefix, None)
+    return found if found is not None else model.model
+
+
 def score_forward(model, score: Score, *args, **kwargs) -> Scored:
     kwargs.pop("logits_to_keep", None)
     kwargs["use_cache"] = False
     if score.router_loss:
         kwargs["output_router_logits"] = True
-    backbone = getattr(model, model.base_model_prefix)
+    backbone = _backbone(model)
     outputs = backbone(*args, **kwargs)
     mask, packed = score.mask.bool(), score.packed
     if packed is None:
@@ -291,7 +298,7 @@ def teacher_states(teacher, ids, mask, position_ids, completion_mask, beta: floa
     # a DeepSpeed inference engine (ZeRO-3) wraps the model
     inner = getattr(teacher, "module", teacher)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    backbone = getattr(inner, inner.base_model_prefix)
+    backbone = _backbone(inner)
     # the student as its own teacher: its adapters off, or its EMA weights in
     # (rlft/train/update/self_teacher.py)
     with getattr(teacher, "scoring", contextlib.nullcontext)():
