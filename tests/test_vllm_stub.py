@@ -102,3 +102,22 @@ def test_vllm_serve_defaults_to_the_trainers_dtype_and_mismatches_are_said(shipp
         state_dtypes(torch.float32, torch.float32, "the colocated vLLM engine")
     assert "samples in bfloat16 while the trainer trains in float32" in caplog.text
     assert "--dtype float32" in caplog.text and "samples in float32, the trainer's dtype" in caplog.text
+
+
+def test_in_flight_updates_push_lora_merged_because_a_running_request_keeps_its_adapter(tmp_path, tiny_causal_dir):
+    """A vLLM request keeps the adapter it was added with, so under inflight_weight_updates weights loaded between
+    its steps must be the merged model: auto picks merged, and an explicit adapter push is refused saying why."""
+    import pytest
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlft import AsyncGRPOConfig
+    from rlft.errors import ConfigError
+    from rlft.rollout.weight_sync import lora_sync_mode
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_causal_dir), LoraConfig(r=4))
+    config = lambda **extra: AsyncGRPOConfig(output_dir=str(tmp_path), use_vllm=True, **extra)  # noqa: E731
+    assert lora_sync_mode(config(), model) == "adapter"
+    assert lora_sync_mode(config(inflight_weight_updates=True), model) == "merged"
+    with pytest.raises(ConfigError, match="vllm_lora_sync='adapter' with inflight_weight_updates.*merged"):
+        lora_sync_mode(config(inflight_weight_updates=True, vllm_lora_sync="adapter"), model)
