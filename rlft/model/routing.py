@@ -12,7 +12,8 @@ How, for the routers whose forward has transformers' contract `forward(hidden) -
 weights, indices)` and whose weights are a known function of the logits at the chosen experts
 (`REPLAY_WEIGHTS`: softmax-then-top-k, DeepSeek-V3's sigmoid with bias-corrected group-limited choice,
 DeepSeek-V2's scaled softmax, top-k-of-logits-then-softmax; each family's classes found by comparing
-their forward's source):
+their forward's source), and for Llama 4's router, which returns dense scores and the logits
+(`DENSE_SCORE_ROUTERS`):
 
 - recording: while the engine generates, each router's chosen experts are kept per forward call;
   `RouteState.assemble` lays them out per row as `Rollout.prompt_routes` [N, P, layers, k] and
