@@ -7,6 +7,7 @@ mask (every token up to and including the first EOS) and a truncation flag out. 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 
@@ -247,6 +248,24 @@ class WeightSwitch:
             self.version = loaded
 
 
+@contextlib.contextmanager
+def sampling_forwards(model, routes):
+    """The model in eval mode for generate's forwards (its training mode restored after), and
+    `routes` (a MoE policy's RouteState, or None) recording them; freed when generate fails."""
+    was_training = model.training
+    model.eval()
+    if routes is not None:
+        routes.record()
+    try:
+        yield
+    except BaseException:
+        if routes is not None:
+            routes.free()
+        raise
+    finally:
+        model.train(was_training)
+
+
 class HFGenerator:
     """Sampling with `model.generate`; one call per rollout for all prompts x num_generations.
 
@@ -325,8 +344,6 @@ class HFGenerator:
         device = next(model.parameters()).device
         ids, mask = ids.to(device), mask.to(device)
         eos_ids = eos_token_ids(model, self.tokenizer)
-        was_training = model.training
-        model.eval()
         sampling, recorder = self._settings(model, greedy, device)
         # a later turn of a multi-turn rollout: what is left of the budget
         if max_new_tokens is not None:
@@ -335,9 +352,7 @@ class HFGenerator:
         if routes is not None and sampling.get("num_beams", 1) != 1:
             routes.free()  # beams reorder rows: nothing recorded, nothing replayed
             routes = None
-        if routes is not None:  # a Mixture-of-Experts policy under routing replay
-            routes.record()
-        try:
+        with sampling_forwards(model, routes):  # (a Mixture-of-Experts policy's routes recorded)
             cache = None
             if self.shared_prompt_prefill and num_generations > 1:
                 cache = shared_prompt_cache(model, prompt_ids, num_generations, self.tokenizer.pad_token_id,
@@ -346,12 +361,6 @@ class HFGenerator:
                 sampling[cache_keyword(model)] = cache
             out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tokenizer.pad_token_id,
                                  eos_token_id=eos_ids, use_cache=True, **sampling)
-        except BaseException:
-            if routes is not None:
-                routes.free()
-            raise
-        finally:
-            model.train(was_training)
         completion_ids = out[:, ids.shape[1]:]
         completion_mask, truncated = completion_mask_from(completion_ids, eos_ids)
         logps, kept = (None, None) if recorder is None else recorder.finish(completion_ids, completion_mask)

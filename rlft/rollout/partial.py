@@ -32,7 +32,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from rlft.data.prompts import left_pad
 from rlft.model.routing import extend_first_reads, route_state
-from rlft.rollout.hf import eos_token_ids
+from rlft.rollout.hf import eos_token_ids, sampling_forwards
 
 # The throughput mode (in-flight weight updates whenever weights arrive): between two requests the
 # producer moves the pool on by this many decode steps at a time, then looks at its inbox again
@@ -190,12 +190,8 @@ def _hf_window(model, generator, active, prefixes, budgets, must, limit, version
     must = None if must is None else torch.tensor(must, device=device)
     eos_ids = eos_token_ids(model, tokenizer)
     stop = WindowStop(ids.shape[1], budgets, must, eos_ids)
-    was_training = model.training
-    model.eval()
     routes = route_state(model)
-    if routes is not None:  # a MoE policy under routing replay: this window's routes recorded
-        routes.record()
-    try:
+    with sampling_forwards(model, routes):  # (a MoE policy under routing replay: this window's routes)
         sampling, recorder = generator._settings(model, False, device)
         if recorder is None or not recorder.record_logps:
             raise RuntimeError("partial rollouts need the sampler's log-probs recorded while "
@@ -204,12 +200,6 @@ def _hf_window(model, generator, active, prefixes, budgets, must, limit, version
         sampling.update(max_new_tokens=most, stopping_criteria=StoppingCriteriaList([stop]))
         out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=eos_ids, use_cache=True, **sampling)
-    except BaseException:
-        if routes is not None:
-            routes.free()
-        raise
-    finally:
-        model.train(was_training)
     new = out[:, ids.shape[1]:]
     steps = new.shape[1]
     counts = torch.where(stop.ended >= 0, stop.ended, steps).clamp(max=steps).tolist()
