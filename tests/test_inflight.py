@@ -45,6 +45,25 @@ def logps_of(model, ids, mask, start: int, stop: int, cache=None) -> torch.Tenso
     return logps.gather(-1, ids[:, start + 1:stop + 1, None]).squeeze(-1)
 
 
+def switched_logps(model, ids, mask, prompt: int, switch: int, older, newer) -> torch.Tensor:
+    """log p of every completion token (ids[:, prompt:]) when the weights change from `older` to `newer` after
+    the `switch`-th token: `older`'s forward over the prompt and the first tokens, `newer`'s over the rest on the
+    keys and values `older` left in the cache (what a sampler switched mid-sequence computes)."""
+    load(model, older)
+    cache = DynamicCache(config=model.config)
+    before = logps_of(model, ids, mask, 0, prompt + switch - 1, cache)[:, prompt - 1:]
+    load(model, newer)
+    return torch.cat([before, logps_of(model, ids, mask, prompt + switch - 1, ids.shape[1] - 1, cache)], dim=1)
+
+
+def assert_neither_version_alone(model, ids, mask, prompt: int, switch: int, older, newer, want, scored) -> None:
+    """Neither set of weights alone gives `want`: newer over the first `switch` tokens, older over the rest."""
+    for weights, part in ((newer, slice(0, switch)), (older, slice(switch, None))):
+        load(model, weights)
+        alone = logps_of(model, ids, mask, 0, ids.shape[1] - 1)[:, prompt - 1:]
+        assert (alone[:, part][scored[:, part]] - want[:, part][scored[:, part]]).abs().max() > 1e-3
+
+
 def test_a_weight_switch_mid_sequence_records_each_tokens_version_and_its_exact_behaviour_log_prob(tokenizer):
     """Weights change after the 5th token: tokens 0-4 come from version 0, the rest from version 1 reading the
     keys and values version 0 left in the cache. Each recorded log-prob equals a forward pass of that
@@ -72,19 +91,10 @@ def test_a_weight_switch_mid_sequence_records_each_tokens_version_and_its_exact_
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
     prompt = rollout.prompt_ids.shape[1]
-    load(model, older)
-    cache = DynamicCache(config=model.config)
-    before = logps_of(model, ids, mask, 0, prompt + 4, cache)[:, prompt - 1:]  # tokens 0-4
-    load(model, newer)
-    after = logps_of(model, ids, mask, prompt + 4, prompt + width - 1, cache)  # tokens 5.. on that cache
-    want = torch.cat([before, after], dim=1)
+    want = switched_logps(model, ids, mask, prompt, 5, older, newer)  # tokens 5.. on version 0's cache
     scored = rollout.completion_mask.bool()
     torch.testing.assert_close(rollout.sampling_logps[scored].double(), want[scored], atol=2e-6, rtol=0)
-    # and not what either version alone gives
-    for weights, part in ((newer, slice(0, 5)), (older, slice(5, None))):
-        load(model, weights)
-        alone = logps_of(model, ids, mask, 0, prompt + width - 1)[:, prompt - 1:]
-        assert (alone[:, part][scored[:, part]] - want[:, part][scored[:, part]]).abs().max() > 1e-3
+    assert_neither_version_alone(model, ids, mask, prompt, 5, older, newer, want, scored)
 
 
 class Sent:

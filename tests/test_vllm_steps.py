@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from rlft.rollout.hf import WeightSwitch
-from tests.test_inflight import load, logps_of
+from tests.test_inflight import assert_neither_version_alone, load, logps_of, switched_logps
 
 pytestmark = pytest.mark.vllm
 
@@ -74,18 +73,10 @@ def test_weights_loaded_between_two_vllm_steps_reach_the_running_requests_which_
         ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
         mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
         prompt = rollout.prompt_ids.shape[1]
-        load(reference, older)
-        cache = DynamicCache(config=reference.config)
-        before = logps_of(reference, ids, mask, 0, prompt + 1, cache)[:, prompt - 1:]  # tokens 0-1
-        load(reference, newer)
-        after = logps_of(reference, ids, mask, prompt + 1, prompt + width - 1, cache)
-        want = torch.cat([before, after], dim=1)
+        want = switched_logps(reference, ids, mask, prompt, 2, older, newer)
         scored = rollout.completion_mask.bool()
         torch.testing.assert_close(rollout.sampling_logps[scored].double(), want[scored], atol=2e-4, rtol=0)
-        for weights, part in ((newer, slice(0, 2)), (older, slice(2, None))):
-            load(reference, weights)
-            alone = logps_of(reference, ids, mask, 0, prompt + width - 1)[:, prompt - 1:]
-            assert (alone[:, part][scored[:, part]] - want[:, part][scored[:, part]]).abs().max() > 1e-3
+        assert_neither_version_alone(reference, ids, mask, prompt, 2, older, newer, want, scored)
     finally:
         model.float()
 
@@ -142,12 +133,7 @@ def test_partial_windows_on_vllm_carry_rows_and_continue_them_under_newer_weight
                     want.append(logps_of(reference, ids, mask, 0, ids.shape[1] - 1)[0, len(prompt) - 1:])
                 expected = torch.where(torch.tensor(row.versions) == 0, want[0], want[1])
             else:
-                load(reference, older)
-                cache = DynamicCache(config=reference.config)
-                before = logps_of(reference, ids, mask, 0, len(prompt) + 1, cache)[0, len(prompt) - 1:]
-                load(reference, newer)
-                expected = torch.cat([before, logps_of(reference, ids, mask, len(prompt) + 1, ids.shape[1] - 1,
-                                                       cache)[0]])
+                expected = switched_logps(reference, ids, mask, len(prompt), 2, older, newer)[0]
             torch.testing.assert_close(torch.tensor(row.logprobs, dtype=torch.float64), expected, atol=2e-4, rtol=0)
     finally:
         model.float()
