@@ -47,9 +47,9 @@ def run_steps(engine, model, prompts: list[list[int]], params: list, switch=None
     from vllm.sampling_params import RequestOutputKind
 
     llm = engine.llm.llm_engine
-    kept = engine.kept if rows is not None else {}
-    names = rows if rows is not None else [None] * len(prompts)
-    stale = [request for row, request in kept.items() if row not in set(names)]
+    kept, names = engine.kept, rows if rows is not None else [None] * len(prompts)
+    named = set(names)
+    stale = [request for row, request in kept.items() if row not in named]  # (all of them without rows)
     if stale:
         llm.abort_request(stale)
     continued = [name in kept for name in names]
