@@ -146,12 +146,16 @@ def test_the_producer_serves_windows_and_hands_back_its_pool(tmp_path, tokenizer
 def test_partial_rollouts_refuse_what_cannot_record_each_tokens_log_prob_and_count_in_the_staleness_bound():
     from rlft import AsyncGRPOConfig
 
-    with pytest.raises(ConfigError, match="partial_rollouts=2 needs an engine in the producer recording"):
+    with pytest.raises(ConfigError, match="partial_rollouts=2 needs each token's log-prob recorded.*repetition"):
         AsyncGRPOConfig(output_dir="x", partial_rollouts=2, max_staleness=8, repetition_penalty=1.1)
-    with pytest.raises(ConfigError, match="not with vllm_mode: server"):
-        AsyncGRPOConfig(output_dir="x", partial_rollouts=2, max_staleness=8, use_vllm=True, vllm_mode="server")
-    with pytest.raises(ConfigError, match="inflight_weight_updates needs an engine.*not with vllm_mode: server"):
-        AsyncGRPOConfig(output_dir="x", inflight_weight_updates=True, use_vllm=True, vllm_mode="server")
+    with pytest.raises(ConfigError, match="inflight_weight_updates needs each token's log-prob.*generation_kwargs"):
+        AsyncGRPOConfig(output_dir="x", inflight_weight_updates=True, generation_kwargs={"no_repeat_ngram_size": 2})
+    # a vLLM server takes both (its requests are interrupted), but not the fixed switch token
+    AsyncGRPOConfig(output_dir="x", partial_rollouts=2, max_staleness=8, use_vllm=True, vllm_mode="server")
+    AsyncGRPOConfig(output_dir="x", inflight_weight_updates=True, use_vllm=True, vllm_mode="server")
+    with pytest.raises(ConfigError, match="inflight_switch_tokens=4 with vllm_mode: server: not built"):
+        AsyncGRPOConfig(output_dir="x", inflight_weight_updates=True, inflight_switch_tokens=4, use_vllm=True,
+                        vllm_mode="server")
     AsyncGRPOConfig(output_dir="x", partial_rollouts=2, max_staleness=8, use_vllm=True, inflight_weight_updates=True)
     with pytest.raises(ConfigError, match="rollout_lag=1 and partial_rollouts=4 with weight_sync_steps=1 "
                                           "samples rollouts up to 5 steps behind, above max_staleness=4"):

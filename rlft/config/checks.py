@@ -300,18 +300,20 @@ def check_async(cfg, errors: list[str]) -> None:
     except ConfigError as err:
         errors.append(str(err))
     server = cfg.use_vllm and cfg.vllm_mode == "server"
-    if cfg.inflight_weight_updates and (server or cfg.repetition_penalty != 1.0 or cfg.generation_kwargs):
-        errors.append("inflight_weight_updates needs an engine in the producer recording each "
-                      "token's log-prob as it samples (transformers' generate, or vLLM with "
-                      "vllm_mode: colocate): not with vllm_mode: server (one HTTP call per "
-                      "generation: not built yet), repetition_penalty or generation_kwargs (the "
-                      "recorded log-probs would not be the trainer's softmax); turn one of them off")
-    if cfg.partial_rollouts and (server or cfg.repetition_penalty != 1.0 or cfg.generation_kwargs):
-        errors.append(f"partial_rollouts={cfg.partial_rollouts} needs an engine in the producer "
-                      "recording each token's log-prob as it samples (a carried token keeps the "
-                      "log-prob of the weights that drew it; transformers' generate, or vLLM with "
-                      "vllm_mode: colocate): not with vllm_mode: server (not built yet), "
-                      "repetition_penalty or generation_kwargs; turn one of them off")
+    if cfg.inflight_weight_updates and (cfg.repetition_penalty != 1.0 or cfg.generation_kwargs):
+        errors.append("inflight_weight_updates needs each token's log-prob recorded as it is sampled "
+                      "from the trainer's softmax: not with repetition_penalty or generation_kwargs; "
+                      "turn one of them off")
+    if cfg.partial_rollouts and (cfg.repetition_penalty != 1.0 or cfg.generation_kwargs):
+        errors.append(f"partial_rollouts={cfg.partial_rollouts} needs each token's log-prob recorded "
+                      "as it is sampled from the trainer's softmax (a carried token keeps the log-prob "
+                      "of the weights that drew it): not with repetition_penalty or generation_kwargs; "
+                      "turn one of them off")
+    if server and cfg.inflight_switch_tokens is not None:
+        errors.append(f"inflight_switch_tokens={cfg.inflight_switch_tokens} with vllm_mode: server: "
+                      "not built (a server's requests are interrupted whenever weights arrive, "
+                      "docs/async.md); leave it unset, or use vllm_mode: colocate or transformers' "
+                      "generate for the reproducible mode")
     if cfg.partial_rollouts and cfg.max_completion_length is None:
         errors.append(f"partial_rollouts={cfg.partial_rollouts} needs max_completion_length: each "
                       "carried completion's budget is what is left of it")

@@ -232,8 +232,9 @@ class WeightSwitch:
     is that of the distribution it was drawn from. `pending(tokens)` gets the tokens sampled so
     far and returns the version it loaded, or None."""
 
-    def __init__(self, version: int, pending: Callable[[int], int | None]):
-        self.version, self.pending, self.versions = version, pending, []
+    def __init__(self, version: int, pending: Callable[[int], int | None],
+                 waiting: Callable[[], bool] | None = None):
+        self.version, self.pending, self.versions, self.waiting = version, pending, [], waiting
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.step()
@@ -243,9 +244,19 @@ class WeightSwitch:
         """One decode step's tokens were drawn from `version`; newer weights may load now (a vLLM
         engine stepped by rlft/rollout/vllm_steps.py calls it between its steps)."""
         self.versions.append(self.version)
+        self.load()
+
+    def ready(self) -> bool:
+        """Whether newer weights wait to be loaded (`waiting`; a vLLM server's requests are stopped
+        for them first: rlft/rollout/vllm_requests.py)."""
+        return self.waiting is not None and self.waiting()
+
+    def load(self) -> bool:
+        """Load newer weights if they wait (`pending`); whether it did."""
         loaded = self.pending(len(self.versions))  # tokens sampled so far
         if loaded is not None:
             self.version = loaded
+        return loaded is not None
 
 
 @contextlib.contextmanager

@@ -236,6 +236,12 @@ class InFlight:
         self.model, self.engine, self.channel, self.inbox = model, engine, channel, inbox
         self.switch_at, self.loaded, self.key = switch_at, 0.0, None
 
+    def ready(self) -> bool:
+        """Weights at the head of the inbox, to be loaded in flight (whenever weights arrive)."""
+        with self.inbox.mutex:
+            queued = self.inbox.queue
+            return self.switch_at is None and bool(queued) and queued[0]["type"] == "weights"
+
     def pending(self, tokens: int) -> int | None:
         if self.switch_at is not None and tokens != self.switch_at:
             return None
@@ -268,7 +274,7 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
     advancing = pool is not None and in_flight and switch_at is None
     while True:
         if advancing and inbox.empty() and pool.unfinished():
-            switch = WeightSwitch(version, inflight.pending)
+            switch = WeightSwitch(version, inflight.pending, inflight.ready)
             engine.weight_switch = switch
             pool.advance(model, engine, ADVANCE_TOKENS, version, switch)
             version = switch.version
@@ -287,7 +293,8 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
             continue
         channel.send({"type": "begin", "key": message["key"]})
         inflight.key = message["key"]
-        switch = WeightSwitch(version, inflight.pending) if in_flight and not message["greedy"] else None
+        switch = None if not in_flight or message["greedy"] else WeightSwitch(version, inflight.pending,
+                                                                              inflight.ready)
         if in_flight:
             engine.weight_switch = switch
         if pool is not None and "ahead" in message:  # partial rollouts: a window (rlft/rollout/partial.py)

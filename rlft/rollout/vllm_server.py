@@ -35,7 +35,6 @@ from rlft.config.rules import replay_plan
 from rlft.errors import RlftError
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import eos_token_ids
-from rlft.rollout.truncation import kept_of
 from rlft.rollout.vllm import (
     StaleAfterStep,
     engine_dtype,
@@ -47,6 +46,8 @@ from rlft.rollout.vllm import (
     state_dtypes,
     synced_weights,
 )
+from rlft.rollout.vllm_requests import choice_fields, run_requests
+from rlft.rollout.vllm_steps import token_versions
 from rlft.rollout.weight_sync import (
     adapter_files,
     adapter_tensors,
@@ -178,7 +179,10 @@ def serve_command(model: str, host: str, port: int, dtype: str | None, max_model
 
 class VLLMServer(StaleAfterStep):
     """The rollout protocol on a running vLLM server; weights reach it over its HTTP endpoint
-    (module docstring)."""
+    (module docstring). A rollout producer's in-flight weight updates (`weight_switch`) and partial
+    rollouts (`continue_rows`) interrupt its requests (rlft/rollout/vllm_requests.py)."""
+
+    weight_switch = None
 
     def __init__(self, args, tokenizer, model, full_weights=None):
         self.args, self.tokenizer, self.full_weights = args, tokenizer, full_weights
@@ -186,6 +190,7 @@ class VLLMServer(StaleAfterStep):
         self.client.wait_healthy()
         self.served = self.base_name = self.client.request("/v1/models")["data"][0]["id"]
         self.eos_ids = eos_token_ids(model, tokenizer)
+        self.replay_mask = bool(replay_plan(args)[0])
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
         info = self._server_config()
         self.server_dtype = _config_dtype(info)
@@ -317,28 +322,54 @@ class VLLMServer(StaleAfterStep):
         self.adapter_session = self.served = name
         return sent + tensor_bytes(tensors)
 
-    def _complete(self, ids: list[int], seed: int | None, max_tokens: int | None = None) -> dict:
+    def complete(self, ids: list[int], seed: int | None, max_tokens: int | None = None,
+                 request_id: str | None = None, salt: str | None = None) -> dict:
+        """One completion of `ids` (its choice); `request_id` makes it abortable (`abort`), `salt`
+        keeps it from prefix blocks computed under other weights."""
         body = {"model": self.served, "prompt": ids, "return_token_ids": True, "skip_special_tokens": False,
                 "return_tokens_as_token_ids": True,
                 **request_fields(self.args, self.eos_ids, seed, max_tokens)}
+        if request_id is not None:
+            body["request_id"] = request_id
+        if salt is not None:
+            body["cache_salt"] = f"{self.session}-{salt}"
         return self.client.request("/v1/completions", body)["choices"][0]
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests (`complete`'s ids): each answers at once with the tokens it has."""
+        # (the server names a completion request's one prompt "cmpl-<id>-0")
+        self.client.request("/abort_requests", {"request_ids": [f"cmpl-{rid}-0" for rid in request_ids]})
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,
                  max_new_tokens: int | None = None) -> Rollout:
+        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+        device = next(model.parameters()).device
+        if self.weight_switch is not None and not greedy:  # in-flight updates: interruptible requests
+            out = run_requests(self, model, repeated, [max_new_tokens or self.args.max_completion_length]
+                               * len(repeated), switch=self.weight_switch)
+            rollout = engine_rollout(repeated, out.tokens, out.logprobs, self.tokenizer.pad_token_id,
+                                     self.eos_ids, device, greedy, out.kept)
+            rollout.token_versions = token_versions(out.versions, rollout.completion_mask)
+            return rollout
         if self.stale:
             self.sync(model)
-        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         seeds = request_seeds(len(repeated), greedy)
         with ThreadPoolExecutor(max_workers=16) as pool:
-            choices = list(pool.map(self._complete, repeated, seeds, [max_new_tokens] * len(repeated)))
-        logprobs = [(c.get("logprobs") or {}).get("token_logprobs") for c in choices]
-        kept = [[kept_of({int(key.rpartition(":")[2]): value for key, value in (top or {}).items()})
-                 for top in (c.get("logprobs") or {}).get("top_logprobs") or []]
-                for c in choices] if replay_plan(self.args)[0] else None
-        return engine_rollout(repeated, [c["token_ids"] for c in choices], logprobs,
-                              self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
-                              greedy, kept)
+            choices = list(pool.map(self.complete, repeated, seeds, [max_new_tokens] * len(repeated)))
+        fields = [choice_fields(choice, self.replay_mask) for choice in choices]
+        return engine_rollout(repeated, [f[0] for f in fields], [f[1] for f in fields],
+                              self.tokenizer.pad_token_id, self.eos_ids, device, greedy,
+                              [f[2] for f in fields] if self.replay_mask else None)
+
+    def continue_rows(self, model, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,
+                      limit: int | None, switch=None, version: int = 0, rows: list | None = None):
+        """Partial rollouts' window (rlft/rollout/partial.py): each prefix (prompt + tokens so far)
+        continued by up to its budget of tokens, until every `must` row finished (or `limit` tokens);
+        the others are stopped where they are, and their next window sends them again (the server's
+        prefix cache serves what it holds under the same weights). `rows` is not read: no request
+        stays on the server between windows."""
+        return run_requests(self, model, prefixes, budgets, must, limit, switch, version)
 
     def close(self) -> None:
         """Unload this run's adapter from the server and delete its files there (full weights need
