@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -15,6 +16,9 @@ from tests.helpers import addition_rows
 
 def stuck_on_rank_1(completions, trainer_state, **kwargs):
     if os.environ.get("RANK") == "1" and trainer_state.global_step == 1:
+        # once rank 0 has failed, torchrun stops this rank with SIGTERM and waits 30 s before SIGKILL: rlft's
+        # handler would defer the exit to the end of a step this rank never reaches, so leave at once
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
         time.sleep(300)  # alive, not answering
     return [0.0] * len(completions)
 
