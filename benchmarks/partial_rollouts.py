@@ -24,11 +24,20 @@ driven step by step in the in-flight and partial modes (rlft/rollout/vllm_steps.
 
     .ci-venv-vllm/bin/python benchmarks/partial_rollouts.py --engine vllm --workload s --steps 16 --skip 4 \
         --repeats 2 --modes "sync,async,async+partial 7" --out benchmarks/results-partial-s-vllm.json
+
+`--engine vllm-server`: one `rlft vllm-serve` (float32) on core 1 serves every run, as a server on its own GPU
+would; the trainer of every mode is on core 0 with one thread (the synchronous one waits for the server's
+completions, the async producer, also on core 1, only talks to it). In-flight updates and partial rollouts
+interrupt the server's requests (rlft/rollout/vllm_requests.py):
+
+    .ci-venv-vllm/bin/python benchmarks/partial_rollouts.py --engine vllm-server --workload s --steps 16 \
+        --skip 4 --repeats 2 --modes "sync,async,async+partial 5" --out benchmarks/results-partial-s-server.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -67,7 +76,14 @@ def run_one(workload: str, mode: str, steps: int, engine: str = "hf") -> dict:
                   **{**spec.common(), "learning_rate": LEARNING_RATE})
     if engine == "vllm":
         common.update(use_vllm=True, vllm_dtype="float32")
-    if mode == "sync":
+    if engine.startswith("vllm-server:"):  # (the port of the server main() started)
+        common.update(use_vllm=True, vllm_mode="server", vllm_server_port=int(engine.split(":")[1]),
+                      vllm_server_timeout=600)
+        os.sched_setaffinity(0, {0})
+        torch.set_num_threads(1)
+    if mode == "sync" and engine.startswith("vllm-server:"):
+        args, trainer_class = GRPOConfig(**common), GRPOTrainer
+    elif mode == "sync":
         os.sched_setaffinity(0, {0, 1})
         torch.set_num_threads(2)
         args, trainer_class = GRPOConfig(**common), GRPOTrainer
@@ -95,6 +111,42 @@ def run_one(workload: str, mode: str, steps: int, engine: str = "hf") -> dict:
             "staleness_mean": [r.get("sample/staleness_mean", 0.0) for r in rows],
             "window_steps": [r.get("partial/window_steps", 0.0) for r in rows],
             "reward": [r.get("reward", 0.0) for r in rows]}
+
+
+@contextlib.contextmanager
+def served(workload: str):
+    """`rlft vllm-serve` (float32) on core 1 serving `workload`'s model, saved to a temporary folder; yields
+    its port once it answers."""
+    import socket
+    import urllib.request
+
+    from benchmarks.workloads import WORKLOADS, build
+
+    work = build(WORKLOADS[workload])
+    folder = tempfile.mkdtemp(prefix="rlft-partial-served-")
+    work.model.save_pretrained(folder)
+    work.tokenizer.save_pretrained(folder)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(Path(folder) / "server.log", "w")
+    server = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "rlft.cli", "vllm-serve", "--model",
+                               folder, "--port", str(port), "--dtype", "float32", "--max-model-len", "512"],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None:
+                    raise RuntimeError(f"the server exited; see {folder}/server.log") from None
+                time.sleep(1)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def spawn(workload: str, mode: str, steps: int, engine: str = "hf") -> dict:
@@ -142,7 +194,8 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default=None)
     parser.add_argument("--workload", default="s", help="s or t (benchmarks/workloads.py)")
-    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="the rollout engine of every mode")
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm", "vllm-server"],
+                        help="the rollout engine of every mode")
     parser.add_argument("--one", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -150,10 +203,14 @@ def main() -> None:
         return
     modes = args.modes.split(",")
     runs = {mode: [] for mode in modes}
-    for _ in range(args.repeats):
-        for mode in modes:  # alternating
-            runs[mode].append(spawn(args.workload, mode, args.steps, args.engine))
-            print(mode, json.dumps(summary(runs[mode][-1:], args.skip)), flush=True)
+    with contextlib.ExitStack() as stack:
+        engine = args.engine
+        if engine == "vllm-server":
+            engine = f"vllm-server:{stack.enter_context(served(args.workload))}"
+        for _ in range(args.repeats):
+            for mode in modes:  # alternating
+                runs[mode].append(spawn(args.workload, mode, args.steps, engine))
+                print(mode, json.dumps(summary(runs[mode][-1:], args.skip)), flush=True)
     results = {"date": time.strftime("%Y-%m-%d"), "workload": args.workload, "engine": args.engine,
                "steps": args.steps, "skip": args.skip,
                "repeats": args.repeats, "modes": {mode: summary(r, args.skip) for mode, r in runs.items()},

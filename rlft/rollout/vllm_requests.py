@@ -31,7 +31,8 @@ from rlft.rollout.truncation import kept_of
 
 # how often a round looks at the producer's inbox for newer weights while its requests run
 POLL_SECONDS = 0.05
-WORKERS = 16  # concurrent HTTP requests per producer (the server batches them)
+# concurrent HTTP requests (one thread each): every row at once, up to this many, for the server to batch
+WORKERS = 512
 _IDS = itertools.count()
 
 

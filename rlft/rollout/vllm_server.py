@@ -46,7 +46,7 @@ from rlft.rollout.vllm import (
     state_dtypes,
     synced_weights,
 )
-from rlft.rollout.vllm_requests import choice_fields, run_requests
+from rlft.rollout.vllm_requests import WORKERS, choice_fields, run_requests
 from rlft.rollout.vllm_steps import token_versions
 from rlft.rollout.weight_sync import (
     adapter_files,
@@ -355,7 +355,7 @@ class VLLMServer(StaleAfterStep):
         if self.stale:
             self.sync(model)
         seeds = request_seeds(len(repeated), greedy)
-        with ThreadPoolExecutor(max_workers=16) as pool:
+        with ThreadPoolExecutor(max_workers=min(WORKERS, len(repeated))) as pool:
             choices = list(pool.map(self.complete, repeated, seeds, [max_new_tokens] * len(repeated)))
         fields = [choice_fields(choice, self.replay_mask) for choice in choices]
         return engine_rollout(repeated, [f[0] for f in fields], [f[1] for f in fields],
