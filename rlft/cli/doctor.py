@@ -232,13 +232,18 @@ def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
     routing_replay: none turns transformers' off): the two then route tokens to different
     experts."""
     trainer_name = str(trainer_dtype).split(".")[-1]
-    if cfg.use_vllm and cfg.vllm_dtype not in ("auto", trainer_name) \
+    quantized = getattr(cfg, "vllm_quantization", None)
+    if cfg.use_vllm and (cfg.vllm_dtype not in ("auto", trainer_name) or quantized) \
             and not cfg.vllm_importance_sampling_correction:
-        report.add("WARN", "sampler precision", f"vllm_dtype={cfg.vllm_dtype} samples from "
-                   f"{cfg.vllm_dtype} weights while the trainer scores {trainer_name} ones, and "
+        engine = (f"vllm_dtype={cfg.vllm_dtype}" if cfg.vllm_dtype not in ("auto", trainer_name) else "") + \
+            (f"{' and ' if cfg.vllm_dtype not in ('auto', trainer_name) else ''}vllm_quantization={quantized}"
+             if quantized else "")
+        report.add("WARN", "sampler precision", f"{engine} samples from other weights than the "
+                   f"{trainer_name} ones the trainer scores, and "
                    "vllm_importance_sampling_correction is off: the rollouts are off-policy by the "
                    "precision gap and nothing weighs it. Set vllm_importance_sampling_correction: "
-                   "true (watch sampling/kl_sampler_trainer/k3), or vllm_dtype: auto")
+                   "true (watch sampling/kl_sampler_trainer/k3), or vllm_dtype: auto and no "
+                   "vllm_quantization")
     experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None)
     if experts and cfg.use_vllm:
         report.add("WARN", "mixture of experts",

@@ -301,6 +301,13 @@ class _GRPOFields(_BaseConfig):
     vllm_dtype: str = option(
         "auto", check=one_of(DTYPES), rlft=True,
         help="the engine's weights: auto (the trainer's), bfloat16 (~2x faster), float32")
+    vllm_quantization: str | None = option(
+        None, rlft=True,
+        help="the colocated engine's quantization, vLLM's own (e.g. fp8_per_tensor on a GPU, "
+             "int8_per_channel_weight_only on a CPU; null: none): weights are pushed in the trainer's "
+             "precision and quantized as vLLM loads them, so the sampler is another policy, measured "
+             "under sampling/ and weighed by vllm_importance_sampling_mode. A server is started with "
+             "its own --quantization (docs/vllm.md)")
     vllm_enforce_eager: bool | None = option(
         None, "no compilation (default: eager on CPU, compiled on GPU)", rlft=True)
     vllm_lora_sync: str = option(

@@ -40,6 +40,7 @@ from rlft.errors import ConfigError
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import completion_mask_from, eos_token_ids
 from rlft.rollout.truncation import kept_of, kept_tensor
+from rlft.rollout.vllm_world import keep_the_trainers_process_group
 from rlft.rollout.weight_sync import (
     adapter_files,
     adapter_tensors,
@@ -298,8 +299,13 @@ class VLLMColocate(StaleAfterStep):
                     enforce_eager=on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager,
                     enable_sleep_mode=args.vllm_enable_sleep_mode, skip_tokenizer_init=True,
                     logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code,
-                    max_logprobs=max(20, truncation(args).top_k), **lora, **(CPU_ENGINE if on_cpu else {}))
-            except (ValueError, NotImplementedError) as err:
+                    max_logprobs=max(20, truncation(args).top_k), **lora, **(CPU_ENGINE if on_cpu else {}),
+                    **({"quantization": args.vllm_quantization} if args.vllm_quantization else {}))
+            except (ValueError, NotImplementedError, RuntimeError) as err:
+                if args.vllm_quantization and "quantiz" in str(err).lower():
+                    raise ConfigError(f"vllm_quantization={args.vllm_quantization!r}: vLLM could not start "
+                                      f"with it ({err}); set the vllm_dtype it asks for, or a method this "
+                                      "build runs") from err
                 # vLLM has no LoRA for this model / this build
                 if lora and "lora" in str(err).lower():
                     raise ConfigError("vLLM could not start with LoRA on to serve the adapter "
@@ -309,7 +315,7 @@ class VLLMColocate(StaleAfterStep):
         if tmp:  # the engine has read it; later weights arrive through sync()
             shutil.rmtree(tmp, ignore_errors=True)
         if trainer_group:
-            _keep_the_trainers_process_group(self.llm)
+            keep_the_trainers_process_group(self.llm)
 
     # ---- weights ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -468,30 +474,3 @@ class VLLMColocate(StaleAfterStep):
         """Free the engine (its KV cache) before the process ends; the generator is unusable
         afterwards."""
         self.llm = None
-
-
-def _keep_the_trainers_process_group(llm) -> None:
-    """Under torchrun, an in-process engine builds its groups inside the trainer's torch.distributed
-    world, and its shutdown destroys that world's default group too, at interpreter exit, after rlft
-    has already destroyed it (a traceback per rank). Shut the engine down without touching groups it
-    does not own."""
-    client = getattr(llm.llm_engine, "engine_core", None)
-    finalizer, core = getattr(client, "_finalizer", None), getattr(client, "engine_core", None)
-    if not (finalizer and core):  # another vLLM version: leave its shutdown as it is
-        return
-    finalizer.detach()
-    weakref.finalize(client, _shutdown_in_shared_world, core)
-
-
-def _shutdown_in_shared_world(core) -> None:
-    import torch.distributed as dist
-    from vllm.distributed import parallel_state
-
-    for part in (core.model_executor, core.scheduler):
-        if part is not None:
-            part.shutdown()
-    if dist.is_initialized():  # rlft's group still lives: destroy only vLLM's own groups
-        parallel_state.destroy_model_parallel()
-        if parallel_state._WORLD:
-            parallel_state._WORLD.destroy()
-    parallel_state._WORLD = None

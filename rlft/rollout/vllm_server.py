@@ -194,6 +194,12 @@ class VLLMServer(StaleAfterStep):
         self.dtype = engine_dtype(args.vllm_dtype, next(model.parameters()).dtype)
         info = self._server_config()
         self.server_dtype = _config_dtype(info)
+        quantized = (info.get("model_config") or {}).get("quantization") or None
+        if info and quantized != (args.vllm_quantization or None):
+            logging.getLogger("rlft").warning(
+                "vllm_quantization=%r, but the vLLM server at %s runs quantization %r: the server's own "
+                "holds (start it with `rlft vllm-serve --quantization ...`)", args.vllm_quantization,
+                self.client.url, quantized)
         state_dtypes(self.server_dtype, next(model.parameters()).dtype,
                      f"the vLLM server at {self.client.url}")
         self.pusher = _rank() == 0  # the one process that pushes weights
