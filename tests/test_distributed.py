@@ -167,25 +167,34 @@ def test_dynamic_sampling_on_two_processes_trains_on_the_groups_one_process_woul
     assert_params_close(two["params"], one["params"], SAME_STEP)
 
 
-@pytest.mark.slow  # (CI time, 38 s: the tool-loop test below runs the same producers per process, with tools)
-def test_async_grpo_on_two_processes_each_with_its_producer_resumes_exactly(tmp_path):
+@pytest.mark.slow  # (CI time, 38 s each: the tool-loop test below runs the same producers per process, with tools)
+@pytest.mark.parametrize("mode", ["plain", "partial"])
+def test_async_grpo_on_two_processes_each_with_its_producer_resumes_exactly(tmp_path, mode):
     """Each process's producer samples its slice of the prompts; a checkpoint holds each process's requested
-    rollouts (extra_<rank>), so a 2-process async run resumed from step 2 equals the straight one."""
+    rollouts (extra_<rank>), and with partial rollouts each process's pool of carried completions
+    (extra_<rank>.json), so a 2-process async run resumed from step 2 equals the straight one."""
+    import json
+
     from safetensors.torch import load_file
 
     from rlft.model.loading import shipped_policy_path
 
     model = str(shipped_policy_path())
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ["--partial"] if mode == "partial" else []
     for args in ([model, str(straight)], [model, str(resumed), "--resume", str(straight / "checkpoint-2")]):
-        result = launch(["tests/dist/async_run.py", *args], 2)
+        result = launch(["tests/dist/async_run.py", *args, *flags], 2)
         assert result.returncode == 0, result.stderr[-3000:]
     carried = [load_file(straight / "checkpoint-2" / f"extra_{rank}.safetensors") for rank in (0, 1)]
     assert all(any(k.startswith("async.") for k in part) for part in carried)  # the rollouts requested ahead
     assert not torch.equal(carried[0]["async.2.tokens"], carried[1]["async.2.tokens"])  # each rank its own
+    if mode == "partial":  # each rank's pool, its own
+        pools = [json.loads((straight / "checkpoint-2" / f"extra_{rank}.json").read_text()) for rank in (0, 1)]
+        assert pools[0] != pools[1] and all("async" in pool for pool in pools)
     kept = ("step", "loss", "reward", "sample/version", "sample/staleness_max", "completions/mean_length")
     rows = lambda folder: [{k: r[k] for k in kept} for r in read_metrics(folder)]  # noqa: E731
-    assert [r["sample/staleness_max"] for r in rows(straight)] == [0.0, 1.0, 1.0, 1.0]
+    if mode == "plain":
+        assert [r["sample/staleness_max"] for r in rows(straight)] == [0.0, 1.0, 1.0, 1.0]
     assert rows(resumed) == rows(straight)[2:]
     a, b = (load_file(folder / "final" / "adapter_model.safetensors") for folder in (straight, resumed))
     assert all(torch.equal(a[name], b[name]) for name in a)

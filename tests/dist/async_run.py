@@ -3,6 +3,7 @@ process with its own producer; optionally resumed from a checkpoint. Writes the 
 
     torchrun --nproc_per_node 2 --standalone tests/dist/async_run.py MODEL_DIR OUT [--resume CHECKPOINT] [--full]
         [--tools]   (the shipped calculator's add tool: each process's tool loop on its own producer)
+        [--partial] (partial_rollouts 1, each process's pool in its own checkpoint part)
     accelerate launch --config_file ENGINE.yaml tests/dist/async_run.py ...   (FSDP2, ZeRO-3)
 """
 
@@ -24,12 +25,13 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--tools", action="store_true")
+    parser.add_argument("--partial", action="store_true")
     run = parser.parse_args()
     model_dir, out, resume = run.model_dir, run.out, run.resume
     cfg = AsyncGRPOConfig(output_dir=out, learning_rate=1e-3, max_steps=4, num_generations=4,
                           per_device_train_batch_size=8, max_completion_length=8, save_steps=2, report_to="none",
                           disable_tqdm=True, seed=0, gradient_checkpointing=False,
-                          logging_steps=1, producer_threads=1)
+                          logging_steps=1, producer_threads=1, partial_rollouts=1 if run.partial else 0)
     rewards, given = [correct_answer, has_answer_tags], {}
     if run.tools:
         from rlft.data.calculator import TOOLS, answer_reward, tool_use_reward
