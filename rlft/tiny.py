@@ -125,6 +125,11 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
         return Qwen2Config(**common)
     if arch == "llama":
         return LlamaConfig(**common)
+    return _moe_config(arch, common, hidden_size)
+
+
+def _moe_config(arch: str, common: dict, hidden_size: int):
+    """The Mixture-of-Experts architectures of `_config`."""
     # a Mixture-of-Experts policy: 4 experts, 2 per token, a router load-balancing loss
     if arch == "qwen2_moe":
         from transformers import Qwen2MoeConfig
@@ -161,16 +166,23 @@ def _config(arch: str, tokenizer, hidden_size: int, num_layers: int, **extra):
         heads = common["num_attention_heads"]
         return Llama4TextConfig(**{**common, "num_key_value_heads": 1}, intermediate_size_mlp=2 * hidden_size,
                                 head_dim=hidden_size // heads, num_local_experts=4, num_experts_per_tok=1,
-                                interleave_moe_layer_step=1, no_rope_layers=[1] * num_layers,
+                                interleave_moe_layer_step=1, no_rope_layers=[1] * common["num_hidden_layers"],
                                 attention_chunk_size=common["max_position_embeddings"])
+    # Ernie 4.5's router: softmax weights, the choice biased by its `moe_statics`
+    if arch == "ernie4_5_moe":
+        from transformers import Ernie4_5_MoeConfig
+
+        return Ernie4_5_MoeConfig(**common, moe_num_experts=8, moe_k=2, moe_intermediate_size=hidden_size,
+                                  moe_num_shared_experts=0, moe_layer_start_index=0, moe_layer_interval=1,
+                                  router_aux_loss_coef=0.01)
     raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama', 'qwen2_moe', 'qwen3_moe', 'olmoe', "
-                     "'deepseek_v3' or 'llama4'")
+                     "'deepseek_v3', 'llama4' or 'ernie4_5_moe'")
 
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
                     seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Llama 4)
-    causal LM sized for CPU tests."""
+    """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Llama 4,
+    Ernie 4.5) causal LM sized for CPU tests."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, tokenizer, hidden_size, num_layers))
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -162,7 +162,22 @@ def family_router(name: str, experts: int = 8, k: int = 2, hidden: int = 8):
     router.e_score_correction_bias = torch.randn(experts, generator=generator)  # (DeepSeek-V3's: the choice only)
     router.top_k, router.num_experts, router.hidden_dim, router.routed_scaling_factor = k, experts, hidden, 2.5
     router.num_group, router.topk_group, router.norm_topk_prob, router.topk_method = 2, 1, True, "greedy"
+    router.router_scaling_factor, router.use_expert_bias, router.norm_min = 2.5, True, 1e-12  # (HY-V3, LFM2, Ernie)
+    router.expert_selection_fn = "softmax"  # (Cohere2-MoE)
+    router.moe_statics = lambda weights: weights + router.e_score_correction_bias  # (Ernie 4.5's choice bias)
     return router
+
+
+def call(router, hidden):
+    """The router's forward; MiniMax-M2's, HY-V3's and LFM2-MoE's take their block's choice bias too."""
+    import inspect
+
+    takes_bias = len(inspect.signature(router.forward).parameters) > 1
+    return router(hidden, router.e_score_correction_bias) if takes_bias else router(hidden)
+
+
+def renormalised(p, eps=0.0):
+    return p / (p.sum(-1, keepdim=True) + eps)
 
 
 @pytest.mark.parametrize("name, definition", [
@@ -170,7 +185,15 @@ def family_router(name: str, experts: int = 8, k: int = 2, hidden: int = 8):
     ("DeepseekV3TopkRouter", lambda z, chosen: 2.5 * (lambda p: p / p.sum(-1, keepdim=True))(z.sigmoid().gather(-1, chosen))),
     ("DeepseekV2TopkRouter", lambda z, chosen: 2.5 * z.softmax(-1).gather(-1, chosen)),
     ("GptOssTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1)),
-    ("GraniteMoeTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1))])
+    ("GraniteMoeTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1)),
+    ("AriaTextTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1)),
+    ("JambaTopKRouter", lambda z, chosen: z.softmax(-1).gather(-1, chosen)),
+    ("Ernie4_5_MoeTopKRouter", lambda z, chosen: renormalised(z.softmax(-1).gather(-1, chosen))),
+    ("Mistral4TopkRouter", lambda z, chosen: 2.5 * renormalised(z.softmax(-1).gather(-1, chosen))),
+    ("MiniMaxM2TopKRouter", lambda z, chosen: renormalised(z.sigmoid().gather(-1, chosen))),
+    ("HYV3TopKRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen))),
+    ("Lfm2MoeTopKRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen), 1e-6)),
+    ("Cohere2MoeTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1))])
 def test_each_router_family_replays_its_own_choice_exactly_and_weights_a_recorded_one_by_its_definition(
         name, definition):
     """Replaying the router's own choice returns exactly the weights its forward computed (so the family's
@@ -180,14 +203,14 @@ def test_each_router_family_replays_its_own_choice_exactly_and_weights_a_recorde
     state = routing.RouteState([router])
     routing.attach(router, 0, state)
     hidden = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
-    free_logits, free_scores, free_chosen = router(hidden)
+    free_logits, free_scores, free_chosen = call(router, hidden)
     state.mode, state.routes = "replay", free_chosen[:, None].to(torch.int16)
-    _, scores, chosen = router(hidden)
+    _, scores, chosen = call(router, hidden)
     assert torch.equal(chosen, free_chosen)
     torch.testing.assert_close(scores, free_scores, atol=1e-6, rtol=1e-6)
     other = torch.tensor([[6, 1]] * 5)
     state.routes = other[:, None].to(torch.int16)
-    logits, scores, chosen = router(hidden)
+    logits, scores, chosen = call(router, hidden)
     assert torch.equal(logits, free_logits) and torch.equal(chosen, other)
     torch.testing.assert_close(scores, definition(free_logits.float(), other), atol=1e-6, rtol=1e-6)
     (scores * torch.tensor([1.0, 3.0])).sum().backward()
@@ -205,6 +228,24 @@ def test_a_deepseek_v3_trainer_replaying_a_samplers_routes_scores_exactly_what_t
     for router in routing.moe_routers(sampler):
         router.e_score_correction_bias.copy_(0.02 * torch.randn(router.e_score_correction_bias.shape,
                                                                 generator=generator))
+    routing.install(sampler)
+    rollout = sample(sampler, tokenizer, group=4)
+    state = routing.install(trainer)
+    free, replayed = log_ratios(trainer, rollout, False).abs(), log_ratios(trainer, rollout, True).abs()
+    assert state.take_agreement() < 0.95  # the biases moved choices
+    assert replayed.max() < 1e-5 < free.max()
+
+
+def test_an_ernie_trainer_replaying_a_samplers_routes_scores_exactly_what_the_sampler_sampled(tokenizer):
+    """Ernie 4.5's router chooses by softmax + its `moe_statics` bias and weights by the softmax alone: a sampler
+    whose biases differ routes some tokens elsewhere; the trainer replaying its routes gives the sampler's
+    log-probs (float32 both sides), routing freely it does not."""
+    trainer = strong_experts_moe(tokenizer, "ernie4_5_moe", layers=2)
+    sampler = copy.deepcopy(trainer)
+    generator = torch.Generator().manual_seed(5)
+    for router in routing.moe_routers(sampler):
+        bias = router.moe_statics.e_score_correction_bias
+        bias.copy_(0.02 * torch.randn(bias.shape, generator=generator))
     routing.install(sampler)
     rollout = sample(sampler, tokenizer, group=4)
     state = routing.install(trainer)
@@ -267,12 +308,14 @@ def test_every_replayed_router_class_has_its_familys_forward():
             body = re.search(r"    def forward\(.*?(?=^    def |^\S|\Z)", match.group(0), re.M | re.S)
             sources[match.group(1)] = re.sub(r"\s+|#[^\n]*", " ", body.group(0)) if body else None
     representative = {routing.REPLAY_WEIGHTS[name]: name for name in (
-        "Qwen3MoeTopKRouter", "DeepseekV3TopkRouter", "DeepseekV2TopkRouter", "GraniteMoeTopKRouter")}
+        "Qwen3MoeTopKRouter", "DeepseekV3TopkRouter", "DeepseekV2TopkRouter", "GraniteMoeTopKRouter",
+        "JambaTopKRouter", "Ernie4_5_MoeTopKRouter", "Mistral4TopkRouter", "MiniMaxM2TopKRouter", "HYV3TopKRouter",
+        "Lfm2MoeTopKRouter", "Cohere2MoeTopKRouter")}
     allowed = {"Qwen3MoeTopKRouter": {"Qwen3_5MoeTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3VLMoeTextTopKRouter",
                                       "MixtralTopKRouter", "MiniMaxTopKRouter"},  # (always renormalise)
-               "GraniteMoeTopKRouter": {"GptOssTopKRouter"}}  # (tested above on its own)
+               "GraniteMoeTopKRouter": {"GptOssTopKRouter", "AriaTextTopKRouter"}}  # (each tested above on its own)
     found = [name for name in routing.REPLAY_WEIGHTS if name in sources]  # (a newer transformers may drop some)
-    assert len(found) >= 35 and all(sources[name] for name in representative.values())  # the scan read them
+    assert len(found) >= 42 and all(sources[name] for name in representative.values())  # the scan read them
     for name, how in routing.REPLAY_WEIGHTS.items():
         if name not in sources:
             continue  # not in this transformers

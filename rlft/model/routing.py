@@ -11,8 +11,9 @@ Inference Routers", 2025; verl, slime and SkyRL ship it).
 How, for the routers whose forward has transformers' contract `forward(hidden) -> (router_logits,
 weights, indices)` and whose weights are a known function of the logits at the chosen experts
 (`REPLAY_WEIGHTS`: softmax-then-top-k, DeepSeek-V3's sigmoid with bias-corrected group-limited choice,
-DeepSeek-V2's scaled softmax, top-k-of-logits-then-softmax; each family's classes found by comparing
-their forward's source), and for Llama 4's router, which returns dense scores and the logits
+DeepSeek-V2's scaled softmax, top-k-of-logits-then-softmax, each family's classes found by comparing
+their forward's source; and one-class families: Jamba, Ernie 4.5, Mistral 4, MiniMax-M2, HunYuan-V3,
+LFM2-MoE, Cohere2-MoE), and for Llama 4's router, which returns dense scores and the logits
 (`DENSE_SCORE_ROUTERS`):
 
 - recording: while the engine generates, each router's chosen experts are kept per forward call;
@@ -65,6 +66,59 @@ def _topk_logits_softmax(router, logits, chosen):
     return torch.softmax(logits.gather(-1, chosen), dim=-1)
 
 
+def _softmax_plain(router, logits, chosen):
+    """Jamba's router: softmax(logits) at the chosen experts, not renormalised."""
+    return torch.softmax(logits, dim=-1).gather(-1, chosen)
+
+
+def _softmax_clamped(router, logits, chosen):
+    """Ernie 4.5's router: softmax(logits) at the chosen experts (the choice adds its `moe_statics` bias;
+    the weights do not), renormalised by their sum clamped at `norm_min`."""
+    top = torch.softmax(logits, dim=-1).gather(-1, chosen)
+    return top / top.sum(dim=-1, keepdim=True).clamp(min=router.norm_min)
+
+
+def _softmax_group(router, logits, chosen):
+    """Mistral 4's router: softmax(logits) at the chosen experts (group-limited choice), renormalised
+    when `norm_topk_prob`, times `routed_scaling_factor`."""
+    top = torch.softmax(logits, dim=-1).gather(-1, chosen)
+    if router.norm_topk_prob:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * router.routed_scaling_factor
+
+
+def _sigmoid_renormalised(router, logits, chosen):
+    """MiniMax-M2's router: sigmoid(logits) at the chosen experts (the choice adds the block's
+    `e_score_correction_bias`), renormalised."""
+    top = torch.sigmoid(logits).gather(-1, chosen)
+    return top / top.sum(dim=-1, keepdim=True)
+
+
+def _sigmoid_hy(router, logits, chosen):
+    """HunYuan-V3's router: as MiniMax-M2's, with an epsilon, times `router_scaling_factor`."""
+    top = torch.sigmoid(logits).gather(-1, chosen)
+    return top / (top.sum(dim=-1, keepdim=True) + 1e-20) * router.router_scaling_factor
+
+
+def _sigmoid_lfm2(router, logits, chosen):
+    """LFM2-MoE's router: sigmoid(logits) at the chosen experts (the choice adds `expert_bias` when
+    `use_expert_bias`), renormalised when `norm_topk_prob`, times `routed_scaling_factor`."""
+    top = torch.sigmoid(logits).gather(-1, chosen)
+    if router.norm_topk_prob:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-6)
+    return top * router.routed_scaling_factor
+
+
+def _cohere2(router, logits, chosen):
+    """Cohere2-MoE's router: its `expert_selection_fn` over the chosen experts' logits: a softmax, or a
+    sigmoid renormalised when `norm_topk_prob`."""
+    top = logits.gather(-1, chosen)
+    if router.expert_selection_fn == "softmax":
+        return torch.softmax(top, dim=-1)
+    top = torch.sigmoid(top)
+    return top / top.sum(dim=-1, keepdim=True) if router.norm_topk_prob else top
+
+
 # transformers' router classes whose recorded choice rlft replays, by how their weights follow from the
 # logits (each family's classes have the same forward source, transformers 5.24)
 _FAMILIES = {
@@ -78,7 +132,14 @@ _FAMILIES = {
         KimiLinearTopkRouter MiMoV2FlashTopkRouter NemotronHTopkRouter SolarOpenTopkRouter""",
     _softmax_scaled: "DeepseekV2TopkRouter DeepseekOcr2TextTopkRouter UnlimitedOcrTextTopkRouter",
     _topk_logits_softmax: """GptOssTopKRouter GraniteMoeTopKRouter GraniteMoeSWATopKRouter
-        GraniteMoeHybridTopKRouter GraniteMoeSharedTopKRouter""",
+        GraniteMoeHybridTopKRouter GraniteMoeSharedTopKRouter AriaTextTopKRouter""",
+    _softmax_plain: "JambaTopKRouter",
+    _softmax_clamped: "Ernie4_5_MoeTopKRouter",
+    _softmax_group: "Mistral4TopkRouter",
+    _sigmoid_renormalised: "MiniMaxM2TopKRouter",
+    _sigmoid_hy: "HYV3TopKRouter",
+    _sigmoid_lfm2: "Lfm2MoeTopKRouter",
+    _cohere2: "Cohere2MoeTopKRouter",
 }
 REPLAY_WEIGHTS = {name: how for how, names in _FAMILIES.items() for name in names.split()}
 # routers whose forward returns (dense scores [tokens, experts], logits) instead: Llama 4's (the sigmoid
