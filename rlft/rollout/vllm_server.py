@@ -361,7 +361,7 @@ class VLLMServer(StaleAfterStep):
         if self.stale:
             self.sync(model)
         seeds = request_seeds(len(repeated), greedy)
-        with ThreadPoolExecutor(max_workers=min(WORKERS, len(repeated))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(WORKERS, len(repeated)))) as pool:
             choices = list(pool.map(self.complete, repeated, seeds, [max_new_tokens] * len(repeated)))
         fields = [choice_fields(choice, self.replay_mask) for choice in choices]
         return engine_rollout(repeated, [f[0] for f in fields], [f[1] for f in fields],
