@@ -48,7 +48,7 @@ def served(tmp_path_factory):
 class Arriving:
     """Newer weights that arrive `after` seconds after the first look at the inbox and wait there until loaded."""
 
-    def __init__(self, model, engine, newer, after: float = 0.15):
+    def __init__(self, model, engine, newer, after: float = 0.3):
         self.model, self.engine, self.newer, self.after, self.first, self.loaded = model, engine, newer, after, None, 0
 
     def ready(self) -> bool:
@@ -86,7 +86,8 @@ def test_weights_arriving_mid_request_stop_it_and_the_rest_is_sampled_by_them(se
     """Weights arrive while the server samples: this process's requests are aborted, each answering with what
     it drew; the weights are pushed; the rows go on as new requests. Each row records [0] * a + [1] * b (some
     row both), and each token's log-prob equals the forward of its version over the whole sequence (vLLM
-    float32 against transformers float64: 2e-4), which neither version alone gives."""
+    float32 over up to 400 tokens against transformers float64: 1e-3), which neither version alone gives
+    (both are more than 1e-2 off)."""
     model, tokenizer, engine, older, newer, _, _ = served
     load(model, older)
     engine.on_weights_changed()
@@ -95,7 +96,7 @@ def test_weights_arriving_mid_request_stop_it_and_the_rest_is_sampled_by_them(se
     engine.weight_switch = WeightSwitch(0, arriving.pending, arriving.ready)
     torch.manual_seed(0)
     try:
-        rollout = engine(model, prompts_of(tokenizer, 4), 2)  # (a row may end early: 8 of them)
+        rollout = engine(model, prompts_of(tokenizer, 8), 2)  # (a row may end early: 16 of them)
     finally:
         engine.weight_switch = None
     assert arriving.loaded == 1 and engine.weight_switch is None
@@ -111,7 +112,8 @@ def test_weights_arriving_mid_request_stop_it_and_the_rest_is_sampled_by_them(se
     drawn_by = rollout.token_versions
     want = torch.where(drawn_by == 0, before, after)
     scored = rollout.completion_mask.bool()
-    torch.testing.assert_close(rollout.sampling_logps[scored].double(), want[scored], atol=2e-4, rtol=0)
+    # (vLLM's float32 kernels over sequences of up to 400 tokens: one token in 2,615 was 3e-4 off in 1 run of 9)
+    torch.testing.assert_close(rollout.sampling_logps[scored].double(), want[scored], atol=1e-3, rtol=0)
     got = rollout.sampling_logps.double()
     for alone in (before, after):
         assert (got - alone)[scored & both[:, None]].abs().max() > 1e-2
