@@ -236,6 +236,23 @@ def test_a_deepseek_v3_trainer_replaying_a_samplers_routes_scores_exactly_what_t
     assert replayed.max() < 1e-5 < free.max()
 
 
+def test_cohere2s_sigmoid_selection_replays_its_own_choice_and_weights_a_recorded_one_by_its_definition():
+    """Cohere2-MoE's router with `expert_selection_fn: sigmoid`: the sigmoid of the chosen experts' logits,
+    renormalised (the softmax selection is in the family test above)."""
+    router = family_router("Cohere2MoeTopKRouter")
+    router.expert_selection_fn = "sigmoid"
+    state = routing.RouteState([router])
+    routing.attach(router, 0, state)
+    hidden = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    free_logits, free_scores, free_chosen = router(hidden)
+    state.mode, state.routes = "replay", free_chosen[:, None].to(torch.int16)
+    torch.testing.assert_close(router(hidden)[1], free_scores, atol=1e-6, rtol=1e-6)
+    other = torch.tensor([[6, 1]] * 5)
+    state.routes = other[:, None].to(torch.int16)
+    want = renormalised(free_logits.float().gather(-1, other).sigmoid())
+    torch.testing.assert_close(router(hidden)[1], want, atol=1e-6, rtol=1e-6)
+
+
 def test_an_ernie_trainer_replaying_a_samplers_routes_scores_exactly_what_the_sampler_sampled(tokenizer):
     """Ernie 4.5's router chooses by softmax + its `moe_statics` bias and weights by the softmax alone: a sampler
     whose biases differ routes some tokens elsewhere; the trainer replaying its routes gives the sampler's
