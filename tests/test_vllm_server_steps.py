@@ -37,7 +37,7 @@ def served(tmp_path_factory):
     generator = torch.Generator().manual_seed(3)
     newer = {name: p + 0.5 * torch.randn(p.shape, generator=generator) for name, p in older.items()}
     port = free_port()
-    with serving(tmp, path, port):
+    with serving(tmp, path, port, "--enable_lora", "--max_lora_rank", "8"):
         args = AsyncGRPOConfig(output_dir=str(tmp / "out"), use_vllm=True, vllm_mode="server", vllm_server_port=port,
                                vllm_server_timeout=240, max_completion_length=BUDGET, inflight_weight_updates=True,
                                partial_rollouts=1)
@@ -161,9 +161,15 @@ def test_partial_windows_on_a_server_carry_rows_and_continue_them_under_newer_we
 
 def test_an_async_run_on_a_server_takes_in_flight_updates_and_partial_rollouts(served, tmp_path):
     """AsyncGRPOTrainer whose producer talks to the server, with inflight_weight_updates and partial_rollouts=1
-    (the throughput mode): it trains its steps, carries tokens from one window to the next, and every token
-    stays within max_staleness. (Last in this file: it pushes its own weights to the shared server.)"""
+    (the throughput mode), LoRA: it trains its steps, carries tokens from one window to the next, and every
+    token stays within max_staleness. Its pushes are the adapter alone after the base weights once: a
+    server's requests are sent again after a push, so in-flight updates need no merged model there (a
+    colocated engine's running requests would keep their adapter). (Last in this file: it pushes its own
+    weights to the shared server.)"""
+    from peft import LoraConfig
+
     from rlft import AsyncGRPOTrainer
+    from rlft.rollout.vllm import engine_weights
     from rlft.telemetry.tracking import read_metrics
     from tests.helpers import addition_rows, correct_answer
     from tests.test_async_grpo import async_config
@@ -172,8 +178,16 @@ def test_an_async_run_on_a_server_takes_in_flight_updates_and_partial_rollouts(s
     config = async_config(tmp_path, max_steps=3, use_vllm=True, vllm_mode="server", vllm_server_port=port,
                           vllm_server_timeout=240, inflight_weight_updates=True, partial_rollouts=1,
                           max_completion_length=24)
-    AsyncGRPOTrainer(path, [correct_answer], config, addition_rows(32)).train()
+    trainer = AsyncGRPOTrainer(path, [correct_answer], config, addition_rows(32),
+                               peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    adapter = sum(t.numel() * 4 for n, t in trainer.model.named_parameters() if "lora_" in n)
+    base = sum(t.numel() * 4 for _, t in engine_weights(trainer.model))
+    trainer.train()
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    pushed = [r.get("vllm/sync_bytes", 0.0) for r in rows]
+    # (the producer may have sampled every later rollout before the first push it needed: then no more pushes)
+    assert pushed[0] > base and (pushed[0] - base) % adapter == 0 and all(b % adapter == 0 for b in pushed[1:]), \
+        (pushed, adapter)
     assert any(r["partial/carried_share"] > 0 for r in rows), rows
     assert all(r["sample/staleness_max"] <= config.max_staleness for r in rows)

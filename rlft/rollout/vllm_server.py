@@ -237,7 +237,7 @@ class VLLMServer(StaleAfterStep):
         vllm_lora_sync='adapter')."""
         from rlft.errors import ConfigError
 
-        mode = lora_sync_mode(self.args, model)
+        mode = lora_sync_mode(self.args, model, restarts_requests=True)
         if mode != "adapter":
             return mode
         lora = info.get("lora_config") or {}

@@ -173,10 +173,11 @@ def unservable_reasons(model) -> list[str]:
     return reasons
 
 
-def lora_sync_mode(args, model) -> str | None:
+def lora_sync_mode(args, model, restarts_requests: bool = False) -> str | None:
     """"adapter" (push only the adapter), "merged" (push the whole model with LoRA merged) or None
     (no LoRA), from `vllm_lora_sync`: auto picks adapter when vLLM can serve it and says why when it
-    cannot."""
+    cannot. `restarts_requests`: an engine whose running requests are stopped and sent again after a
+    push (a vLLM server, rlft/rollout/vllm_requests.py), so in-flight updates can take adapters."""
     from peft import PeftModel
 
     from rlft.errors import ConfigError
@@ -186,7 +187,7 @@ def lora_sync_mode(args, model) -> str | None:
     choice = args.vllm_lora_sync
     if choice == "merged":
         return "merged"
-    if getattr(args, "inflight_weight_updates", False):  # (an AsyncGRPOConfig field)
+    if getattr(args, "inflight_weight_updates", False) and not restarts_requests:  # (AsyncGRPOConfig's)
         # a running request keeps the adapter it was added with: newer weights reach it only merged
         if choice == "adapter":
             raise ConfigError("vllm_lora_sync='adapter' with inflight_weight_updates: a running vLLM "
