@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from rlft import GRPOTrainer
@@ -121,3 +122,22 @@ def test_in_flight_updates_push_lora_merged_because_a_running_request_keeps_its_
     assert lora_sync_mode(config(inflight_weight_updates=True), model) == "merged"
     with pytest.raises(ConfigError, match="vllm_lora_sync='adapter' with inflight_weight_updates.*merged"):
         lora_sync_mode(config(inflight_weight_updates=True, vllm_lora_sync="adapter"), model)
+
+
+def test_producers_of_several_processes_share_a_server_only_pushing_adapters():
+    """AsyncGRPOTrainer on several processes starts a producer per process; on one vLLM server each pushes at
+    its own time. Adapters are safe (each producer's requests name its own); whole or merged weights would reach
+    another producer's running requests, so the producer refuses them, naming the fix."""
+    from rlft.errors import ConfigError
+    from rlft.rollout.vllm_server import VLLMServer
+
+    server = VLLMServer.__new__(VLLMServer)
+    server.client = SimpleNamespace(url="http://127.0.0.1:8000")
+    for mode in (None, "merged"):
+        server.lora_mode = mode
+        server.check_shared(1)
+        with pytest.raises(ConfigError, match="on 2 processes shares the vLLM server at http://127.0.0.1:8000.*"
+                                              "vllm_lora_sync: auto or adapter.*--enable_lora"):
+            server.check_shared(2)
+    server.lora_mode = "adapter"
+    server.check_shared(2)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rlft.errors import RlftError
 from rlft.model.routing import route_state
@@ -144,7 +145,9 @@ class ProcessProducer:
                 # the trainer replays a MoE policy's routes: the producer records them
                 "routes": route_state(model) is not None,
                 # transformers' engine generates on the trainer's device
-                "device": str(self.device)}
+                "device": str(self.device),
+                # (each training process starts a producer: several may share one vLLM server)
+                "processes": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1}
         (self.folder / SPEC_FILE).write_text(json.dumps(spec))
         self.ready, self.error, self.beat, self.results, self.begun = False, None, time.monotonic(), {}, {}
         self.submitted = set()

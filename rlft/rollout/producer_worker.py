@@ -117,6 +117,8 @@ def _build(folder: Path, spec: dict):
         model.to(spec.get("device", "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "model"))
     engine = make_generator(args, tokenizer, model, str(folder / "model"))
+    if args.use_vllm and args.vllm_mode == "server":  # every training process's producer on one server
+        engine.check_shared(spec.get("processes", 1))
     if hasattr(engine, "return_logps") and recorded_logps_match(args):
         engine.return_logps = True  # generate: each sampled token's log-prob, read while sampling
     return model, engine, args

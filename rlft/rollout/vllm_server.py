@@ -254,6 +254,21 @@ class VLLMServer(StaleAfterStep):
                                           "merged; %s to push only the adapter", why, fix)
         return "merged"
 
+    def check_shared(self, producers: int) -> None:
+        """Several rollout producers (AsyncGRPOTrainer on several processes, one each) on this server:
+        each pushes at its own time, which is safe only for adapters (each producer's requests name its
+        own); whole weights pushed by one would reach the others' running requests unannounced."""
+        from rlft.errors import ConfigError
+
+        if producers > 1 and self.lora_mode != "adapter":
+            raise ConfigError(
+                f"AsyncGRPOTrainer on {producers} processes shares the vLLM server at {self.client.url}, and "
+                f"its producers would push {'the merged model' if self.lora_mode else 'whole weights'} "
+                "to it, each at its own time: one process's push would change the weights under "
+                "another's running requests, whose tokens would then carry the wrong version. Train "
+                "LoRA pushed as an adapter (vllm_lora_sync: auto or adapter, the server started with "
+                "`rlft vllm-serve --enable_lora`), or use vllm_mode: colocate")
+
     # ---- weights -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self, model) -> None:
