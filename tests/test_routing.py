@@ -163,7 +163,6 @@ def family_router(name: str, experts: int = 8, k: int = 2, hidden: int = 8):
     router.top_k, router.num_experts, router.hidden_dim, router.routed_scaling_factor = k, experts, hidden, 2.5
     router.num_group, router.topk_group, router.norm_topk_prob, router.topk_method = 2, 1, True, "greedy"
     router.router_scaling_factor, router.use_expert_bias, router.norm_min = 2.5, True, 1e-12  # (HY-V3, LFM2, Ernie)
-    router.expert_selection_fn = "softmax"  # (Cohere2-MoE)
     router.moe_statics = lambda weights: weights + router.e_score_correction_bias  # (Ernie 4.5's choice bias)
     return router
 
@@ -193,13 +192,16 @@ def renormalised(p, eps=0.0):
     ("MiniMaxM2TopKRouter", lambda z, chosen: renormalised(z.sigmoid().gather(-1, chosen))),
     ("HYV3TopKRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen))),
     ("Lfm2MoeTopKRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen), 1e-6)),
-    ("Cohere2MoeTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1))])
+    ("Cohere2MoeTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1)),
+    ("Cohere2MoeTopKRouter:sigmoid", lambda z, chosen: renormalised(z.gather(-1, chosen).sigmoid()))])
 def test_each_router_family_replays_its_own_choice_exactly_and_weights_a_recorded_one_by_its_definition(
         name, definition):
     """Replaying the router's own choice returns exactly the weights its forward computed (so the family's
     formula is that router's); a recorded choice it would not make gets the family's definition at it, with the
     logits unchanged and a gradient reaching the router's weight."""
+    name, _, selection = name.partition(":")  # (Cohere2-MoE's two `expert_selection_fn`s)
     router = family_router(name)
+    router.expert_selection_fn = selection or "softmax"
     state = routing.RouteState([router])
     routing.attach(router, 0, state)
     hidden = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
@@ -217,51 +219,19 @@ def test_each_router_family_replays_its_own_choice_exactly_and_weights_a_recorde
     assert router.weight.grad.abs().sum() > 0
 
 
-def test_a_deepseek_v3_trainer_replaying_a_samplers_routes_scores_exactly_what_the_sampler_sampled(tokenizer):
-    """DeepSeek-V3's router chooses by sigmoid + `e_score_correction_bias` (load balancing without a loss) and
-    weights by the sigmoid alone. A sampler whose biases differ (the same weights otherwise) routes some
-    tokens elsewhere; the trainer replaying its routes gives the sampler's log-probs (float32 both sides, one
-    precision), routing freely it does not."""
-    trainer = strong_experts_moe(tokenizer, "deepseek_v3", layers=2)
+@pytest.mark.parametrize("arch, bias_of", [
+    ("deepseek_v3", lambda router: router.e_score_correction_bias),
+    ("ernie4_5_moe", lambda router: router.moe_statics.e_score_correction_bias)])
+def test_a_trainer_replaying_a_samplers_routes_scores_exactly_what_a_biased_sampler_sampled(tokenizer, arch, bias_of):
+    """DeepSeek-V3's router chooses by sigmoid + `e_score_correction_bias` (load balancing without a loss), Ernie
+    4.5's by softmax + its `moe_statics` bias; both weight without the bias. A sampler whose biases differ (the
+    same weights otherwise) routes some tokens elsewhere; the trainer replaying its routes gives the sampler's
+    log-probs (float32 both sides, one precision), routing freely it does not."""
+    trainer = strong_experts_moe(tokenizer, arch, layers=2)
     sampler = copy.deepcopy(trainer)
     generator = torch.Generator().manual_seed(5)
     for router in routing.moe_routers(sampler):
-        router.e_score_correction_bias.copy_(0.02 * torch.randn(router.e_score_correction_bias.shape,
-                                                                generator=generator))
-    routing.install(sampler)
-    rollout = sample(sampler, tokenizer, group=4)
-    state = routing.install(trainer)
-    free, replayed = log_ratios(trainer, rollout, False).abs(), log_ratios(trainer, rollout, True).abs()
-    assert state.take_agreement() < 0.95  # the biases moved choices
-    assert replayed.max() < 1e-5 < free.max()
-
-
-def test_cohere2s_sigmoid_selection_replays_its_own_choice_and_weights_a_recorded_one_by_its_definition():
-    """Cohere2-MoE's router with `expert_selection_fn: sigmoid`: the sigmoid of the chosen experts' logits,
-    renormalised (the softmax selection is in the family test above)."""
-    router = family_router("Cohere2MoeTopKRouter")
-    router.expert_selection_fn = "sigmoid"
-    state = routing.RouteState([router])
-    routing.attach(router, 0, state)
-    hidden = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
-    free_logits, free_scores, free_chosen = router(hidden)
-    state.mode, state.routes = "replay", free_chosen[:, None].to(torch.int16)
-    torch.testing.assert_close(router(hidden)[1], free_scores, atol=1e-6, rtol=1e-6)
-    other = torch.tensor([[6, 1]] * 5)
-    state.routes = other[:, None].to(torch.int16)
-    want = renormalised(free_logits.float().gather(-1, other).sigmoid())
-    torch.testing.assert_close(router(hidden)[1], want, atol=1e-6, rtol=1e-6)
-
-
-def test_an_ernie_trainer_replaying_a_samplers_routes_scores_exactly_what_the_sampler_sampled(tokenizer):
-    """Ernie 4.5's router chooses by softmax + its `moe_statics` bias and weights by the softmax alone: a sampler
-    whose biases differ routes some tokens elsewhere; the trainer replaying its routes gives the sampler's
-    log-probs (float32 both sides), routing freely it does not."""
-    trainer = strong_experts_moe(tokenizer, "ernie4_5_moe", layers=2)
-    sampler = copy.deepcopy(trainer)
-    generator = torch.Generator().manual_seed(5)
-    for router in routing.moe_routers(sampler):
-        bias = router.moe_statics.e_score_correction_bias
+        bias = bias_of(router)
         bias.copy_(0.02 * torch.randn(bias.shape, generator=generator))
     routing.install(sampler)
     rollout = sample(sampler, tokenizer, group=4)
