@@ -124,16 +124,11 @@ def test_partial_windows_on_a_server_carry_rows_and_continue_them_under_newer_we
     then version 1 is pushed and rollout r0's window runs until r0's rows are done, r1's stopped where they
     are. Each r0 row records [0] * 3 + [1] * rest, each log-prob that of its version's forward over the whole
     sequence; r1's rows are carried with their tokens."""
-    from rlft.rollout.partial import Pool
+    from tests.test_vllm_steps import two_rollouts_pool
 
     model, tokenizer, engine, older, newer, _, _ = served
-    load(model, older)
-    engine.on_weights_changed()
-    pool = Pool(48)
     prompts = prompts_of(tokenizer)
-    pool.add("r0", prompts, 2, engine.replay_mask)
-    pool.add("r1", prompts[::-1], 2, engine.replay_mask)
-    torch.manual_seed(0)
+    pool = two_rollouts_pool(model, engine, older, 48, prompts)
     pool.advance(model, engine, 3, 0)
     assert all(row.versions == [0] * 3 for c in pool.cohorts.values() for row in c["rows"])
     load(model, newer)

@@ -41,6 +41,20 @@ def prompts_of(tokenizer):
             for messages in (long, [{"role": "user", "content": "What is 3 + 4?"}])]
 
 
+def two_rollouts_pool(model, engine, older, budget: int, prompts: list[list[int]]):
+    """A pool holding rollouts r0 and r1 (`prompts` x 2 each, r1's reversed), the engine on the `older`
+    weights (version 0), torch's seed set."""
+    from rlft.rollout.partial import Pool
+
+    load(model, older)
+    engine.on_weights_changed()
+    pool = Pool(budget)
+    pool.add("r0", prompts, 2, engine.replay_mask)
+    pool.add("r1", prompts[::-1], 2, engine.replay_mask)
+    torch.manual_seed(0)
+    return pool
+
+
 def test_weights_loaded_between_two_vllm_steps_reach_the_running_requests_which_keep_their_cache(stepped):
     """The switch loads version 1 after the 2nd token: tokens 0-1 record version 0, the rest version 1, and each
     recorded log-prob equals version 0's forward over the prefix and version 1's over the rest on version 0's
@@ -90,17 +104,10 @@ def test_partial_windows_on_vllm_carry_rows_and_continue_them_under_newer_weight
     the prefix cache left stale this fails). Throughput mode: they stayed in the engine and go on on their
     cache, nothing prefilled again, so each log-prob equals version 0's forward over the first tokens and
     version 1's over the rest on version 0's cache; r1's unfinished requests stay for the next window."""
-    from rlft.rollout.partial import Pool
-
     model, tokenizer, engine, older, newer = stepped
     engine.args.inflight_switch_tokens = 4 if mode == "reproducible" else None
-    load(model, older)
-    engine.on_weights_changed()
-    pool = Pool(12)
     prompts = prompts_of(tokenizer)
-    pool.add("r0", prompts, 2, engine.replay_mask)
-    pool.add("r1", prompts[::-1], 2, engine.replay_mask)
-    torch.manual_seed(0)
+    pool = two_rollouts_pool(model, engine, older, 12, prompts)
     try:
         pool.advance(model, engine, 2, 0)
         assert all(len(row.tokens) == 2 and row.versions == [0] * 2 for c in pool.cohorts.values()
