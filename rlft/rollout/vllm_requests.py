@@ -21,7 +21,6 @@ end under the weights it started with: the push waits for it, so its tokens are 
 
 from __future__ import annotations
 
-import itertools
 import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -33,7 +32,6 @@ from rlft.rollout.truncation import kept_of
 POLL_SECONDS = 0.05
 # concurrent HTTP requests (one thread each): every row at once, up to this many, for the server to batch
 WORKERS = 512
-_IDS = itertools.count()
 
 
 def choice_fields(choice: dict, replayed: bool) -> tuple[list[int], list[float | None], list | None]:
@@ -58,7 +56,7 @@ class _Round:
         with self.lock:
             if self.stopped:
                 return {"token_ids": [], "finish_reason": "abort"}
-            self.ids[row] = f"rlft-{uuid.uuid4().hex[:8]}-{next(_IDS)}"
+            self.ids[row] = f"rlft-{uuid.uuid4().hex}"  # (unique across the producers sharing a server)
         return self.engine.complete(ids, seed, budget, self.ids[row], salt)
 
     def stop(self, rows) -> None:
