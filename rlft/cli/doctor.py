@@ -233,12 +233,10 @@ def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
     experts."""
     trainer_name = str(trainer_dtype).split(".")[-1]
     quantized = getattr(cfg, "vllm_quantization", None)
-    if cfg.use_vllm and (cfg.vllm_dtype not in ("auto", trainer_name) or quantized) \
-            and not cfg.vllm_importance_sampling_correction:
-        engine = (f"vllm_dtype={cfg.vllm_dtype}" if cfg.vllm_dtype not in ("auto", trainer_name) else "") + \
-            (f"{' and ' if cfg.vllm_dtype not in ('auto', trainer_name) else ''}vllm_quantization={quantized}"
-             if quantized else "")
-        report.add("WARN", "sampler precision", f"{engine} samples from other weights than the "
+    engine = [f"vllm_dtype={cfg.vllm_dtype}"] * (cfg.vllm_dtype not in ("auto", trainer_name)) + \
+        [f"vllm_quantization={quantized}"] * bool(quantized)
+    if cfg.use_vllm and engine and not cfg.vllm_importance_sampling_correction:
+        report.add("WARN", "sampler precision", f"{' and '.join(engine)} samples from other weights than the "
                    f"{trainer_name} ones the trainer scores, and "
                    "vllm_importance_sampling_correction is off: the rollouts are off-policy by the "
                    "precision gap and nothing weighs it. Set vllm_importance_sampling_correction: "
