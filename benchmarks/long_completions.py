@@ -59,8 +59,25 @@ def grpo_loss(logps, advantages, epsilon: float = 0.2):
     return per_token.mean()
 
 
-def loss_gradient(advantages):
-    """log-probs -> dL/dlog p of `grpo_loss` (what rlft's trainer gives the head for such a loss)."""
+def loss_gradient(advantages, epsilon: float = 0.2):
+    """dL/dlog p of `grpo_loss` in closed form, a Score.loss_grad (what rlft's trainer gives the head for
+    such a loss, rlft/core/loss_grads.py): the clipped token mean over every token of [2, width]."""
+    import torch
+
+    from rlft.core.loss_grads import ClosedFormGrad, token_loss_grad
+    from rlft.core.losses import LossOptions
+
+    options = LossOptions(epsilon_low=epsilon)
+
+    def build(width: int):
+        mask = torch.ones(advantages.shape[0], width, device=advantages.device)
+        return token_loss_grad(None, advantages, mask, loss_type="dapo", options=options)
+    return ClosedFormGrad(build)
+
+
+def autograd_loss_gradient(advantages):
+    """log-probs -> dL/dlog p of `grpo_loss` by autograd on the loss's own code (what the trainer gives for a
+    token-separable loss without a closed form)."""
     import torch
 
     def gradient(logps):

@@ -216,10 +216,10 @@ def clipped_token_loss(logps, old, advantages, weights, epsilon=0.2):
 
 
 def predictor(loss_of):
-    def predict(logps):  # the loss's dL/dlog p at these log-probs
+    def predict(logps, rows):  # the loss's dL/dlog p at these log-probs, read at a tile's rows
         with torch.enable_grad():
             x = logps.detach().requires_grad_()
-            return torch.autograd.grad(loss_of(x), x)[0]
+            return torch.autograd.grad(loss_of(x), x)[0][rows]
     return predict
 
 
@@ -288,9 +288,9 @@ def test_a_predicted_loss_is_unused_for_a_frozen_head_or_without_gradient(monkey
     hidden, weight, _, targets = inputs()
     calls = []
 
-    def predict(logps):
+    def predict(logps, rows):
         calls.append(1)
-        return torch.ones_like(logps)
+        return torch.ones_like(logps[rows])
 
     with torch.no_grad():
         fused_token_logprobs(hidden, weight, targets, tile=4, predict=predict)

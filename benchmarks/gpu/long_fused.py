@@ -64,7 +64,12 @@ def head_part(args, hidden_size):
     y = torch.randint(0, VOCAB, (args.positions,), device=args.device, generator=g)
     adv = torch.randn(args.positions, device=args.device, generator=g)
     rows, grads = [], {}
-    for name, predict in (("recomputing backward", None), ("loss gradient in the forward", gradient_of(adv))):
+    closed = gradient_of(adv[None]).build(args.positions).select(lambda t: t[0])  # per-token advantages
+
+    def closed_form(logps, rows):  # the closed form at a tile's rows (rlft/model/scoring.py: _predictor)
+        return closed.select(lambda t: t[rows])(logps[rows])
+    closed_form.closed_form = True
+    for name, predict in (("recomputing backward", None), ("closed-form loss gradient in the forward", closed_form)):
         def step(predict=predict):
             h.grad = w.grad = None
             logps, _ = fused_token_logprobs(h, w, y, entropy=True, predict=predict)

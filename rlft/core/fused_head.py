@@ -36,13 +36,15 @@ recomputes the tiles as before (as it does when an entropy gradient arrives unan
 A head that trains (full fine-tuning) needs dL/dW, which is not linear in a per-token basis; but a
 loss whose gradient at each token depends on that token's log-prob alone (GRPO's clipped token
 terms, with their constant normalisers) can say g while the tile's logits are still there
-(`predict`: log-probs -> dL/dlog p, the loss's own code run on them). The forward then forms dL/dh,
-dL/dW and dL/db itself, three passes over the vocabulary and no recomputation, and keeps them. The
-backward checks that the g it is given is the predicted one times one scalar c (gradient
-accumulation, a process count) and returns the kept gradients times c; any other g (a loss that was
-not token-separable after all) gets the recomputing backward, so the result is exact either way. On
-a CPU only: on a GPU the prediction (the loss's code once per tile) costs about what the saved pass
-saves (benchmarks/gpu/long-fused-h100.md).
+(`predict`: log-probs -> dL/dlog p at a tile's rows). The forward then forms dL/dh, dL/dW and dL/db
+itself, three passes over the vocabulary and no recomputation, and keeps them. The backward checks
+that the g it is given is the predicted one times one scalar c (gradient accumulation, a process
+count) and returns the kept gradients times c; any other g (a loss that was not token-separable
+after all) gets the recomputing backward, so the result is exact either way. The prediction is the
+loss's closed form (rlft/core/loss_grads.py: a few elementwise operations on the tile's rows) where
+it has one, else the loss's own code under autograd on every log-prob once per tile; on a GPU that
+second kind costs about what the saved pass saves (benchmarks/gpu/long-fused-h100.md), so a GPU takes
+the closed form only (not yet measured there).
 
 Logits are float32 whatever the model's dtype (a bf16/fp16 matmul, then float32 from there on). This
 is the selective log-softmax of rlft/core/logprobs.py without ever holding a [B, T, V] tensor: the
@@ -292,7 +294,7 @@ class _TiledLogProbs(torch.autograd.Function):
             if frozen is not None:  # dL/dh per unit dL/dlog p, while the tile's logits are here
                 g = ones[:z.shape[0]]
             else:  # the loss's dL/dlog p for this tile, and the head's gradients from it
-                g = fused.predicted[rows] = predict(logps)[rows]
+                g = fused.predicted[rows] = predict(logps, rows)
                 g = g[:, None].to(z.dtype)
             grad_z = _logp_grad_(z, e.div_(total[:, None]), lse, used[rows], targets[rows],
                                  None if kept is None else kept[rows], g)
@@ -356,9 +358,10 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     gradient is exact too). Never allocates [N, V]. `whole()`: a context in which the weight is
     whole, entered around the forward and the backward tile loops (a partitioned weight gathered for
     them). `entropy_grad`: the entropy's gradient will be asked for (an entropy bonus; otherwise a
-    frozen head's backward takes dL/dh from the forward, module docstring). `predict`: log-probs [N]
-    -> the loss's dL/dlog p [N], for a loss whose gradient at a token depends on that token's
-    log-prob alone (a trainable head then forms its gradients in the forward)."""
+    frozen head's backward takes dL/dh from the forward, module docstring). `predict`: (log-probs [N]
+    so far, a tile's rows) -> the loss's dL/dlog p at those rows, for a loss whose gradient at a
+    token depends on that token's log-prob alone (a trainable head then forms its gradients in the
+    forward; on a GPU only when `predict.closed_form` says it runs no autograd)."""
     logps, ent, _ = fused_kept_logprobs(hidden, weight, targets, None, bias, temperature, logit_scale,
                                         softcap, entropy, tile, whole, entropy_grad, predict)
     return logps, ent
@@ -381,9 +384,10 @@ def fused_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     grad = torch.is_grad_enabled() and not (entropy and entropy_grad)
     trains = weight.requires_grad or (bias is not None and bias.requires_grad)
     frozen = grad and hidden.requires_grad and not trains
-    # a frozen head's basis needs no prediction; on a GPU the prediction's per-tile kernels and
-    # syncs cost what the saved pass saves (H100, Qwen2.5-0.5B: 131 vs 129 ms for the head, a 16%
-    # slower 2 x 8,192 step; benchmarks/gpu/long-fused-h100.md), so only a CPU uses it
-    predict = predict if grad and trains and hidden.device.type == "cpu" else None
+    # a frozen head's basis needs no prediction; on a GPU the loss's own code under autograd once per
+    # tile cost what the saved pass saves (H100, Qwen2.5-0.5B: 131 vs 129 ms for the head, a 16%
+    # slower 2 x 8,192 step; benchmarks/gpu/long-fused-h100.md), so there only a closed form is used
+    closed = getattr(predict, "closed_form", False)
+    predict = predict if grad and trains and (hidden.device.type == "cpu" or closed) else None
     return _TiledLogProbs.apply(hidden, weight, bias, targets, kept, float(temperature), float(logit_scale),
                                 softcap, int(tile), bool(entropy), whole, frozen, predict)

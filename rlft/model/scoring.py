@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlft.core.distill import Head, tiled_divergence
 from rlft.core.fused_head import fused_kept_logprobs, kept_lse, tile_positions
+from rlft.core.loss_grads import ClosedFormGrad
 from rlft.core.self_distill import SelfDistillMode, topk_divergence
 from rlft.core.sparse_distill import sparse_divergence
 from rlft.core.uld import ULDPlan, spread, uld_distance
@@ -157,9 +158,7 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
         return full.masked_scatter(mask, values) if packed is None else \
             full.index_put((packed.rows, packed.cols), values)
 
-    def predict(values):  # [n] -> the loss's dL/dlog p [n], read back where `place` put them
-        grad = score.loss_grad(place(values))
-        return grad[mask] if packed is None else grad[packed.rows, packed.cols]
+    predict = None if score.loss_grad is None else _predictor(score.loss_grad, mask, packed, place)
 
     if score.teacher is not None and score.teacher.uld is not None:
         return _uld_scored(head, hidden, targets, score, scale, softcap, place)
@@ -177,7 +176,7 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
             return Scored(torch.zeros_like(student_entropy), student_entropy, None, divergence=divergence,
                           teacher_entropy=teacher_entropy)
     logps, entropy, logmass = _head_scores(model, head, hidden, targets, kept, score, scale, softcap,
-                                           None if score.loss_grad is None else predict)  # [n] each
+                                           predict)  # [n] each
     logps = place(logps)
     if entropy is not None:
         entropy = place(entropy)
@@ -187,6 +186,25 @@ def score_forward(model, score: Score, *args, **kwargs) -> Scored:
     aux = _router_loss(model, outputs, kwargs.get("attention_mask")) if score.router_loss else None
     return Scored(logps, entropy, aux, logmass, divergence=divergence, teacher_entropy=teacher_entropy,
                   teacher_logps=teacher_logps)
+
+
+def _predictor(loss_grad, mask: torch.Tensor, packed: Packed | None, place) -> Callable:
+    """(log-probs [n] so far, a tile's rows) -> the loss's dL/dlog p [t] at those rows, in the order the
+    head scores (Score.loss_grad). A closed form (rlft/core/loss_grads.py) reads its per-token constants
+    at the scored positions once and evaluates the tile's rows alone (`closed_form`: no autograd, so a
+    GPU uses it too); otherwise the loss's own code runs on every log-prob, read back where `place`
+    put them."""
+    def scored(grid: torch.Tensor) -> torch.Tensor:  # [b, c] -> [n]
+        return grid[mask] if packed is None else grid[packed.rows, packed.cols]
+
+    if isinstance(loss_grad, ClosedFormGrad):
+        constants = loss_grad.build(mask.shape[1]).select(scored)
+
+        def closed(values: torch.Tensor, rows: slice) -> torch.Tensor:
+            return constants.select(lambda t: t[rows])(values[rows])
+        closed.closed_form = True
+        return closed
+    return lambda values, rows: scored(loss_grad(place(values)))[rows]
 
 
 def _uld_scored(head, hidden, targets, score: Score, scale: float, softcap: float | None, place) -> Scored:
@@ -258,8 +276,8 @@ def _gathered(*params):
 
 def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float, softcap: float | None,
                  predict=None):
-    """(log-probs [n], entropy [n] or None, log kept mass [n]). `predict`: [n] log-probs -> the
-    loss's dL/dlog p [n] (Score.loss_grad)."""
+    """(log-probs [n], entropy [n] or None, log kept mass [n]). `predict`: ([n] log-probs, a tile's
+    rows) -> the loss's dL/dlog p there (`_predictor`)."""
     plain = _plain_weight(head)
     if plain is not None:
         weight, bias = plain

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from rlft.core.importance import CORRECTIONS, correction_stats, sampling_correction
+from rlft.core.loss_grads import ClosedFormGrad, has_closed_form, token_loss_grad
 from rlft.core.losses import LOSSES, LossOptions, off_policy_sequence_mask, policy_loss
 from rlft.core.regularizers import entropy_bonus
 from rlft.train.update.metrics import CLIP_MEAN_KEYS
@@ -136,7 +137,7 @@ class PolicyObjective(Objective):
         logps, entropy, router, logmass, divergence = u.scorer.forward(
             u.scorer.model, batch.rollout, rows, entropy=True, entropy_grad=u.entropy_bonus_on,
             router_loss=u.router_aux_loss_coef != 0.0, teacher=teacher,
-            loss_grad=_gradient_of(policy_part) if self._token_separable(u, batch) else None)
+            loss_grad=self._loss_grad(u, batch, rows, num_items, num_sequences, keep, policy_part))
         loss, metrics, mask = policy_part(logps, corrections)
         # the mass the sampler kept, under the policy now (per trained token)
         if logmass is not None:
@@ -155,40 +156,56 @@ class PolicyObjective(Objective):
         pi_sampler (`vllm_importance_sampling_*`, rlft/core/importance.py), their statistics
         appended to `corrections` (None: a prediction of the gradient, nothing recorded, no
         metrics)."""
-        args, rollout = u.args, batch.rollout
-        width = logps.shape[1]
-        mask = (rollout.loss_mask if keep is None else keep)[rows, :width]
-        old = batch.old_logps[rows, :width] if batch.old_logps is not None else logps.detach()
-        sampler = rollout.sampling_logps[rows, :width] if rollout.sampling_logps is not None else None
-        weights = None
-        if sampler is not None and args.rollout_correction_bypass:  # the sampler is pi_old: no weight
-            if corrections is not None:  # (the mismatch of the policy now, measured all the same)
+        args = u.args
+        inputs = _PolicyInputs.of(u, batch, rows, logps.shape[1], keep, logps.detach())
+        mask, old, sampler, weights = inputs.mask, inputs.old, inputs.sampler, inputs.weights
+        if sampler is not None and corrections is not None:
+            if args.rollout_correction_bypass:  # the mismatch of the policy now, measured all the same
                 corrections.append(correction_stats(logps.detach(), sampler, mask, torch.ones_like(sampler)))
-            old = sampler
-        elif sampler is not None and args.vllm_importance_sampling_correction:
-            weights = sampling_correction(old, sampler, mask, args.vllm_importance_sampling_mode,
-                                          args.vllm_importance_sampling_clip_min,
-                                          args.vllm_importance_sampling_cap
-                                          or args.vllm_importance_sampling_clip_max)
-            if corrections is not None:  # (the unbounded weights: how many a bound clipped)
+            elif weights is not None:  # (the unbounded weights: how many a bound clipped)
                 unbounded = sampling_correction(old, sampler, mask, args.vllm_importance_sampling_mode, None,
                                                 None)
                 corrections.append(correction_stats(old, sampler, mask, weights, unbounded))
-        advantages = batch.advantages[rows]  # [b], or [b, C] per token (REINFORCE++)
-        advantages = advantages if advantages.ndim == 1 else advantages[:, :width]
         off_policy = None
         # the sampler's log-probs when another engine sampled
         if args.off_policy_mask_threshold is not None:
-            off_policy = off_policy_sequence_mask(advantages, logps, old if sampler is None else sampler,
-                                                  mask, args.off_policy_mask_threshold)
+            off_policy = off_policy_sequence_mask(inputs.advantages, logps,
+                                                  old if sampler is None else sampler, mask,
+                                                  args.off_policy_mask_threshold)
         loss, metrics = policy_loss(
-            logps, old, advantages, mask, loss_type=args.loss_type, options=self.loss_options,
-            ref_logps=None if batch.ref_logps is None else batch.ref_logps[rows, :width], num_items=num_items,
-            num_sequences=num_sequences, rollout_is_weights=weights, keep=off_policy,
-            with_metrics=corrections is not None)
+            logps, old, inputs.advantages, mask, loss_type=args.loss_type, options=self.loss_options,
+            ref_logps=inputs.ref, num_items=num_items, num_sequences=num_sequences,
+            rollout_is_weights=weights, keep=off_policy, with_metrics=corrections is not None)
         if off_policy is not None and corrections is not None:
             metrics["off_policy/masked_fraction"] = 1.0 - off_policy.mean()
         return loss, metrics, mask
+
+    def _closed_form(self, u, batch: RolloutBatch, rows, num_items, num_sequences,
+                     keep) -> ClosedFormGrad | None:
+        """The policy term's dL/dlog p in closed form (rlft/core/loss_grads.py) for a token-separable
+        loss, or None where it has none: a loss without one, or sampling-correction weights that read
+        the log-probs themselves (no pi_old: each token's weight is then a function of its own
+        log-prob, which the loss's own code handles)."""
+        args = u.args
+        weighted = batch.rollout.sampling_logps is not None and args.vllm_importance_sampling_correction \
+            and not args.rollout_correction_bypass
+        if weighted and batch.old_logps is None:
+            return None
+
+        def build(width: int):
+            inputs = _PolicyInputs.of(u, batch, rows, width, keep, None)
+            return token_loss_grad(inputs.old, inputs.advantages, inputs.mask, loss_type=args.loss_type,
+                                   options=self.loss_options, ref_logps=inputs.ref, num_items=num_items,
+                                   num_sequences=num_sequences, rollout_is_weights=inputs.weights)
+
+        return ClosedFormGrad(build) if has_closed_form(args.loss_type, self.loss_options) else None
+
+    def _loss_grad(self, u, batch: RolloutBatch, rows, num_items, num_sequences, keep, policy_part):
+        """What the scorer is told of the policy term's gradient (Score.loss_grad): its closed form,
+        else the loss's own code under autograd, for a token-separable term; None otherwise."""
+        if not self._token_separable(u, batch):
+            return None
+        return self._closed_form(u, batch, rows, num_items, num_sequences, keep) or _gradient_of(policy_part)
 
     def _token_separable(self, u, batch: RolloutBatch) -> bool:
         """The policy term's gradient at a token reads that token's log-prob alone: a token-level
@@ -240,3 +257,37 @@ class PolicyObjective(Objective):
                               loss_type=args.loss_type, options=self.loss_options, ref_logps=ref)
         return loss.item()
 
+
+
+@dataclasses.dataclass
+class _PolicyInputs:
+    """What the policy loss of micro-batch `rows` reads besides its log-probs, cut to `width` columns:
+    the trained mask, pi_old (the sampler's under `rollout_correction_bypass`; else the rollout's
+    pi_old, or `current`: the log-probs now, detached, None for a closed form), the sampler's
+    log-probs, the sampling-correction weights, the advantages and the reference log-probs."""
+
+    mask: torch.Tensor
+    old: torch.Tensor | None
+    sampler: torch.Tensor | None
+    weights: torch.Tensor | None
+    advantages: torch.Tensor
+    ref: torch.Tensor | None
+
+    @classmethod
+    def of(cls, u, batch: RolloutBatch, rows, width: int, keep, current) -> _PolicyInputs:
+        args, rollout = u.args, batch.rollout
+        mask = (rollout.loss_mask if keep is None else keep)[rows, :width]
+        old = batch.old_logps[rows, :width] if batch.old_logps is not None else current
+        sampler = rollout.sampling_logps[rows, :width] if rollout.sampling_logps is not None else None
+        weights = None
+        if sampler is not None and args.rollout_correction_bypass:  # the sampler is pi_old: no weight
+            old = sampler
+        elif sampler is not None and args.vllm_importance_sampling_correction:
+            weights = sampling_correction(old, sampler, mask, args.vllm_importance_sampling_mode,
+                                          args.vllm_importance_sampling_clip_min,
+                                          args.vllm_importance_sampling_cap
+                                          or args.vllm_importance_sampling_clip_max)
+        advantages = batch.advantages[rows]  # [b], or [b, C] per token (REINFORCE++)
+        advantages = advantages if advantages.ndim == 1 else advantages[:, :width]
+        ref = None if batch.ref_logps is None else batch.ref_logps[rows, :width]
+        return cls(mask, old, sampler, weights, advantages, ref)
