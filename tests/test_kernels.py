@@ -1,4 +1,4 @@
-"""The Triton tile kernels (rlft/kernels/tile_softmax.py), run by Triton's interpreter on the CPU
+"""The Triton tile kernels (rlft.core.tile_softmax.py), run by Triton's interpreter on the CPU
 (TRITON_INTERPRET=1), against the float64 definitions: log-prob of the target, entropy, and the gradient of
 any mix of the two; the torch path where Triton cannot run.
 
@@ -19,8 +19,8 @@ from rlft.core.logprobs import entropy_from_logits, selective_log_softmax
 
 pytest.importorskip("triton")
 
-from rlft.kernels import tile_softmax  # noqa: E402
-from rlft.kernels.tile_softmax import tile_stats, tile_stats_grad, triton_runs  # noqa: E402
+from rlft.core import tile_softmax  # noqa: E402
+from rlft.core.tile_softmax import tile_stats, tile_stats_grad, triton_runs  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_the_kernels_under_the_interpreter")
@@ -105,3 +105,87 @@ def test_where_triton_cannot_run_the_torch_path_gives_the_same_numbers(monkeypat
     assert all(torch.equal(x, y) for x, y in zip(again, (logp, entropy, lse, mean_s)))
     with pytest.raises(ValueError, match=r"must be \[rows, vocab\]"):
         tile_stats(z[None], targets)
+
+
+def head_inputs(dtype, n=10, h=8, v=1100, seed=3):
+    """A head over two vocabulary blocks (1,024 + 76), with a bias and a kept set on every other row (the
+    target among them on some, not on others: the full distribution there)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).to(dtype)
+    bias = torch.randn(v, generator=g, dtype=torch.float64).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    kept = torch.stack([torch.randperm(v, generator=g)[:5] for _ in range(n)])
+    kept[::2, 0] = targets[::2]
+    kept[1::4] = -1
+    return hidden, weight, bias, targets, kept, torch.randn(n, generator=g, dtype=torch.float64), \
+        torch.randn(n, generator=g, dtype=torch.float64)
+
+
+def fused_head_run(case, dtype, a, b, hidden, weight, bias, targets, kept):
+    """(log-probs, entropy, log kept mass, gradients) of one fused-head forward + backward: a frozen head
+    (dL/dh in the forward), a trainable head whose loss reads the entropy (recomputing backward), or a
+    trainable head given dL/dlog p (its gradients in the forward)."""
+    from rlft.core.fused_head import fused_kept_logprobs
+
+    trains = case != "frozen"
+    h = hidden.clone().requires_grad_()
+    w, c = weight.clone().requires_grad_(trains), bias.clone().requires_grad_(trains)
+    predict = None
+    if case == "predicted":
+        def predict(logps, rows):
+            return a[rows].to(logps.dtype)
+    logps, entropy, logmass = fused_kept_logprobs(
+        h, w, targets, kept, c, temperature=0.7, logit_scale=0.5, softcap=None if case == "frozen" else 3.0,
+        entropy=True, tile=3, entropy_grad=case == "entropy", predict=predict)
+    loss = (a.to(logps.dtype) * logps).sum()
+    if case == "entropy":
+        loss = loss + (b.to(entropy.dtype) * entropy).sum()
+    grads = torch.autograd.grad(loss, (h, w, c) if trains else (h,))
+    return [logps.detach(), entropy.detach(), logmass] + list(grads)
+
+
+@pytest.mark.parametrize("case", ["frozen", "entropy", "predicted"])
+@pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@interpreted
+def test_the_fused_head_takes_the_kernels_and_equals_its_torch_path(monkeypatch, case, dtype, bound):
+    """rlft/core/fused_head.py with the Triton kernels (what a GPU runs) against the same head on its torch
+    path: log-probs renormalised over kept ids, entropy, kept mass, and dL/dh, dL/dW, dL/db for the three ways
+    the head forms its gradients; the kernels ran (counted)."""
+    *inputs, a, b = head_inputs(dtype)
+    launches = []
+    kernels = tile_softmax._kernels()
+    monkeypatch.setattr(tile_softmax, "_kernels", lambda: launches.append(1) or kernels)
+    got = fused_head_run(case, dtype, a, b, *inputs)
+    assert len(launches) >= 8  # 4 tiles: their statistics, and their gradients (forward or backward)
+    monkeypatch.setattr(tile_softmax, "triton_runs", lambda z: False)
+    want = fused_head_run(case, dtype, a, b, *inputs)
+    assert len(got) == len(want)
+    for have, expected in zip(got, want):
+        assert have.dtype == expected.dtype
+        torch.testing.assert_close(have, expected, rtol=0, atol=bound * max(1.0, float(expected.abs().max())))
+
+
+@interpreted
+def test_a_kernel_that_fails_to_launch_leaves_the_torch_path_with_one_warning(monkeypatch):
+    """A device the kernels do not compile for: warned once, the same values from the torch path, and the
+    kernels skipped from then on."""
+    monkeypatch.setattr(tile_softmax, "_FAILED", [])
+
+    def broken():
+        raise RuntimeError("no such device")
+    monkeypatch.setattr(tile_softmax, "_kernels", broken)
+    z, targets = tile(torch.float32)
+    with pytest.warns(RuntimeWarning, match="no such device"):
+        got = tile_stats(z, targets, 0.7)
+    assert not triton_runs(z)
+    want = tile_softmax._stats_torch(z, targets, 0.7)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@interpreted
+def test_rlft_triton_0_switches_the_kernels_off(monkeypatch):
+    z, _ = tile(torch.float32)
+    assert triton_runs(z)
+    monkeypatch.setenv("RLFT_TRITON", "0")
+    assert not triton_runs(z)

@@ -61,6 +61,8 @@ from collections.abc import Callable
 
 import torch
 
+from rlft.core import tile_softmax
+
 # float32 logits per tile (64 MiB): large enough that re-reading W per tile is amortised
 TILE_ELEMENTS = 1 << 24
 # on a GPU (256 MiB): a tile's matmuls are too small to fill the device at 64 MiB, and each tile is
@@ -118,7 +120,14 @@ class Workspace:
     def __init__(self, rows: int, weight: torch.Tensor, device: torch.device):
         work = torch.promote_types(weight.dtype, torch.float32)
         self.z = torch.empty(rows, vocabulary_rows(weight), dtype=work, device=device)
-        self.e = torch.empty_like(self.z)
+        self._e = None
+
+    @property
+    def e(self) -> torch.Tensor:
+        """The second buffer, allocated when first used (the Triton kernels need none)."""
+        if self._e is None:
+            self._e = torch.empty_like(self.z)
+        return self._e
 
     def exp(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logsumexp [t], exp(z - max) [t, V] in the second buffer, its row sums [t]) of z [t, V],
@@ -214,6 +223,28 @@ def _logp_grad_(z: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, used: torch
     return grad_z
 
 
+def _kernel_logp_grad_(z: torch.Tensor, lse: torch.Tensor, mean_z: torch.Tensor, used: torch.Tensor,
+                       targets: torch.Tensor, kept: torch.Tensor | None, g: torch.Tensor,
+                       e: torch.Tensor | None = None) -> torch.Tensor:
+    """`_logp_grad_` by the Triton kernel (rlft/core/tile_softmax.py), written over z [t, V]:
+    mean_z [t] = sum_j p_j z_j (the forward's; lse - H). On rows renormalised over their kept ids the
+    kernel forms the entropy term alone, and -g p_K over the K ids and g at the target are added
+    after."""
+    g = g[:, 0]
+    renormalised = None
+    if kept is not None:  # read before z is overwritten
+        ids, renormalised = kept.clamp(min=0).long(), used != lse
+        picked = z.gather(-1, ids).masked_fill(kept < 0, float("-inf"))  # [t, K]
+        kept_grad = -torch.exp(picked - used[:, None]) * (g * renormalised)[:, None]
+    full = g if renormalised is None else g.masked_fill(renormalised, 0.0)
+    grad_e = torch.zeros_like(g) if e is None else e[:, 0]
+    grad_z = tile_softmax.tile_stats_grad(z, targets, lse, mean_z, full, grad_e, out=z)
+    if renormalised is not None:
+        grad_z.scatter_add_(-1, ids, kept_grad)
+        grad_z.scatter_add_(-1, targets[:, None], (g * renormalised)[:, None])
+    return grad_z
+
+
 MISPREDICTED = ("the LM head's gradient formed in the forward from the loss's predicted dL/dlog p "
                 "does not match the loss's gradient (a loss that is not token-separable, or an "
                 "entropy term): recomputed exactly, at the cost of the forward's extra passes")
@@ -282,11 +313,17 @@ class _TiledLogProbs(torch.autograd.Function):
             rows = slice(start, start + tile)
             # [t, V]
             z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature, space.z)
-            lse, e, total = space.exp(z)  # [t], exp(z - max) [t, V], [t]
+            kernel = tile_softmax.triton_runs(z)
+            if kernel:  # one pass: [t] each (mean_z = sum_j p_j z_j)
+                _, ent, lse, mean_z = tile_softmax.tile_stats(z, targets[rows])
+            else:
+                lse, e, total = space.exp(z)  # [t], exp(z - max) [t, V], [t]
             lses[rows] = lse
             used[rows] = lse if kept is None else kept_lse(z, kept[rows], targets[rows], lse)
             logps[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - used[rows]
-            if with_entropy:  # H = lse - sum_j p_j z_j, the sum as one dot product per row
+            if with_entropy and kernel:
+                entropy[rows] = ent
+            elif with_entropy:  # H = lse - sum_j p_j z_j, the sum as one dot product per row
                 entropy[rows] = lse - torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) / total
             head = frozen if frozen is not None else None if fused is None else fused.grads
             if head is None:
@@ -296,8 +333,9 @@ class _TiledLogProbs(torch.autograd.Function):
             else:  # the loss's dL/dlog p for this tile, and the head's gradients from it
                 g = fused.predicted[rows] = predict(logps, rows)
                 g = g[:, None].to(z.dtype)
-            grad_z = _logp_grad_(z, e.div_(total[:, None]), lse, used[rows], targets[rows],
-                                 None if kept is None else kept[rows], g)
+            kept_rows = None if kept is None else kept[rows]
+            grad_z = _kernel_logp_grad_(z, lse, mean_z, used[rows], targets[rows], kept_rows, g) if kernel \
+                else _logp_grad_(z, e.div_(total[:, None]), lse, used[rows], targets[rows], kept_rows, g)
             head.add(rows, grad_z, squashed, scale / temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, kept, lses, used, entropy,
                               None if frozen is None else frozen.h)
@@ -338,10 +376,14 @@ class _TiledLogProbs(torch.autograd.Function):
             # [t, V]
             z, squashed = _logits(hidden[rows], weight, bias, scale, softcap, temperature, space.z)
             e = None if grad_entropy is None else grad_entropy[rows, None].to(z.dtype)
-            p = space.probabilities(z, lses[rows])  # [t, V]
-            grad_z = _logp_grad_(z, p, lses[rows], used[rows], targets[rows],
-                                 None if kept is None else kept[rows], grad_logps[rows, None].to(z.dtype), e,
-                                 None if e is None else entropy[rows])
+            g, kept_rows = grad_logps[rows, None].to(z.dtype), None if kept is None else kept[rows]
+            if tile_softmax.triton_runs(z):
+                mean_z = torch.zeros_like(lses[rows]) if e is None else lses[rows] - entropy[rows]
+                grad_z = _kernel_logp_grad_(z, lses[rows], mean_z, used[rows], targets[rows], kept_rows, g, e)
+            else:
+                p = space.probabilities(z, lses[rows])  # [t, V]
+                grad_z = _logp_grad_(z, p, lses[rows], used[rows], targets[rows], kept_rows, g, e,
+                                     None if e is None else entropy[rows])
             grads.add(rows, grad_z, squashed, scale / temperature)
         return (*grads.result(), None, None, None, None, None, None, None, None, None, None)
 

@@ -5,6 +5,6 @@ chosen wherever Triton cannot run: no `triton` installed, or a tensor that is no
 (`TRITON_INTERPRET=1` runs them on a CPU, which is how the tests check them against float64).
 """
 
-from rlft.kernels.tile_softmax import tile_stats, tile_stats_grad, triton_runs
+from rlft.core.tile_softmax import tile_stats, tile_stats_grad, triton_runs
 
 __all__ = ["tile_stats", "tile_stats_grad", "triton_runs"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -36,12 +37,25 @@ def _triton():
     return triton, tl
 
 
+# why the kernels stopped being used in this process (a launch that failed), or None
+_FAILED: list[str] = []
+
+
 def triton_runs(z: torch.Tensor) -> bool:
-    """Whether the Triton kernels can run on `z`: triton installed, and `z` on CUDA (or every kernel
-    interpreted on the CPU: TRITON_INTERPRET=1)."""
-    if _triton() is None:
+    """Whether the Triton kernels can run on `z`: triton installed, `z` on CUDA (or every kernel
+    interpreted on the CPU: TRITON_INTERPRET=1), not switched off (RLFT_TRITON=0), and no launch has
+    failed in this process (one that does is warned about once; the torch path takes over)."""
+    if _triton() is None or _FAILED or os.environ.get("RLFT_TRITON", "1") == "0":
         return False
     return z.device.type == "cuda" or (z.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _failed(error: Exception) -> None:
+    """A kernel launch failed (a device or Triton version it does not compile for): warn once, and the
+    torch path computes the same thing from now on."""
+    _FAILED.append(repr(error))
+    warnings.warn(f"rlft's Triton tile kernels failed ({error!r}); the torch path computes the same values "
+                  "from now on (RLFT_TRITON=0 skips the kernels)", RuntimeWarning, stacklevel=3)
 
 
 def _accumulator(z: torch.Tensor) -> torch.dtype:
@@ -137,26 +151,35 @@ def tile_stats(z: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0)
     z = z if z.stride(-1) == 1 else z.contiguous()
     acc = _accumulator(z)
     outs = [torch.empty(z.shape[0], dtype=acc, device=z.device) for _ in range(4)]
-    stats_kernel, _ = _kernels()
-    stats_kernel[(z.shape[0],)](z, targets.contiguous(), *outs, z.shape[1], z.stride(0), 1.0 / temperature,
-                                BLOCK=BLOCK_V, ACC=_acc_constant(acc))
+    try:
+        stats_kernel, _ = _kernels()
+        stats_kernel[(z.shape[0],)](z, targets.contiguous(), *outs, z.shape[1], z.stride(0),
+                                    1.0 / temperature, BLOCK=BLOCK_V, ACC=_acc_constant(acc))
+    except Exception as error:  # noqa: BLE001 (any failure to compile or launch: the torch path)
+        _failed(error)
+        return _stats_torch(z, targets, temperature)
     return tuple(outs)
 
 
 def tile_stats_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, mean_s: torch.Tensor,
-                    grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
-                    temperature: float = 1.0) -> torch.Tensor:
+                    grad_logp: torch.Tensor, grad_entropy: torch.Tensor, temperature: float = 1.0,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """d(sum grad_logp * logp + grad_entropy * H) / dz, [R, V] in z's dtype, from the forward's lse and
-    E_p[s] (one pass over z)."""
+    E_p[s] (one pass over z). `out` ([R, V], z's dtype; z itself is allowed: each block is read
+    before it is written): where the kernel writes it."""
     acc = lse.dtype
     grad_logp = torch.where(targets >= 0, grad_logp.to(acc), torch.zeros_like(lse))
     grad_entropy = grad_entropy.to(acc)
-    if not triton_runs(z):
-        return _grad_torch(z, targets, lse, mean_s, grad_logp, grad_entropy, temperature)
-    z = z if z.stride(-1) == 1 else z.contiguous()
-    out = torch.empty_like(z)
-    _, grad_kernel = _kernels()
-    grad_kernel[(z.shape[0],)](z, targets.contiguous(), lse, mean_s, grad_logp.contiguous(),
-                               grad_entropy.contiguous(), out, z.shape[1], z.stride(0), out.stride(0),
-                               1.0 / temperature, BLOCK=BLOCK_V, ACC=_acc_constant(acc))
-    return out
+    if triton_runs(z) and z.stride(-1) == 1 and (out is None or out.stride(-1) == 1):
+        target = torch.empty_like(z) if out is None else out
+        try:
+            _, grad_kernel = _kernels()
+            grad_kernel[(z.shape[0],)](z, targets.contiguous(), lse, mean_s, grad_logp.contiguous(),
+                                       grad_entropy.contiguous(), target, z.shape[1], z.stride(0),
+                                       target.stride(0), 1.0 / temperature, BLOCK=BLOCK_V,
+                                       ACC=_acc_constant(acc))
+            return target
+        except Exception as error:  # noqa: BLE001 (a failure to compile, before anything is written)
+            _failed(error)
+    grad = _grad_torch(z, targets, lse, mean_s, grad_logp, grad_entropy, temperature)
+    return grad if out is None else out.copy_(grad)
