@@ -189,3 +189,81 @@ def test_rlft_triton_0_switches_the_kernels_off(monkeypatch):
     assert triton_runs(z)
     monkeypatch.setenv("RLFT_TRITON", "0")
     assert not triton_runs(z)
+
+
+def divergence_definition(z_s64, z_t64, beta):
+    """float64 GKD divergence from its formulas (rlft/core/distill.py: divergence_from_logprobs)."""
+    from rlft.core.distill import divergence_from_logprobs
+
+    log_ps, log_pt = torch.log_softmax(z_s64, -1), torch.log_softmax(z_t64, -1)
+    return divergence_from_logprobs(log_ps, log_pt, beta), -(log_ps.exp() * log_ps).sum(-1), \
+        -(log_pt.exp() * log_pt).sum(-1)
+
+
+def divergence_tile(dtype, seed=4, rows=6, vocab=2100):
+    """A student tile and a teacher tile 40 columns wider (a padded teacher head: only the first V are read)."""
+    g = torch.Generator().manual_seed(seed)
+    z_s = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2).to(dtype)
+    wide = (torch.randn(rows, vocab + 40, generator=g, dtype=torch.float64) * 2).to(dtype)
+    return z_s, wide[:, :vocab]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 2e-5)])
+@interpreted
+def test_the_divergence_kernels_equal_the_float64_definition(beta, dtype, bound):
+    """GKD's D at beta 0 (forward KL), 0.3 (the mixture: a second pass) and 1 (reverse KL), both entropies,
+    and D's gradient in the student's logits against float64 autograd of the definition (rows weighted by
+    an upstream gradient)."""
+    from rlft.core.tile_divergence import divergence_grad, divergence_stats
+
+    z_s, z_t = divergence_tile(dtype)
+    assert triton_runs(z_s) and z_t.stride(0) == 2140
+    z_s64 = z_s.double().requires_grad_()
+    want_d, want_hs, want_ht = divergence_definition(z_s64, z_t.double(), beta)
+    d, h_s, h_t, lse_s, lse_t, kl_sm = divergence_stats(z_s, z_t, beta)
+    for got, want in ((d, want_d), (h_s, want_hs), (h_t, want_ht)):
+        assert (got.double() - want.detach()).abs().max() < bound
+    upstream = torch.linspace(-1, 2, z_s.shape[0], dtype=torch.float64)
+    (want_grad,) = torch.autograd.grad((want_d * upstream).sum(), z_s64)
+    grad = divergence_grad(z_s, z_t, lse_s, lse_t, d, kl_sm, upstream, beta)
+    assert grad.dtype == dtype
+    grad_bound = bound if dtype != torch.bfloat16 else 1e-2  # written back in bfloat16
+    assert (grad.double() - want_grad).abs().max() < grad_bound * max(1.0, float(want_grad.abs().max()))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@interpreted
+def test_the_tiled_divergence_takes_the_kernels_and_equals_its_torch_path(monkeypatch, beta):
+    """rlft/core/distill.py's tiled divergence (a student and a teacher head, softcapping and a logit scale on
+    the student, a teacher head padded past the vocabulary) with the kernels against its torch path: D, both
+    entropies, and the student's dL/dh, dL/dW, dL/db."""
+    from rlft.core import tile_divergence
+    from rlft.core.distill import Head, tiled_divergence
+
+    g = torch.Generator().manual_seed(9)
+    n, h_s, h_t, vocab = 7, 6, 5, 1100
+    hidden_s = torch.randn(n, h_s, generator=g, dtype=torch.float64)
+    hidden_t = torch.randn(n, h_t, generator=g, dtype=torch.float64)
+    weight_s, bias_s = torch.randn(vocab, h_s, generator=g, dtype=torch.float64), torch.randn(vocab, generator=g,
+                                                                                             dtype=torch.float64)
+    teacher = Head(torch.randn(vocab + 30, h_t, generator=g, dtype=torch.float64), vocab=vocab)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+
+    def run():
+        params = [hidden_s.clone().requires_grad_(), weight_s.clone().requires_grad_(),
+                  bias_s.clone().requires_grad_()]
+        student = Head(params[1], params[2], scale=0.8, softcap=4.0)
+        out = tiled_divergence(params[0], hidden_t, student, teacher, beta, temperature=0.9, tile=3)
+        grads = torch.autograd.grad((out.value * upstream).sum(), params)
+        return [out.value.detach(), out.entropy, out.teacher_entropy, *grads]
+
+    launches = []
+    kernels = tile_divergence._kernels()
+    monkeypatch.setattr(tile_divergence, "_kernels", lambda: launches.append(1) or kernels)
+    got = run()
+    assert len(launches) == 6  # 3 tiles, forward and backward
+    monkeypatch.setattr(tile_divergence, "triton_runs", lambda z: False)
+    want = run()
+    for have, expected in zip(got, want):
+        torch.testing.assert_close(have, expected, rtol=0, atol=1e-10 * max(1.0, float(expected.abs().max())))

@@ -24,8 +24,9 @@ The gradient with respect to the student's logits, per position:
 
 The vocabulary is never held for all positions: each tile of positions is projected through both
 heads, reduced to D (and the student's entropy, a metric) and dropped; the backward recomputes the
-tile. Logits are float32 whatever the models' dtype. Shapes: N positions, H_s / H_t hidden sizes, V
-vocabulary.
+tile. Each tile's reductions and gradient are rlft/core/tile_divergence.py's: Triton kernels where
+they run (one pass over the vocabulary each; two for the mixture's forward), torch elsewhere. Logits
+are float32 whatever the models' dtype. Shapes: N positions, H_s / H_t hidden sizes, V vocabulary.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from rlft.core.fused_head import HeadGrads, _logits, tile_positions, vocabulary_rows
+from rlft.core.tile_divergence import divergence_grad, divergence_stats
 
 
 @dataclass(frozen=True)
@@ -78,63 +80,56 @@ def divergence_terms(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) ->
     return beta * log_pt.exp() * (log_pt - log_m) + (1 - beta) * log_ps.exp() * (log_ps - log_m)
 
 
-def _divergence_grad(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float,
-                     d: torch.Tensor) -> torch.Tensor:
-    """dD/dz_s [t, V] (the module docstring), `d` [t] the tile's D."""
-    p_s = log_ps.exp()
-    if beta == 0.0:
-        return p_s - log_pt.exp()
-    if beta == 1.0:
-        return p_s * (log_ps - log_pt - d[:, None])
-    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
-    gap = log_ps - log_m
-    kl_s = (p_s * gap).sum(-1, keepdim=True)  # KL(p_s || m)
-    return (1 - beta) * p_s * (gap - kl_s)
-
-
 class _TiledDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_s, weight_s, bias_s, hidden_t, student: Head, teacher: Head, beta, temperature,
                 tile):
         n = hidden_s.shape[0]
         work = torch.promote_types(hidden_s.dtype, torch.float32)
-        d = torch.empty(n, dtype=work, device=hidden_s.device)  # [N]
-        # [N] each, at temperature T
-        entropy, teacher_entropy = torch.empty_like(d), torch.empty_like(d)
+        # [N] each, at temperature T: D, both entropies, both lse, KL(p_s || m) (the backward's)
+        stats = torch.empty(6, n, dtype=work, device=hidden_s.device)
         with student.whole(), teacher.whole():
             for start in range(0, n, tile):
                 rows = slice(start, start + tile)
-                log_ps, log_pt = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher, temperature)
-                d[rows] = divergence_from_logprobs(log_ps, log_pt, beta)
-                entropy[rows] = -(log_ps.exp() * log_ps).sum(-1)
-                teacher_entropy[rows] = -(log_pt.exp() * log_pt).sum(-1)
-        ctx.save_for_backward(hidden_s, hidden_t, d)
+                z_s, z_t, _ = _tile_logits(hidden_s[rows], hidden_t[rows], student, teacher, temperature)
+                for row, value in zip(stats, divergence_stats(z_s, z_t, beta)):
+                    row[rows] = value
+        d, entropy, teacher_entropy, lse_s, lse_t, kl_sm = stats
+        ctx.save_for_backward(hidden_s, hidden_t, d, lse_s, lse_t, kl_sm)
         ctx.settings = (student, teacher, beta, temperature, tile)
         ctx.mark_non_differentiable(entropy, teacher_entropy)
         return d, entropy, teacher_entropy
 
     @staticmethod
     def backward(ctx, grad_d, grad_entropy, grad_teacher_entropy):
-        hidden_s, hidden_t, d = ctx.saved_tensors
+        hidden_s, hidden_t, d, lse_s, lse_t, kl_sm = ctx.saved_tensors
         student, teacher, beta, temperature, tile = ctx.settings
         with student.whole(), teacher.whole():  # (a partitioned weight has its shape only inside)
             grads = HeadGrads(hidden_s, student.weight, student.bias, ctx.needs_input_grad[:3])
             for start in range(0, hidden_s.shape[0], tile):
                 rows = slice(start, start + tile)
-                log_ps, log_pt, squashed = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher,
-                                                          temperature, keep_squashed=True)
-                grad_z = _divergence_grad(log_ps, log_pt, beta, d[rows]) * grad_d[rows, None].to(log_ps.dtype)
+                z_s, z_t, squashed = _tile_logits(hidden_s[rows], hidden_t[rows], student, teacher,
+                                                  temperature)
+                grad_z = divergence_grad(z_s, z_t, lse_s[rows], lse_t[rows], d[rows], kl_sm[rows],
+                                         grad_d[rows], beta, out=z_s)  # written over z_s
                 grads.add(rows, grad_z, squashed, student.scale / temperature)
             return (*grads.result(), None, None, None, None, None, None)
+
+
+def _tile_logits(h_s, h_t, student: Head, teacher: Head, temperature: float):
+    """z_s, z_t [t, V] float32 for one tile (z_t a view of the teacher's first V columns) and the
+    student's tanh(c u / k) for the backward."""
+    z_s, squashed = _logits(h_s, student.weight, student.bias, student.scale, student.softcap, temperature)
+    z_t, _ = _logits(h_t, teacher.weight, teacher.bias, teacher.scale, teacher.softcap, temperature)
+    if teacher.vocab is not None:  # (the softmax over the vocabulary's rows alone)
+        z_t = z_t[:, :teacher.vocab]
+    return z_s, z_t, squashed
 
 
 def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, keep_squashed: bool = False):
     """log p_s, log p_t [t, V] float32 for one tile (and the student's tanh(c u / k) for the
     backward)."""
-    z_s, squashed = _logits(h_s, student.weight, student.bias, student.scale, student.softcap, temperature)
-    z_t, _ = _logits(h_t, teacher.weight, teacher.bias, teacher.scale, teacher.softcap, temperature)
-    if teacher.vocab is not None:  # (the softmax over the vocabulary's rows alone)
-        z_t = z_t[:, :teacher.vocab]
+    z_s, z_t, squashed = _tile_logits(h_s, h_t, student, teacher, temperature)
     log_ps = z_s - torch.logsumexp(z_s, dim=-1, keepdim=True)
     log_pt = z_t.to(log_ps.dtype) - torch.logsumexp(z_t, dim=-1, keepdim=True).to(log_ps.dtype)
     return (log_ps, log_pt, squashed) if keep_squashed else (log_ps, log_pt)
