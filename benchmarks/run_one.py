@@ -29,6 +29,7 @@ from transformers import GenerationMixin
 from benchmarks.workloads import WORKLOADS, build
 
 TIMERS = {"generation": 0.0, "logprobs": 0.0, "backward": 0.0, "generated_tokens": 0}
+ROWS: list[tuple[int, int]] = []  # (prompt tokens, completion tokens) of every row generated, in order
 _IN_GENERATE = [False]
 
 
@@ -69,6 +70,9 @@ def _instrument(model, eos_id: int) -> None:
         first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], new.shape[1],
                                                                                       dtype=torch.long))
         TIMERS["generated_tokens"] += int(first.sum())
+        mask = kwargs.get("attention_mask")
+        prompts = mask.sum(1).tolist() if mask is not None else [prompt_width] * new.shape[0]
+        ROWS.extend(zip((int(p) for p in prompts), first.tolist()))
         return out
 
     def timed_backward(self, *args, **kwargs):

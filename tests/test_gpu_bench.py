@@ -16,7 +16,7 @@ FIELDS = {"lib", "shape", "rows", "length", "dtype", "device_name", "versions", 
 
 
 def test_tiny_cpu_run_agrees_across_libraries(tmp_path):
-    libs = ["rlft", "plain"] + (["trl"] if importlib.util.find_spec("trl") else [])
+    libs = ["rlft", "rlft-torch", "plain"] + (["trl"] if importlib.util.find_spec("trl") else [])
     out = tmp_path / "results.md"
     command = [sys.executable, str(BENCH), "--device", "cpu", "--shape", "tiny", "--lengths", "32",
                "--rows", "2", "--repeats", "1", "--libs", *libs, "--out", str(out)]
@@ -87,3 +87,22 @@ def test_long_fused_script_runs_at_its_tiny_cpu_shape(tmp_path):
     assert difference < 1e-5
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| 48 |")]
     assert len(rows) == 5 and len({row[4] for row in rows}) == 1  # the log-prob sums
+
+
+def test_the_grpo_step_script_runs_at_its_tiny_cpu_shape(tmp_path):
+    """benchmarks/gpu/grpo_step.py end to end on a CPU (rlft, and TRL where this interpreter has it): a row per
+    library with its step time, split, training MFU and completion lengths, and TRL's ratios beside rlft's."""
+    libs = ["rlft"] + (["trl"] if importlib.util.find_spec("trl") else [])
+    out = tmp_path / "step.md"
+    command = [sys.executable, str(BENCH.parent / "grpo_step.py"), "--device", "cpu", "--shape", "tiny",
+               "--length", "12", "--steps", "2", "--vocab", "600", "--modes", "lora", "--libs", *libs,
+               "--out-dir", str(tmp_path / "runs"), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith('{"lib"')]
+    assert [r["lib"] for r in rows] == libs
+    for row in rows:
+        assert "error" not in row, row
+        assert row["steps"] == 1 and row["step_s"] > row["generation_s"] > 0 and row["training_s"] > 0
+        assert 0 < row["training_mfu_percent"] < 100 and row["lengths"]["mean"] <= 12
+    assert "| tiny | lora | rlft |" in out.read_text()

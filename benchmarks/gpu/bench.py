@@ -6,7 +6,9 @@ initialised model of the published Qwen2.5-0.5B or Qwen2.5-1.5B shape (no downlo
 gradient checkpointing on as both libraries' GRPO configs default to. The three ways of scoring are
 score_vocab.py's own `score()`:
 
-  rlft   rlft's fused scoring (rlft/model/scoring.py: the LM head in tiles, never [B, T, V] logits)
+  rlft   rlft's fused scoring (rlft/model/scoring.py: the LM head in tiles, never [B, T, V] logits), each
+         tile's softmax statistics and gradient by its Triton kernels where they run (rlft/core/tile_softmax.py)
+  rlft-torch  the same with the kernels switched off (RLFT_TRITON=0): the torch path they replace
   trl    TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head), as its GRPO trainer calls it
   plain  the model's own logits + rlft's chunked float32 log-softmax
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import shlex
@@ -48,7 +51,8 @@ VOCAB = 151_936
 FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads")
 SHAPES = {"0.5b": (896, 4864, 24, 14, 2), "1.5b": (1536, 8960, 28, 12, 2), "tiny": (64, 256, 2, 4, 2)}
-LIBS = ("rlft", "trl", "plain")
+# rlft-torch: rlft with its Triton tile kernels switched off (RLFT_TRITON=0), the torch path they replace
+LIBS = ("rlft", "rlft-torch", "trl", "plain")
 COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_dropout": 0.0}
 
 
@@ -128,18 +132,21 @@ def child(args) -> dict:
     import torch
 
     lib, length, cuda = args.child, args.lengths[0], args.device.startswith("cuda")
+    if lib == "rlft-torch":  # read when the kernels are first asked for
+        os.environ["RLFT_TRITON"] = "0"
+    scorer = "rlft" if lib.startswith("rlft") else lib
     row = {"lib": lib, "shape": args.shape[0], "rows": args.rows, "length": length, "tile_elements": args.tile_elements,
            "dtype": str(dtype_of(args)).removeprefix("torch."), "versions": versions(lib),
            "device_name": torch.cuda.get_device_name(args.device) if cuda else f"CPU ({platform.machine()})"}
     model, ids, mask = build(args, length)
-    prepare(lib, model, args)
+    prepare(scorer, model, args)
     row["model_gb"] = round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 3)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(args.device)
     sync = (lambda: torch.cuda.synchronize(args.device)) if cuda else (lambda: None)
     try:
-        row.update(measure(lib, model, ids, mask, length, args.repeats, sync))
+        row.update(measure(scorer, model, ids, mask, length, args.repeats, sync))
     except torch.cuda.OutOfMemoryError:  # a row that says so, with the peak it reached
         row["error"] = "out of memory"
     if cuda:
