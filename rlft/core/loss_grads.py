@@ -37,6 +37,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from rlft.core.losses import LOSSES, sapo_temperature
+
 
 def clip_grad(ratio: torch.Tensor, adv: torch.Tensor, opts) -> torch.Tensor:
     """d(-min(u A, c A))/dx for the clipped surrogate (module docstring)."""
@@ -55,7 +57,7 @@ def cispo_grad(ratio: torch.Tensor, adv: torch.Tensor, opts) -> torch.Tensor:
 
 
 def sapo_grad(ratio: torch.Tensor, adv: torch.Tensor, opts) -> torch.Tensor:
-    tau = torch.where(adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
+    tau = sapo_temperature(adv, opts)
     s = torch.sigmoid(tau * (ratio - 1))
     return -4.0 * s * (1 - s) * ratio * adv
 
@@ -126,8 +128,6 @@ def aggregation_weights(aggregation: str, mask: torch.Tensor, n_seq, n_tok, max_
 
 def has_closed_form(loss_type: str, options) -> bool:
     """Whether `token_loss_grad` gives the closed form of this loss (module docstring)."""
-    from rlft.core.losses import LOSSES
-
     spec = LOSSES[loss_type]
     return spec.term.__name__ in CLOSED_FORMS and spec.prepare is None \
         and options.importance_sampling_level == "token"
@@ -140,8 +140,6 @@ def token_loss_grad(old_logps: torch.Tensor | None, advantages: torch.Tensor, co
     """The closed form of `policy_loss`'s dL/dlog p for the same arguments (old_logps None: the
     log-probs themselves), every constant [B, L]; None where the loss has none (a prepared or
     sequence-level loss)."""
-    from rlft.core.losses import LOSSES
-
     if not has_closed_form(loss_type, options):
         return None
     spec = LOSSES[loss_type]

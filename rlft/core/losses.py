@@ -86,8 +86,15 @@ def _cispo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
     return -weight * adv * logps
 
 
+def sapo_temperature(adv: torch.Tensor, opts) -> torch.Tensor:
+    """SAPO's tau per token: tau_pos where A > 0, else tau_neg, in the advantages' dtype (python floats in
+    torch.where would make it float32 and round a float64 loss)."""
+    pos, neg = adv.new_tensor(opts.sapo_temperature_pos), adv.new_tensor(opts.sapo_temperature_neg)
+    return torch.where(adv > 0, pos, neg)
+
+
 def _sapo_term(ratio, logps, adv, opts, prepared) -> torch.Tensor:
-    tau = torch.where(adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
+    tau = sapo_temperature(adv, opts)
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
 
 

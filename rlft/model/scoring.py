@@ -278,7 +278,9 @@ def _head_scores(model, head, hidden, targets, kept, score: Score, scale: float,
                  predict=None):
     """(log-probs [n], entropy [n] or None, log kept mass [n]). `predict`: ([n] log-probs, a tile's
     rows) -> the loss's dL/dlog p there (`_predictor`)."""
-    plain = _plain_weight(head)
+    # FSDP2's subclass of the head too, while its weight is the whole parameter FSDP unsharded for this
+    # forward (its gradient is FSDP's to reduce); a weight still in shards takes the module path
+    plain = None if hasattr(head.weight, "full_tensor") else _plain_weight(head, sharded=True)
     if plain is not None:
         weight, bias = plain
         return fused_kept_logprobs(hidden.to(weight.dtype), weight, targets, kept, bias, score.temperature,
