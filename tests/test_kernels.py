@@ -267,3 +267,73 @@ def test_the_tiled_divergence_takes_the_kernels_and_equals_its_torch_path(monkey
     want = run()
     for have, expected in zip(got, want):
         torch.testing.assert_close(have, expected, rtol=0, atol=1e-10 * max(1.0, float(expected.abs().max())))
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 2e-5)])
+@interpreted
+def test_the_support_kernels_equal_the_float64_definition(dtype, bound):
+    """rlft/core/tile_buckets.py: lse, entropy and the tail's logsumexp outside a support of 6 ids per row
+    (one row's support the whole of a small vocabulary: no tail), and c p_v + [v not in S] g exp(z_v - lse_out)."""
+    from rlft.core.tile_buckets import support_grad, support_stats
+
+    for vocab, rows in ((2100, 5), (6, 2)):
+        g = torch.Generator().manual_seed(6)
+        z = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3).to(dtype)
+        ids = torch.stack([torch.randperm(vocab, generator=g)[:6] for _ in range(rows)])
+        inside = torch.zeros(rows, vocab, dtype=torch.bool).scatter_(-1, ids, True)
+        z64 = z.double()
+        lse, entropy, lse_out = support_stats(z, inside)
+        want_out = torch.logsumexp(z64.masked_fill(inside, float("-inf")), -1)
+        assert (lse.double() - torch.logsumexp(z64, -1)).abs().max() < bound
+        log_p = torch.log_softmax(z64, -1)
+        assert (entropy.double() - -(log_p.exp() * log_p).sum(-1)).abs().max() < bound
+        finite = torch.isfinite(want_out)
+        assert torch.equal(torch.isfinite(lse_out), finite) and finite.any() == (vocab > 6)
+        if finite.any():
+            assert (lse_out.double()[finite] - want_out[finite]).abs().max() < bound
+        c, g_tail = torch.randn(rows, generator=g, dtype=torch.float64), torch.randn(rows, generator=g,
+                                                                                   dtype=torch.float64)
+        g_tail = torch.where(finite, g_tail, 0.0)
+        want = log_p.exp() * c[:, None] + torch.where(inside, 0.0, (z64 - want_out[:, None]).exp()) * g_tail[:, None]
+        got = support_grad(z, inside, lse, lse_out, c, g_tail)
+        assert got.dtype == dtype
+        assert (got.double() - want).abs().max() < (bound if dtype != torch.bfloat16 else 1e-2)
+
+
+@pytest.mark.parametrize("beta, tail", [(0.0, True), (0.5, True), (1.0, False)])
+@interpreted
+def test_the_sparse_divergence_takes_the_kernels_and_equals_its_torch_path(monkeypatch, beta, tail):
+    """rlft/core/sparse_distill.py (a served teacher's top-k and sampled token; the tail bucket or the
+    renormalised support) with the kernels against its torch path: D, both entropies, dL/dh, dL/dW, dL/db."""
+    from rlft.core import tile_buckets
+    from rlft.core.distill import Head
+    from rlft.core.sparse_distill import sparse_divergence
+
+    g = torch.Generator().manual_seed(11)
+    n, h, vocab, k = 7, 6, 1100, 5
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight, bias = torch.randn(vocab, h, generator=g, dtype=torch.float64), torch.randn(vocab, generator=g,
+                                                                                       dtype=torch.float64)
+    teacher = torch.log_softmax(torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2, -1)
+    ids = torch.cat([teacher.topk(k, -1).indices, torch.full((n, 1), -1)], -1)
+    ids[::2, k] = torch.randint(0, vocab, (n,), generator=g)[::2]  # a sampled token beyond the top k
+    ids[::2, k] = torch.where((ids[::2, :k] == ids[::2, k:]).any(-1), -1, ids[::2, k])
+    logps = teacher.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, 0.0)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+
+    def run():
+        params = [hidden.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+        out = sparse_divergence(params[0], Head(params[1], params[2], scale=1.2), ids, logps, beta, 0.8, tail,
+                                tile=3)
+        return [out.value.detach(), out.entropy, out.teacher_entropy,
+                *torch.autograd.grad((out.value * upstream).sum(), params)]
+
+    launches = []
+    kernels = tile_buckets._kernels()
+    monkeypatch.setattr(tile_buckets, "_kernels", lambda: launches.append(1) or kernels)
+    got = run()
+    assert len(launches) == 6  # 3 tiles, forward and backward
+    monkeypatch.setattr(tile_buckets, "triton_runs", lambda z: False)
+    want = run()
+    for have, expected in zip(got, want):
+        torch.testing.assert_close(have, expected, rtol=0, atol=1e-10 * max(1.0, float(expected.abs().max())))

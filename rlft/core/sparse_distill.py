@@ -35,6 +35,7 @@ import torch
 
 from rlft.core.distill import Divergence, Head, divergence_from_logprobs, no_positions
 from rlft.core.fused_head import HeadGrads, _logits, tile_positions, vocabulary_rows
+from rlft.core.tile_buckets import support_grad, support_stats
 
 # a padding column's log-prob on both sides: exp(PAD) is 0, adding nothing to D or its gradient
 PAD = -1e4
@@ -46,14 +47,24 @@ def bucketed_logprobs(log_ps: torch.Tensor, ids: torch.Tensor, teacher: torch.Te
     """(student, teacher) log-probs over the buckets [t, K (+1)] from the student's full log-probs
     log_ps [t, V], the support ids [t, K] (-1 padding) and the teacher's log-probs there [t, K]
     (module docstring). Differentiable in log_ps."""
-    valid = ids >= 0
-    # padding repeats column 0's token (never a second token)
-    safe = torch.where(valid, ids, ids[:, :1])
-    a = log_ps.gather(-1, safe)
-    q = teacher.to(log_ps.dtype)
+    valid, safe = ids >= 0, _safe(ids)
+    a_tail = None
     if tail:
         inside = torch.zeros_like(log_ps, dtype=torch.bool).scatter_(-1, safe, True)
         a_tail = torch.logsumexp(log_ps.masked_fill(inside, float("-inf")), dim=-1)  # [t]
+    return buckets(log_ps.gather(-1, safe), a_tail, valid, teacher)
+
+
+def _safe(ids: torch.Tensor) -> torch.Tensor:
+    """The support ids with padding repeating column 0's token (never a second token)."""
+    return torch.where(ids >= 0, ids, ids[:, :1])
+
+
+def buckets(a: torch.Tensor, a_tail: torch.Tensor | None, valid: torch.Tensor, teacher: torch.Tensor):
+    """`bucketed_logprobs` from the student's log-probs at the support a [t, K] and its tail's a_tail [t]
+    (-inf: no tail; None: renormalised over the support instead). Differentiable in a and a_tail."""
+    q = teacher.to(a.dtype)
+    if a_tail is not None:
         held = torch.logsumexp(q.masked_fill(~valid, float("-inf")), dim=-1).clamp(max=-1e-7)
         q_tail = torch.log(-torch.expm1(held)).clamp(min=LOG_TINY)  # log(1 - sum_S p_t)
         has_tail = torch.isfinite(a_tail)  # (S the whole vocabulary: no tail bucket)
@@ -66,16 +77,37 @@ def bucketed_logprobs(log_ps: torch.Tensor, ids: torch.Tensor, teacher: torch.Te
     return torch.where(valid, a, PAD), torch.where(valid, q, PAD)
 
 
-def _tile(z: torch.Tensor, ids, teacher, beta: float, tail: bool, entropies: bool = True):
-    """(D [t], the student's entropy [t], the teacher's over the buckets [t]) from one tile's logits
-    (D alone without `entropies`)."""
-    log_ps = z - torch.logsumexp(z, dim=-1, keepdim=True)
-    a, q = bucketed_logprobs(log_ps, ids, teacher, tail)
-    d = divergence_from_logprobs(a, q, beta)
-    if not entropies:
-        return d
-    entropy = -(log_ps.exp() * log_ps).sum(-1)
-    return d, entropy, -(q.exp() * q).sum(-1)
+def _tile(z: torch.Tensor, ids, teacher, beta: float, tail: bool):
+    """(D [t], the student's entropy [t], the teacher's over the buckets [t], lse [t], lse_out [t]) from one
+    tile's logits: the vocabulary read once (rlft/core/tile_buckets.py), the buckets from K columns."""
+    inside = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, _safe(ids), True)
+    lse, entropy, lse_out = support_stats(z, inside)
+    a, q = _tile_buckets(z, ids, teacher, tail, lse, lse_out)
+    return divergence_from_logprobs(a, q, beta), entropy, -(q.exp() * q).sum(-1), lse, lse_out
+
+
+def _tile_buckets(z, ids, teacher, tail: bool, lse, lse_out, a=None, a_tail=None):
+    """The buckets' (student, teacher) log-probs; `a`, `a_tail`: the student's, given (a leaf to
+    differentiate), else gathered from z."""
+    if a is None:
+        a = z.gather(-1, _safe(ids)).to(lse.dtype) - lse[:, None]
+        a_tail = lse_out - lse
+    return buckets(a, a_tail if tail else None, ids >= 0, teacher)
+
+
+def _tile_grad(z, ids, teacher, beta: float, tail: bool, lse, lse_out, grad_d) -> torch.Tensor:
+    """grad_d x dD/dz [t, V], written over z (module docstring of rlft/core/tile_buckets.py): G = dD/da
+    and G_tail = dD/da_tail by autograd on the [t, K + 1] buckets."""
+    safe = _safe(ids)
+    a = (z.gather(-1, safe).to(lse.dtype) - lse[:, None]).requires_grad_(True)
+    a_tail = (lse_out - lse).requires_grad_(True)
+    with torch.enable_grad():
+        d = divergence_from_logprobs(*_tile_buckets(z, ids, teacher, tail, lse, lse_out, a, a_tail), beta)
+        g, g_tail = torch.autograd.grad(d, (a, a_tail), grad_d.to(d.dtype), allow_unused=True)
+    g_tail = torch.zeros_like(lse) if g_tail is None else torch.where(torch.isfinite(lse_out), g_tail, 0.0)
+    inside = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, safe, True)
+    grad_z = support_grad(z, inside, lse, lse_out, -(g.sum(-1) + g_tail), g_tail, out=z)
+    return grad_z.scatter_add_(-1, safe, g.to(grad_z.dtype))
 
 
 class _SparseDivergence(torch.autograd.Function):
@@ -84,21 +116,22 @@ class _SparseDivergence(torch.autograd.Function):
         n = hidden.shape[0]
         d = torch.empty(n, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         entropy, teacher_entropy = torch.empty_like(d), torch.empty_like(d)
+        lse, lse_out = torch.empty_like(d), torch.empty_like(d)  # the backward's
         with student.whole():
             for start in range(0, n, tile):
                 rows = slice(start, start + tile)
                 z, _ = _logits(hidden[rows], student.weight, student.bias, student.scale, student.softcap,
                                temperature)
                 values = _tile(z, ids[rows], teacher_logps[rows], beta, tail)
-                d[rows], entropy[rows], teacher_entropy[rows] = values
-        ctx.save_for_backward(hidden, ids, teacher_logps)
+                d[rows], entropy[rows], teacher_entropy[rows], lse[rows], lse_out[rows] = values
+        ctx.save_for_backward(hidden, ids, teacher_logps, lse, lse_out)
         ctx.settings = (student, beta, temperature, tail, tile)
         ctx.mark_non_differentiable(entropy, teacher_entropy)
         return d, entropy, teacher_entropy
 
     @staticmethod
     def backward(ctx, grad_d, grad_entropy, grad_teacher_entropy):
-        hidden, ids, teacher_logps = ctx.saved_tensors
+        hidden, ids, teacher_logps, lse, lse_out = ctx.saved_tensors
         student, beta, temperature, tail, tile = ctx.settings
         with student.whole():
             grads = HeadGrads(hidden, student.weight, student.bias, ctx.needs_input_grad[:3])
@@ -106,10 +139,8 @@ class _SparseDivergence(torch.autograd.Function):
                 rows = slice(start, start + tile)
                 z, squashed = _logits(hidden[rows], student.weight, student.bias, student.scale,
                                       student.softcap, temperature)
-                with torch.enable_grad():
-                    z = z.detach().requires_grad_(True)
-                    d = _tile(z, ids[rows], teacher_logps[rows], beta, tail, entropies=False)
-                    (grad_z,) = torch.autograd.grad(d, z, grad_d[rows].to(d.dtype))
+                grad_z = _tile_grad(z, ids[rows], teacher_logps[rows], beta, tail, lse[rows], lse_out[rows],
+                                    grad_d[rows])
                 grads.add(rows, grad_z, squashed, student.scale / temperature)
             return (*grads.result(), None, None, None, None, None, None, None)
 
