@@ -46,14 +46,22 @@ if str(ROOT) not in sys.path:  # run as a script: `benchmarks` (and, uninstalled
 from benchmarks.score_vocab import PROMPT, score  # noqa: E402
 
 VOCAB = 151_936
-# From the published config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B (both tie the LM head to the
-# embedding); "tiny" is a CPU smoke test of the script itself, not a measurement.
+# From the published config.json of Qwen/Qwen2.5-0.5B, -1.5B (both tie the LM head to the embedding) and -7B
+# (its own LM head; its config pads the vocabulary to 152,064 rows, never tokens: 151,936 here as for the
+# others); "tiny" is a CPU smoke test of the script itself, not a measurement.
 FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads")
-SHAPES = {"0.5b": (896, 4864, 24, 14, 2), "1.5b": (1536, 8960, 28, 12, 2), "tiny": (64, 256, 2, 4, 2)}
+SHAPES = {"0.5b": (896, 4864, 24, 14, 2), "1.5b": (1536, 8960, 28, 12, 2), "7b": (3584, 18944, 28, 28, 4),
+          "tiny": (64, 256, 2, 4, 2)}
+UNTIED = {"7b"}
 # rlft-torch: rlft with its Triton tile kernels switched off (RLFT_TRITON=0), the torch path they replace
 LIBS = ("rlft", "rlft-torch", "trl", "plain")
-COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_dropout": 0.0}
+COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_dropout": 0.0}
+
+
+def shape_fields(shape: str) -> dict:
+    """The Qwen2Config fields of a shape (SHAPES, COMMON, and whether its LM head is the embedding)."""
+    return {**dict(zip(FIELDS, SHAPES[shape])), **COMMON, "tie_word_embeddings": shape not in UNTIED}
 
 
 def build(args, length: int):
@@ -63,7 +71,7 @@ def build(args, length: int):
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=args.vocab, max_position_embeddings=PROMPT + length + 8, use_cache=False,
-                         **dict(zip(FIELDS, SHAPES[args.shape[0]])), **COMMON)
+                         **shape_fields(args.shape[0]))
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype_of(args), attn_implementation="sdpa")
     model.train()

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.bench import COMMON, FIELDS, SHAPES, VOCAB  # noqa: E402
+from benchmarks.gpu.bench import SHAPES, VOCAB, shape_fields  # noqa: E402
 
 PROMPTS, GROUP = 2, 8
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -55,7 +55,7 @@ def build(args):
     tokenizer.add_tokens([f"<tok{i}>" for i in range(vocab - len(tokenizer))])  # every sampled id decodes
     config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=args.length + 256,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         attn_implementation="sdpa", **dict(zip(FIELDS, SHAPES[args.shape])), **COMMON)
+                         attn_implementation="sdpa", **shape_fields(args.shape))
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():

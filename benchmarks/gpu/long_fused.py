@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: `benchmarks` (and, uninstalled, `rlft`) come from this tree
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.bench import COMMON, FIELDS, SHAPES, VOCAB  # noqa: E402
+from benchmarks.gpu.bench import SHAPES, VOCAB, shape_fields  # noqa: E402
 from benchmarks.long_completions import grpo_loss  # noqa: E402 (the CPU benchmark's loss, the same here)
 from benchmarks.long_completions import loss_gradient as gradient_of  # noqa: E402
 
@@ -98,7 +98,7 @@ def model_part(args, length, setting):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     config = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=length + 128, attn_implementation="sdpa",
-                         **dict(zip(FIELDS, SHAPES[args.shape])), **COMMON)
+                         **shape_fields(args.shape))
     with torch.device(args.device):  # initialised where it runs (a 0.5B model's CPU init takes seconds)
         model = Qwen2ForCausalLM(config).to(dtype)
     keeper = AttentionKeeper() if keep else None

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.bench import COMMON, FIELDS, SHAPES, VOCAB  # noqa: E402
+from benchmarks.gpu.bench import SHAPES, VOCAB, shape_fields  # noqa: E402
 
 WORKLOADS = {"skewed": (64, [2048] + [96] * 15), "shared": (3072, [64] * 8), "long": (64, [8192] * 2)}
 # name: (packing, attention kernel); "sdpa" hides torch's varlen flash attention from rlft (one SDPA call per
@@ -54,7 +54,7 @@ def build_model(args, longest: int, head: str = "rlft"):
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=args.vocab, max_position_embeddings=longest + 8, use_cache=False,
-                         **dict(zip(FIELDS, SHAPES[args.shape])), **COMMON)
+                         **shape_fields(args.shape))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
