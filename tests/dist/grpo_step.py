@@ -121,8 +121,23 @@ def token_sum_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
+def count_module_tiles() -> list:
+    """Counts the scoring forwards that called the LM head as a module (rlft/model/scoring.py: _module_scores)
+    instead of reading its weight into the fused head."""
+    from rlft.model import scoring
+
+    calls, module_scores = [], scoring._module_scores
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return module_scores(*args, **kwargs)
+    scoring._module_scores = counted
+    return calls
+
+
 def main() -> None:
     model_dir, out, global_accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    module_tiles = count_module_tiles()
     dtype = sys.argv[4] if len(sys.argv) > 4 else "float64"
     results = {}
     routes = dtype == "routes"  # a MoE policy replaying fixed routes, padded and packed, in float64
@@ -149,7 +164,7 @@ def main() -> None:
         tokens = trainer.scorer.tally()  # how micro-batches fall (and so their padding) depends on the split
         params = trainer.accelerator.get_state_dict(trainer.model) or {}  # every process gathers; ZeRO-3: rank 0 gets it
         results[name] = {"params": {k: v.detach().clone() for k, v in params.items()}, "engine": trainer.engine.name,
-                         "tokens": tokens,
+                         "tokens": tokens, "module_tiles": len(module_tiles),
                          "metrics": {k: v for k, v in metrics.items()
                                      if "time" not in k and k != "tokens_per_second" and not k.startswith("perf/")}}
     if trainer.accelerator.is_main_process:
