@@ -337,3 +337,37 @@ def test_the_sparse_divergence_takes_the_kernels_and_equals_its_torch_path(monke
     want = run()
     for have, expected in zip(got, want):
         torch.testing.assert_close(have, expected, rtol=0, atol=1e-10 * max(1.0, float(expected.abs().max())))
+
+
+@pytest.mark.parametrize("tail", [True, False])
+@interpreted
+def test_the_self_distillation_top_k_takes_the_kernels_and_equals_its_torch_path(monkeypatch, tail):
+    """rlft/core/self_distill.py's top-k divergence (the student's own top 4 at each position, the teacher's
+    log-probs there) with the kernels against its torch path: D, both full entropies, the student's gradients."""
+    from rlft.core import tile_buckets
+    from rlft.core.distill import Head
+    from rlft.core.self_distill import topk_divergence
+
+    g = torch.Generator().manual_seed(13)
+    n, h, vocab = 7, 6, 1100
+    hidden_s, hidden_t = (torch.randn(n, h, generator=g, dtype=torch.float64) for _ in range(2))
+    weight = torch.randn(vocab, h, generator=g, dtype=torch.float64)
+    teacher = Head(weight + 0.3 * torch.randn(vocab, h, generator=g, dtype=torch.float64))
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+
+    def run():
+        params = [hidden_s.clone().requires_grad_(), weight.clone().requires_grad_()]
+        out = topk_divergence(params[0], hidden_t, Head(params[1]), teacher, 4, 0.5, 0.9, tail, tile=3)
+        return [out.value.detach(), out.entropy, out.teacher_entropy,
+                *torch.autograd.grad((out.value * upstream).sum(), params)]
+
+    launches = []
+    kernels = tile_buckets._kernels()
+    monkeypatch.setattr(tile_buckets, "_kernels", lambda: launches.append(1) or kernels)
+    got = run()
+    assert len(launches) == 6  # 3 tiles, forward and backward
+    monkeypatch.setattr(tile_buckets, "triton_runs", lambda z: False)
+    monkeypatch.setattr(tile_softmax, "triton_runs", lambda z: False)
+    want = run()
+    for have, expected in zip(got, want):
+        torch.testing.assert_close(have, expected, rtol=0, atol=1e-10 * max(1.0, float(expected.abs().max())))

@@ -26,9 +26,10 @@ sg(min(exp(clamp(log p_s(y) - log p_old(y), -20, 20)), c)). The step's loss is a
 row's token mean of L over its trained tokens, averaged over the rows.
 
 The top-k divergence is computed tile by tile from the two models' hidden states, never [N, V] at
-once; its gradient with respect to the student's logits is recomputed per tile in the backward by
-autograd over that tile's [t, V] logits. Logits are float32 whatever the models' dtype. Shapes: N
-positions, H hidden size, V vocabulary, k the support.
+once; each tile reads the vocabulary once per pass (rlft/core/tile_buckets.py: Triton where it runs)
+and its gradient with respect to the student's logits comes from the buckets' own gradients. Logits
+are float32 whatever the models' dtype. Shapes: N positions, H hidden size, V vocabulary, k the
+support.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ import torch
 from rlft.core.distill import (
     Divergence,
     Head,
-    _tile_logprobs,
+    _tile_logits,
     divergence_from_logprobs,
     local_tile,
     no_positions,
 )
-from rlft.core.fused_head import HeadGrads, _logits
-from rlft.core.sparse_distill import bucketed_logprobs
+from rlft.core.fused_head import HeadGrads
+from rlft.core.sparse_distill import bucketed_logprobs, support_tile, support_tile_grad
+from rlft.core.tile_softmax import tile_stats
 
 MODES = ("full_logits", "topk_logits", "sampled_token")
 
@@ -74,48 +76,53 @@ def topk_support_logprobs(log_ps: torch.Tensor, log_pt: torch.Tensor, k: int, ta
     return bucketed_logprobs(log_ps, ids, log_pt.gather(-1, ids), tail)
 
 
-def _tile_topk(log_ps, log_pt, k: int, tail: bool, beta: float) -> torch.Tensor:
-    a, q = topk_support_logprobs(log_ps, log_pt, k, tail)
-    return divergence_from_logprobs(a, q, beta)
+def _topk_tile(z_s, z_t, k: int, lse_t):
+    """The student's top-k ids [t, k] of one tile's logits and the teacher's log-probs there."""
+    ids = z_s.topk(min(k, z_s.shape[-1]), dim=-1).indices
+    return ids, z_t.gather(-1, ids).to(lse_t.dtype) - lse_t[:, None]
 
 
 class _TiledTopkDivergence(torch.autograd.Function):
+    """Each tile: the student's top-k support, the teacher's log-probs there, and the coarse-grained
+    divergence of rlft/core/sparse_distill.py on it (the vocabulary read once per pass,
+    rlft/core/tile_buckets.py; Triton where it runs); the backward recomputes the tile from the saved
+    logsumexps."""
+
     @staticmethod
     def forward(ctx, hidden_s, weight_s, bias_s, hidden_t, student: Head, teacher: Head, beta, temperature,
                 k, tail, tile):
         n = hidden_s.shape[0]
         d = torch.empty(n, dtype=torch.promote_types(hidden_s.dtype, torch.float32), device=hidden_s.device)
         entropy, teacher_entropy = torch.empty_like(d), torch.empty_like(d)
+        # the backward's
+        lse_s, lse_out, lse_t = torch.empty_like(d), torch.empty_like(d), torch.empty_like(d)
         with student.whole(), teacher.whole():
             for start in range(0, n, tile):
                 rows = slice(start, start + tile)
-                log_ps, log_pt = _tile_logprobs(hidden_s[rows], hidden_t[rows], student, teacher, temperature)
-                d[rows] = _tile_topk(log_ps, log_pt, k, tail, beta)
-                entropy[rows] = -(log_ps.exp() * log_ps).sum(-1)
-                teacher_entropy[rows] = -(log_pt.exp() * log_pt).sum(-1)
-        ctx.save_for_backward(hidden_s, hidden_t)
+                z_s, z_t, _ = _tile_logits(hidden_s[rows], hidden_t[rows], student, teacher, temperature)
+                no_target = torch.full((z_t.shape[0],), -1, dtype=torch.long, device=z_t.device)
+                _, teacher_entropy[rows], lse_t[rows], _ = tile_stats(z_t, no_target)
+                ids, teacher_at = _topk_tile(z_s, z_t, k, lse_t[rows])
+                values = support_tile(z_s, ids, teacher_at, beta, tail)
+                d[rows], entropy[rows], _, lse_s[rows], lse_out[rows] = values
+        ctx.save_for_backward(hidden_s, hidden_t, lse_s, lse_out, lse_t)
         ctx.settings = (student, teacher, beta, temperature, k, tail, tile)
         ctx.mark_non_differentiable(entropy, teacher_entropy)
         return d, entropy, teacher_entropy
 
     @staticmethod
     def backward(ctx, grad_d, grad_entropy, grad_teacher_entropy):
-        hidden_s, hidden_t = ctx.saved_tensors
+        hidden_s, hidden_t, lse_s, lse_out, lse_t = ctx.saved_tensors
         student, teacher, beta, temperature, k, tail, tile = ctx.settings
         with student.whole(), teacher.whole():
             grads = HeadGrads(hidden_s, student.weight, student.bias, ctx.needs_input_grad[:3])
             for start in range(0, hidden_s.shape[0], tile):
                 rows = slice(start, start + tile)
-                z, squashed = _logits(hidden_s[rows], student.weight, student.bias, student.scale,
-                                      student.softcap, temperature)
-                z_t, _ = _logits(hidden_t[rows], teacher.weight, teacher.bias, teacher.scale, teacher.softcap,
-                                 temperature)
-                log_pt = (z_t - torch.logsumexp(z_t, dim=-1, keepdim=True)).to(z.dtype)
-                with torch.enable_grad():
-                    z = z.detach().requires_grad_(True)
-                    log_ps = z - torch.logsumexp(z, dim=-1, keepdim=True)
-                    d = _tile_topk(log_ps, log_pt, k, tail, beta)
-                    (grad_z,) = torch.autograd.grad(d, z, grad_d[rows].to(d.dtype))
+                z_s, z_t, squashed = _tile_logits(hidden_s[rows], hidden_t[rows], student, teacher,
+                                                  temperature)
+                ids, teacher_at = _topk_tile(z_s, z_t, k, lse_t[rows])
+                grad_z = support_tile_grad(z_s, ids, teacher_at, beta, tail, lse_s[rows], lse_out[rows],
+                                           grad_d[rows])
                 grads.add(rows, grad_z, squashed, student.scale / temperature)
             return (*grads.result(), None, None, None, None, None, None, None, None)
 

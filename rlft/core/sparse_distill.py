@@ -77,7 +77,7 @@ def buckets(a: torch.Tensor, a_tail: torch.Tensor | None, valid: torch.Tensor, t
     return torch.where(valid, a, PAD), torch.where(valid, q, PAD)
 
 
-def _tile(z: torch.Tensor, ids, teacher, beta: float, tail: bool):
+def support_tile(z: torch.Tensor, ids, teacher, beta: float, tail: bool):
     """(D [t], the student's entropy [t], the teacher's over the buckets [t], lse [t], lse_out [t]) from one
     tile's logits: the vocabulary read once (rlft/core/tile_buckets.py), the buckets from K columns."""
     inside = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, _safe(ids), True)
@@ -95,7 +95,7 @@ def _tile_buckets(z, ids, teacher, tail: bool, lse, lse_out, a=None, a_tail=None
     return buckets(a, a_tail if tail else None, ids >= 0, teacher)
 
 
-def _tile_grad(z, ids, teacher, beta: float, tail: bool, lse, lse_out, grad_d) -> torch.Tensor:
+def support_tile_grad(z, ids, teacher, beta: float, tail: bool, lse, lse_out, grad_d) -> torch.Tensor:
     """grad_d x dD/dz [t, V], written over z (module docstring of rlft/core/tile_buckets.py): G = dD/da
     and G_tail = dD/da_tail by autograd on the [t, K + 1] buckets."""
     safe = _safe(ids)
@@ -122,7 +122,7 @@ class _SparseDivergence(torch.autograd.Function):
                 rows = slice(start, start + tile)
                 z, _ = _logits(hidden[rows], student.weight, student.bias, student.scale, student.softcap,
                                temperature)
-                values = _tile(z, ids[rows], teacher_logps[rows], beta, tail)
+                values = support_tile(z, ids[rows], teacher_logps[rows], beta, tail)
                 d[rows], entropy[rows], teacher_entropy[rows], lse[rows], lse_out[rows] = values
         ctx.save_for_backward(hidden, ids, teacher_logps, lse, lse_out)
         ctx.settings = (student, beta, temperature, tail, tile)
@@ -139,8 +139,8 @@ class _SparseDivergence(torch.autograd.Function):
                 rows = slice(start, start + tile)
                 z, squashed = _logits(hidden[rows], student.weight, student.bias, student.scale,
                                       student.softcap, temperature)
-                grad_z = _tile_grad(z, ids[rows], teacher_logps[rows], beta, tail, lse[rows], lse_out[rows],
-                                    grad_d[rows])
+                grad_z = support_tile_grad(z, ids[rows], teacher_logps[rows], beta, tail, lse[rows],
+                                           lse_out[rows], grad_d[rows])
                 grads.add(rows, grad_z, squashed, student.scale / temperature)
             return (*grads.result(), None, None, None, None, None, None, None)
 
