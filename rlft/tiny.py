@@ -175,8 +175,14 @@ def _moe_config(arch: str, common: dict, hidden_size: int):
         return Ernie4_5_MoeConfig(**common, moe_num_experts=8, moe_k=2, moe_intermediate_size=hidden_size,
                                   moe_num_shared_experts=0, moe_layer_start_index=0, moe_layer_interval=1,
                                   router_aux_loss_coef=0.01)
+    # Phi-3.5-MoE's sparsemixer: in training mode it samples its choice and rescales weights at random
+    if arch == "phimoe":
+        from transformers import PhimoeConfig
+
+        return PhimoeConfig(**common, num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.01,
+                            input_jitter_noise=0.0, router_aux_loss_coef=0.01)
     raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama', 'qwen2_moe', 'qwen3_moe', 'olmoe', "
-                     "'deepseek_v3', 'llama4' or 'ernie4_5_moe'")
+                     "'deepseek_v3', 'llama4', 'ernie4_5_moe' or 'phimoe'")
 
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,

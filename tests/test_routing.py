@@ -164,6 +164,10 @@ def family_router(name: str, experts: int = 8, k: int = 2, hidden: int = 8):
     router.num_group, router.topk_group, router.norm_topk_prob, router.topk_method = 2, 1, True, "greedy"
     router.router_scaling_factor, router.use_expert_bias, router.norm_min = 2.5, True, 1e-12  # (HY-V3, LFM2, Ernie)
     router.moe_statics = lambda weights: weights + router.e_score_correction_bias  # (Ernie 4.5's choice bias)
+    # (Phi-3.5-MoE's sparsemixer: experts within 2 x 0.4 of the largest logit, relatively, stay in play; its
+    # eval-mode forward, whose values replay gives: in training mode it samples and rescales at random)
+    router.router_jitter_noise, router.input_jitter_noise = 0.4, 0.0
+    router.eval()
     return router
 
 
@@ -177,6 +181,19 @@ def call(router, hidden):
 
 def renormalised(p, eps=0.0):
     return p / (p.sum(-1, keepdim=True) + eps)
+
+
+def sparsemixer(z, chosen, eps=0.4):
+    """Phi-3.5-MoE's weights at `chosen` (transformers' `sparsemixer`, eval mode): for each chosen expert in
+    turn, the softmax over the logits not chosen before it that lie within 2 eps of the largest of them,
+    relative to the larger of |logit| and that largest."""
+    weights, rest = [], z
+    for j in range(chosen.shape[-1]):
+        top = rest.max(-1, keepdim=True).values
+        near = (top - z) / torch.maximum(z.abs(), top) <= 2 * eps
+        weights.append(torch.where(near, rest, float("-inf")).softmax(-1).gather(-1, chosen[:, j:j + 1]))
+        rest = rest.scatter(-1, chosen[:, j:j + 1], float("-inf"))
+    return torch.cat(weights, -1)
 
 
 @pytest.mark.parametrize("name, definition", [
@@ -193,7 +210,8 @@ def renormalised(p, eps=0.0):
     ("HYV3TopKRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen))),
     ("Lfm2MoeTopKRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen), 1e-6)),
     ("Cohere2MoeTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1)),
-    ("Cohere2MoeTopKRouter:sigmoid", lambda z, chosen: renormalised(z.gather(-1, chosen).sigmoid()))])
+    ("Cohere2MoeTopKRouter:sigmoid", lambda z, chosen: renormalised(z.gather(-1, chosen).sigmoid())),
+    ("PhimoeTopKRouter", sparsemixer)])
 def test_each_router_family_replays_its_own_choice_exactly_and_weights_a_recorded_one_by_its_definition(
         name, definition):
     """Replaying the router's own choice returns exactly the weights its forward computed (so the family's
@@ -239,6 +257,22 @@ def test_a_trainer_replaying_a_samplers_routes_scores_exactly_what_a_biased_samp
     free, replayed = log_ratios(trainer, rollout, False).abs(), log_ratios(trainer, rollout, True).abs()
     assert state.take_agreement() < 0.95  # the biases moved choices
     assert replayed.max() < 1e-5 < free.max()
+
+
+def test_phi_moe_training_mode_samples_its_routes_and_replay_scores_what_its_eval_mode_sampler_sampled(tokenizer):
+    """Phi-3.5-MoE's sparsemixer samples its experts in training mode (and rescales a weight by 1/3 at random), so
+    a trainer routing freely scores other log-probs than its eval-mode sampler sampled with the same weights;
+    replaying the sampler's routes, the trainer scores them exactly (float32 both sides)."""
+    trainer = strong_experts_moe(tokenizer, "phimoe", layers=2)
+    sampler = copy.deepcopy(trainer).eval()
+    routing.install(sampler)
+    rollout = sample(sampler, tokenizer, group=4)
+    state = routing.install(trainer)
+    trainer.train()
+    torch.manual_seed(1)
+    free, replayed = log_ratios(trainer, rollout, False).abs(), log_ratios(trainer, rollout, True).abs()
+    assert state.take_agreement() < 1.0  # its sampled choice differs somewhere
+    assert replayed.max() < 1e-5 and free.max() > 1e-2
 
 
 def test_llama4s_router_replays_a_recorded_choice_as_its_dense_sigmoid_scores():
@@ -297,7 +331,7 @@ def test_every_replayed_router_class_has_its_familys_forward():
     representative = {routing.REPLAY_WEIGHTS[name]: name for name in (
         "Qwen3MoeTopKRouter", "DeepseekV3TopkRouter", "DeepseekV2TopkRouter", "GraniteMoeTopKRouter",
         "JambaTopKRouter", "Ernie4_5_MoeTopKRouter", "Mistral4TopkRouter", "MiniMaxM2TopKRouter", "HYV3TopKRouter",
-        "Lfm2MoeTopKRouter", "Cohere2MoeTopKRouter")}
+        "Lfm2MoeTopKRouter", "Cohere2MoeTopKRouter", "PhimoeTopKRouter")}
     allowed = {"Qwen3MoeTopKRouter": {"Qwen3_5MoeTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3VLMoeTextTopKRouter",
                                       "MixtralTopKRouter", "MiniMaxTopKRouter"},  # (always renormalise)
                "GraniteMoeTopKRouter": {"GptOssTopKRouter", "AriaTextTopKRouter"}}  # (each tested above on its own)

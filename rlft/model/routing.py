@@ -13,8 +13,8 @@ weights, indices)` and whose weights are a known function of the logits at the c
 (`REPLAY_WEIGHTS`: softmax-then-top-k, DeepSeek-V3's sigmoid with bias-corrected group-limited choice,
 DeepSeek-V2's scaled softmax, top-k-of-logits-then-softmax, each family's classes found by comparing
 their forward's source; and one-class families: Jamba, Ernie 4.5, Mistral 4, MiniMax-M2, HunYuan-V3,
-LFM2-MoE, Cohere2-MoE), and for Llama 4's router, which returns dense scores and the logits
-(`DENSE_SCORE_ROUTERS`):
+LFM2-MoE, Cohere2-MoE, Phi-3.5-MoE's sparsemixer), and for Llama 4's router, which returns dense
+scores and the logits (`DENSE_SCORE_ROUTERS`):
 
 - recording: while the engine generates, each router's chosen experts are kept per forward call;
   `RouteState.assemble` lays them out per row as `Rollout.prompt_routes` [N, P, layers, k] and
@@ -119,6 +119,24 @@ def _cohere2(router, logits, chosen):
     return top / top.sum(dim=-1, keepdim=True) if router.norm_topk_prob else top
 
 
+def _sparsemixer(router, logits, chosen):
+    """Phi-3.5-MoE's router (sparsemixer, L. Liu et al. 2024, arXiv:2409.12136) at the values its eval-mode
+    forward computes: for the j-th chosen expert, the softmax over the logits still in play (the earlier
+    chosen ones set to -inf) that lie within 2 x `router_jitter_noise` of their largest, relative to
+    max(|logit|, that largest), taken at that expert. Its training-mode forward samples its choice and
+    scales a weight by 1/3 at random (Heun's third-order estimate of the routing gradient); a replayed
+    choice is given, so its weights are these values and their gradient the softmax's."""
+    in_play, weights = logits, []
+    for j in range(chosen.shape[-1]):
+        with torch.no_grad():
+            top = in_play.max(dim=-1, keepdim=True).values
+            far = (top - logits) / logits.abs().clamp(min=top) > 2 * router.router_jitter_noise
+        gates = torch.softmax(in_play.masked_fill(far, float("-inf")), dim=-1)
+        weights.append(gates.gather(-1, chosen[:, j:j + 1]))
+        in_play = in_play.scatter(-1, chosen[:, j:j + 1], float("-inf"))
+    return torch.cat(weights, dim=-1)
+
+
 # transformers' router classes whose recorded choice rlft replays, by how their weights follow from the
 # logits (each family's classes have the same forward source, transformers 5.24)
 _FAMILIES = {
@@ -140,6 +158,7 @@ _FAMILIES = {
     _sigmoid_hy: "HYV3TopKRouter",
     _sigmoid_lfm2: "Lfm2MoeTopKRouter",
     _cohere2: "Cohere2MoeTopKRouter",
+    _sparsemixer: "PhimoeTopKRouter",
 }
 REPLAY_WEIGHTS = {name: how for how, names in _FAMILIES.items() for name in names.split()}
 # routers whose forward returns (dense scores [tokens, experts], logits) instead: Llama 4's (the sigmoid
