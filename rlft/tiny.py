@@ -159,6 +159,12 @@ def _moe_config(arch: str, common: dict, hidden_size: int):
                                 moe_intermediate_size=hidden_size, first_k_dense_replace=0, q_lora_rank=None,
                                 kv_lora_rank=hidden_size // 2, qk_rope_head_dim=16, qk_nope_head_dim=16,
                                 v_head_dim=32, routed_scaling_factor=2.5, norm_topk_prob=True)
+    return _other_moe_config(arch, common, hidden_size)
+
+
+def _other_moe_config(arch: str, common: dict, hidden_size: int):
+    """The Mixture-of-Experts architectures of `_config` whose routers differ in kind (routing replay's
+    tests of each)."""
     # Llama 4's router: the sigmoid of its top-1 logit, a dense [tokens, experts] score matrix
     if arch == "llama4":
         from transformers import Llama4TextConfig
@@ -181,8 +187,20 @@ def _moe_config(arch: str, common: dict, hidden_size: int):
 
         return PhimoeConfig(**common, num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.01,
                             input_jitter_noise=0.0, router_aux_loss_coef=0.01)
+    # DBRX: its router returns logits, its FFN block chooses (softmax, top-k, weights over their L1 norm)
+    if arch == "dbrx":
+        from transformers import DbrxConfig
+
+        return DbrxConfig(d_model=hidden_size, n_heads=common["num_attention_heads"],
+                          n_layers=common["num_hidden_layers"], max_seq_len=common["max_position_embeddings"],
+                          vocab_size=common["vocab_size"], pad_token_id=common["pad_token_id"],
+                          eos_token_id=common["eos_token_id"], bos_token_id=common["bos_token_id"],
+                          tie_word_embeddings=False,
+                          attn_config={"kv_n_heads": common["num_key_value_heads"], "rope_theta": 1e4,
+                                       "clip_qkv": 8.0},
+                          ffn_config={"ffn_hidden_size": hidden_size, "moe_num_experts": 8, "moe_top_k": 2})
     raise ValueError(f"arch={arch!r}: choose 'qwen2', 'llama', 'qwen2_moe', 'qwen3_moe', 'olmoe', "
-                     "'deepseek_v3', 'llama4', 'ernie4_5_moe' or 'phimoe'")
+                     "'deepseek_v3', 'llama4', 'ernie4_5_moe', 'phimoe' or 'dbrx'")
 
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
@@ -209,12 +227,13 @@ def build_near_tie_moe(tokenizer, arch: str = "qwen3_moe", num_layers: int = 4,
     """A tiny MoE (hidden 64) whose experts dominate its MLP output (weights N(0, 0.1)) and whose
     router is near-uniform (N(0, 0.005)), so near-ties between experts are common: the case routing
     replay is for (its tests and benchmarks/routing_replay.py)."""
-    from rlft.model.routing import moe_routers
+    from rlft.model.routing import CHOOSING_BLOCKS, moe_routers
 
     model = build_causal_lm(tokenizer, arch=arch, hidden_size=64, num_layers=num_layers)
     generator = torch.Generator().manual_seed(seed)
-    for router in moe_routers(model):
-        router.weight.data = torch.randn(router.weight.shape, generator=generator) * 0.005
+    for router in moe_routers(model):  # (a choosing block's router: its linear layer)
+        linear = router.router.layer if type(router).__name__ in CHOOSING_BLOCKS else router
+        linear.weight.data = torch.randn(linear.weight.shape, generator=generator) * 0.005
     for name, param in model.named_parameters():
         if ".experts." in name:
             param.data = torch.randn(param.shape, generator=generator) * 0.1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -306,6 +307,44 @@ def test_llama4s_router_replays_a_recorded_choice_as_its_dense_sigmoid_scores():
 
     tokenizer = build_tokenizer(0)
     model = strong_experts_moe(tokenizer, "llama4", layers=2)
+    state = routing.install(model)
+    rollout = sample(model, tokenizer, group=2)
+    assert bool((rollout.completion_routes[rollout.completion_mask.bool()][:-1] >= 0).any())
+    free, replayed = log_ratios(model, rollout, False), log_ratios(model, rollout, True)
+    assert state.take_agreement() == 1.0
+    torch.testing.assert_close(replayed, free, atol=1e-5, rtol=0)
+
+
+def test_dbrxs_block_chooses_for_its_router_and_replays_a_recorded_choice_by_its_definition(tokenizer):
+    """DBRX's router returns only its logits; its FFN block chooses (`route_tokens_to_experts`: softmax, top-k,
+    the weights over their L1 norm), so the block is hooked as the router. Replaying its own choice returns
+    exactly its weights; a recorded other choice gets softmax(logits) there over their L1 norm, the gradient
+    reaching the router. A whole tiny DBRX replaying the routes its own generate recorded agrees with every
+    choice and scores the same."""
+    from transformers.models.dbrx.configuration_dbrx import DbrxFFNConfig
+    from transformers.models.dbrx.modeling_dbrx import DbrxFFN
+
+    torch.manual_seed(0)
+    block = DbrxFFN(SimpleNamespace(ffn_config=DbrxFFNConfig(hidden_size=8, ffn_hidden_size=8, moe_num_experts=8,
+                                                              moe_top_k=2)))
+    state = routing.RouteState([block])
+    routing.attach(block, 0, state)
+    logits = block.router(torch.randn(5, 8, generator=torch.Generator().manual_seed(1)))
+    free_weights, free_chosen = block.route_tokens_to_experts(logits)
+    state.mode, state.routes = "replay", free_chosen[:, None].to(torch.int16)
+    weights, chosen = block.route_tokens_to_experts(logits)
+    assert torch.equal(chosen, free_chosen)
+    torch.testing.assert_close(weights, free_weights, atol=1e-7, rtol=0)
+    other = torch.tensor([[6, 1]] * 5)
+    state.routes = other[:, None].to(torch.int16)
+    weights, chosen = block.route_tokens_to_experts(logits)
+    top = logits.softmax(-1).gather(-1, other)
+    assert torch.equal(chosen, other)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True), atol=1e-7, rtol=0)
+    (weights * torch.tensor([1.0, 3.0])).sum().backward()
+    assert block.router.layer.weight.grad.abs().sum() > 0
+
+    model = strong_experts_moe(tokenizer, "dbrx", layers=2)
     state = routing.install(model)
     rollout = sample(model, tokenizer, group=2)
     assert bool((rollout.completion_routes[rollout.completion_mask.bool()][:-1] >= 0).any())

@@ -137,6 +137,14 @@ def _sparsemixer(router, logits, chosen):
     return torch.cat(weights, dim=-1)
 
 
+def _softmax_pnorm(block, logits, chosen):
+    """DBRX's (its FFN block chooses: `route_tokens_to_experts`): softmax(logits) at the chosen experts,
+    divided by their p-norm, p = `moe_normalize_expert_weights` (None: as they are)."""
+    top = torch.softmax(logits, dim=-1).gather(-1, chosen)
+    p = block.moe_normalize_expert_weights
+    return top if p is None else top / torch.norm(top, p=p, dim=-1, keepdim=True)
+
+
 # transformers' router classes whose recorded choice rlft replays, by how their weights follow from the
 # logits (each family's classes have the same forward source, transformers 5.24)
 _FAMILIES = {
@@ -159,17 +167,22 @@ _FAMILIES = {
     _sigmoid_lfm2: "Lfm2MoeTopKRouter",
     _cohere2: "Cohere2MoeTopKRouter",
     _sparsemixer: "PhimoeTopKRouter",
+    _softmax_pnorm: "DbrxFFN",
 }
 REPLAY_WEIGHTS = {name: how for how, names in _FAMILIES.items() for name in names.split()}
 # routers whose forward returns (dense scores [tokens, experts], logits) instead: Llama 4's (the sigmoid
 # of the top-k logits, 0 elsewhere)
 DENSE_SCORE_ROUTERS = frozenset({"Llama4Router"})
+# MoE blocks whose router returns only its logits and whose block chooses, in a method
+# `route_tokens_to_experts(logits) -> (weights, indices)` (DBRX): the block is hooked as the router
+CHOOSING_BLOCKS = frozenset({"DbrxFFN"})
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's routers in layer order: modules whose class name ends in "Router" and that hold a
-    `top_k` (transformers' MoE routers)."""
-    return [m for m in model.modules() if type(m).__name__.lower().endswith("router") and hasattr(m, "top_k")]
+    `top_k` (transformers' MoE routers), and the blocks that choose for theirs (`CHOOSING_BLOCKS`)."""
+    return [m for m in model.modules() if hasattr(m, "top_k") and (
+        type(m).__name__.lower().endswith("router") or type(m).__name__ in CHOOSING_BLOCKS)]
 
 
 def unsupported_routers(model: torch.nn.Module) -> list[str]:
@@ -278,7 +291,27 @@ def _dense_sigmoid(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 def attach(router: torch.nn.Module, layer: int, state: RouteState) -> None:
     """Make `router` (layer `layer` of a model) record and replay through `state`."""
     router._rlft_route_state, router._rlft_route_layer = state, layer
-    router.register_forward_hook(_route)
+    if type(router).__name__ in CHOOSING_BLOCKS:
+        _hook_choice(type(router))
+    else:
+        router.register_forward_hook(_route)
+
+
+def _hook_choice(block_class: type) -> None:
+    """A choosing block's `route_tokens_to_experts` through `_route` (once per class): the same choice
+    and weights for a block no state was attached to; each attached block (a deep copy's too) its own."""
+    if getattr(block_class.route_tokens_to_experts, "_rlft_routed", False):
+        return
+    choose = block_class.route_tokens_to_experts
+
+    def routed(block, router_logits):
+        weights, indices = choose(block, router_logits)
+        if "_rlft_route_state" not in vars(block):
+            return weights, indices
+        out = _route(block, (router_logits,), (router_logits, weights, indices))
+        return (weights, indices) if out is None else (out[1], out[2])
+    routed._rlft_routed = True
+    block_class.route_tokens_to_experts = routed
 
 
 def _count(model, args, kwargs) -> None:
