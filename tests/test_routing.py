@@ -146,6 +146,9 @@ def test_a_replayed_router_weights_the_recorded_experts_by_its_current_softmax()
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
+GEMMA4_EXPERT_SCALE = torch.linspace(0.5, 2.0, 8)
+
+
 def family_router(name: str, experts: int = 8, k: int = 2, hidden: int = 8):
     """A router of class `name` (transformers 5.24) with the attributes its forward reads, its weight random."""
     import importlib
@@ -168,16 +171,28 @@ def family_router(name: str, experts: int = 8, k: int = 2, hidden: int = 8):
     # (Phi-3.5-MoE's sparsemixer: experts within 2 x 0.4 of the largest logit, relatively, stay in play; its
     # eval-mode forward, whose values replay gives: in training mode it samples and rescales at random)
     router.router_jitter_noise, router.input_jitter_noise = 0.4, 0.0
+    # (AFMoE's and Longcat-Flash's logits come from a linear layer of theirs; DeepSeek-V4's score function, its
+    # hash router's token -> experts table)
+    router.gate = router.classifier = torch.nn.Linear(hidden, experts, bias=False)
+    router.route_scale, router.n_routed_experts, router.score_fn = 2.5, experts, torch.sigmoid
+    router.tid2eid = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(64)])
+    # (Gemma 4's: a normed, scaled input to its projection; k from its config; a scale per expert)
+    router.norm, router.proj, router.scale, router.scalar_root_size = torch.nn.Identity(), router.gate, 1.0, 1.0
+    router.config, router.per_expert_scale = SimpleNamespace(top_k_experts=k), GEMMA4_EXPERT_SCALE
     router.eval()
     return router
 
 
 def call(router, hidden):
-    """The router's forward; MiniMax-M2's, HY-V3's and LFM2-MoE's take their block's choice bias too."""
+    """The router's forward; MiniMax-M2's, HY-V3's, LFM2-MoE's and AFMoE's take their block's choice bias too,
+    DeepSeek-V4's hash router the token ids."""
     import inspect
 
-    takes_bias = len(inspect.signature(router.forward).parameters) > 1
-    return router(hidden, router.e_score_correction_bias) if takes_bias else router(hidden)
+    params = list(inspect.signature(router.forward).parameters)
+    if "input_ids" in params:
+        return router(hidden, torch.arange(hidden.shape[0]) * 7)
+    hidden = hidden[None] if type(router).__name__ == "AfmoeTokenChoiceRouter" else hidden  # ([b, t, H])
+    return router(hidden, router.e_score_correction_bias) if len(params) > 1 else router(hidden)
 
 
 def renormalised(p, eps=0.0):
@@ -212,7 +227,14 @@ def sparsemixer(z, chosen, eps=0.4):
     ("Lfm2MoeTopKRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen), 1e-6)),
     ("Cohere2MoeTopKRouter", lambda z, chosen: z.gather(-1, chosen).softmax(-1)),
     ("Cohere2MoeTopKRouter:sigmoid", lambda z, chosen: renormalised(z.gather(-1, chosen).sigmoid())),
-    ("PhimoeTopKRouter", sparsemixer)])
+    ("PhimoeTopKRouter", sparsemixer),
+    ("Step3p7TopKRouter", lambda z, chosen: renormalised(z.sigmoid().gather(-1, chosen))),
+    ("LongcatFlashTopkRouter", lambda z, chosen: 2.5 * z.softmax(-1).gather(-1, chosen)),
+    ("AfmoeTokenChoiceRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen), 1e-20)),
+    ("DeepseekV4TopKRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen), 1e-20)),
+    ("DeepseekV4HashRouter", lambda z, chosen: 2.5 * renormalised(z.sigmoid().gather(-1, chosen), 1e-20)),
+    # (its first output is the softmax's probabilities)
+    ("Gemma4TextRouter", lambda p, chosen: renormalised(p.gather(-1, chosen)) * GEMMA4_EXPERT_SCALE[chosen])])
 def test_each_router_family_replays_its_own_choice_exactly_and_weights_a_recorded_one_by_its_definition(
         name, definition):
     """Replaying the router's own choice returns exactly the weights its forward computed (so the family's
@@ -235,7 +257,7 @@ def test_each_router_family_replays_its_own_choice_exactly_and_weights_a_recorde
     assert torch.equal(logits, free_logits) and torch.equal(chosen, other)
     torch.testing.assert_close(scores, definition(free_logits.float(), other), atol=1e-6, rtol=1e-6)
     (scores * torch.tensor([1.0, 3.0])).sum().backward()
-    assert router.weight.grad.abs().sum() > 0
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in router.parameters())
 
 
 @pytest.mark.parametrize("arch, bias_of", [
@@ -370,10 +392,13 @@ def test_every_replayed_router_class_has_its_familys_forward():
     representative = {routing.REPLAY_WEIGHTS[name]: name for name in (
         "Qwen3MoeTopKRouter", "DeepseekV3TopkRouter", "DeepseekV2TopkRouter", "GraniteMoeTopKRouter",
         "JambaTopKRouter", "Ernie4_5_MoeTopKRouter", "Mistral4TopkRouter", "MiniMaxM2TopKRouter", "HYV3TopKRouter",
-        "Lfm2MoeTopKRouter", "Cohere2MoeTopKRouter", "PhimoeTopKRouter")}
+        "Lfm2MoeTopKRouter", "Cohere2MoeTopKRouter", "PhimoeTopKRouter", "AfmoeTokenChoiceRouter",
+        "DeepseekV4TopKRouter", "Gemma4TextRouter")}
     allowed = {"Qwen3MoeTopKRouter": {"Qwen3_5MoeTopKRouter", "Qwen3OmniMoeTextTopKRouter", "Qwen3VLMoeTextTopKRouter",
                                       "MixtralTopKRouter", "MiniMaxTopKRouter"},  # (always renormalise)
-               "GraniteMoeTopKRouter": {"GptOssTopKRouter", "AriaTextTopKRouter"}}  # (each tested above on its own)
+               "GraniteMoeTopKRouter": {"GptOssTopKRouter", "AriaTextTopKRouter"},  # (each tested above on its own)
+               "MiniMaxM2TopKRouter": {"Step3p7TopKRouter"}, "DeepseekV2TopkRouter": {"LongcatFlashTopkRouter"},
+               "DeepseekV4TopKRouter": {"DeepseekV4HashRouter"}}
     found = [name for name in routing.REPLAY_WEIGHTS if name in sources]  # (a newer transformers may drop some)
     assert len(found) >= 42 and all(sources[name] for name in representative.values())  # the scan read them
     for name, how in routing.REPLAY_WEIGHTS.items():

@@ -137,6 +137,27 @@ def _sparsemixer(router, logits, chosen):
     return torch.cat(weights, dim=-1)
 
 
+def _sigmoid_route_scale(router, logits, chosen):
+    """AFMoE's router: sigmoid(logits) at the chosen experts (the choice adds the block's `expert_bias`),
+    renormalised, times `route_scale`."""
+    top = torch.sigmoid(logits).gather(-1, chosen)
+    return top / (top.sum(dim=-1, keepdim=True) + 1e-20) * router.route_scale
+
+
+def _score_fn_renormalised(router, logits, chosen):
+    """DeepSeek-V4's routers (top-k, and hash: a fixed token -> experts table chooses): its `score_fn`
+    (the config's `scoring_func`) at the chosen experts, renormalised, times `routed_scaling_factor`."""
+    top = router.score_fn(logits).gather(-1, chosen)
+    return top / (top.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
+
+
+def _gemma4(router, probabilities, chosen):
+    """Gemma 4's router (its first output is softmax probabilities, not logits): the probabilities at the
+    chosen experts, renormalised, times `per_expert_scale` at them."""
+    top = probabilities.gather(-1, chosen)
+    return top / top.sum(dim=-1, keepdim=True) * router.per_expert_scale[chosen]
+
+
 def _softmax_pnorm(block, logits, chosen):
     """DBRX's (its FFN block chooses: `route_tokens_to_experts`): softmax(logits) at the chosen experts,
     divided by their p-norm, p = `moe_normalize_expert_weights` (None: as they are)."""
@@ -146,7 +167,9 @@ def _softmax_pnorm(block, logits, chosen):
 
 
 # transformers' router classes whose recorded choice rlft replays, by how their weights follow from the
-# logits (each family's classes have the same forward source, transformers 5.24)
+# logits (each family's classes have the same forward source, transformers 5.24, but for a few computed
+# alike in other code: Step-3.7's as MiniMax-M2's without a bias argument, Longcat-Flash's as DeepSeek-V2's
+# in float32, DeepSeek-V4's hash router as its top-k one with a fixed choice)
 _FAMILIES = {
     _softmax_topk: """Qwen2MoeTopKRouter Qwen3MoeTopKRouter Qwen3NextTopKRouter
         Qwen3OmniMoeThinkerTextTopKRouter Qwen3OmniMoeTalkerTextTopKRouter OlmoeTopKRouter FlexOlmoTopKRouter
@@ -156,18 +179,22 @@ _FAMILIES = {
         Dots1TopkRouter Dots3NoteTextTopkRouter ExaoneMoeTopkRouter Glm4MoeTopkRouter Glm4MoeLiteTopkRouter
         Glm4vMoeTextTopkRouter Glm5NextTextTopkRouter GlmMoeDsaTopkRouter HYV4TopkRouter HYV4VLTopkRouter
         KimiLinearTopkRouter MiMoV2FlashTopkRouter NemotronHTopkRouter SolarOpenTopkRouter""",
-    _softmax_scaled: "DeepseekV2TopkRouter DeepseekOcr2TextTopkRouter UnlimitedOcrTextTopkRouter",
+    _softmax_scaled: """DeepseekV2TopkRouter DeepseekOcr2TextTopkRouter UnlimitedOcrTextTopkRouter
+        LongcatFlashTopkRouter""",
     _topk_logits_softmax: """GptOssTopKRouter GraniteMoeTopKRouter GraniteMoeSWATopKRouter
         GraniteMoeHybridTopKRouter GraniteMoeSharedTopKRouter AriaTextTopKRouter""",
     _softmax_plain: "JambaTopKRouter",
     _softmax_clamped: "Ernie4_5_MoeTopKRouter",
     _softmax_group: "Mistral4TopkRouter",
-    _sigmoid_renormalised: "MiniMaxM2TopKRouter",
+    _sigmoid_renormalised: "MiniMaxM2TopKRouter Step3p7TopKRouter",
     _sigmoid_hy: "HYV3TopKRouter",
     _sigmoid_lfm2: "Lfm2MoeTopKRouter",
     _cohere2: "Cohere2MoeTopKRouter",
     _sparsemixer: "PhimoeTopKRouter",
     _softmax_pnorm: "DbrxFFN",
+    _sigmoid_route_scale: "AfmoeTokenChoiceRouter",
+    _score_fn_renormalised: "DeepseekV4TopKRouter DeepseekV4HashRouter",
+    _gemma4: "Gemma4TextRouter",
 }
 REPLAY_WEIGHTS = {name: how for how, names in _FAMILIES.items() for name in names.split()}
 # routers whose forward returns (dense scores [tokens, experts], logits) instead: Llama 4's (the sigmoid
@@ -178,10 +205,19 @@ DENSE_SCORE_ROUTERS = frozenset({"Llama4Router"})
 CHOOSING_BLOCKS = frozenset({"DbrxFFN"})
 
 
+def experts_per_token(module: torch.nn.Module) -> int | None:
+    """A router's k: its `top_k`, or its config's `top_k_experts` (Gemma 4's); None: not a top-k router."""
+    k = getattr(module, "top_k", None)
+    if k is None:
+        k = getattr(getattr(module, "config", None), "top_k_experts", None)
+    return None if k is None else int(k)
+
+
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's routers in layer order: modules whose class name ends in "Router" and that hold a
-    `top_k` (transformers' MoE routers), and the blocks that choose for theirs (`CHOOSING_BLOCKS`)."""
-    return [m for m in model.modules() if hasattr(m, "top_k") and (
+    """The model's routers in layer order: modules whose class name ends in "Router" and that choose k
+    experts (`experts_per_token`: transformers' MoE routers), and the blocks that choose for theirs
+    (`CHOOSING_BLOCKS`)."""
+    return [m for m in model.modules() if experts_per_token(m) is not None and (
         type(m).__name__.lower().endswith("router") or type(m).__name__ in CHOOSING_BLOCKS)]
 
 
@@ -198,7 +234,7 @@ class RouteState:
     counted)."""
 
     def __init__(self, routers: list[torch.nn.Module]):
-        self.layers, self.top_k = len(routers), int(routers[0].top_k)
+        self.layers, self.top_k = len(routers), experts_per_token(routers[0])
         self.mode, self.routes, self.valid, self.armed = "free", None, None, None
         self.calls: list[tuple[int, int]] = []  # record: (rows, tokens) of each forward
         self.recorded: list[list[torch.Tensor]] = [[] for _ in routers]
