@@ -258,7 +258,6 @@ class PolicyObjective(Objective):
         return loss.item()
 
 
-
 @dataclasses.dataclass
 class _PolicyInputs:
     """What the policy loss of micro-batch `rows` reads besides its log-probs, cut to `width` columns:
