@@ -88,6 +88,31 @@ def test_one_step_equals_one_process_for_every_loss_type(engine, tmp_path, tiny_
             assert value == pytest.approx(two[run]["metrics"][key], rel=1e-5, abs=1e-6), (run, key)
 
 
+def test_an_untied_lm_head_under_fsdp2_is_scored_fused_and_its_step_equals_one_process(tmp_path, tiny_causal_dir):
+    """A policy with its own LM head (not the embedding): FSDP2 shards it as a unit of its own, and the fused head
+    reads the whole parameter FSDP unsharded for the forward, so FSDP reduce-scatters its gradient. One step on 2
+    processes equals one process's to float64 rounding, the head's rows included, with no module-path forward."""
+    needs("fsdp2")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_causal_dir)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone() * 1.5)
+    untied = tmp_path / "untied"
+    model.save_pretrained(untied)
+    AutoTokenizer.from_pretrained(tiny_causal_dir).save_pretrained(untied)
+    runs = ["tests/dist/grpo_step.py", str(untied), None, "4", "float64", "grpo,dapo,sapo"]
+    result = launch([*runs[:2], str(tmp_path / "1.pt"), *runs[3:]], 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    engine_launch("fsdp2", [*runs[:2], str(tmp_path / "2.pt"), *runs[3:]])
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    assert sorted(one) == sorted(two) == ["dapo", "grpo", "sapo"]
+    for run in one:
+        assert two[run]["engine"] == "fsdp2" and one[run]["module_tiles"] == two[run]["module_tiles"] == 0
+        assert "lm_head.weight" in two[run]["params"]
+        assert_params_close(two[run]["params"], one[run]["params"], lambda name: SAME_STEP, run)
+
+
 def weights(folder: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(folder.glob("*.safetensors")):

@@ -7,7 +7,9 @@ normalisers, DDP, the optimiser) is the library's own path. Writes the trained p
 and the logged step metrics of each loss_type to OUT (main process only). The model trains in DTYPE, float64
 unless given (tests/helpers.py: SAME_STEP); DeepSpeed's engines train float32 only.
 
-    torchrun --nproc_per_node 2 --standalone tests/dist/grpo_step.py MODEL_DIR OUT GLOBAL_ACCUMULATION [DTYPE]
+    torchrun --nproc_per_node 2 --standalone tests/dist/grpo_step.py MODEL_DIR OUT GLOBAL_ACCUMULATION [DTYPE [RUNS]]
+
+RUNS: comma-separated names of the runs to take (loss types and options; default all).
 
 DTYPE "routes": MODEL_DIR is a Mixture-of-Experts policy; padded and packed steps replaying fixed routes.
     accelerate launch --config_file ENGINE.yaml tests/dist/grpo_step.py ...   (FSDP2, ZeRO-2, ZeRO-3)
@@ -146,6 +148,8 @@ def main() -> None:
     runs = {k: {**OPTIONS[k], "router_aux_loss_coef": 0.0} for k in ("padded", "packed_prompts", "packed_rows")} \
         if routes else \
         {loss_type: dict(loss_type=loss_type) for loss_type in LOSS_TYPES} | OPTIONS
+    if len(sys.argv) > 5:
+        runs = {name: runs[name] for name in sys.argv[5].split(",")}
     for name, fields in runs.items():
         trainer = None
         world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
