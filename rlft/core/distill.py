@@ -126,15 +126,6 @@ def _tile_logits(h_s, h_t, student: Head, teacher: Head, temperature: float):
     return z_s, z_t, squashed
 
 
-def _tile_logprobs(h_s, h_t, student: Head, teacher: Head, temperature: float, keep_squashed: bool = False):
-    """log p_s, log p_t [t, V] float32 for one tile (and the student's tanh(c u / k) for the
-    backward)."""
-    z_s, z_t, squashed = _tile_logits(h_s, h_t, student, teacher, temperature)
-    log_ps = z_s - torch.logsumexp(z_s, dim=-1, keepdim=True)
-    log_pt = z_t.to(log_ps.dtype) - torch.logsumexp(z_t, dim=-1, keepdim=True).to(log_ps.dtype)
-    return (log_ps, log_pt, squashed) if keep_squashed else (log_ps, log_pt)
-
-
 class Divergence(NamedTuple):
     """Per position [N]: D (differentiable) and both models' entropies at temperature T
     (metrics)."""
