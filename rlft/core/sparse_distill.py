@@ -23,8 +23,9 @@ both distributions are renormalised over S instead (TRL's `loss_add_tail=False`)
 only where the teacher's mass outside S is zero.
 
 The gradient with respect to the student's logits z_s is the bucketed D's, recomputed per tile in
-the backward by autograd over that tile's [t, V] logits (the tile is all that is ever held). Logits
-are float32 whatever the model's dtype; the teacher's log-probs are taken as given (the server's, at
+the backward from the buckets' own gradients (autograd on [t, K + 1]) and one pass over the tile's
+[t, V] logits (rlft/core/tile_buckets.py: Triton where it runs; the tile is all that is ever held).
+Logits are float32 whatever the model's dtype; the teacher's log-probs are taken as given (the server's, at
 temperature 1). Shapes: N positions, H hidden size, V vocabulary, K support columns (-1 padding,
 left-aligned: column 0 is always a token).
 """
