@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from rlft.core.tile_softmax import BLOCK_V, _acc_constant, _accumulator, _failed, _triton, triton_runs
+from rlft.core.tile_softmax import BLOCK_V, _acc_constant, _accumulator, _triton, launched, triton_runs
 
 
 # ---- the torch path (the definitions) -------------------------------------------------------------
@@ -117,14 +117,13 @@ def support_stats(z: torch.Tensor, inside: torch.Tensor):
         return _stats_torch(z, inside)
     acc = _accumulator(z)
     outs = [torch.empty(z.shape[0], dtype=acc, device=z.device) for _ in range(3)]
-    try:
+
+    def launch():
         stats_kernel, _ = _kernels()
         stats_kernel[(z.shape[0],)](z, inside.view(torch.uint8), *outs, z.shape[1], z.stride(0),
                                     inside.stride(0), BLOCK=BLOCK_V, ACC=_acc_constant(acc))
-    except Exception as error:  # noqa: BLE001 (any failure to compile or launch: the torch path)
-        _failed(error)
-        return _stats_torch(z, inside)
-    return tuple(outs)
+        return tuple(outs)
+    return launched(launch, lambda: _stats_torch(z, inside))
 
 
 def support_grad(z: torch.Tensor, inside: torch.Tensor, lse: torch.Tensor, lse_out: torch.Tensor,
@@ -133,16 +132,19 @@ def support_grad(z: torch.Tensor, inside: torch.Tensor, lse: torch.Tensor, lse_o
     where lse_out is -inf. `out` (z itself is allowed): where the kernel writes it."""
     acc = lse.dtype
     c, g_tail = c.to(acc).contiguous(), g_tail.to(acc).contiguous()
+    def torch_path():
+        grad = _grad_torch(z, inside, lse, lse_out, c, g_tail)
+        return grad if out is None else out.copy_(grad)
+
     dense = z.stride(-1) == 1 and inside.stride(-1) == 1 and (out is None or out.stride(-1) == 1)
-    if triton_runs(z) and dense:
-        target = torch.empty_like(z) if out is None else out
-        try:
-            _, grad_kernel = _kernels()
-            grad_kernel[(z.shape[0],)](z, inside.view(torch.uint8), lse, lse_out, c, g_tail, target,
-                                       z.shape[1], z.stride(0), inside.stride(0), target.stride(0),
-                                       BLOCK=BLOCK_V, ACC=_acc_constant(acc))
-            return target
-        except Exception as error:  # noqa: BLE001 (a failure to compile, before anything is written)
-            _failed(error)
-    grad = _grad_torch(z, inside, lse, lse_out, c, g_tail)
-    return grad if out is None else out.copy_(grad)
+    if not (triton_runs(z) and dense):
+        return torch_path()
+    target = torch.empty_like(z) if out is None else out
+
+    def launch():
+        _, grad_kernel = _kernels()
+        grad_kernel[(z.shape[0],)](z, inside.view(torch.uint8), lse, lse_out, c, g_tail, target, z.shape[1],
+                                   z.stride(0), inside.stride(0), target.stride(0), BLOCK=BLOCK_V,
+                                   ACC=_acc_constant(acc))
+        return target
+    return launched(launch, torch_path)

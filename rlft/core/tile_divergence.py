@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from rlft.core.tile_softmax import BLOCK_V, _acc_constant, _accumulator, _failed, _triton, triton_runs
+from rlft.core.tile_softmax import BLOCK_V, _acc_constant, _accumulator, _triton, launched, triton_runs
 
 
 def _mode(beta: float) -> int:
@@ -188,15 +188,14 @@ def divergence_stats(z_s: torch.Tensor, z_t: torch.Tensor, beta: float):
         return _stats_torch(z_s, z_t, beta)
     acc = _accumulator(z_s)
     outs = [torch.empty(z_s.shape[0], dtype=acc, device=z_s.device) for _ in range(6)]
-    try:
+
+    def launch():
         stats_kernel, _ = _kernels()
         stats_kernel[(z_s.shape[0],)](z_s, z_t, *outs, z_s.shape[1], z_s.stride(0), z_t.stride(0),
                                       float(beta), *_logs(beta), MODE=_mode(beta), BLOCK=BLOCK_V,
                                       ACC=_acc_constant(acc))
-    except Exception as error:  # noqa: BLE001 (any failure to compile or launch: the torch path)
-        _failed(error)
-        return _stats_torch(z_s, z_t, beta)
-    return tuple(outs)
+        return tuple(outs)
+    return launched(launch, lambda: _stats_torch(z_s, z_t, beta))
 
 
 def divergence_grad(z_s: torch.Tensor, z_t: torch.Tensor, lse_s: torch.Tensor, lse_t: torch.Tensor,
@@ -206,17 +205,20 @@ def divergence_grad(z_s: torch.Tensor, z_t: torch.Tensor, lse_s: torch.Tensor, l
     z_s's dtype; z_s itself is allowed): where the kernel writes it."""
     acc = lse_s.dtype
     grad_d = grad_d.to(acc)
+    def torch_path():
+        grad = _grad_torch(z_s, z_t, lse_s, lse_t, d, kl_sm, grad_d, beta)
+        return grad if out is None else out.copy_(grad)
+
     dense = z_s.stride(-1) == 1 and z_t.stride(-1) == 1 and (out is None or out.stride(-1) == 1)
-    if triton_runs(z_s) and dense:
-        target = torch.empty_like(z_s) if out is None else out
-        try:
-            _, grad_kernel = _kernels()
-            grad_kernel[(z_s.shape[0],)](z_s, z_t, lse_s, lse_t, d, kl_sm, grad_d.contiguous(), target,
-                                         z_s.shape[1], z_s.stride(0), z_t.stride(0), target.stride(0),
-                                         float(beta), *_logs(beta), MODE=_mode(beta), BLOCK=BLOCK_V,
-                                         ACC=_acc_constant(acc))
-            return target
-        except Exception as error:  # noqa: BLE001 (a failure to compile, before anything is written)
-            _failed(error)
-    grad = _grad_torch(z_s, z_t, lse_s, lse_t, d, kl_sm, grad_d, beta)
-    return grad if out is None else out.copy_(grad)
+    if not (triton_runs(z_s) and dense):
+        return torch_path()
+    target = torch.empty_like(z_s) if out is None else out
+
+    def launch():
+        _, grad_kernel = _kernels()
+        grad_kernel[(z_s.shape[0],)](z_s, z_t, lse_s, lse_t, d, kl_sm, grad_d.contiguous(), target,
+                                     z_s.shape[1], z_s.stride(0), z_t.stride(0), target.stride(0),
+                                     float(beta), *_logs(beta), MODE=_mode(beta), BLOCK=BLOCK_V,
+                                     ACC=_acc_constant(acc))
+        return target
+    return launched(launch, torch_path)

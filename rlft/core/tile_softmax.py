@@ -21,8 +21,12 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 BLOCK_V = 1024  # vocabulary columns a program reads at a time
 
@@ -56,6 +60,16 @@ def _failed(error: Exception) -> None:
     _FAILED.append(repr(error))
     warnings.warn(f"rlft's Triton tile kernels failed ({error!r}); the torch path computes the same values "
                   "from now on (RLFT_TRITON=0 skips the kernels)", RuntimeWarning, stacklevel=3)
+
+
+def launched(launch: Callable[[], T], torch_path: Callable[[], T]) -> T:
+    """`launch()`'s outputs (a kernel launch), or `torch_path()`'s when the launch fails to compile or
+    run (warned once, `_failed`; a compile fails before anything is written)."""
+    try:
+        return launch()
+    except Exception as error:  # noqa: BLE001 (any failure to compile or launch: the torch path)
+        _failed(error)
+        return torch_path()
 
 
 def _accumulator(z: torch.Tensor) -> torch.dtype:
@@ -151,14 +165,13 @@ def tile_stats(z: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0)
     z = z if z.stride(-1) == 1 else z.contiguous()
     acc = _accumulator(z)
     outs = [torch.empty(z.shape[0], dtype=acc, device=z.device) for _ in range(4)]
-    try:
+
+    def launch():
         stats_kernel, _ = _kernels()
         stats_kernel[(z.shape[0],)](z, targets.contiguous(), *outs, z.shape[1], z.stride(0),
                                     1.0 / temperature, BLOCK=BLOCK_V, ACC=_acc_constant(acc))
-    except Exception as error:  # noqa: BLE001 (any failure to compile or launch: the torch path)
-        _failed(error)
-        return _stats_torch(z, targets, temperature)
-    return tuple(outs)
+        return tuple(outs)
+    return launched(launch, lambda: _stats_torch(z, targets, temperature))
 
 
 def tile_stats_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, mean_s: torch.Tensor,
@@ -170,16 +183,18 @@ def tile_stats_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, m
     acc = lse.dtype
     grad_logp = torch.where(targets >= 0, grad_logp.to(acc), torch.zeros_like(lse))
     grad_entropy = grad_entropy.to(acc)
-    if triton_runs(z) and z.stride(-1) == 1 and (out is None or out.stride(-1) == 1):
-        target = torch.empty_like(z) if out is None else out
-        try:
-            _, grad_kernel = _kernels()
-            grad_kernel[(z.shape[0],)](z, targets.contiguous(), lse, mean_s, grad_logp.contiguous(),
-                                       grad_entropy.contiguous(), target, z.shape[1], z.stride(0),
-                                       target.stride(0), 1.0 / temperature, BLOCK=BLOCK_V,
-                                       ACC=_acc_constant(acc))
-            return target
-        except Exception as error:  # noqa: BLE001 (a failure to compile, before anything is written)
-            _failed(error)
-    grad = _grad_torch(z, targets, lse, mean_s, grad_logp, grad_entropy, temperature)
-    return grad if out is None else out.copy_(grad)
+    def torch_path():
+        grad = _grad_torch(z, targets, lse, mean_s, grad_logp, grad_entropy, temperature)
+        return grad if out is None else out.copy_(grad)
+
+    if not (triton_runs(z) and z.stride(-1) == 1 and (out is None or out.stride(-1) == 1)):
+        return torch_path()
+    target = torch.empty_like(z) if out is None else out
+
+    def launch():
+        _, grad_kernel = _kernels()
+        grad_kernel[(z.shape[0],)](z, targets.contiguous(), lse, mean_s, grad_logp.contiguous(),
+                                   grad_entropy.contiguous(), target, z.shape[1], z.stride(0),
+                                   target.stride(0), 1.0 / temperature, BLOCK=BLOCK_V, ACC=_acc_constant(acc))
+        return target
+    return launched(launch, torch_path)
