@@ -122,6 +122,25 @@ def head_inputs(dtype, n=10, h=8, v=1100, seed=3):
         torch.randn(n, generator=g, dtype=torch.float64)
 
 
+def with_and_without_kernels(monkeypatch, module, run, bound: float = 1e-10, off=()) -> int:
+    """`run()` (a list of outputs) with `module`'s kernels, counting their launches, then on the torch path
+    (Triton said not to run in `module` and the modules in `off`): each output equal to the other, in dtype
+    and to `bound` times its largest value. Returns the launches of the kernel run."""
+    launches = []
+    kernels = module._kernels()
+    monkeypatch.setattr(module, "_kernels", lambda: launches.append(1) or kernels)
+    got = run()
+    count = len(launches)
+    for other in (module, *off):
+        monkeypatch.setattr(other, "triton_runs", lambda z: False)
+    want = run()
+    assert len(got) == len(want)
+    for have, expected in zip(got, want):
+        assert have.dtype == expected.dtype
+        torch.testing.assert_close(have, expected, rtol=0, atol=bound * max(1.0, float(expected.abs().max())))
+    return count
+
+
 def fused_head_run(case, dtype, a, b, hidden, weight, bias, targets, kept):
     """(log-probs, entropy, log kept mass, gradients) of one fused-head forward + backward: a frozen head
     (dL/dh in the forward), a trainable head whose loss reads the entropy (recomputing backward), or a
@@ -153,17 +172,9 @@ def test_the_fused_head_takes_the_kernels_and_equals_its_torch_path(monkeypatch,
     path: log-probs renormalised over kept ids, entropy, kept mass, and dL/dh, dL/dW, dL/db for the three ways
     the head forms its gradients; the kernels ran (counted)."""
     *inputs, a, b = head_inputs(dtype)
-    launches = []
-    kernels = tile_softmax._kernels()
-    monkeypatch.setattr(tile_softmax, "_kernels", lambda: launches.append(1) or kernels)
-    got = fused_head_run(case, dtype, a, b, *inputs)
-    assert len(launches) >= 8  # 4 tiles: their statistics, and their gradients (forward or backward)
-    monkeypatch.setattr(tile_softmax, "triton_runs", lambda z: False)
-    want = fused_head_run(case, dtype, a, b, *inputs)
-    assert len(got) == len(want)
-    for have, expected in zip(got, want):
-        assert have.dtype == expected.dtype
-        torch.testing.assert_close(have, expected, rtol=0, atol=bound * max(1.0, float(expected.abs().max())))
+    launches = with_and_without_kernels(monkeypatch, tile_softmax, lambda: fused_head_run(case, dtype, a, b, *inputs),
+                                        bound)
+    assert launches >= 8  # 4 tiles: their statistics, and their gradients (forward or backward)
 
 
 @interpreted
@@ -258,15 +269,7 @@ def test_the_tiled_divergence_takes_the_kernels_and_equals_its_torch_path(monkey
         grads = torch.autograd.grad((out.value * upstream).sum(), params)
         return [out.value.detach(), out.entropy, out.teacher_entropy, *grads]
 
-    launches = []
-    kernels = tile_divergence._kernels()
-    monkeypatch.setattr(tile_divergence, "_kernels", lambda: launches.append(1) or kernels)
-    got = run()
-    assert len(launches) == 6  # 3 tiles, forward and backward
-    monkeypatch.setattr(tile_divergence, "triton_runs", lambda z: False)
-    want = run()
-    for have, expected in zip(got, want):
-        torch.testing.assert_close(have, expected, rtol=0, atol=1e-10 * max(1.0, float(expected.abs().max())))
+    assert with_and_without_kernels(monkeypatch, tile_divergence, run) == 6  # 3 tiles, forward and backward
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 2e-5)])
@@ -328,15 +331,7 @@ def test_the_sparse_divergence_takes_the_kernels_and_equals_its_torch_path(monke
         return [out.value.detach(), out.entropy, out.teacher_entropy,
                 *torch.autograd.grad((out.value * upstream).sum(), params)]
 
-    launches = []
-    kernels = tile_buckets._kernels()
-    monkeypatch.setattr(tile_buckets, "_kernels", lambda: launches.append(1) or kernels)
-    got = run()
-    assert len(launches) == 6  # 3 tiles, forward and backward
-    monkeypatch.setattr(tile_buckets, "triton_runs", lambda z: False)
-    want = run()
-    for have, expected in zip(got, want):
-        torch.testing.assert_close(have, expected, rtol=0, atol=1e-10 * max(1.0, float(expected.abs().max())))
+    assert with_and_without_kernels(monkeypatch, tile_buckets, run) == 6  # 3 tiles, forward and backward
 
 
 @pytest.mark.parametrize("tail", [True, False])
@@ -361,13 +356,5 @@ def test_the_self_distillation_top_k_takes_the_kernels_and_equals_its_torch_path
         return [out.value.detach(), out.entropy, out.teacher_entropy,
                 *torch.autograd.grad((out.value * upstream).sum(), params)]
 
-    launches = []
-    kernels = tile_buckets._kernels()
-    monkeypatch.setattr(tile_buckets, "_kernels", lambda: launches.append(1) or kernels)
-    got = run()
-    assert len(launches) == 6  # 3 tiles, forward and backward
-    monkeypatch.setattr(tile_buckets, "triton_runs", lambda z: False)
-    monkeypatch.setattr(tile_softmax, "triton_runs", lambda z: False)
-    want = run()
-    for have, expected in zip(got, want):
-        torch.testing.assert_close(have, expected, rtol=0, atol=1e-10 * max(1.0, float(expected.abs().max())))
+    # (the teacher's statistics by the softmax kernel: off too on the torch path)
+    assert with_and_without_kernels(monkeypatch, tile_buckets, run, off=(tile_softmax,)) == 6  # 3 tiles, both ways
