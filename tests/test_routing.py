@@ -298,6 +298,18 @@ def test_phi_moe_training_mode_samples_its_routes_and_replay_scores_what_its_eva
     assert replayed.max() < 1e-5 and free.max() > 1e-2
 
 
+def assert_replaying_its_own_routes_changes_nothing(tokenizer, arch: str) -> None:
+    """A whole tiny MoE of `arch` records routes while its generate samples; replaying them, its trainer agrees
+    with every choice and scores what routing freely scores."""
+    model = strong_experts_moe(tokenizer, arch, layers=2)
+    state = routing.install(model)
+    rollout = sample(model, tokenizer, group=2)
+    assert bool((rollout.completion_routes[rollout.completion_mask.bool()][:-1] >= 0).any())
+    free, replayed = log_ratios(model, rollout, False), log_ratios(model, rollout, True)
+    assert state.take_agreement() == 1.0
+    torch.testing.assert_close(replayed, free, atol=1e-5, rtol=0)
+
+
 def test_llama4s_router_replays_a_recorded_choice_as_its_dense_sigmoid_scores():
     """Llama 4's router returns (scores [tokens, experts], logits): the sigmoid of its top-k logits, 0 elsewhere.
     Replaying its own choice returns exactly its scores; a recorded other expert gets the sigmoid of that
@@ -327,14 +339,7 @@ def test_llama4s_router_replays_a_recorded_choice_as_its_dense_sigmoid_scores():
 
     from rlft.tiny import build_tokenizer
 
-    tokenizer = build_tokenizer(0)
-    model = strong_experts_moe(tokenizer, "llama4", layers=2)
-    state = routing.install(model)
-    rollout = sample(model, tokenizer, group=2)
-    assert bool((rollout.completion_routes[rollout.completion_mask.bool()][:-1] >= 0).any())
-    free, replayed = log_ratios(model, rollout, False), log_ratios(model, rollout, True)
-    assert state.take_agreement() == 1.0
-    torch.testing.assert_close(replayed, free, atol=1e-5, rtol=0)
+    assert_replaying_its_own_routes_changes_nothing(build_tokenizer(0), "llama4")
 
 
 def test_dbrxs_block_chooses_for_its_router_and_replays_a_recorded_choice_by_its_definition(tokenizer):
@@ -366,13 +371,7 @@ def test_dbrxs_block_chooses_for_its_router_and_replays_a_recorded_choice_by_its
     (weights * torch.tensor([1.0, 3.0])).sum().backward()
     assert block.router.layer.weight.grad.abs().sum() > 0
 
-    model = strong_experts_moe(tokenizer, "dbrx", layers=2)
-    state = routing.install(model)
-    rollout = sample(model, tokenizer, group=2)
-    assert bool((rollout.completion_routes[rollout.completion_mask.bool()][:-1] >= 0).any())
-    free, replayed = log_ratios(model, rollout, False), log_ratios(model, rollout, True)
-    assert state.take_agreement() == 1.0
-    torch.testing.assert_close(replayed, free, atol=1e-5, rtol=0)
+    assert_replaying_its_own_routes_changes_nothing(tokenizer, "dbrx")
 
 
 def test_every_replayed_router_class_has_its_familys_forward():
