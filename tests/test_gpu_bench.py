@@ -106,3 +106,8 @@ def test_the_grpo_step_script_runs_at_its_tiny_cpu_shape(tmp_path):
         assert row["steps"] == 1 and row["step_s"] > row["generation_s"] > 0 and row["training_s"] > 0
         assert 0 < row["training_mfu_percent"] < 100 and row["lengths"]["mean"] <= 12
     assert "| tiny | lora | rlft |" in out.read_text()
+    probe = subprocess.run([*command[:2], "--probe", "--device", "cpu", "--shape", "tiny", "--length", "12", "--vocab",
+                            "600"], capture_output=True, text=True, timeout=600, check=False)
+    assert probe.returncode == 0, probe.stderr
+    lengths = json.loads(probe.stdout.strip().splitlines()[-1])["lengths"]
+    assert len(lengths) == 16 and all(0 < n <= 12 for n in lengths) and lengths == sorted(lengths)

@@ -16,6 +16,7 @@ memory: torch.cuda.max_memory_allocated (peak RSS on a CPU).
 
     python benchmarks/gpu/grpo_step.py --out benchmarks/gpu/grpo-step-h200.md
     python benchmarks/gpu/grpo_step.py --device cpu --shape tiny --length 24 --steps 2   # CPU smoke run
+    python benchmarks/gpu/grpo_step.py --probe --device cpu --length 512   # the lengths --eos-scale gives
 """
 
 from __future__ import annotations
@@ -64,6 +65,28 @@ def build(args):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model, tokenizer, rows(split_problems()[0][:256]), [distinct_token_ratio]
+
+
+def probe(args) -> dict:
+    """The completion lengths a step's prompts reach (2 prompts x 8 completions, sampled at temperature 1,
+    seed 0) from the shape's model with `--eos-scale`: the skew a run will have, measured without a run."""
+    import torch
+
+    model, tokenizer, prompts, _ = build(args)
+    texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+             for row in prompts[:PROMPTS]]
+    tokenizer.padding_side = "left"
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    ids, mask = (t.repeat_interleave(GROUP, 0).to(args.device) for t in (encoded.input_ids, encoded.attention_mask))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.eval().generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                                    max_new_tokens=args.length)
+    new = out[:, ids.shape[1]:]
+    eos = new == tokenizer.eos_token_id
+    lengths = torch.where(eos.any(1), eos.int().argmax(1) + 1, new.shape[1])
+    return {"shape": args.shape, "eos_scale": args.eos_scale, "length": args.length,
+            "lengths": sorted(lengths.tolist())}
 
 
 def common(args) -> dict:
@@ -177,12 +200,13 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--eos-scale", type=float, default=4.0,
-                        help="the EOS embedding row's factor (4: at the 0.5b shape, in float32 on a CPU, of 16 "
-                             "completions of up to 512 tokens 11 ended after 3-61 tokens, 3 after 129-336, 2 "
-                             "ran to the limit)")
+                        help="the EOS embedding row's factor (benchmarks/gpu/README.md: the lengths 4 gives, "
+                             "from --probe)")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl==1.16.0 installed")
     parser.add_argument("--out-dir", default="/tmp/grpo-step-runs")
     parser.add_argument("--out", default=None, help="write the table and JSON lines to this markdown file")
+    parser.add_argument("--probe", action="store_true",
+                        help="only sample one step's completions and print their lengths (the skew)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -190,9 +214,9 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    if args.child:
+    if args.child or args.probe:
         args.shape = args.shape[0]
-        print(json.dumps(child(args)))
+        print(json.dumps(child(args) if args.child else probe(args)))
         return
     results, turn = [], 0
     for shape in args.shape:
