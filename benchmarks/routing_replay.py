@@ -6,6 +6,7 @@ Policies (random weights unless said, float32 trainer):
     qwen3_moe   transformers' Qwen3-MoE, hidden 64, 4 layers, 8 experts, 2 per token; experts N(0, 0.1)
                 (they dominate the MLP output), router N(0, 0.005) (near-ties are common)
     olmoe       transformers' OLMoE, the same sizes and initialisation
+    qwen3_moe_128x8  the Qwen3-MoE above with Qwen3-30B-A3B's routing: 128 experts, 8 per token
     upcycled    the demo's warm-started tiny-adder policy (Qwen2, hidden 128, 2 layers) upcycled to
                 Qwen2-MoE, 4 experts, 2 per token (rlft.tiny.upcycle_to_moe: each expert the dense
                 MLP x (1 + 0.05 N(0, 1))); prompts: the demo's addition problems
@@ -39,9 +40,9 @@ from rlft.rollout.hf import HFGenerator  # noqa: E402
 from rlft.tiny import build_near_tie_moe, build_tokenizer, upcycle_to_moe  # noqa: E402
 
 
-def strong_experts(arch: str):
+def strong_experts(arch: str, experts: tuple[int, int] | None = None):
     tokenizer = build_tokenizer(0)
-    model = build_near_tie_moe(tokenizer, arch, num_layers=4)
+    model = build_near_tie_moe(tokenizer, arch, num_layers=4, experts=experts)
     prompts = [tokenizer(f"{a} + {b} = ")["input_ids"] for a in range(4) for b in range(6)]
     return model, tokenizer, prompts
 
@@ -99,7 +100,9 @@ def main() -> None:
     torch.set_num_threads(2)
     results = {}
     for name, build in (("qwen3_moe", lambda: strong_experts("qwen3_moe")),
-                        ("olmoe", lambda: strong_experts("olmoe")), ("upcycled", upcycled)):
+                        ("olmoe", lambda: strong_experts("olmoe")),
+                        ("qwen3_moe_128x8", lambda: strong_experts("qwen3_moe", (128, 8))),
+                        ("upcycled", upcycled)):
         results[name] = measure(*build())
     print("| policy | routing | mean abs log ratio | max | KL k3 | share > 0.05 | route agreement |")
     print("|---|---|---|---|---|---|---|")

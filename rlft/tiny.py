@@ -204,11 +204,16 @@ def _other_moe_config(arch: str, common: dict, hidden_size: int):
 
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 2,
-                    seed: int = 0) -> PreTrainedModel:
+                    seed: int = 0, **config_fields) -> PreTrainedModel:
     """A randomly initialised Qwen2, Llama or MoE (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Llama 4,
-    Ernie 4.5) causal LM sized for CPU tests."""
+    Ernie 4.5) causal LM sized for CPU tests; `config_fields` replace the config's own."""
+    config = _config(arch, tokenizer, hidden_size, num_layers)
+    for name, value in config_fields.items():
+        if not hasattr(config, name):
+            raise ValueError(f"{type(config).__name__} has no field {name!r}")
+        setattr(config, name, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch, tokenizer, hidden_size, num_layers))
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
@@ -222,14 +227,20 @@ def build_sequence_classifier(tokenizer, arch: str = "qwen2", hidden_size: int =
     return AutoModelForSequenceClassification.from_config(config)
 
 
-def build_near_tie_moe(tokenizer, arch: str = "qwen3_moe", num_layers: int = 4,
-                       seed: int = 1) -> PreTrainedModel:
+def build_near_tie_moe(tokenizer, arch: str = "qwen3_moe", num_layers: int = 4, seed: int = 1,
+                       experts: tuple[int, int] | None = None) -> PreTrainedModel:
     """A tiny MoE (hidden 64) whose experts dominate its MLP output (weights N(0, 0.1)) and whose
     router is near-uniform (N(0, 0.005)), so near-ties between experts are common: the case routing
-    replay is for (its tests and benchmarks/routing_replay.py)."""
+    replay is for (its tests and benchmarks/routing_replay.py). `experts`: (experts, experts per
+    token) of a Qwen3-MoE or OLMoE, e.g. (128, 8), Qwen3-30B-A3B's routing; default (8, 2)."""
     from rlft.model.routing import CHOOSING_BLOCKS, moe_routers
 
-    model = build_causal_lm(tokenizer, arch=arch, hidden_size=64, num_layers=num_layers)
+    fields = {}
+    if experts is not None:
+        if arch not in ("qwen3_moe", "olmoe"):
+            raise ValueError(f"experts= takes a qwen3_moe or olmoe policy, not {arch!r}")
+        fields = {"num_experts": experts[0], "num_experts_per_tok": experts[1]}
+    model = build_causal_lm(tokenizer, arch=arch, hidden_size=64, num_layers=num_layers, **fields)
     generator = torch.Generator().manual_seed(seed)
     for router in moe_routers(model):  # (a choosing block's router: its linear layer)
         linear = router.router.layer if type(router).__name__ in CHOOSING_BLOCKS else router
