@@ -73,8 +73,6 @@ def test_what_async_agents_cannot_run_is_refused_by_name(tmp_path):
     path, rows = str(shipped_policy_path("tiny-calculator")), addition_rows(32)
     with pytest.raises(ConfigError, match="rollout_func with AsyncGRPOTrainer.*rollout_worker="):
         AsyncGRPOTrainer(path, answer_reward, async_config(tmp_path), rows, rollout_func=lambda p, t: {})
-    with pytest.raises(ConfigError, match="partial_rollouts with tools or environments"):
-        AsyncGRPOTrainer(path, answer_reward, async_config(tmp_path, partial_rollouts=1), rows, tools=TOOLS)
     with pytest.raises(ConfigError, match="inflight_switch_tokens with tools or environments.*not reproducible"):
         AsyncGRPOTrainer(path, answer_reward, async_config(tmp_path, inflight_weight_updates=True,
                                                            inflight_switch_tokens=4), rows, tools=TOOLS)
@@ -107,3 +105,41 @@ def test_in_flight_updates_reach_a_running_tool_loop_and_each_token_records_its_
     for step, r in enumerate(steps):
         assert r["sample/version"] <= r["sample/token_version_min"] <= r["sample/token_version_mean"] <= step
     assert any(r["sampling/tokens_from_newer_weights"] > 0 for r in steps)
+
+
+def test_partial_rollouts_with_tools_carry_rows_and_a_resumed_run_equals_the_straight_one(tmp_path):
+    """partial_rollouts=1 with the calculator's tool: the driver's pool advances the next rollout's tool loops in
+    each rollout's windows, so later rollouts are trained from tokens of older weights, each with its version; a
+    run stopped at its step-2 checkpoint (the pool saved with it, mid-loop rows included) and resumed logs the same
+    steps as the straight run."""
+    settings = dict(partial_rollouts=1, max_staleness=2)
+    calculator(tmp_path, "straight", **settings)
+    rows = rows_of(tmp_path / "straight")
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 4 and all(r["tools/call_frequency"] > 0.5 for r in steps)
+    assert any(r["sampling/tokens_from_older_weights"] > 0 and r["partial/carried_share"] > 0.5 for r in steps)
+    assert all(r["sample/staleness_max"] <= 2 for r in steps)
+    saved = json.loads((tmp_path / "straight" / "checkpoint-2" / "extra.json").read_text())["async"]
+    assert [entry["rollout"] for entry in saved["agent_pool"]] == [3]  # rollout 3's rows, advanced in rollout 2's
+    assert any(row["ids"] for row in saved["agent_pool"][0]["rows"])
+    calculator(tmp_path, "split", callbacks=[stop_after(2)], **settings)
+    calculator(tmp_path, "split", resume=True, **settings)
+    assert rows_of(tmp_path / "split") == rows
+
+
+def test_partial_rollouts_with_environments_replay_a_carried_rows_calls_after_a_resume(tmp_path):
+    """Environments under partial_rollouts=1: each rollout in flight has its own instances (the Counter reward of
+    every step equals the calls its rows made), and after a resume each carried row's environment is reset and its
+    recorded calls replayed, so the resumed run's rewards (read from the environments) equal the straight run's."""
+    settings = dict(partial_rollouts=1, max_staleness=2, reward_weights=None, reward_funcs=[answer_reward],
+                    environment_factory=Counter)
+    calculator(tmp_path, "straight", **settings)
+    rows = rows_of(tmp_path / "straight")
+    for row in [r for r in rows if "loss" in r]:
+        calls = row["tools/call_frequency"] - row["tools/failure_frequency"]
+        assert row["rewards/Counter/mean"] == pytest.approx(calls) and calls > 0
+    saved = json.loads((tmp_path / "straight" / "checkpoint-2" / "extra.json").read_text())["async"]
+    assert any(row["ran"] for row in saved["agent_pool"][0]["rows"])  # calls made before the checkpoint
+    calculator(tmp_path, "split", callbacks=[stop_after(2)], **settings)
+    calculator(tmp_path, "split", resume=True, **settings)
+    assert rows_of(tmp_path / "split") == rows

@@ -604,11 +604,13 @@ def calculator_moe(tmp_path):
                      AutoTokenizer.from_pretrained(dense), tmp_path / "calculator-moe")
 
 
-def test_async_tool_rollouts_carry_the_producers_routes_and_the_trainer_agrees_with_every_one(tmp_path):
+@pytest.mark.parametrize("partial", [0, 1])
+def test_async_tool_rollouts_carry_the_producers_routes_and_the_trainer_agrees_with_every_one(tmp_path, partial):
     """AsyncGRPOTrainer with tools: each turn is a request to the producer process, whose routes come back with
     it, and the tool loop keeps each token's route from the forward that first read it, as in the synchronous
     trainer. With the weights held still (a 1e-20 step) the trainer, in its own process, agrees with every
-    replayed choice (one precision), which it would not if a turn's routes sat one position off."""
+    replayed choice (one precision), which it would not if a turn's routes sat one position off. With partial
+    rollouts the driver's pool does the same across windows (rows cut mid-turn, carried to the next rollout)."""
     from rlft import AsyncGRPOTrainer
     from rlft.data import calculator
     from rlft.data.addition import split_problems
@@ -616,10 +618,12 @@ def test_async_tool_rollouts_carry_the_producers_routes_and_the_trainer_agrees_w
 
     AsyncGRPOTrainer(str(calculator_moe(tmp_path)), [calculator.answer_reward],
                      async_config(tmp_path, "run", max_steps=2, max_completion_length=64, learning_rate=1e-20,
-                                  producer_threads=1),
+                                  producer_threads=1, partial_rollouts=partial, max_staleness=1 + partial),
                      calculator.rows(split_problems()[0][:16]), tools=calculator.TOOLS).train()
     rows = [r for r in rows_of(tmp_path / "run") if "loss" in r]
-    assert len(rows) == 2 and all(r["tools/producer_requests"] >= 2 for r in rows)  # tool turns
+    assert len(rows) == 2 and rows[0]["tools/producer_requests"] >= 2  # tool turns (windows)
+    if partial:
+        assert rows[1]["partial/carried_share"] > 0
     assert [r["sampling/route_agreement"] for r in rows] == [1.0, 1.0]
 
 

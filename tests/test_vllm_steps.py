@@ -188,3 +188,27 @@ def test_many_long_seeded_prompts_in_one_call_are_prefilled_whole_on_a_cpu(stepp
     assert sum(len(p) for p in prompts) > 4096
     rollout = engine(model, prompts, 1)
     assert rollout.completion_ids.shape[0] == 16 and bool(rollout.completion_mask.any(1).all())
+
+
+def test_an_async_tool_run_on_vllm_with_partial_rollouts_carries_rows_across_rollouts(tmp_path):
+    """AsyncGRPOTrainer with the calculator's tool on vLLM, partial_rollouts=1 in the throughput mode: the driver's
+    windows run on the stepped engine (a turn cut by a window keeps its request), later rollouts are trained from
+    carried tokens, and every token's version lies between its rollout's scheduled weights and the step."""
+    from rlft import AsyncGRPOTrainer
+    from rlft.data.calculator import TOOLS, answer_reward
+    from rlft.model.loading import shipped_policy_path
+    from tests.helpers import addition_rows
+    from tests.test_async_grpo import async_config, rows_of
+    from tests.test_grpo_trainer import lora
+
+    settings = dict(max_steps=4, save_steps=1000, partial_rollouts=1, max_staleness=2, max_completion_length=64,
+                    use_vllm=True, vllm_dtype="float32", inflight_weight_updates=True, temperature=0.7,
+                    learning_rate=5e-4)
+    AsyncGRPOTrainer(str(shipped_policy_path("tiny-calculator")), [answer_reward],
+                     async_config(tmp_path, "run", **settings), addition_rows(32), tools=TOOLS,
+                     peft_config=lora()).train()
+    steps = [r for r in rows_of(tmp_path / "run") if "loss" in r]
+    assert len(steps) == 4 and all(r["tools/call_frequency"] > 0.5 for r in steps)
+    assert any(r["partial/carried_share"] > 0 and r["sampling/tokens_from_older_weights"] > 0 for r in steps)
+    for step, r in enumerate(steps):
+        assert r["sample/version"] - 1 <= r["sample/token_version_min"] <= r["sample/token_version_mean"] <= step

@@ -141,7 +141,8 @@ class AsyncGRPOConfig(_GRPOFields):
              "generate window ends when rollout k is done, and the others' unfinished completions "
              "are carried over and continued in the next window (0: off). A rollout's long tail no "
              "longer sets its step's time; its tokens are up to N rollouts older (max_staleness "
-             "bounds rollout_lag + N), each corrected per token (docs/async.md)")
+             "bounds rollout_lag + N), each corrected per token; with tools the trainer's tool-loop "
+             "driver holds the carried rows (docs/async.md)")
     inflight_switch_tokens: int | None = option(
         None, check=POSITIVE, rlft=True,
         help="async, in-flight weight updates: load newer weights only after this many tokens of a "

@@ -42,6 +42,7 @@ class Environments:
                               "factory")
         self.factories, self.tools = dict(factories), list(tools)
         self.pools, self.kinds, self.schemas, self.tools_of = {}, {}, {}, {}
+        self.lanes: dict[tuple, list] = {}  # (lane > 0, name) -> instances
         for name, factory in self.factories.items():
             if not callable(factory):
                 raise ConfigError(f"environment_factory{'' if name is None else f'[{name!r}]'} "
@@ -82,12 +83,14 @@ class Environments:
                                   f"environment_factory: {list(self.factories)}")
         return [row["environment"] for row in rows]
 
-    def take(self, names: list) -> list:
+    def take(self, names: list, lane: int = 0) -> list:
         """One instance per row, reused across batches; a pool grows only when a batch needs more at
-        once."""
+        once. `lane`: batches in flight at once (partial rollouts' look-ahead) take from separate
+        lanes, so no instance serves two of them."""
         handed, out = {}, []
         for name in names:
-            pool, index = self.pools[name], handed.get(name, 0)
+            pool, index = self.pools[name] if lane == 0 else self.lanes.setdefault((lane, name), []), \
+                handed.get(name, 0)
             if index == len(pool):
                 pool.append(self.factories[name]())
             handed[name] = index + 1

@@ -47,6 +47,15 @@ class _Row:
     # in-flight weight updates (an async producer's turns): each token's weights version; a tool's output
     # takes the version of the token before it (it is not sampled, and not trained)
     versions: list[int] = field(default_factory=list)
+    turn_start: int = 0  # where in `ids` the turn being sampled began (a partial-rollout window may cut it)
+    rounds: int = 0  # rounds of tool calls answered
+    # partial rollouts' pool (rlft/train/sources/agent_pool.py): "generate" (a turn to sample, or to go on
+    # with), "tools" (calls to answer) or "done"; and the prompt's routes, read by the row's first window
+    status: str = "generate"
+    prompt_routes: torch.Tensor | None = None
+    # [name, arguments, answer] of each call that ran (partial rollouts replay them on the row's environment
+    # after a resume)
+    ran: list = field(default_factory=list)
 
 
 class ToolLoop:
@@ -84,43 +93,50 @@ class ToolLoop:
         self._absorb(rows, first)
         active, rounds = [r for r in rows if r.pending], 0
         while active and rounds < self.max_iterations:
-            active = self._answer(active)  # rows whose tool results fit in the budget
+            active = self.answer(active)  # rows whose tool results fit in the budget
             if not active:
                 break
             room = max(self.max_length - len(r.ids) for r in active)
             self._absorb(active, self.engine(model, [r.prompt + r.ids for r in active], 1, greedy,
                                              max_new_tokens=room))
             active, rounds = [r for r in active if r.pending], rounds + 1
-        return self._assemble(rows, first)
+        return self.assemble(rows, first)
 
     def _absorb(self, rows: list[_Row], out: Rollout) -> None:
         """Append each row's newly generated turn (cut to what is left of the budget) and parse its
         tool calls."""
         for i, row in enumerate(rows):
-            ids = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
-            room = self.max_length - len(row.ids)
-            row.ended = len(ids) <= room and not bool(out.truncated[i])
-            ids = ids[:room]
-            context = row.prompt + row.ids
-            if out.completion_routes is not None:
-                self._take_routes(row, out, i, len(context), len(ids))
-            row.ids += ids
-            row.mask += [1] * len(ids)
-            if out.sampling_logps is not None:
-                row.logps += out.sampling_logps[i][:len(ids)].tolist()
-            if out.sampling_kept is not None:
-                row.kept += [[k for k in step if k >= 0] for step in out.sampling_kept[i][:len(ids)].tolist()]
-            if out.token_versions is not None:
-                row.versions += out.token_versions[i][:len(ids)].tolist()
-            row.turns += 1
-            if row.ended:  # a cut turn's calls are incomplete: not run
-                content, row.pending = parse_turn(self.tokenizer, ids, context, row.toolset.schemas)
-            else:
-                content, row.pending = self.tokenizer.decode(ids, skip_special_tokens=True), []
-            message = {"role": "assistant", "content": content}
-            valid = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                     for c in row.pending if c.error is None]
-            row.messages.append({**message, "tool_calls": valid} if valid else message)
+            self.absorb_row(row, out, i)
+
+    def absorb_row(self, row: _Row, out: Rollout, i: int, cut: bool = False) -> None:
+        """Append what row `i` of `out` sampled for `row`; the turn ends here (its tool calls parsed)
+        unless `cut` (a partial-rollout window ended before it did: the next window goes on with it)."""
+        ids = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
+        room = self.max_length - len(row.ids)
+        ended = len(ids) <= room and not bool(out.truncated[i])
+        ids = ids[:room]
+        if out.completion_routes is not None:
+            self._take_routes(row, out, i, len(row.prompt) + len(row.ids), len(ids))
+        row.ids += ids
+        row.mask += [1] * len(ids)
+        if out.sampling_logps is not None:
+            row.logps += out.sampling_logps[i][:len(ids)].tolist()
+        if out.sampling_kept is not None:
+            row.kept += [[k for k in step if k >= 0] for step in out.sampling_kept[i][:len(ids)].tolist()]
+        if out.token_versions is not None:
+            row.versions += out.token_versions[i][:len(ids)].tolist()
+        if cut:
+            return
+        row.ended, row.turns = ended, row.turns + 1
+        turn, context = row.ids[row.turn_start:], row.prompt + row.ids[:row.turn_start]
+        if row.ended:  # a cut turn's calls are incomplete: not run
+            content, row.pending = parse_turn(self.tokenizer, turn, context, row.toolset.schemas)
+        else:
+            content, row.pending = self.tokenizer.decode(turn, skip_special_tokens=True), []
+        message = {"role": "assistant", "content": content}
+        valid = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in row.pending if c.error is None]
+        row.messages.append({**message, "tool_calls": valid} if valid else message)
 
     @staticmethod
     def _take_routes(row: _Row, out: Rollout, i: int, context: int, count: int) -> None:
@@ -128,9 +144,11 @@ class ToolLoop:
         the row, so the ones no forward had read (the last token of the previous turn, tool output) take
         their routes from it; the turn's own tokens take theirs from its decoding."""
         read = out.prompt_routes[i, out.prompt_routes.shape[1] - context:]  # [context, layers, k]
+        if row.prompt_routes is None:
+            row.prompt_routes = read[:len(row.prompt)].clone()
         extend_first_reads(row.routes, read[len(row.prompt):], out.completion_routes[i, :count])
 
-    def _answer(self, rows: list[_Row]) -> list[_Row]:
+    def answer(self, rows: list[_Row]) -> list[_Row]:
         """Run every pending call of every row at once; append the tool messages as tokens (mask 0).
         A row whose tool results would leave no room for another token stops here, its calls counted
         but unanswered."""
@@ -138,13 +156,15 @@ class ToolLoop:
         results, going, start = self.runner.run(jobs), [], 0
         for row in rows:
             answered, start = results[start:start + len(row.pending)], start + len(row.pending)
+            row.ran += [[call.name, call.arguments, text] for call, (_, text, _) in zip(row.pending, answered)
+                        if call.error is None and call.name in row.toolset.functions]
             row.calls += len(answered)
             row.failures += sum(failed for _, _, failed in answered)
             messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in answered]
             suffix = tool_suffix_ids(self.tokenizer, messages, self.template_kwargs)
             if len(row.ids) + len(suffix) >= self.max_length:
                 continue  # stays pending: counted as hitting the limit
-            row.pending = []
+            row.pending, row.rounds = [], row.rounds + 1
             row.ids += suffix
             row.mask += [0] * len(suffix)
             row.logps += [0.0] * len(suffix)
@@ -152,10 +172,11 @@ class ToolLoop:
             row.routes += [None] * len(suffix)
             row.versions += row.versions[-1:] * len(suffix)
             row.messages += messages
+            row.turn_start = len(row.ids)
             going.append(row)
         return going
 
-    def _assemble(self, rows: list[_Row], first: Rollout) -> Rollout:
+    def assemble(self, rows: list[_Row], first: Rollout) -> Rollout:
         device = first.completion_ids.device
         ids, mask = right_pad([r.ids for r in rows], self.tokenizer.pad_token_id)
         tool_mask = right_pad([r.mask for r in rows], 0)[0]

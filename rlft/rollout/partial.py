@@ -136,11 +136,10 @@ class Pool:
                     for k, i, row in active]
         budgets = [self.max_tokens - len(row.tokens) for _, _, row in active]
         must = None if key is None else [k == key for k, _, _ in active]
-        if hasattr(generator, "continue_rows"):  # a colocated vLLM engine, stepped (rollout/vllm_steps.py)
-            out = generator.continue_rows(model, prefixes, budgets, must, limit, switch, version,
-                                          rows=[(k, i) for k, i, _ in active])
-        else:
-            out = _hf_window(model, generator, active, prefixes, budgets, must, limit, version, switch)
+        out = step_rows(model, generator, prefixes, budgets, must, limit, version, switch,
+                        [(k, i) for k, i, _ in active])
+        if out.routes is not None:
+            _take_routes(active, prefixes, [len(t) for t in out.tokens], *out.routes)
         for r, (_, _, row) in enumerate(active):
             row.tokens += out.tokens[r]
             row.logprobs += out.logprobs[r]
@@ -178,9 +177,22 @@ class Stepped:
     steps: int
     # per row: it went on in the engine's own cache (a kept vLLM request), nothing prefilled again
     continued: list[bool] | None = None
+    # a MoE policy's routes (transformers' generate): (read [N, P, L, k] over the left-padded prefixes,
+    # decoded [N, steps, L, k])
+    routes: tuple | None = None
 
 
-def _hf_window(model, generator, active, prefixes, budgets, must, limit, version, switch) -> Stepped:
+def step_rows(model, generator, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,
+              limit: int | None, version: int, switch, names: list) -> Stepped:
+    """One window: each prefix continued by up to its budget of tokens, until every `must` row finished
+    (or `limit` decode steps); `names`: each row's hashable name (a colocated vLLM engine in the
+    throughput mode keeps a cut row's request for the next window naming it)."""
+    if hasattr(generator, "continue_rows"):  # a vLLM engine, stepped (rollout/vllm_steps.py) or a server
+        return generator.continue_rows(model, prefixes, budgets, must, limit, switch, version, rows=names)
+    return _hf_window(model, generator, prefixes, budgets, must, limit, version, switch)
+
+
+def _hf_window(model, generator, prefixes, budgets, must, limit, version, switch) -> Stepped:
     """One window with transformers' generate: the prefixes left-padded, each row stopped at EOS or
     its budget, the window at `must`'s rows' end (or `limit` decode steps)."""
     tokenizer = generator.tokenizer
@@ -203,8 +215,7 @@ def _hf_window(model, generator, active, prefixes, budgets, must, limit, version
     new = out[:, ids.shape[1]:]
     steps = new.shape[1]
     counts = torch.where(stop.ended >= 0, stop.ended, steps).clamp(max=steps).tolist()
-    if routes is not None:
-        _take_routes(active, prefixes, counts, *routes.assemble(len(active), ids.shape[1], steps))
+    read = None if routes is None else routes.assemble(len(prefixes), ids.shape[1], steps)
     lengths = torch.tensor(counts, device=device)[:, None]
     logps, kept = recorder.finish(new, (torch.arange(steps, device=device)[None, :] < lengths).long())
     versions = switch.versions if switch is not None else [version] * steps
@@ -213,7 +224,7 @@ def _hf_window(model, generator, active, prefixes, budgets, must, limit, version
         [logps[r, :n].tolist() for r, n in enumerate(counts)],
         None if kept is None else [[[k for k in step if k >= 0] for step in kept[r, :n].tolist()]
                                    for r, n in enumerate(counts)],
-        [versions[:n] for n in counts], (stop.ended >= 0).tolist(), steps)
+        [versions[:n] for n in counts], (stop.ended >= 0).tolist(), steps, routes=read)
 
 
 def _take_routes(active, prefixes: list[list[int]], counts: list[int], read: torch.Tensor,
@@ -271,3 +282,26 @@ def serve_window(pool: Pool, model, engine, message: dict, version: int, switch=
             "row_versions": [row.versions for row in rows], "routes": window_routes(rows),
             "seconds": time.perf_counter() - started, "carry": pool.state(), **pool.stats,
             "score_seconds": 0.0}
+
+
+def serve_rows(model, engine, message: dict, version: int, switch=None) -> dict:
+    """The producer's answer to a window of rows the trainer holds (partial rollouts with tools or
+    environments, rlft/train/sources/agent_pool.py): `message["rows"]` gives each row's prefix (prompt
+    and tokens so far, tool output included), budget, whether the window waits for it ("must") and its
+    name; the result holds each row's new tokens, their log-probs, kept ids, versions, routes and
+    whether the row finished its turn ("finished": EOS or its budget) rather than being cut."""
+    import time
+
+    started = time.perf_counter()
+    torch.manual_seed(message["seed"])
+    rows = message["rows"]
+    out = step_rows(model, engine, rows["prefixes"], rows["budgets"], rows["must"], None, version, switch,
+                    [tuple(name) for name in rows["names"]])
+    prefilled = sum(len(p) for p, going in zip(rows["prefixes"], out.continued or [False] * len(out.tokens))
+                    if not going)
+    return {"type": "result", "key": message["key"], "version": version, "tokens": out.tokens,
+            "logprobs": out.logprobs, "kept": out.kept if engine.replay_mask else None,
+            "row_versions": out.versions, "finished": out.finished, "routes": out.routes,
+            "seconds": time.perf_counter() - started, "score_seconds": 0.0,
+            "partial/window_rows": float(len(out.tokens)), "partial/window_steps": float(out.steps),
+            "partial/prefill_tokens": float(prefilled)}

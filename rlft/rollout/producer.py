@@ -72,6 +72,8 @@ class Produced:
     # partial rollouts: each row's tokens' versions, and the producer's pool after this window
     row_versions: list[list[int]] | None = None
     carry: list[dict] | None = None
+    # a window of rows the trainer holds (partial rollouts with tools): each row finished its turn, or was cut
+    finished: list[bool] | None = None
 
 
 def _spec_args(args) -> dict:
@@ -212,6 +214,13 @@ class ProcessProducer:
                     **(partial or {})})
         return self.label
 
+    def submit_rows(self, key: str, rows: dict, seed: int) -> int:
+        """Queue a window of rows the trainer holds (partial rollouts with tools; rlft/rollout/partial.py:
+        serve_rows): `rows` has "prefixes", "budgets", "must" and "names"."""
+        self.submitted.add(key)
+        self._send({"type": "generate", "key": key, "rows": rows, "greedy": False, "seed": seed})
+        return self.label
+
     def take(self, key: str) -> Produced:
         """The answer to request `key`, waiting for it; a producer that fails, dies or stops
         answering is an error within heartbeat_stale_after_s (or request_timeout for one slow
@@ -304,7 +313,7 @@ class ProcessProducer:
                 if kind == "result":
                     timings = {k: message.pop(k) for k in list(message) if k not in (
                         "key", "version", "tokens", "logprobs", "seconds", "kept", "routes",
-                        "step_versions", "row_versions", "carry")}
+                        "step_versions", "row_versions", "carry", "finished")}
                     self.results[message["key"]] = Produced(message["key"], message["version"],
                                                             message["tokens"], message["logprobs"],
                                                             message["seconds"], timings=timings,
@@ -312,7 +321,8 @@ class ProcessProducer:
                                                             routes=_routes(message.get("routes")),
                                                             step_versions=message.get("step_versions"),
                                                             row_versions=message.get("row_versions"),
-                                                            carry=message.get("carry"))
+                                                            carry=message.get("carry"),
+                                                            finished=message.get("finished"))
                     self.begun.pop(message["key"], None)
                 elif kind == "begin":
                     self.begun[message["key"]] = time.monotonic()

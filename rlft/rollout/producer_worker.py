@@ -9,7 +9,9 @@ vLLM server) and then serves its standard input in order, one JSON object per li
       load the trainable tensors of version v, delete the file (path null: the weights did not
       change, only the version)
   {"type": "generate", "key": k, "prompt_ids": [...], "num_generations": G, "greedy": b, "seed": s}
-      partial rollouts add "ahead": [{"key", "prompt_ids"}] and "carry" (rlft/rollout/partial.py)
+      partial rollouts add "ahead": [{"key", "prompt_ids"}] and "carry" (rlft/rollout/partial.py);
+      with tools, "rows": {"prefixes", "budgets", "must", "names"} instead of prompt_ids (the trainer
+      holds the pool: rlft/train/sources/agent_pool.py), answered with "finished" per row
   {"type": "mark", "key": k}                        the trainer now waits for request k (no work)
   {"type": "stop"}
 
@@ -265,7 +267,7 @@ class InFlight:
 def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: int, folder: Path) -> None:
     from rlft.rollout.base import engine_metrics
     from rlft.rollout.hf import WeightSwitch
-    from rlft.rollout.partial import ADVANCE_TOKENS, Pool, serve_window
+    from rlft.rollout.partial import ADVANCE_TOKENS, Pool, serve_rows, serve_window
 
     switch_at = getattr(args, "inflight_switch_tokens", None)
     idle, inflight = 0.0, InFlight(model, engine, channel, inbox, switch_at)
@@ -299,8 +301,9 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
                                                                               inflight.ready)
         if in_flight:
             engine.weight_switch = switch
-        if pool is not None and "ahead" in message:  # partial rollouts: a window (rlft/rollout/partial.py)
-            result = serve_window(pool, model, engine, message, version, switch)
+        if pool is not None and ("ahead" in message or "rows" in message):  # partial rollouts: a window
+            result = (serve_window(pool, model, engine, message, version, switch) if "ahead" in message
+                      else serve_rows(model, engine, message, version, switch))  # (rlft/rollout/partial.py)
             if result["routes"] is not None:  # (tensors: a file, as _generate's)
                 result["routes"] = _save_routes(*result["routes"], folder, message["key"])
         else:

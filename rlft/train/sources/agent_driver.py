@@ -162,15 +162,23 @@ def drive(source, rollout: int, version: int) -> ScoredRollout:
 
     args = source.args
     prompts, started = source.schedule.batch(rollout), time.perf_counter()
-    generation = agent_generation(source, f"rollout-{rollout}", lambda turn: source.turn_seed(rollout, turn),
-                                  version)
-    result = generation(prompts, args.num_generations)
-    seconds, turns = time.perf_counter() - started, generation.engine.engine
+    if source.agent_pool is not None:  # partial rollouts: windows over the pool (agent_pool.py)
+        pool = source.agent_pool
+        result = pool.drive(rollout, source.rollouts - 1, version)
+        generating, stats = pool.stats.pop("seconds"), pool.stats
+        requests = stats["partial/windows"]
+    else:
+        generation = agent_generation(source, f"rollout-{rollout}",
+                                      lambda turn: source.turn_seed(rollout, turn), version)
+        result = generation(prompts, args.num_generations)
+        turns, stats = generation.engine.engine, {}
+        generating, requests = turns.seconds, turns.turns
+    seconds = time.perf_counter() - started
     scored = score_rollout(source.rewards, source.throughput, prompts, result, args.num_generations, seconds,
-                           max(turns.seconds, 1e-9))
+                           max(generating, 1e-9))
     scored.rollout.extra.pop("environments", None)  # read by the rewards; the next rollout resets them
     scored.metrics = {"sample/version": float(version), "rollout/duration_s": seconds,
-                      "tools/producer_requests": float(turns.turns)}
+                      "tools/producer_requests": float(requests), **stats}
     return scored
 
 

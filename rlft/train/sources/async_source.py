@@ -31,6 +31,7 @@ from rlft.errors import ConfigError
 from rlft.rollout.producer import ProcessProducer, Produced, ProducerError
 from rlft.train.run.checkpoint import PartState, latest_checkpoint
 from rlft.train.sources.agent_driver import TURN_SEED, AgentDriver, agent_generation, load_scored, save_scored
+from rlft.train.sources.agent_pool import AgentPool
 from rlft.train.sources.rollout_source import SourceBase, SourceParts, score_rollout
 from rlft.train.update.rollout_batch import ScoredRollout
 
@@ -71,11 +72,6 @@ class ProducerSource(SourceBase):
                               "pass rollout_worker= (your worker generates and scores), or use "
                               "GRPOTrainer")
         if tools or args.tools or environment_factory:
-            if getattr(args, "partial_rollouts", 0):
-                raise ConfigError("partial_rollouts with tools or environments: a tool loop's turns are "
-                                  "separate requests, which the producer's windows do not carry (not "
-                                  "built yet); set partial_rollouts: 0 (inflight_weight_updates works "
-                                  "with tools)")
             if getattr(args, "inflight_switch_tokens", None) is not None:
                 raise ConfigError("inflight_switch_tokens with tools or environments: the tool loop's "
                                   "turns are requested from a thread of their own, so the producer's "
@@ -97,6 +93,9 @@ class ProducerSource(SourceBase):
         # tools / environments: the tool loop runs here, its turns on the producer (agent_driver.py)
         self.setup, self.tokenizer, self.training_engine = parts.setup, parts.tokenizer, parts.training_engine
         self.agents = AgentDriver(self) if (parts.setup.tools or parts.setup.environments) else None
+        # partial rollouts with tools: the driver holds the pool (agent_pool.py)
+        ahead = getattr(parts.args, "partial_rollouts", 0)
+        self.agent_pool = AgentPool(self, ahead) if self.agents is not None and ahead else None
         self.training = False
         self.load_state_dict(None)
 
@@ -394,6 +393,9 @@ class ProducerSource(SourceBase):
             scored.append({"rollout": rollout, **saved})
         carried = {"next_submit": self.next_submit, "pending": pending, "metrics": self.last,
                    "restarts": self.restarts, "carry": self.carry, "scored": scored}
+        if self.agent_pool is not None:  # partial rollouts with tools: the driver's pool
+            carried["agent_pool"], pool_tensors = self.agent_pool.state()
+            tensors.update(pool_tensors)
         return PartState(extra={"async": carried}, tensors=tensors)
 
     def _receive_requested(self) -> None:
@@ -438,6 +440,8 @@ class ProducerSource(SourceBase):
         for entry in saved.get("scored", []):
             self.scored[entry["rollout"]] = load_scored(part.tensors, entry, f"async.{entry['rollout']}",
                                                         self.accelerator.device)
+        if getattr(self, "agent_pool", None) is not None:
+            self.agent_pool.load(saved.get("agent_pool", []), {} if part is None else part.tensors)
         rollouts_done = -(-start // self.steps_per_rollout)
         self.next_submit = max(self.next_submit, rollouts_done)
         self.taking = rollouts_done - 1  # the last rollout taken from the producer

@@ -164,17 +164,24 @@ class Generation:
             return self._with_environments(prompts, count, greedy)
 
     def _with_environments(self, prompts: dict, count: int, greedy: bool) -> Rollout:
-        environments = self.setup.environments
-        columns = [k for k in prompts if k not in ("prompts", "prompt_ids")]
-        rows = [{"prompt": p, **{c: prompts[c][i] for c in columns}}
-                for i, p in enumerate(prompts["prompts"]) for _ in range(count)]
-        names = environments.names(rows)
-        envs = environments.take(names)
-        texts = [render_prompt(p, self.tokenizer, i, {**self.setup.template_kwargs,
-                                                      "tools": environments.schemas[name] or None})
-                 for i, (p, name) in enumerate(zip(environments.reset(envs, rows), names))]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        rollout = self.engine(self.model, ids, 1, greedy,
-                              toolsets=[environments.toolset(e, n) for e, n in zip(envs, names)])
+        ids, envs, toolsets = environment_rows(self.setup, self.tokenizer, prompts, count)
+        rollout = self.engine(self.model, ids, 1, greedy, toolsets=toolsets)
         rollout.extra["environments"] = envs
         return rollout
+
+
+def environment_rows(setup: ToolSetup, tokenizer, prompts: dict, count: int, lane: int = 0):
+    """Each completion row's environment (from `lane`, Environments.take), reset with its dataset row:
+    (the rows' prompt ids, each rendered with its environment's tools and what reset returned; the
+    instances; their toolsets)."""
+    environments = setup.environments
+    columns = [k for k in prompts if k not in ("prompts", "prompt_ids")]
+    rows = [{"prompt": p, **{c: prompts[c][i] for c in columns}}
+            for i, p in enumerate(prompts["prompts"]) for _ in range(count)]
+    names = environments.names(rows)
+    envs = environments.take(names, lane)
+    texts = [render_prompt(p, tokenizer, i, {**setup.template_kwargs,
+                                             "tools": environments.schemas[name] or None})
+             for i, (p, name) in enumerate(zip(environments.reset(envs, rows), names))]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return ids, envs, [environments.toolset(e, n) for e, n in zip(envs, names)]
