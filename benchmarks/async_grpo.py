@@ -9,7 +9,8 @@ median over the steps after the first two (start-up excluded).
     python benchmarks/async_grpo.py --demo --plot docs/figures/async_demo.png \
         --out benchmarks/results-async-demo.json                                      # accuracy vs steps
     python benchmarks/async_grpo.py --demo --task calculator --demo-steps 300 \
-        --out benchmarks/results-async-calculator.json                  # the tool demo (calculator-env too)
+        --out benchmarks/results-async-calculator.json                  # the tool demo (calculator-env too):
+                                                                        # sync, async k=1, async k=1 + partial 1
 
 TRL 1.16's AsyncGRPOTrainer is tried in its own venv (--trl-python); its error goes into the table.
 """
@@ -130,8 +131,9 @@ def demo_curve(lag: int | None, steps: int, extra: dict | None = None, task: str
 
 DEMO_RUNS = (("sync", None, {}), ("async k=1", 1, {}),
              ("async k=1, in-flight updates", 1, {"inflight_weight_updates": True}))
-# tools and environments: in-flight updates are not built for them
-AGENT_RUNS = (("sync", None, {}), ("async k=1", 1, {}))
+# tools and environments: one-step-off, and with partial rollouts (the driver's pool looks one rollout ahead)
+AGENT_RUNS = (("sync", None, {}), ("async k=1", 1, {}),
+              ("async k=1, partial 1", 1, {"partial_rollouts": 1, "max_staleness": 2}))
 
 
 def demo(args) -> dict:
@@ -139,6 +141,9 @@ def demo(args) -> dict:
     for name, lag, extra in (DEMO_RUNS if args.task == "addition" else AGENT_RUNS):
         if name == "sync" and args.sync_curve:  # a synchronous curve already measured (it is deterministic)
             out[name] = json.loads(Path(args.sync_curve).read_text())
+            continue
+        if args.reuse and name in json.loads(Path(args.reuse).read_text()):  # kept from an earlier run
+            out[name] = json.loads(Path(args.reuse).read_text())[name]
             continue
         run = subprocess.run([sys.executable, __file__, "--demo-one", "none" if lag is None else str(lag),
                               str(args.demo_steps), json.dumps(extra), args.task], cwd=ROOT, capture_output=True,
@@ -243,6 +248,8 @@ def main() -> None:
                              "environment's method")
     parser.add_argument("--plot", default=None)
     parser.add_argument("--sync-curve", default=None, help="reuse a synchronous demo curve (JSON)")
+    parser.add_argument("--reuse", default=None, help="an earlier --demo results file: its runs are kept, "
+                                                      "only the others run")
     parser.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--demo-one", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
