@@ -154,6 +154,26 @@ def test_partial_windows_on_a_server_carry_rows_and_continue_them_under_newer_we
         torch.testing.assert_close(torch.tensor(row.logprobs, dtype=torch.float64), want, atol=2e-4, rtol=0)
 
 
+def test_a_window_of_tool_loop_rows_on_a_server_ends_with_its_must_rows_and_cuts_the_others(served):
+    """serve_rows (partial rollouts with tools: the trainer holds the rows) over the server: a row the window must
+    finish gets its 4-token budget, the others are stopped there with fewer tokens than their budget, flagged not
+    finished, each token with its log-prob and version."""
+    from rlft.rollout.partial import serve_rows
+
+    model, tokenizer, engine, older, _, _, _ = served
+    load(model, older)
+    engine.on_weights_changed()
+    prefixes = prompts_of(tokenizer, 3)
+    message = {"key": "w0", "seed": 5, "rows": {"prefixes": prefixes, "budgets": [4, BUDGET, BUDGET],
+                                                "must": [True, False, False], "names": [[0, 0, 0], [1, 0, 0], [1, 1, 0]]}}
+    out = serve_rows(model, engine, message, 0)
+    assert out["finished"][0] and len(out["tokens"][0]) <= 4
+    assert not any(out["finished"][1:]) and all(0 < len(t) < BUDGET for t in out["tokens"][1:])
+    assert [len(v) for v in out["row_versions"]] == [len(t) for t in out["tokens"]]
+    assert all(v == 0 for row in out["row_versions"] for v in row)
+    assert all(len(lp) == len(t) and all(x <= 0 for x in lp) for lp, t in zip(out["logprobs"], out["tokens"]))
+
+
 def test_an_async_run_on_a_server_takes_in_flight_updates_and_partial_rollouts(served, tmp_path):
     """AsyncGRPOTrainer whose producer talks to the server, with inflight_weight_updates and partial_rollouts=1
     (the throughput mode), LoRA: it trains its steps, carries tokens from one window to the next, and every
