@@ -200,28 +200,38 @@ def test_async_grpo_on_two_processes_each_with_its_producer_resumes_exactly(tmp_
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
-def test_async_tool_loops_on_two_processes_resume_exactly(tmp_path):
+@pytest.mark.parametrize("mode", ["plain", pytest.param("partial", marks=pytest.mark.slow)])  # (CI time: 40 s)
+def test_async_tool_loops_on_two_processes_resume_exactly(tmp_path, mode):
     """Tools under AsyncGRPOTrainer on 2 processes: each process's driver thread runs its slice's tool loops on
     its own producer while DDP trains; a run resumed from its step-2 checkpoint (each rank's scored rollouts
-    requested ahead in extra_<rank>, each rank's its own) logs the same steps, one step stale after the
-    first, and ends on the same weights as the straight run."""
+    requested ahead in extra_<rank>, each rank's its own; with partial rollouts each rank's pool of tool-loop
+    rows too) logs the same steps, one step stale after the first, and ends on the same weights as the
+    straight run."""
+    import json
+
     from safetensors.torch import load_file
 
     from rlft.model.loading import shipped_policy_path
 
     model = str(shipped_policy_path("tiny-calculator"))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ["--tools", "--partial"] if mode == "partial" else ["--tools"]
     for args in ([model, str(straight)], [model, str(resumed), "--resume", str(straight / "checkpoint-2")]):
-        result = launch(["tests/dist/async_run.py", *args, "--tools"], 2)
+        result = launch(["tests/dist/async_run.py", *args, *flags], 2)
         assert result.returncode == 0, result.stderr[-3000:]
     carried = [load_file(straight / "checkpoint-2" / f"extra_{rank}.safetensors") for rank in (0, 1)]
     assert all(any(k.startswith("async.") for k in part) for part in carried)  # the rollouts requested ahead
     assert not torch.equal(carried[0]["async.2.prompt_ids"], carried[1]["async.2.prompt_ids"])  # each rank its own
+    if mode == "partial":  # each rank's pool of tool-loop rows (rollout 3's, moved on in rollout 2's windows)
+        pools = [json.loads((straight / "checkpoint-2" / f"extra_{rank}.json").read_text())["async"]["agent_pool"]
+                 for rank in (0, 1)]
+        assert [[e["rollout"] for e in pool] for pool in pools] == [[3], [3]] and pools[0] != pools[1]
     kept = ("step", "loss", "reward", "sample/version", "sample/staleness_max", "tools/call_frequency",
             "completions/mean_length")
     rows = lambda folder: [{k: r[k] for k in kept} for r in read_metrics(folder)]  # noqa: E731
     assert all(r["tools/call_frequency"] > 0.5 for r in rows(straight))
-    assert [r["sample/staleness_max"] for r in rows(straight)] == [0.0, 1.0, 1.0, 1.0]
+    if mode == "plain":
+        assert [r["sample/staleness_max"] for r in rows(straight)] == [0.0, 1.0, 1.0, 1.0]
     assert rows(resumed) == rows(straight)[2:]
     a, b = (load_file(folder / "final" / "adapter_model.safetensors") for folder in (straight, resumed))
     assert all(torch.equal(a[name], b[name]) for name in a)
