@@ -4,7 +4,7 @@ parameters are written to OUT/params.pt when the run ends normally; SLOW_SAVE > 
 take that many seconds (touching OUT/saving-<step> first), so a signal can arrive during one.
 
     python tests/dist/preempt_run.py MODEL OUT KIND SIGNAL SIGNAL_RANK SIGNAL_STEP MAX_STEPS SAVE_STEPS SLOW_SAVE
-        [--resume]
+        [--resume]      (KIND: grpo, async, or async-tools-partial: the shipped calculator's tool, partial rollouts)
     torchrun --nproc_per_node 2 --standalone tests/dist/preempt_run.py ...
 """
 
@@ -55,8 +55,16 @@ def main() -> None:
                   per_device_train_batch_size=8, max_completion_length=8, logging_steps=1,
                   save_steps=int(save_steps), report_to="none", disable_tqdm=True, seed=0,
                   gradient_checkpointing=False)
-    config, trainer_class = (AsyncGRPOConfig, AsyncGRPOTrainer) if kind == "async" else (GRPOConfig, GRPOTrainer)
-    trainer = trainer_class(model, [correct_answer], config(**fields), addition_rows(32))
+    config, trainer_class = (AsyncGRPOConfig, AsyncGRPOTrainer) if kind.startswith("async") \
+        else (GRPOConfig, GRPOTrainer)
+    rewards, given = [correct_answer], {}
+    if kind == "async-tools-partial":  # the calculator's tool loops, partial rollouts: the driver's pool
+        from rlft.data.calculator import TOOLS, answer_reward
+        from rlft.model.loading import shipped_policy_path
+
+        model, rewards, given = str(shipped_policy_path("tiny-calculator")), [answer_reward], {"tools": TOOLS}
+        fields.update(max_completion_length=48, temperature=0.7, partial_rollouts=1, max_staleness=2)
+    trainer = trainer_class(model, rewards, config(**fields), addition_rows(32), **given)
     process = trainer.accelerator.process_index
     trainer.add_callback(SignalSelf(getattr(signal, sig), int(rank), int(step), process))
     accelerator, code = trainer.accelerator, 0
