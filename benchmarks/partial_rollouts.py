@@ -6,7 +6,9 @@ async trainer, and async with in-flight weight updates and partial rollouts (iss
   async            AsyncGRPOTrainer, rollout_lag 1: trainer on core 0, producer on core 1, one thread each
   async+inflight   the same, weights loaded between decode steps (inflight_weight_updates)
   async+partial N  the same with partial_rollouts N: the producer looks N rollouts ahead and each window
-                   ends when the current rollout is done (max_staleness N + 1)
+                   ends when the current rollout is done (max_staleness N + 1); transformers' engine keeps
+                   the KV cache of the rows a window cuts (rlft/rollout/kv_carry.py)
+  async+partial N prefill   the same with RLFT_KV_CARRY=0: every window prefills its carried rows again
 
 Each run is its own process; runs alternate (mode by mode, repeat by repeat). Per run, over the steps after
 the first `--skip` (start-up and the look-ahead filling): seconds per step, trained completion tokens per
@@ -59,6 +61,10 @@ MODES = {"sync": {}, "async": {"rollout_lag": 1},
                              "max_staleness": 6},
          "async+partial 7": {"rollout_lag": 1, "inflight_weight_updates": True, "partial_rollouts": 7,
                              "max_staleness": 8}}
+# the same with transformers' engine prefilling its carried rows again at every window (RLFT_KV_CARRY=0)
+for _n in (3, 7):
+    MODES[f"async+partial {_n} prefill"] = MODES[f"async+partial {_n}"]
+ENVIRONMENT = {f"async+partial {n} prefill": {"RLFT_KV_CARRY": "0"} for n in (3, 7)}
 
 
 def run_one(workload: str, mode: str, steps: int, engine: str = "hf") -> dict:
@@ -70,6 +76,7 @@ def run_one(workload: str, mode: str, steps: int, engine: str = "hf") -> dict:
     from rlft import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
 
     spec, extra = WORKLOADS[workload], MODES[mode]
+    os.environ.update(ENVIRONMENT.get(mode, {}))  # (the producer process inherits it)
     work = build(spec)
     common = dict(output_dir=tempfile.mkdtemp(prefix="rlft-partial-bench-"), max_steps=steps, report_to="none",
                   disable_tqdm=True, save_strategy="no", seed=0, lr_scheduler_type="constant", logging_steps=1,

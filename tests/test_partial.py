@@ -76,6 +76,48 @@ def test_a_window_ends_with_the_current_rollout_and_carries_the_next_ones_tokens
         torch.testing.assert_close(torch.tensor(row.logprobs, dtype=torch.float64), expected, atol=2e-6, rtol=0)
 
 
+def test_in_the_throughput_mode_a_cut_row_goes_on_from_its_cache_under_newer_weights(tokenizer):
+    """transformers' engine with kv_carry (the throughput mode): rollout b's rows, cut by rollout a's window under
+    version 0, go on in the next window under version 1 from the keys and values version 0 left (nothing prefilled
+    again), rollout c's new rows prefilled beside them. Each recorded log-prob equals that construction: version
+    0's forward over the prompt and the first tokens, version 1's over the rest on version 0's cache (float64
+    model, recorded in float32); neither version alone gives it."""
+    from rlft.rollout.kv_carry import KVCarry
+    from tests.test_inflight import assert_neither_version_alone, switched_logps
+
+    model, newer = two_versions(tokenizer)
+    older = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = engine_for(tokenizer, 24)
+    engine.kv_carry = KVCarry()
+    prompts = [tokenizer("1 + 2 =")["input_ids"], tokenizer("hello world 3 4 5")["input_ids"]]
+    pool = seeded_pool(tokenizer, prompts, done_tokens=18, max_tokens=24)
+    torch.manual_seed(0)
+    pool.window(model, engine, "a", 0)
+    first = [len(r.tokens) for r in pool.cohorts["b"]["rows"]]
+    assert len(engine.kv_carry.rows) == 4 and all(0 < n < 24 for n in first)
+    load(model, newer)
+    pool.add("c", prompts, 2, False)
+    rows = pool.window(model, engine, "b", 1)
+    assert pool.stats["partial/reprefill_tokens"] == 0 and all(r.done for r in rows)
+    for index, (row, n) in enumerate(zip(rows, first)):
+        assert row.versions == [0] * n + [1] * (len(row.tokens) - n)
+        prompt = prompts[index // 2]
+        ids = torch.tensor([prompt + row.tokens])
+        mask = torch.ones_like(ids)
+        want = switched_logps(model, ids, mask, len(prompt), n, older, newer)
+        got = torch.tensor([row.logprobs], dtype=torch.float64)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+        if len(row.tokens) > n + 1:
+            scored = torch.ones_like(got, dtype=torch.bool)
+            assert_neither_version_alone(model, ids, mask, len(prompt), n, older, newer, want, scored)
+    assert len(engine.kv_carry.rows) == sum(not r.done for r in pool.cohorts["c"]["rows"])
+    load(model, newer)  # rollout c's rows, new in that window: prefilled under version 1 beside the kept caches
+    for index, row in enumerate(pool.cohorts["c"]["rows"]):
+        ids = torch.tensor([prompts[index // 2] + row.tokens])
+        want = logps_of(model, ids, torch.ones_like(ids), 0, ids.shape[1] - 1)[0, len(prompts[index // 2]) - 1:]
+        torch.testing.assert_close(torch.tensor(row.logprobs, dtype=torch.float64), want, atol=2e-6, rtol=0)
+
+
 def test_the_pool_survives_json_and_continues_as_if_never_stopped(tokenizer):
     """What a checkpoint keeps: the pool after a window, through JSON, then the next window with one seed gives
     the same completions as the pool that never left memory."""

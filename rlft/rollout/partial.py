@@ -17,9 +17,10 @@ each window samples after `torch.manual_seed(seed of rollout k)`: the same seed 
 and the pool travels with every result so that a checkpoint holds it (`Pool.state` / `Pool.load`).
 
 Re-prefilling carried completions costs one forward over their tokens per window (the price of
-continuing under new weights without a KV cache that the new weights did not compute). A colocated vLLM
-engine in the throughput mode keeps their requests, and caches, between windows instead
-(rlft/rollout/vllm_steps.py).
+continuing under new weights without a KV cache that the new weights did not compute). In the throughput
+mode a colocated vLLM engine keeps their requests, and caches, between windows instead
+(rlft/rollout/vllm_steps.py), and transformers' engine keeps each cut row's slice of the window's cache
+(rlft/rollout/kv_carry.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from rlft.data.prompts import left_pad
 from rlft.model.routing import extend_first_reads, route_state
-from rlft.rollout.hf import eos_token_ids, sampling_forwards
+from rlft.rollout.hf import cache_keyword, eos_token_ids, sampling_forwards
 
 # The throughput mode (in-flight weight updates whenever weights arrive): between two requests the
 # producer moves the pool on by this many decode steps at a time, then looks at its inbox again
@@ -189,12 +190,14 @@ def step_rows(model, generator, prefixes: list[list[int]], budgets: list[int], m
     throughput mode keeps a cut row's request for the next window naming it)."""
     if hasattr(generator, "continue_rows"):  # a vLLM engine, stepped (rollout/vllm_steps.py) or a server
         return generator.continue_rows(model, prefixes, budgets, must, limit, switch, version, rows=names)
-    return _hf_window(model, generator, prefixes, budgets, must, limit, version, switch)
+    return _hf_window(model, generator, prefixes, budgets, must, limit, version, switch, names)
 
 
-def _hf_window(model, generator, prefixes, budgets, must, limit, version, switch) -> Stepped:
+def _hf_window(model, generator, prefixes, budgets, must, limit, version, switch, names=None) -> Stepped:
     """One window with transformers' generate: the prefixes left-padded, each row stopped at EOS or
-    its budget, the window at `must`'s rows' end (or `limit` decode steps)."""
+    its budget, the window at `must`'s rows' end (or `limit` decode steps). With `generator.kv_carry`
+    (the throughput mode; rlft/rollout/kv_carry.py) a row cut by the previous window goes on from its
+    cache instead of being prefilled again."""
     tokenizer = generator.tokenizer
     device = next(model.parameters()).device
     ids, mask = (t.to(device) for t in left_pad(prefixes, tokenizer.pad_token_id))
@@ -203,6 +206,8 @@ def _hf_window(model, generator, prefixes, budgets, must, limit, version, switch
     eos_ids = eos_token_ids(model, tokenizer)
     stop = WindowStop(ids.shape[1], budgets, must, eos_ids)
     routes = route_state(model)
+    carry = getattr(generator, "kv_carry", None) if routes is None and names is not None else None
+    continued = None
     with sampling_forwards(model, routes):  # (a MoE policy under routing replay: this window's routes)
         sampling, recorder = generator._settings(model, False, device)
         if recorder is None or not recorder.record_logps:
@@ -210,11 +215,20 @@ def _hf_window(model, generator, prefixes, budgets, must, limit, version, switch
                                "generate samples (an rlft bug: the config allows only that case)")
         most = int(budgets.max()) if limit is None else min(limit, int(budgets.max()))
         sampling.update(max_new_tokens=most, stopping_criteria=StoppingCriteriaList([stop]))
+        if carry is not None:
+            keyword = cache_keyword(model)
+            cache, continued = carry.cache_for(model, prefixes, names, tokenizer.pad_token_id, keyword,
+                                               device)
+            sampling.update({keyword: cache} if cache is not None else {}, return_dict_in_generate=True)
         out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=eos_ids, use_cache=True, **sampling)
-    new = out[:, ids.shape[1]:]
+    sequences = out if carry is None else out.sequences
+    new = sequences[:, ids.shape[1]:]
     steps = new.shape[1]
     counts = torch.where(stop.ended >= 0, stop.ended, steps).clamp(max=steps).tolist()
+    if carry is not None:
+        cache = out.cache if "cache" in out else out.past_key_values  # (the name from transformers 5.24)
+        carry.keep(cache, names, prefixes, counts, (stop.ended >= 0).tolist())
     read = None if routes is None else routes.assemble(len(prefixes), ids.shape[1], steps)
     lengths = torch.tensor(counts, device=device)[:, None]
     logps, kept = recorder.finish(new, (torch.arange(steps, device=device)[None, :] < lengths).long())
@@ -224,7 +238,7 @@ def _hf_window(model, generator, prefixes, budgets, must, limit, version, switch
         [logps[r, :n].tolist() for r, n in enumerate(counts)],
         None if kept is None else [[[k for k in step if k >= 0] for step in kept[r, :n].tolist()]
                                    for r, n in enumerate(counts)],
-        [versions[:n] for n in counts], (stop.ended >= 0).tolist(), steps, routes=read)
+        [versions[:n] for n in counts], (stop.ended >= 0).tolist(), steps, continued, routes=read)
 
 
 def _take_routes(active, prefixes: list[list[int]], counts: list[int], read: torch.Tensor,

@@ -276,6 +276,11 @@ def serve(model, engine, args, channel: Channel, inbox: queue.Queue, version: in
     # partial rollouts in the throughput mode (in-flight updates whenever weights arrive): the
     # producer's idle time moves the pool on
     advancing = pool is not None and in_flight and switch_at is None
+    # transformers' generate: rows a window cuts keep their cache (RLFT_KV_CARRY=0: prefilled again)
+    if advancing and not hasattr(engine, "continue_rows") and os.environ.get("RLFT_KV_CARRY", "1") != "0":
+        from rlft.rollout.kv_carry import KVCarry
+
+        engine.kv_carry = KVCarry()
     while True:
         if advancing and inbox.empty() and pool.unfinished():
             switch = WeightSwitch(version, inflight.pending, inflight.ready)
