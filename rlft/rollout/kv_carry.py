@@ -75,6 +75,7 @@ def plain(cache) -> bool:
         type(layer) is DynamicLayer for layer in cache.layers)
 
 
+@torch.no_grad()
 def _prefill(model, prefixes: list[list[int]], pad_id: int, keyword: str, device) -> list | None:
     """Each prefix's per-layer (keys, values) from one forward (None: a cache other than DynamicLayers)."""
     cache = DynamicCache(config=model.config)
