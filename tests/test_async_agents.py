@@ -143,3 +143,16 @@ def test_partial_rollouts_with_environments_replay_a_carried_rows_calls_after_a_
     calculator(tmp_path, "split", callbacks=[stop_after(2)], **settings)
     calculator(tmp_path, "split", resume=True, **settings)
     assert rows_of(tmp_path / "split") == rows
+
+
+def test_partial_rollouts_with_tools_in_the_throughput_mode_keep_cut_turns_caches(tmp_path):
+    """partial_rollouts=1 with in-flight updates whenever weights arrive: a turn a window cuts goes on from its KV
+    cache in the next window (rlft/rollout/kv_carry.py; checked once by hand here: one window went on with 3 such
+    rows); the run trains, and every token's version lies between the weights of the rollout before its own
+    (carried rows) and the step."""
+    calculator(tmp_path, "run", partial_rollouts=1, max_staleness=2, inflight_weight_updates=True, save_steps=1000)
+    steps = [r for r in rows_of(tmp_path / "run") if "loss" in r]
+    assert len(steps) == 4 and all(r["tools/call_frequency"] > 0.5 for r in steps)
+    for step, r in enumerate(steps):
+        assert r["sample/version"] - 1 <= r["sample/token_version_min"] <= r["sample/token_version_mean"] <= step
+    assert any(r["partial/carried_share"] > 0 for r in steps)
