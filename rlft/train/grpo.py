@@ -186,8 +186,12 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
 
     def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
         args = self.args
-        # routes a MoE policy's sampler chose, recorded where transformers' generate runs here
-        records = self._source_class.records_routes and not args.use_vllm and not self.rollout_func and (
+        # routes a MoE policy's sampler chose, recorded where transformers' generate runs here, or a colocated
+        # vLLM engine not driven step by step (rlft/rollout/vllm_routes.py)
+        stepped = getattr(args, "inflight_weight_updates", False) or getattr(args, "partial_rollouts", 0)
+        vllm_records = args.vllm_mode == "colocate" and not stepped
+        records = self._source_class.records_routes and not self.rollout_func and (
+            not args.use_vllm or vllm_records) and (
             self._source_class.records_tool_routes or not (self.tools or self.environments))
         policy = load_policy(model, source, args, self.engine, self.accelerator.device, peft_config,
                              quantization_config, self._tag_names, routes_recorded=records)
