@@ -9,6 +9,7 @@ import base64
 import json
 import logging
 import threading
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -96,6 +97,7 @@ def test_lora_sync_mode_picks_the_adapter_when_vllm_can_serve_it_and_says_why_wh
 
 class RecordingReceiver(WeightReceiver):
     rank = 0
+    model_runner = types.SimpleNamespace(model=torch.nn.Linear(2, 2))  # (a worker's, without MoE layers)
 
     def __init__(self):
         self.loaded = []

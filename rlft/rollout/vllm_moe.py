@@ -14,19 +14,22 @@ from __future__ import annotations
 
 def repack_cpu_experts(model) -> int:
     """Prepack again the expert weights a reload just wrote, in each of `model`'s CPU MoE layers; how many."""
-    import vllm
-
-    if not vllm.__version__.startswith("0.32."):
-        return 0
-    count = 0
+    layers = []
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         cpu = experts is not None and type(experts).__module__.endswith(".cpu_moe")
         if cpu and hasattr(module, "w13_weight"):
-            experts.process_weights_after_loading(module)
-            count += 1
-    return count
+            layers.append((experts, module))
+    if not layers:
+        return 0
+    import vllm
+
+    if not vllm.__version__.startswith("0.32."):
+        return 0
+    for experts, module in layers:
+        experts.process_weights_after_loading(module)
+    return len(layers)
 
 
 def after_reload(worker) -> int:

@@ -95,7 +95,10 @@ def saved_layout_of(model, entries: list[tuple[str, torch.Tensor]]) -> list[tupl
     except ImportError:  # (transformers before 5: weights are held as saved)
         return entries
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return list(revert_weight_conversion(base, dict(entries)).items())
+    reverted = revert_weight_conversion(base, dict(entries))
+    if set(reverted) == {name for name, _ in entries}:  # nothing changed: the entries as they came, in order
+        return entries
+    return list(reverted.items())
 
 
 def tensor_bytes(tensors) -> int:
