@@ -228,9 +228,9 @@ def _truncation_check(report: Report, cfg) -> None:
 def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
     """Configurations known to make the sampler a different policy from the trainer with nothing
     correcting it: an engine in another precision without vllm_importance_sampling_correction, and a
-    mixture-of-experts policy whose sampler's routes are not replayed (vLLM's are not read yet;
-    routing_replay: none turns transformers' off): the two then route tokens to different
-    experts."""
+    mixture-of-experts policy whose sampler's routes are not replayed (a vLLM server's and a stepped
+    engine's are not read yet; routing_replay: none turns replay off): the two then route tokens to
+    different experts."""
     trainer_name = str(trainer_dtype).split(".")[-1]
     quantized = getattr(cfg, "vllm_quantization", None)
     engine = [f"vllm_dtype={cfg.vllm_dtype}"] * (cfg.vllm_dtype not in ("auto", trainer_name)) + \
