@@ -28,7 +28,7 @@ import torch
 
 from rlft.config import GRPOConfig, validate
 from rlft.config.compat import no_effect_notes
-from rlft.config.rules import generation_batch, replay_plan
+from rlft.config.rules import generation_batch, replay_plan, sampler_records
 from rlft.data.prompts import PromptSet, load_eval_datasets, materialize
 from rlft.errors import ConfigError
 from rlft.model.loading import context_length, prepare_tokenizer, training_dtype
@@ -186,13 +186,9 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
 
     def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
         args = self.args
-        # routes a MoE policy's sampler chose, recorded where transformers' generate runs here, or a colocated
-        # vLLM engine not driven step by step (rlft/rollout/vllm_routes.py)
-        stepped = getattr(args, "inflight_weight_updates", False) or getattr(args, "partial_rollouts", 0)
-        vllm_records = args.vllm_mode == "colocate" and not stepped
-        records = self._source_class.records_routes and not self.rollout_func and (
-            not args.use_vllm or vllm_records) and (
-            self._source_class.records_tool_routes or not (self.tools or self.environments))
+        # routes a MoE policy's sampler chose (routing replay)
+        records = sampler_records(args, self._source_class, self.rollout_func,
+                                  bool(self.tools or self.environments))
         policy = load_policy(model, source, args, self.engine, self.accelerator.device, peft_config,
                              quantization_config, self._tag_names, routes_recorded=records)
         teacher = load_teacher(teacher, args, training_dtype(args, self.accelerator.device), policy.model,
