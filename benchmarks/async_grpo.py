@@ -8,6 +8,7 @@ median over the steps after the first two (start-up excluded).
     python benchmarks/async_grpo.py --workloads bc --steps 12 --repeats 2 --out benchmarks/results-async.json
     python benchmarks/async_grpo.py --demo --plot docs/figures/async_demo.png \
         --out benchmarks/results-async-demo.json                                      # accuracy vs steps
+    python benchmarks/async_grpo.py --demo-split                        # the synchronous demo step's parts
     python benchmarks/async_grpo.py --demo --task calculator --demo-steps 300 \
         --out benchmarks/results-async-calculator.json                  # the tool demo (calculator-env too):
                                                                         # sync, async k=1, async k=1 + partial 1
@@ -129,6 +130,27 @@ def demo_curve(lag: int | None, steps: int, extra: dict | None = None, task: str
             "seconds_at": [clock.get(step) for step, _ in curve]}
 
 
+def demo_split(steps: int = 60) -> dict:
+    """The synchronous demo step's parts (LoRA, both cores, no evaluation): the median over steps 11 on of
+    the step, its generation, its rewards and its training, in seconds."""
+    import statistics
+
+    from rlft.cli.demo import demo_lora
+    from rlft.config import GRPOConfig
+    from rlft.data.addition import rows, split_problems
+    from rlft.train.grpo import GRPOTrainer
+
+    cfg, policy, rewards, _, _ = demo_parts("addition", tempfile.mkdtemp(prefix="rlft-demo-split-"), steps,
+                                            GRPOConfig, {})
+    cfg.eval_strategy, cfg.eval_on_start, cfg.logging_steps, cfg.log_completions = "no", False, 1, False
+    trainer = GRPOTrainer(str(policy), rewards, cfg, train_dataset=rows(split_problems()[0]),
+                          peft_config=demo_lora(True))
+    trainer.train()
+    logged = [r for r in trainer.state.log_history if "time/train_seconds" in r][10:]
+    return {key: statistics.median(r[key] for r in logged) for key in
+            ("step_time", "time/generation_seconds", "time/reward_seconds", "time/train_seconds")}
+
+
 DEMO_RUNS = (("sync", None, {}), ("async k=1", 1, {}),
              ("async k=1, in-flight updates", 1, {"inflight_weight_updates": True}))
 # tools and environments: one-step-off, and with partial rollouts (the driver's pool looks one rollout ahead)
@@ -242,6 +264,8 @@ def main() -> None:
     parser.add_argument("--trl-python", default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--demo", action="store_true", help="accuracy vs steps on the demo task")
+    parser.add_argument("--demo-split", action="store_true",
+                        help="the synchronous demo step's generation / reward / training seconds")
     parser.add_argument("--demo-steps", type=int, default=1500)
     parser.add_argument("--task", default="addition", choices=("addition", "calculator", "calculator-env"),
                         help="the demo task: addition, or the calculator with its add tool as a tool or an "
@@ -256,6 +280,9 @@ def main() -> None:
     if args.demo_one:
         lag = None if args.demo_one[0] == "none" else int(args.demo_one[0])
         print(json.dumps(demo_curve(lag, int(args.demo_one[1]), json.loads(args.demo_one[2]), args.demo_one[3])))
+        return
+    if args.demo_split:
+        print(json.dumps(demo_split()))
         return
     if args.demo:
         results = demo(args)
