@@ -146,10 +146,10 @@ def test_partial_rollouts_with_environments_replay_a_carried_rows_calls_after_a_
 
 
 def test_partial_rollouts_with_tools_in_the_throughput_mode_keep_cut_turns_caches(tmp_path):
-    """partial_rollouts=1 with in-flight updates whenever weights arrive: a turn a window cuts goes on from its KV
-    cache in the next window (rlft/rollout/kv_carry.py; checked once by hand here: one window went on with 3 such
-    rows); the run trains, and every token's version lies between the weights of the rollout before its own
-    (carried rows) and the step."""
+    """partial_rollouts=1 with in-flight updates whenever weights arrive (where a turn a window cuts goes on from
+    its KV cache: tests/test_partial.py::test_a_tool_pool_window_goes_on_from_the_cache_the_window_before_kept):
+    the run trains, and every token's version lies between the weights of the rollout before its own (carried
+    rows) and the step."""
     calculator(tmp_path, "run", partial_rollouts=1, max_staleness=2, inflight_weight_updates=True, save_steps=1000)
     steps = [r for r in rows_of(tmp_path / "run") if "loss" in r]
     assert len(steps) == 4 and all(r["tools/call_frequency"] > 0.5 for r in steps)

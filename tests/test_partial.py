@@ -118,6 +118,35 @@ def test_in_the_throughput_mode_a_cut_row_goes_on_from_its_cache_under_newer_wei
         torch.testing.assert_close(torch.tensor(row.logprobs, dtype=torch.float64), want, atol=2e-6, rtol=0)
 
 
+def test_a_tool_pool_window_goes_on_from_the_cache_the_window_before_kept(tokenizer):
+    """serve_rows (the tool pool's windows) with transformers' engine in the throughput mode: a row the first
+    window cut, named again with its prefix one token longer, goes on from its kept cache (continued, nothing
+    of it prefilled) and samples what the prefilling engine samples with the same seed."""
+    from rlft.rollout.kv_carry import KVCarry
+    from rlft.rollout.partial import serve_rows
+
+    model = build_causal_lm(tokenizer, hidden_size=64).eval()
+    prompts = [tokenizer("1 + 2 =")["input_ids"], tokenizer("hello world 3 4 5")["input_ids"]]
+    first = {"key": "w0", "seed": 1, "rows": {"prefixes": prompts, "budgets": [2, 12], "must": [True, False],
+                                              "names": [[0, 0, 0], [1, 0, 0]]}}
+    answers = []
+    for carry in (True, False):
+        engine = engine_for(tokenizer)
+        if carry:
+            engine.kv_carry = KVCarry()
+        out = serve_rows(model, engine, first, 0)
+        assert not out["finished"][1] and len(out["tokens"][1]) == 2  # cut with the must row's budget
+        prefix = prompts[1] + out["tokens"][1]
+        second = {"key": "w1", "seed": 2, "rows": {"prefixes": [prefix], "budgets": [10], "must": [True],
+                                                   "names": [[1, 0, 0]]}}
+        answers.append(serve_rows(model, engine, second, 0))
+    kept, prefilled = answers
+    assert kept["partial/continued_rows"] == 1 and kept["partial/prefill_tokens"] == 0
+    assert prefilled["partial/continued_rows"] == 0 and prefilled["partial/prefill_tokens"] == len(prompts[1]) + 2
+    assert kept["tokens"] == prefilled["tokens"]
+    torch.testing.assert_close(torch.tensor(kept["logprobs"]), torch.tensor(prefilled["logprobs"]), atol=1e-5, rtol=0)
+
+
 def test_the_pool_survives_json_and_continues_as_if_never_stopped(tokenizer):
     """What a checkpoint keeps: the pool after a window, through JSON, then the next window with one seed gives
     the same completions as the pool that never left memory."""

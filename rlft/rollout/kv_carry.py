@@ -79,7 +79,7 @@ def plain(cache) -> bool:
 def _prefill(model, prefixes: list[list[int]], pad_id: int, keyword: str, device) -> list | None:
     """Each prefix's per-layer (keys, values) from one forward (None: a cache other than DynamicLayers)."""
     cache = DynamicCache(config=model.config)
-    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+    if not plain(cache):
         return None
     ids, mask = (t.to(device) for t in left_pad(prefixes, pad_id))
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts

@@ -311,11 +311,11 @@ def serve_rows(model, engine, message: dict, version: int, switch=None) -> dict:
     rows = message["rows"]
     out = step_rows(model, engine, rows["prefixes"], rows["budgets"], rows["must"], None, version, switch,
                     [tuple(name) for name in rows["names"]])
-    prefilled = sum(len(p) for p, going in zip(rows["prefixes"], out.continued or [False] * len(out.tokens))
-                    if not going)
+    continued = out.continued or [False] * len(out.tokens)  # (went on from a kept request or cache)
+    prefilled = sum(len(p) for p, going in zip(rows["prefixes"], continued) if not going)
     return {"type": "result", "key": message["key"], "version": version, "tokens": out.tokens,
             "logprobs": out.logprobs, "kept": out.kept if engine.replay_mask else None,
             "row_versions": out.versions, "finished": out.finished, "routes": out.routes,
             "seconds": time.perf_counter() - started, "score_seconds": 0.0,
             "partial/window_rows": float(len(out.tokens)), "partial/window_steps": float(out.steps),
-            "partial/prefill_tokens": float(prefilled)}
+            "partial/prefill_tokens": float(prefilled), "partial/continued_rows": float(sum(continued))}

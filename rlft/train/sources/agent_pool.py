@@ -48,7 +48,7 @@ _ROW_FIELDS = ("ids", "mask", "logps", "kept", "messages", "ended", "calls", "fa
 
 @dataclass
 class Cohort:
-    """One rollout's rows in the pool, its prompts batch and (environments) its instances."""
+    """One rollout's rows in the pool and (environments) their instances."""
 
     rows: list[_Row]
     envs: list | None = None
@@ -111,7 +111,7 @@ class AgentPool:
         for r in range(rollout, min(rollout + self.ahead, last) + 1):
             self._add(rollout=r)
         stats = {"partial/window_rows": 0.0, "partial/window_steps": 0.0, "partial/prefill_tokens": 0.0,
-                 "partial/windows": 0.0, "seconds": 0.0}
+                 "partial/continued_rows": 0.0, "partial/windows": 0.0, "seconds": 0.0}
         mine = self.cohorts[rollout].rows
         before = sum(row.mask.count(1) for row in mine)
         while True:
@@ -122,7 +122,8 @@ class AgentPool:
                 break
             produced = self._window(going, rollout, int(stats["partial/windows"]), version)
             stats["seconds"] += produced.seconds
-            for key in ("partial/window_rows", "partial/window_steps", "partial/prefill_tokens"):
+            for key in ("partial/window_rows", "partial/window_steps", "partial/prefill_tokens",
+                        "partial/continued_rows"):
                 stats[key] += produced.timings.get(key, 0.0)
             stats["partial/windows"] += 1
         self._answer()
