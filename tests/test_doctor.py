@@ -132,13 +132,13 @@ def test_a_sampler_in_another_precision_without_a_correction_and_an_moe_policy_a
     quantized = warnings(dtype="auto", quantization="fp8_per_tensor")
     assert [w[1] for w in quantized] == ["sampler precision"] and "vllm_quantization=fp8_per_tensor" in quantized[0][2]
     assert warnings(dtype="auto", quantization="fp8_per_tensor", correction=True) == []
-    # a colocated vLLM engine records its routes (rlft/rollout/vllm_routes.py); a server, or vLLM driven step by
-    # step, does not
+    # every vLLM engine records its routes (rlft/rollout/vllm_routes.py): colocated, whole or step by step, and
+    # a server
     assert warnings(dtype="auto", experts=8) == []
-    assert [w[1] for w in warnings(dtype="auto", experts=8, mode="server")] == ["mixture of experts"]
-    stepped = warnings(dtype="auto", experts=8, inflight_weight_updates=True)
-    assert [w[1] for w in stepped] == ["mixture of experts"] and "step by step" in stepped[0][2]
+    assert warnings(dtype="auto", experts=8, mode="server") == []
+    assert warnings(dtype="auto", experts=8, inflight_weight_updates=True, partial_rollouts=1) == []
     assert [w[1] for w in warnings(dtype="auto", experts=8, replay="none")] == ["mixture of experts"]
+    assert [w[1] for w in warnings(dtype="auto", experts=8, mode="server", replay="none")] == ["mixture of experts"]
     # transformers' generate: the routes are replayed unless routing_replay is none
     assert warnings(dtype="auto", experts=8, use_vllm=False) == []
     assert [w[1] for w in warnings(dtype="auto", experts=8, use_vllm=False, replay="none")] == ["mixture of experts"]

@@ -117,17 +117,203 @@ def test_grpo_on_a_colocated_engine_replays_its_routes_and_the_trainer_agrees_wi
     assert [r["sampling/route_agreement"] for r in rows] == [1.0, 1.0]
 
 
-def test_the_async_producers_colocated_engine_records_the_routes_it_samples(tmp_path, tokenizer):
+@pytest.mark.parametrize("partial", [0, 1])
+def test_the_async_producers_colocated_engine_records_the_routes_it_samples(tmp_path, tokenizer, partial):
     """AsyncGRPOTrainer whose producer samples with a colocated vLLM engine (float32): the routes come back with
-    each rollout and the trainer, holding its weights still, agrees with every one."""
+    each rollout and the trainer, holding its weights still, agrees with every one. Partial rollouts with
+    in-flight updates (the throughput mode) too: rows carried across windows keep their requests in the engine,
+    and each token's route is the step's that read it."""
     from rlft import AsyncGRPOTrainer
     from rlft.tiny import save_tiny
     from tests.helpers import addition_rows, correct_answer
     from tests.test_async_grpo import async_config, rows_of
 
     folder = save_tiny(build_near_tie_moe(tokenizer, "qwen3_moe", num_layers=2), tokenizer, tmp_path / "moe")
+    look = dict(partial_rollouts=1, inflight_weight_updates=True, max_staleness=2) if partial else {}
     AsyncGRPOTrainer(str(folder), [correct_answer],
-                     async_config(tmp_path, "run", max_steps=2, use_vllm=True, vllm_dtype="float32",
-                                  learning_rate=1e-20), addition_rows(32)).train()
+                     async_config(tmp_path, "run", max_steps=3 if partial else 2, use_vllm=True, vllm_dtype="float32",
+                                  learning_rate=1e-20, max_completion_length=24, **look), addition_rows(32)).train()
     rows = [r for r in rows_of(tmp_path / "run") if "loss" in r]
-    assert [r["sampling/route_agreement"] for r in rows] == [1.0, 1.0]
+    assert [r["sampling/route_agreement"] for r in rows] == [1.0] * len(rows)
+    if partial:
+        assert any(r["partial/carried_share"] > 0 for r in rows)
+
+
+def read_positions(rollout) -> torch.Tensor:
+    """Each completion token a forward read: all but each completion's last."""
+    read = rollout.completion_mask.clone()
+    read[torch.arange(read.shape[0]), read.sum(1) - 1] = 0
+    return read.bool()
+
+
+def assert_replayed_exactly(model, state, rollout) -> None:
+    """Every prompt token and every read completion token has its route, none other has; replayed, a float32
+    trainer agrees with every choice and scores the sampler's log-probs within 1e-5."""
+    assert bool((rollout.prompt_routes[rollout.prompt_mask.bool()] >= 0).all())
+    read = read_positions(rollout)
+    assert bool((rollout.completion_routes[read] >= 0).all())
+    assert bool((rollout.completion_routes[~read] < 0).all())
+    ratio = log_ratios(model, rollout, True).exp()
+    assert state.take_agreement() == 1.0
+    assert (ratio - 1).abs().max() < 1e-5
+
+
+def windows(model, engine, prompts, tokens: int = 3):
+    """Partial rollouts' pool on `engine`: rollouts r0 and r1 (`prompts` x 2, r1's reversed), `tokens` tokens of
+    every row drawn first (an idle advance), then r0's window and r1's; each as a Rollout with its routes."""
+    from rlft.rollout.partial import Pool, window_routes
+    from rlft.rollout.vllm import engine_rollout
+
+    pool = Pool(24)
+    order = {"r0": prompts, "r1": prompts[::-1]}
+    for key, listed in order.items():
+        pool.add(key, listed, 2, engine.replay_mask, True)
+    torch.manual_seed(0)
+    pool.advance(model, engine, tokens, 0)
+    carried = sum(not row.done for cohort in pool.cohorts.values() for row in cohort["rows"])
+    out = []
+    for key, listed in order.items():
+        rows = pool.window(model, engine, key, 0)
+        rollout = engine_rollout([p for p in listed for _ in range(2)], [row.tokens for row in rows],
+                                 [row.logprobs for row in rows], engine.tokenizer.pad_token_id, engine.eos_ids,
+                                 torch.device("cpu"), False, None)
+        prompt_routes, completion_routes = window_routes(rows)
+        rollout.prompt_routes, rollout.completion_routes = prompt_routes, completion_routes[
+            :, :rollout.completion_ids.shape[1]]
+        out.append(rollout)
+    return carried, out
+
+
+def test_a_stepped_engine_records_the_routes_across_a_weight_switch_and_partial_rollouts_windows(tokenizer):
+    """A colocated engine driven step by step: the weights reloaded between two steps while requests run
+    (in-flight), then partial rollouts' windows with rows carried from an idle advance, in the reproducible mode
+    (carried requests aborted and prefilled again) and the throughput mode (kept in the engine with their cache:
+    the last carried token is read by the next window's first step). Every token's route comes from the step
+    that read it, and a float32 trainer replaying them agrees with every one."""
+    model, state = policy(tokenizer)
+    engine = engine_for(tokenizer, model, "float32")
+    engine.args.inflight_weight_updates, engine.args.partial_rollouts = True, 1
+    from rlft.rollout.hf import WeightSwitch
+
+    def pending(tokens):
+        if tokens == 3:  # (the same weights pushed again: the routes must survive the reload and repack)
+            engine.on_weights_changed()
+            return 1
+        return None
+
+    engine.weight_switch = WeightSwitch(0, pending)
+    torch.manual_seed(0)
+    try:
+        rollout = engine(model, prompts_of(tokenizer), 4)
+    finally:
+        engine.weight_switch = None
+    assert engine.syncs == 2 and rollout.token_versions[0, :4].tolist() == [0, 0, 0, 1]
+    assert_replayed_exactly(model, state, rollout)
+    for switch_tokens in (4, None):  # reproducible, throughput
+        engine.args.inflight_switch_tokens = switch_tokens
+        carried, rollouts = windows(model, engine, prompts_of(tokenizer))
+        assert carried >= 20
+        for rollout in rollouts:
+            assert_replayed_exactly(model, state, rollout)
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory, tokenizer):
+    """`rlft vllm-serve` (float32) serving the near-tie Qwen3-MoE, whose worker extension records routes."""
+    from rlft.tiny import save_tiny
+    from tests.test_vllm import free_port, serving
+
+    tmp = tmp_path_factory.mktemp("moe-served")
+    folder = save_tiny(build_near_tie_moe(tokenizer, "qwen3_moe", num_layers=2), tokenizer, tmp / "moe")
+    port = free_port()
+    with serving(tmp, folder, port):
+        yield folder, port
+
+
+def test_a_vllm_server_hands_over_the_routes_of_whole_interrupted_and_windowed_requests(moe_server, tmp_path,
+                                                                                         tokenizer):
+    """A server's rollouts (weights pushed over HTTP first): whole requests, then partial rollouts' windows whose
+    carried rows go on as new requests (their prefixes served by the prefix cache: the routes kept from the
+    request that first read each position). Every token's route is there and a float32 trainer agrees with
+    every one."""
+    from rlft import AsyncGRPOConfig
+    from rlft.model.loading import load_causal_lm
+    from rlft.rollout.vllm_server import VLLMServer
+
+    folder, port = moe_server
+    model = load_causal_lm(str(folder), torch.float32, None, False).eval().requires_grad_(False)
+    install_scoring(model)
+    state = routing.install(model)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), use_vllm=True, vllm_mode="server", vllm_server_port=port,
+                           vllm_server_timeout=240, max_completion_length=24, temperature=1.0,
+                           inflight_weight_updates=True, partial_rollouts=1)
+    engine = VLLMServer(args, tokenizer, model)
+    torch.manual_seed(0)
+    rollout = engine(model, prompts_of(tokenizer), 4)
+    assert engine.syncs == 1
+    assert_replayed_exactly(model, state, rollout)
+    # weights arriving mid-request (the same ones pushed again): the requests are aborted and go on as new ones
+    from rlft.rollout.hf import WeightSwitch
+    from tests.test_vllm_server_steps import Arriving
+
+    arriving = Arriving(model, engine, {name: p.detach().clone() for name, p in model.named_parameters()}, 0.2)
+    engine.weight_switch = WeightSwitch(0, arriving.pending, arriving.ready)
+    try:
+        rollout = engine(model, prompts_of(tokenizer), 2, max_new_tokens=200)
+    finally:
+        engine.weight_switch = None
+    lengths = rollout.completion_mask.sum(1).tolist()
+    versions = [row[:n] for row, n in zip(rollout.token_versions.tolist(), lengths)]
+    assert arriving.loaded == 1 and any(0 < row.count(0) < len(row) for row in versions), versions
+    assert_replayed_exactly(model, state, rollout)
+    carried, rollouts = windows(model, engine, prompts_of(tokenizer))
+    assert carried >= 20
+    for rollout in rollouts:
+        assert_replayed_exactly(model, state, rollout)
+
+
+@pytest.mark.parametrize("trainer", ["sync", "async-partial"])
+def test_grpo_on_a_vllm_server_replays_the_routes_it_chose(moe_server, tmp_path, trainer):
+    """GRPOTrainer (vllm_mode server), and AsyncGRPOTrainer whose producer takes in-flight updates and partial
+    rollouts on the server, on a MoE policy under routing_replay auto: the trainer, holding its weights still (a
+    1e-20 step), agrees with every replayed choice at every step."""
+    from rlft import AsyncGRPOTrainer, GRPOTrainer
+    from rlft.telemetry.tracking import read_metrics
+    from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+    from tests.test_async_grpo import async_config
+
+    folder, port = moe_server
+    served = dict(use_vllm=True, vllm_mode="server", vllm_server_port=port, vllm_server_timeout=240,
+                  learning_rate=1e-20)
+    if trainer == "sync":
+        GRPOTrainer(str(folder), [correct_answer], tiny_grpo_config(tmp_path, **served), addition_rows(16)).train()
+    else:
+        config = async_config(tmp_path, "run", max_steps=3, inflight_weight_updates=True, partial_rollouts=1,
+                              max_staleness=2, max_completion_length=24, **served)
+        AsyncGRPOTrainer(str(folder), [correct_answer], config, addition_rows(32)).train()
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == (2 if trainer == "sync" else 3)
+    assert [r["sampling/route_agreement"] for r in rows] == [1.0] * len(rows)
+    if trainer != "sync":
+        assert any(r["partial/carried_share"] > 0 for r in rows)
+
+
+def test_async_tool_rollouts_on_a_stepped_engine_carry_its_routes_across_turns_and_windows(tmp_path):
+    """AsyncGRPOTrainer with the calculator's tool on a colocated float32 engine, partial rollouts in the
+    throughput mode, a Mixture-of-Experts policy (the shipped calculator upcycled): turns cut by a window keep
+    their requests, tool output is read by the next turn's prefill, and every route lands on its token: the
+    trainer, holding its weights still, agrees with every replayed choice."""
+    from rlft import AsyncGRPOTrainer
+    from rlft.data import calculator
+    from rlft.data.addition import split_problems
+    from tests.test_async_grpo import async_config, rows_of
+    from tests.test_routing import calculator_moe
+
+    settings = dict(max_steps=3, partial_rollouts=1, max_staleness=2, max_completion_length=64, use_vllm=True,
+                    vllm_dtype="float32", inflight_weight_updates=True, learning_rate=1e-20, producer_threads=1)
+    AsyncGRPOTrainer(str(calculator_moe(tmp_path)), [calculator.answer_reward], async_config(tmp_path, "run", **settings),
+                     calculator.rows(split_problems()[0][:24]), tools=calculator.TOOLS).train()
+    rows = [r for r in rows_of(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 3 and all(r["tools/call_frequency"] > 0.5 for r in rows)
+    assert any(r["partial/carried_share"] > 0 for r in rows)
+    assert [r["sampling/route_agreement"] for r in rows] == [1.0] * 3

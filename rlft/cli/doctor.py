@@ -228,9 +228,8 @@ def _truncation_check(report: Report, cfg) -> None:
 def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
     """Configurations known to make the sampler a different policy from the trainer with nothing
     correcting it: an engine in another precision without vllm_importance_sampling_correction, and a
-    mixture-of-experts policy whose sampler's routes are not replayed (a vLLM server's and a stepped
-    engine's are not read yet; routing_replay: none turns replay off): the two then route tokens to
-    different experts."""
+    mixture-of-experts policy whose sampler's routes are not replayed (routing_replay: none): the two
+    then route tokens to different experts."""
     trainer_name = str(trainer_dtype).split(".")[-1]
     quantized = getattr(cfg, "vllm_quantization", None)
     engine = [f"vllm_dtype={cfg.vllm_dtype}"] * (cfg.vllm_dtype not in ("auto", trainer_name)) + \
@@ -243,16 +242,7 @@ def _drift_check(report: Report, cfg, trainer_dtype, model_config) -> None:
                    "true (watch sampling/kl_sampler_trainer/k3), or vllm_dtype: auto and no "
                    "vllm_quantization")
     experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None)
-    stepped = getattr(cfg, "inflight_weight_updates", False) or getattr(cfg, "partial_rollouts", 0)
-    if experts and cfg.use_vllm and (cfg.vllm_mode != "colocate" or stepped):
-        sampler = "a vLLM server" if cfg.vllm_mode != "colocate" else "vLLM driven step by step"
-        report.add("WARN", "mixture of experts",
-                   f"{experts} experts sampled by {sampler}: its kernels may route a token to other "
-                   "experts than the trainer's, which changes its log-prob, and rlft records the routes "
-                   "of transformers' generate and of a colocated vLLM engine only (not under in-flight "
-                   "updates or partial rollouts); keep vllm_importance_sampling_correction on and watch "
-                   "sampling/kl_sampler_trainer/k3")
-    elif experts and getattr(cfg, "routing_replay", "auto") == "none":
+    if experts and getattr(cfg, "routing_replay", "auto") == "none":
         report.add("WARN", "mixture of experts",
                    f"{experts} experts with routing_replay: none: the trainer may route a token to "
                    "other experts than the sampler did; leave routing_replay at auto (docs/moe.md)")

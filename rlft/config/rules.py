@@ -210,12 +210,10 @@ def replay_plan(args) -> tuple[bool, str | None]:
     return True, None
 
 
-def sampler_records(args, source, rollout_func, agents: bool) -> bool:
+def sampler_records(source, rollout_func, agents: bool) -> bool:
     """Whether the rollouts carry a MoE policy's routes (routing replay): transformers' generate where
-    the rollout `source` runs it, or a colocated vLLM engine not driven step by step
-    (rlft/rollout/vllm_routes.py); not a vLLM server, a stepped engine (in-flight updates, partial
-    rollouts) or `rollout_func`, nor tool loops where the source records none."""
-    stepped = getattr(args, "inflight_weight_updates", False) or getattr(args, "partial_rollouts", 0)
-    engine = not args.use_vllm or (args.vllm_mode == "colocate" and not stepped)
+    the rollout `source` runs it, or vLLM (colocated, whole or step by step, or a server started by
+    `rlft vllm-serve`: rlft/rollout/vllm_routes.py); not `rollout_func`, nor tool loops where the
+    source records none."""
     tools = source.records_tool_routes or not agents
-    return bool(source.records_routes and engine and not rollout_func and tools)
+    return bool(source.records_routes and not rollout_func and tools)

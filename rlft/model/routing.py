@@ -440,17 +440,16 @@ def replay(model, routes: torch.Tensor | None, valid: torch.Tensor | None = None
 def resolve(mode: str, model, engine_records: bool) -> tuple[bool, str | None]:
     """Whether to replay (`routing_replay` `mode` for `model`), and a note to say: auto replays a
     MoE policy whose routers are replayable when the engine records routes (transformers'
-    generate or a colocated vLLM engine, in the trainer's process or the async producer)."""
+    generate or vLLM, in the trainer's process or the async producer; not rollout_func)."""
     if mode == "none":
         return False, None
     routers = moe_routers(model)
     if mode == "rollout":
         if not engine_records:
             raise ConfigError("routing_replay='rollout' needs routes recorded by the rollout "
-                              "engine: transformers' generate and a colocated vLLM engine record them "
-                              "(in the trainer's process or the async producer); a vLLM server, vLLM "
-                              "driven step by step (inflight_weight_updates, partial_rollouts) and "
-                              "rollout_func do not; set routing_replay: none")
+                              "engine: transformers' generate and vLLM (colocated, or a server started "
+                              "by `rlft vllm-serve`) record them, rollout_func does not; set "
+                              "routing_replay: none")
         return True, None
     if not routers:
         return False, None

@@ -262,7 +262,6 @@ class VLLMColocate(StaleAfterStep):
     weight_switch, cache_stale = None, False
     # partial rollouts in the throughput mode: a row -> its request left running between windows
     kept: dict = {}  # (reassigned, never mutated)
-    routes_installed = False  # a MoE policy's routes: the recorder bound to the engine (vllm_routes.py)
 
     def __init__(self, args, tokenizer, model, source=None, full_weights=None):
         from rlft.errors import ConfigError
@@ -427,14 +426,13 @@ class VLLMColocate(StaleAfterStep):
             return self._stepped(model, repeated, greedy, max_new_tokens)
         routes = route_state(model) is not None  # a MoE policy under routing replay (vllm_routes.py)
         if routes:
-            vllm_routes.record(self.llm, self.routes_installed)
-            self.routes_installed = True
+            vllm_routes.record(self.llm)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in repeated],
                                     self.sampling_params(len(repeated), greedy, max_new_tokens),
                                     use_tqdm=False, lora_request=self.lora_request)
-        read = None if not routes else vllm_routes.rollout_routes(
-            self.llm, [out.request_id for out in outputs], repeated,
-            [list(out.outputs[0].token_ids) for out in outputs])
+        read = None if not routes else vllm_routes.assemble(
+            vllm_routes.take(self.llm, [out.request_id for out in outputs]), repeated,
+            [len(out.outputs[0].token_ids) for out in outputs])
         self._sleep()
         samples = [out.outputs[0] for out in outputs]
         logprobs = [[float(lp[t].logprob) if t in lp else float("nan")
@@ -445,10 +443,7 @@ class VLLMColocate(StaleAfterStep):
         rollout = engine_rollout(repeated, [list(s.token_ids) for s in samples], logprobs,
                                  self.tokenizer.pad_token_id, self.eos_ids, next(model.parameters()).device,
                                  greedy, kept)
-        if read is not None:
-            width = rollout.completion_ids.shape[1]
-            rollout.prompt_routes = read[0].to(rollout.prompt_ids.device)
-            rollout.completion_routes = read[1][:, :width].to(rollout.prompt_ids.device)
+        vllm_routes.attach(rollout, read)
         return rollout
 
     def _stepped(self, model, repeated: list[list[int]], greedy: bool, max_new_tokens: int | None) -> Rollout:
@@ -460,6 +455,7 @@ class VLLMColocate(StaleAfterStep):
         rollout = engine_rollout(repeated, out.tokens, out.logprobs, self.tokenizer.pad_token_id,
                                  self.eos_ids, next(model.parameters()).device, greedy, out.kept)
         rollout.token_versions = token_versions(out.versions, rollout.completion_mask)
+        vllm_routes.attach(rollout, out.routes)
         return rollout
 
     def continue_rows(self, model, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,

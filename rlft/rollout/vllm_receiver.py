@@ -11,18 +11,23 @@ the server's own HTTP endpoint and the trainer and server share no filesystem.
 - `rlft_load_received(session)`: loads the staged buckets into the model in place (vLLM's
   `reload_weights`, one bucket file in memory at a time), then deletes them.
 - `rlft_drop_received(session)`: deletes a staging folder (an adapter vLLM has loaded, superseded).
+- `rlft_record_routes()` / `rlft_take_routes(ids)`: a MoE policy's routes (routing replay): from the first
+  call on, the experts vLLM chose for each token of the requests rlft names for it, handed over per
+  request (rlft/rollout/vllm_routes.py).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
+from rlft.rollout import vllm_routes
 from rlft.rollout.vllm_moe import repack_cpu_experts
 
 PROTOCOL = 1
@@ -95,3 +100,14 @@ class WeightReceiver:
 
     def rlft_drop_received(self, session: str) -> None:
         shutil.rmtree(_folder(session), ignore_errors=True)
+
+    def rlft_record_routes(self) -> bool:
+        """Record the routes of requests named with vllm_routes.MARK from now on."""
+        vllm_routes.install(self, marked=True)
+        return True
+
+    def rlft_take_routes(self, request_ids: str) -> str:
+        """The routes of these completion requests (`request_id`s, a JSON list) by position, dropped
+        here; a request nothing was recorded for has none."""
+        recorder = vllm_routes.install(self, marked=True)
+        return vllm_routes.encode(recorder.take(json.loads(request_ids), prefix="cmpl-"))

@@ -17,6 +17,9 @@ request on a colocated engine (rlft/rollout/vllm_steps.py), which goes on over o
 
 A request that reaches the server after its round's abort (the abort found nothing to stop) runs to its
 end under the weights it started with: the push waits for it, so its tokens are labelled correctly too.
+
+A MoE policy under routing replay: each round's requests hand over the experts the server chose for their
+tokens (rlft/rollout/vllm_routes.py), and a position keeps the first round's read of it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
+from rlft.rollout import vllm_routes
 from rlft.rollout.partial import Stepped
 from rlft.rollout.truncation import kept_of
 
@@ -48,15 +52,15 @@ class _Round:
     """The requests of one round, each abortable by its id; a request not yet sent when the round stops
     is not sent at all."""
 
-    def __init__(self, engine):
-        self.engine, self.stopped, self.lock = engine, False, threading.Lock()
+    def __init__(self, engine, mark: str = "rlft-"):
+        self.engine, self.mark, self.stopped, self.lock = engine, mark, False, threading.Lock()
         self.ids: dict[int, str] = {}
 
     def run(self, row: int, ids: list[int], seed: int, budget: int, salt: str) -> dict:
         with self.lock:
             if self.stopped:
                 return {"token_ids": [], "finish_reason": "abort"}
-            self.ids[row] = f"rlft-{uuid.uuid4().hex}"  # (unique across the producers sharing a server)
+            self.ids[row] = f"{self.mark}{uuid.uuid4().hex}"  # (unique across the producers sharing a server)
         return self.engine.complete(ids, seed, budget, self.ids[row], salt)
 
     def stop(self, rows) -> None:
@@ -81,6 +85,7 @@ def run_requests(engine, model, prefixes: list[list[int]], budgets: list[int], m
                   [budget <= 0 for budget in budgets], 0)
     must = must or [True] * count
     cap = [budget if limit is None else min(budget, limit) for budget in budgets]
+    reads = [{} for _ in prefixes] if engine.record_routes(model) else None  # (a MoE policy's routes)
     with ThreadPoolExecutor(max_workers=min(WORKERS, max(count, 1))) as pool:
         while True:
             todo = [r for r in range(count) if not out.finished[r] and len(out.tokens[r]) < cap[r]]
@@ -91,16 +96,19 @@ def run_requests(engine, model, prefixes: list[list[int]], budgets: list[int], m
             if engine.stale:  # no request of this process runs: each token keeps its version
                 engine.sync(model)
             _round(engine, pool, out, todo, prefixes, cap, request_seeds(len(todo), False),
-                   switch.version if switch is not None else version, must, switch, budgets)
+                   switch.version if switch is not None else version, must, switch, budgets, reads)
     out.steps = max((len(tokens) for tokens in out.tokens), default=0)
+    if reads is not None:
+        out.routes = vllm_routes.assemble(reads, prefixes, [len(tokens) for tokens in out.tokens])
     return out
 
 
 def _round(engine, pool, out: Stepped, todo: list[int], prefixes, cap, seeds, version: int, must, switch,
-           budgets) -> None:
+           budgets, reads: list[dict] | None) -> None:
     """One request per row of `todo` until they all answered; the unanswered ones stopped as soon as
-    newer weights wait or every `must` row finished."""
-    requests = _Round(engine)
+    newer weights wait or every `must` row finished. `reads`: each row's routes by position, to which
+    this round's add (a MoE policy's, rlft/rollout/vllm_routes.py)."""
+    requests = _Round(engine, "rlft-" if reads is None else vllm_routes.MARK)
     salt = f"rlft-weights-{engine.syncs}"
     futures = {pool.submit(requests.run, r, prefixes[r] + out.tokens[r], seed, cap[r] - len(out.tokens[r]),
                            salt): r for r, seed in zip(todo, seeds)}
@@ -114,6 +122,10 @@ def _round(engine, pool, out: Stepped, todo: list[int], prefixes, cap, seeds, ve
                 or (switch is not None and switch.ready())):
             requests.stop(futures[future] for future in pending)
             stopped = True
+    if reads is not None:  # (a request's prompt is its row's prefix and tokens so far: the row's positions)
+        rows = [row for row in todo if row in requests.ids]
+        vllm_routes.merge(reads, rows, engine.take_routes([requests.ids[row] for row in rows]),
+                          [len(prefixes[row]) + len(out.tokens[row]) for row in rows])
 
 
 def _take(out: Stepped, row: int, choice: dict, version: int, engine, budgets) -> None:

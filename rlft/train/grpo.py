@@ -187,7 +187,7 @@ class GRPOTrainer(TrainLoop, GRPOSurface):
     def _setup_policy(self, model, source, peft_config, optimizers, quantization_config, teacher) -> None:
         args = self.args
         # routes a MoE policy's sampler chose (routing replay)
-        records = sampler_records(args, self._source_class, self.rollout_func,
+        records = sampler_records(self._source_class, self.rollout_func,
                                   bool(self.tools or self.environments))
         policy = load_policy(model, source, args, self.engine, self.accelerator.device, peft_config,
                              quantization_config, self._tag_names, routes_recorded=records)

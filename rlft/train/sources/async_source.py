@@ -55,7 +55,7 @@ class ProducerSource(SourceBase):
     """Rollouts requested ahead from a producer process, taken when their step comes (module
     docstring)."""
 
-    records_routes = True  # its generate records a MoE policy's routes (not its vLLM)
+    records_routes = True  # its engine (generate, vLLM) records a MoE policy's routes
     records_tool_routes = True  # each tool-loop turn is a request whose routes come back with it
 
     @classmethod

@@ -222,7 +222,7 @@ class SourceBase:
 class GeneratedSource(SourceBase):
     """Each rollout generated when its step comes, by the engine the config asks for."""
 
-    records_routes = True  # transformers' generate here records a MoE policy's routes
+    records_routes = True  # its engine (generate, vLLM) records a MoE policy's routes
     records_tool_routes = True  # each turn's (the tool loop's, rlft/rollout/multiturn.py)
 
     def __init__(self, parts: SourceParts):
