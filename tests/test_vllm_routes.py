@@ -317,3 +317,39 @@ def test_async_tool_rollouts_on_a_stepped_engine_carry_its_routes_across_turns_a
     assert len(rows) == 3 and all(r["tools/call_frequency"] > 0.5 for r in rows)
     assert any(r["partial/carried_share"] > 0 for r in rows)
     assert [r["sampling/route_agreement"] for r in rows] == [1.0] * 3
+
+
+@pytest.mark.parametrize("trainer", ["sync", "async-partial"])
+def test_tool_runs_on_a_vllm_server_replay_the_routes_of_every_turn(tmp_path_factory, trainer):
+    """Whole tool runs against `rlft vllm-serve` serving the calculator policy upcycled to an MoE: GRPOTrainer with
+    tools, and AsyncGRPOTrainer with tools, partial rollouts and in-flight updates (turns cut by windows sent again
+    over the server's prefix cache). The calls run, and with the weights held still the trainer agrees with every
+    replayed choice of every turn."""
+    from rlft import AsyncGRPOTrainer, GRPOTrainer
+    from rlft.data import calculator
+    from rlft.data.addition import split_problems
+    from rlft.telemetry.tracking import read_metrics
+    from tests.helpers import tiny_grpo_config
+    from tests.test_async_grpo import async_config
+    from tests.test_routing import calculator_moe
+    from tests.test_vllm import free_port, serving
+
+    tmp = tmp_path_factory.mktemp(f"tools-{trainer}")
+    folder, port = calculator_moe(tmp), free_port()
+    served = dict(use_vllm=True, vllm_mode="server", vllm_server_port=port, vllm_server_timeout=240,
+                  learning_rate=1e-20, max_completion_length=64)
+    rows = calculator.rows(split_problems()[0][:24])
+    with serving(tmp, folder, port):
+        if trainer == "sync":
+            GRPOTrainer(str(folder), [calculator.answer_reward], tiny_grpo_config(tmp, **served), rows,
+                        tools=calculator.TOOLS).train()
+        else:
+            config = async_config(tmp, "run", max_steps=3, partial_rollouts=1, max_staleness=2,
+                                  inflight_weight_updates=True, producer_threads=1, **served)
+            AsyncGRPOTrainer(str(folder), [calculator.answer_reward], config, rows, tools=calculator.TOOLS).train()
+    steps = [r for r in read_metrics(tmp / "run") if "loss" in r]
+    assert len(steps) == (2 if trainer == "sync" else 3)
+    assert all(r["tools/call_frequency"] > 0.5 for r in steps)
+    assert [r["sampling/route_agreement"] for r in steps] == [1.0] * len(steps)
+    if trainer != "sync":
+        assert any(r["partial/carried_share"] > 0 for r in steps)
