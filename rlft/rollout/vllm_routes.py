@@ -14,8 +14,9 @@ another request of the same call with the same prefix that computed them, else -
 
 On a vLLM server (`rlft vllm-serve`, whose worker extension rlft/rollout/vllm_receiver.py holds the recorder)
 the recorder files only requests whose id carries `MARK` (the ones rlft names so), and hands each request's
-routes over the development route `POST /collective_rpc` as base64 int16 (`encode` / `decode`); requests
-never taken are dropped once `KEEP` requests wait.
+routes over the development route `POST /collective_rpc` as base64 int16 (`encode` / `decode`). A request's
+routes wait until a client takes them; those of a request that finished `ORPHANED` seconds ago and nobody
+took (its client gone) are dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import torch
 
 MARK = "rlft-routes-"  # a server request whose routes rlft will take names itself with this
-KEEP = 4096  # a server's recorder holds at most this many requests' routes (the oldest dropped)
+ORPHANED = 3600.0  # a server drops a finished request's routes nobody took after this many seconds
 
 
 class RouteRecorder:
@@ -37,6 +38,7 @@ class RouteRecorder:
     def __init__(self, runner, marked: bool = False):
         self.runner, self.step, self.layers, self.on, self.marked = runner, {}, None, marked, marked
         self.reads: dict[str, dict[int, torch.Tensor]] = {}
+        self.finished: dict[str, float] = {}  # (a server's) request -> when it finished, while not taken
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         if self.on:  # (only while a rollout that wants them runs)
@@ -44,6 +46,8 @@ class RouteRecorder:
 
     def step_done(self, scheduler_output) -> None:
         step, self.step = self.step, {}
+        if self.marked:
+            self._drop_orphans(getattr(scheduler_output, "finished_req_ids", None) or ())
         total = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         if not step or not total:
             return
@@ -58,8 +62,17 @@ class RouteRecorder:
         for token, (owner, position) in enumerate(zip(owners, positions)):
             if not self.marked or MARK in ids[owner]:
                 self.reads.setdefault(ids[owner], {})[position] = routes[token]
-        while len(self.reads) > KEEP:  # (requests nobody took)
-            self.reads.pop(next(iter(self.reads)))
+
+    def _drop_orphans(self, finished) -> None:
+        import time
+
+        now = time.monotonic()
+        for request in finished:
+            if request in self.reads:
+                self.finished.setdefault(request, now)
+        for request in [r for r, when in self.finished.items() if now - when > ORPHANED]:
+            self.reads.pop(request, None)
+            self.finished.pop(request)
 
     def take(self, request_ids: list[str], prefix: str = "") -> list[dict[int, torch.Tensor]]:
         """Each request's routes by position, dropped here. vLLM names a request `<prefix><id>-<suffix>`
@@ -70,6 +83,7 @@ class RouteRecorder:
             name = prefix + request
             key = next((k for k in self.reads if k == name or k.startswith(name + "-")), None)
             out.append(self.reads.pop(key) if key is not None else {})
+            self.finished.pop(key, None)
         if not self.marked:
             self.reads.clear()
         return out
