@@ -110,4 +110,6 @@ class WeightReceiver:
         """The routes of these completion requests (`request_id`s, a JSON list) by position, dropped
         here; a request nothing was recorded for has none."""
         recorder = vllm_routes.install(self, marked=True)
-        return vllm_routes.encode(recorder.take(json.loads(request_ids), prefix="cmpl-"))
+        reads = recorder.take(json.loads(request_ids), prefix="cmpl-")
+        # (tensor parallelism: every worker routed each token alike; the first one answers for all)
+        return vllm_routes.encode(reads if getattr(self, "rank", 0) == 0 else [{} for _ in reads])
