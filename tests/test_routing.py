@@ -525,20 +525,24 @@ def test_checkpointed_layers_recompute_with_the_replayed_routes(tmp_path, moe_di
     assert_params_close(params[True], params[False], SAME_STEP, "checkpointing")
 
 
-@pytest.mark.parametrize("partial", [0, 1])
+@pytest.mark.parametrize("partial", [0, 1, "throughput"])
 def test_the_async_producer_records_the_routes_it_samples_and_a_resume_replays_the_saved_ones(tmp_path, moe_dir,
                                                                                               partial):
     """AsyncGRPOTrainer: the producer process records its rollouts' routes and hands them over in a file; the
     trainer replays them, and a checkpoint holding rollouts requested ahead keeps their routes (the resumed run
     logs the same rows, route agreement included). With partial rollouts a completion carried across the
     producer's windows keeps each token's route from the window that first read it (the pool carries them, in
-    checkpoints too), and the trainer agrees with them in one precision."""
+    checkpoints too), and the trainer agrees with them in one precision. In the throughput mode (in-flight updates)
+    cut rows go on from their kept KV caches (rlft/rollout/kv_carry.py) and the agreement holds; its resume is
+    not an uninterrupted run's (docs/async.md), so it is not compared."""
     from tests.helpers import has_answer_tags, stop_after
     from tests.test_async_grpo import async_config, rows_of, trained
 
     # (partial: the weights held still (a 1e-20 step changes no float32 weight), so a stale route cannot lower
     # the agreement; a misplaced one would)
     look = dict(partial_rollouts=1, max_staleness=2, max_completion_length=24, learning_rate=1e-20) if partial else {}
+    if partial == "throughput":
+        look["inflight_weight_updates"] = True
     straight = trained(tmp_path, "straight", model=moe_dir, max_steps=3, save_steps=2, **look)
     rows = [r for r in rows_of(tmp_path / "straight") if "loss" in r]
     assert len(rows) == 3 and all("sampling/route_agreement" in r for r in rows)
@@ -546,6 +550,10 @@ def test_the_async_producer_records_the_routes_it_samples_and_a_resume_replays_t
     if partial:
         assert all(r["sampling/route_agreement"] >= 0.999 for r in rows), rows
         assert any(r["partial/carried_share"] > 0 for r in rows)  # completions did cross windows
+    if partial == "throughput":  # (went on from kept caches: no carried token prefilled again)
+        assert all(r["partial/reprefill_tokens"] == r["partial/advance_reprefill_tokens"] == 0 for r in rows)
+        assert sum(r["partial/advance_steps"] for r in rows) > 0
+        return
     from rlft import AsyncGRPOTrainer
 
     AsyncGRPOTrainer(str(moe_dir), [correct_answer, has_answer_tags],
@@ -604,13 +612,14 @@ def calculator_moe(tmp_path):
                      AutoTokenizer.from_pretrained(dense), tmp_path / "calculator-moe")
 
 
-@pytest.mark.parametrize("partial", [0, 1])
+@pytest.mark.parametrize("partial", [0, 1, "throughput"])
 def test_async_tool_rollouts_carry_the_producers_routes_and_the_trainer_agrees_with_every_one(tmp_path, partial):
     """AsyncGRPOTrainer with tools: each turn is a request to the producer process, whose routes come back with
     it, and the tool loop keeps each token's route from the forward that first read it, as in the synchronous
     trainer. With the weights held still (a 1e-20 step) the trainer, in its own process, agrees with every
     replayed choice (one precision), which it would not if a turn's routes sat one position off. With partial
-    rollouts the driver's pool does the same across windows (rows cut mid-turn, carried to the next rollout)."""
+    rollouts the driver's pool does the same across windows (rows cut mid-turn, carried to the next rollout); in
+    the throughput mode a turn cut by a window goes on from its kept KV cache."""
     from rlft import AsyncGRPOTrainer
     from rlft.data import calculator
     from rlft.data.addition import split_problems
@@ -618,12 +627,16 @@ def test_async_tool_rollouts_carry_the_producers_routes_and_the_trainer_agrees_w
 
     AsyncGRPOTrainer(str(calculator_moe(tmp_path)), [calculator.answer_reward],
                      async_config(tmp_path, "run", max_steps=2, max_completion_length=64, learning_rate=1e-20,
-                                  producer_threads=1, partial_rollouts=partial, max_staleness=1 + partial),
+                                  producer_threads=1, partial_rollouts=int(bool(partial)),
+                                  max_staleness=1 + int(bool(partial)),
+                                  inflight_weight_updates=partial == "throughput"),
                      calculator.rows(split_problems()[0][:16]), tools=calculator.TOOLS).train()
     rows = [r for r in rows_of(tmp_path / "run") if "loss" in r]
     assert len(rows) == 2 and rows[0]["tools/producer_requests"] >= 2  # tool turns (windows)
     if partial:
         assert rows[1]["partial/carried_share"] > 0
+    if partial == "throughput":  # (cut turns went on from their caches)
+        assert sum(r["partial/continued_rows"] for r in rows) > 0
     assert [r["sampling/route_agreement"] for r in rows] == [1.0, 1.0]
 
 

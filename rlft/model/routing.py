@@ -256,17 +256,24 @@ class RouteState:
         out = torch.full((rows, prompt_width + completion_width, self.layers, self.top_k), -1,
                          dtype=torch.int16)
         column = 0
-        for call, (batch, tokens) in enumerate(self.calls):
-            # [batch*tokens, L, k]
-            chosen = torch.stack([layer[call] for layer in self.recorded], dim=1)
-            chosen = chosen.reshape(batch, tokens, self.layers, self.top_k).to("cpu", torch.int16)
+        for chosen in self.take_calls():
+            batch, tokens = chosen.shape[:2]
             if batch != rows:
                 chosen = chosen.repeat_interleave(rows // batch, dim=0)
             width = min(tokens, out.shape[1] - column)
             out[:, column:column + width] = chosen[:, :width]
             column += tokens
-        self.free()
         return out[:, :prompt_width], out[:, prompt_width:]
+
+    def take_calls(self) -> list[torch.Tensor]:
+        """Each recorded forward's choices, [rows, tokens, L, k] int16 on the CPU, in call order; the
+        state is freed."""
+        out = []
+        for call, (batch, tokens) in enumerate(self.calls):
+            chosen = torch.stack([layer[call] for layer in self.recorded], dim=1)  # [batch*tokens, L, k]
+            out.append(chosen.reshape(batch, tokens, self.layers, self.top_k).to("cpu", torch.int16))
+        self.free()
+        return out
 
     def take_counts(self) -> tuple[float, float]:
         """(replayed (token, layer) choices the router would have made itself, replayed choices)

@@ -12,8 +12,9 @@ and generate feeds each row's last token as its first decode step. The same sche
 engine's kept requests (rlft/rollout/vllm_steps.py), which carry their KV cache in the engine.
 
 Only where every layer's cache is transformers' plain DynamicLayer (no sliding-window or linear-attention
-layers) and no Mixture-of-Experts routes are recorded (a prefilled prefix's routes come from its prefill);
-elsewhere the rows are prefilled again.
+layers); elsewhere the rows are prefilled again. A Mixture-of-Experts policy's routes (routing replay) are
+laid out from the window's forwards by `carried_routes`: the prefill of the rows without a kept cache, then
+generate's steps, the first reading each prefix's last token.
 """
 
 from __future__ import annotations
@@ -87,3 +88,24 @@ def _prefill(model, prefixes: list[list[int]], pad_id: int, keyword: str, device
           **{keyword: cache})
     return [[(layer.keys[r, :, -len(p):], layer.values[r, :, -len(p):]) for layer in cache.layers]
             for r, p in enumerate(prefixes)]
+
+
+def carried_routes(calls: list[torch.Tensor], prefixes: list[list[int]], hits: list[bool], steps: int):
+    """A window that went on from kept caches (`KVCarry.cache_for` gave a cache; `hits` its second answer):
+    its recorded forwards `calls` (routing.RouteState.take_calls: the prefill of the rows without a kept
+    cache if any, then one per decode step) as (read [N, P, L, k] over the left-padded prefixes, decoded
+    [N, steps, L, k]): -1 where this window read nothing (a kept row's cached tokens, the last new token)."""
+    rows, width = len(prefixes), max(len(p) for p in prefixes)
+    shape = calls[-1].shape[2:]
+    read = torch.full((rows, width, *shape), -1, dtype=torch.int16)
+    decoded = torch.full((rows, steps, *shape), -1, dtype=torch.int16)
+    missing = [i for i, hit in enumerate(hits) if not hit]
+    if missing:  # (their prefixes but the last token, left-padded)
+        prefill, calls = calls[0], calls[1:]
+        for m, i in enumerate(missing):
+            tokens = len(prefixes[i]) - 1
+            read[i, width - 1 - tokens:width - 1] = prefill[m, prefill.shape[1] - tokens:]
+    read[:, width - 1] = calls[0][:, 0]  # the first step feeds each prefix's last token
+    for j in range(1, min(steps, len(calls))):
+        decoded[:, j - 1] = calls[j][:, 0]  # step j feeds new token j - 1
+    return read, decoded

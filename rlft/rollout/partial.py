@@ -34,6 +34,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from rlft.data.prompts import left_pad
 from rlft.model.routing import extend_first_reads, route_state
 from rlft.rollout.hf import cache_keyword, eos_token_ids, sampling_forwards
+from rlft.rollout.kv_carry import carried_routes
 
 # The throughput mode (in-flight weight updates whenever weights arrive): between two requests the
 # producer moves the pool on by this many decode steps at a time, then looks at its inbox again
@@ -206,7 +207,7 @@ def _hf_window(model, generator, prefixes, budgets, must, limit, version, switch
     eos_ids = eos_token_ids(model, tokenizer)
     stop = WindowStop(ids.shape[1], budgets, must, eos_ids)
     routes = route_state(model)
-    carry = getattr(generator, "kv_carry", None) if routes is None and names is not None else None
+    carry = getattr(generator, "kv_carry", None) if names is not None else None
     continued = None
     with sampling_forwards(model, routes):  # (a MoE policy under routing replay: this window's routes)
         sampling, recorder = generator._settings(model, False, device)
@@ -229,7 +230,12 @@ def _hf_window(model, generator, prefixes, budgets, must, limit, version, switch
     if carry is not None:
         cache = out.cache if "cache" in out else out.past_key_values  # (the name from transformers 5.24)
         carry.keep(cache, names, prefixes, counts, (stop.ended >= 0).tolist())
-    read = None if routes is None else routes.assemble(len(prefixes), ids.shape[1], steps)
+    if routes is None:
+        read = None
+    elif continued is not None and any(continued):  # (from kept caches: it read only what it computed)
+        read = carried_routes(routes.take_calls(), prefixes, continued, steps)
+    else:
+        read = routes.assemble(len(prefixes), ids.shape[1], steps)
     lengths = torch.tensor(counts, device=device)[:, None]
     logps, kept = recorder.finish(new, (torch.arange(steps, device=device)[None, :] < lengths).long())
     versions = switch.versions if switch is not None else [version] * steps
