@@ -483,6 +483,7 @@ def test_grpo_on_a_moe_policy_replays_the_routes_of_its_own_rollouts(tmp_path, m
     trainer.train()
     rows = [r for r in trainer.state.log_history if "loss" in r]
     assert [r["sampling/route_agreement"] for r in rows] == [1.0, 1.0]
+    assert [r["sampling/routes_recorded"] for r in rows] == [1.0, 1.0]  # every fed token's route
     off = GRPOTrainer(str(moe_dir), [correct_answer],
                       tiny_grpo_config(tmp_path / "off", max_steps=1, routing_replay="none"), addition_rows(16))
     assert routing.route_state(off.model) is None and off._make_rollout(0).rollout.completion_routes is None
@@ -547,6 +548,7 @@ def test_the_async_producer_records_the_routes_it_samples_and_a_resume_replays_t
     rows = [r for r in rows_of(tmp_path / "straight") if "loss" in r]
     assert len(rows) == 3 and all("sampling/route_agreement" in r for r in rows)
     assert routing.route_state(straight.model) is not None
+    assert all(r["sampling/routes_recorded"] == 1.0 for r in rows)
     if partial:
         assert all(r["sampling/route_agreement"] >= 0.999 for r in rows), rows
         assert any(r["partial/carried_share"] > 0 for r in rows)  # completions did cross windows
@@ -638,6 +640,7 @@ def test_async_tool_rollouts_carry_the_producers_routes_and_the_trainer_agrees_w
     if partial == "throughput":  # (cut turns went on from their caches)
         assert sum(r["partial/continued_rows"] for r in rows) > 0
     assert [r["sampling/route_agreement"] for r in rows] == [1.0, 1.0]
+    assert [r["sampling/routes_recorded"] for r in rows] == [1.0, 1.0]
 
 
 def test_tool_rollouts_carry_each_tokens_route_and_the_trainer_replays_them(tmp_path):
@@ -665,3 +668,27 @@ def test_tool_rollouts_carry_each_tokens_route_and_the_trainer_replays_them(tmp_
         dim=(-1, -2))).all()  # a token's route is whole or absent
     trainer.train()
     assert [r["sampling/route_agreement"] for r in trainer.state.log_history if "loss" in r] == [1.0]
+
+
+def test_a_sampler_that_reports_too_few_routes_is_measured_and_warned_about_once(tokenizer, caplog):
+    """sampling/routes_recorded: the share of completion tokens the sampler fed (all but each row's last)
+    whose route it reported. A vLLM engine replaying CUDA graphs skips rlft's recorder; the run then says
+    so once, naming the fix, instead of routing those tokens freely in silence."""
+    from rlft.train.update.metrics import route_metrics
+
+    model = build_near_tie_moe(tokenizer, "qwen3_moe", num_layers=2)
+    routing.install(model)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])  # 3 + 4 fed tokens
+    routes = torch.zeros(2, 5, 2, 2, dtype=torch.int16)
+    routes[:, -1] = -1  # (a last token: never fed, never counted)
+    whole = SimpleNamespace(completion_mask=mask, completion_routes=routes)
+    assert route_metrics(model, accelerator, whole) == {"sampling/routes_recorded": 1.0}
+    routes = routes.clone()
+    routes[1, 1:3] = -1  # decode steps the recorder never saw
+    short = SimpleNamespace(completion_mask=mask, completion_routes=routes)
+    with caplog.at_level("WARNING", logger="rlft"):
+        assert route_metrics(model, accelerator, short) == {"sampling/routes_recorded": 5 / 7}
+        route_metrics(model, accelerator, short)
+    said = [r.getMessage() for r in caplog.records if "reported routes for" in r.getMessage()]
+    assert len(said) == 1 and "71.4%" in said[0] and "vllm_enforce_eager" in said[0]

@@ -115,6 +115,7 @@ def test_grpo_on_a_colocated_engine_replays_its_routes_and_the_trainer_agrees_wi
                 addition_rows(16)).train()
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [r["sampling/route_agreement"] for r in rows] == [1.0, 1.0]
+    assert [r["sampling/routes_recorded"] for r in rows] == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("partial", [0, 1])
@@ -294,6 +295,7 @@ def test_grpo_on_a_vllm_server_replays_the_routes_it_chose(moe_server, tmp_path,
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert len(rows) == (2 if trainer == "sync" else 3)
     assert [r["sampling/route_agreement"] for r in rows] == [1.0] * len(rows)
+    assert [r["sampling/routes_recorded"] for r in rows] == [1.0] * len(rows)
     if trainer != "sync":
         assert any(r["partial/carried_share"] > 0 for r in rows)
 
@@ -351,5 +353,6 @@ def test_tool_runs_on_a_vllm_server_replay_the_routes_of_every_turn(tmp_path_fac
     assert len(steps) == (2 if trainer == "sync" else 3)
     assert all(r["tools/call_frequency"] > 0.5 for r in steps)
     assert [r["sampling/route_agreement"] for r in steps] == [1.0] * len(steps)
+    assert [r["sampling/routes_recorded"] for r in steps] == [1.0] * len(steps)
     if trainer != "sync":
         assert any(r["partial/carried_share"] > 0 for r in steps)

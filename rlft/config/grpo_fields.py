@@ -309,7 +309,8 @@ class _GRPOFields(_BaseConfig):
              "under sampling/ and weighed by vllm_importance_sampling_mode. A server is started with "
              "its own --quantization (docs/vllm.md)")
     vllm_enforce_eager: bool | None = option(
-        None, "no compilation (default: eager on CPU, compiled on GPU)", rlft=True)
+        None, "no compilation or CUDA graphs (default: eager on CPU and for a MoE policy under routing "
+        "replay, whose routes a graph replay would not report; compiled on GPU)", rlft=True)
     vllm_lora_sync: str = option(
         "auto", check=one_of(LORA_SYNC_MODES), rlft=True,
         help="LoRA: auto (push the adapter when vLLM can serve it, else merged), adapter, merged")

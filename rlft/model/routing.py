@@ -239,6 +239,7 @@ class RouteState:
         self.calls: list[tuple[int, int]] = []  # record: (rows, tokens) of each forward
         self.recorded: list[list[torch.Tensor]] = [[] for _ in routers]
         self.agree = self.compared = 0.0
+        self.said_missing = False  # (a sampler that reported too few routes was warned about)
 
     def record(self) -> None:
         self.mode, self.routes, self.valid = "record", None, None

@@ -187,6 +187,14 @@ def engine_source(model, source) -> tuple[str, str | None]:
     return folder, folder
 
 
+def eager_of(args, on_cpu: bool, model) -> bool:
+    """vLLM's enforce_eager: `vllm_enforce_eager`, else on a CPU, or for a MoE policy under routing replay
+    (rlft's route recorder is a Python hook, which a CUDA graph's replay skips; vllm_routes.py)."""
+    if args.vllm_enforce_eager is not None:
+        return bool(args.vllm_enforce_eager)
+    return on_cpu or route_state(model) is not None
+
+
 def engine_rollout(repeated: list[list[int]], tokens: list[list[int]], logprobs: list[list[float] | None],
                    pad: int, eos_ids: list[int], device, greedy: bool,
                    kept: list[list[list[int] | None]] | None = None) -> Rollout:
@@ -301,7 +309,7 @@ class VLLMColocate(StaleAfterStep):
                 self.llm = vllm.LLM(
                     model=folder, dtype=self.dtype, seed=args.seed, max_model_len=max_len,
                     gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_prefix_caching=True,
-                    enforce_eager=on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager,
+                    enforce_eager=eager_of(args, on_cpu, model),
                     enable_sleep_mode=args.vllm_enable_sleep_mode, skip_tokenizer_init=True,
                     logprobs_mode="processed_logprobs", trust_remote_code=args.trust_remote_code,
                     max_logprobs=max(20, truncation(args).top_k), **lora, **(CPU_ENGINE if on_cpu else {}),

@@ -3,6 +3,7 @@ processes, and averaging over the steps between two log lines."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -200,15 +201,34 @@ def _is_nan(value) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
-def route_metrics(model, accelerator) -> dict[str, float]:
-    """Routing replay (rlft/model/routing.py): the share of replayed (token, layer) expert choices
-    the trainer's router would have made itself this step, over every process; {} for a model that
-    replays nothing."""
+def route_metrics(model, accelerator, rollout=None) -> dict[str, float]:
+    """Routing replay (rlft/model/routing.py), over every process: the share of replayed (token, layer)
+    expert choices the trainer's router would have made itself this step, and the share of the
+    sampler-fed completion tokens (each row's last one is never fed) whose route the sampler reported
+    (`rollout`'s). {} for a model that replays nothing. A sampler that reports fewer than 99% is warned
+    about once: the others route freely."""
     state = route_state(model)
     if state is None:
         return {}
-    counts = torch.tensor(state.take_counts(), dtype=torch.float64, device=accelerator.device)
+    recorded = expected = 0.0
+    if rollout is not None and rollout.completion_routes is not None:
+        fed = rollout.completion_mask.bool().clone()
+        fed[torch.arange(fed.shape[0]), fed.sum(1).clamp(min=1) - 1] = False
+        routes = rollout.completion_routes[:, :fed.shape[1], 0, 0].to(fed.device)
+        recorded, expected = float((fed[:, :routes.shape[1]] & (routes >= 0)).sum()), float(fed.sum())
+    counts = torch.tensor([*state.take_counts(), recorded, expected], dtype=torch.float64,
+                          device=accelerator.device)
     if accelerator.num_processes > 1:
         counts = accelerator.reduce(counts, "sum")
-    agree, compared = counts.tolist()
-    return {"sampling/route_agreement": agree / compared} if compared else {}
+    agree, compared, recorded, expected = counts.tolist()
+    out = {"sampling/route_agreement": agree / compared} if compared else {}
+    if expected:
+        out["sampling/routes_recorded"] = recorded / expected
+        if recorded / expected < 0.99 and not state.said_missing:
+            state.said_missing = True
+            logging.getLogger("rlft").warning(
+                "routing replay: the sampler reported routes for %.1f%% of the completion tokens it fed; "
+                "the trainer routes the others freely. A vLLM engine on a GPU replaying CUDA graphs skips "
+                "rlft's route recorder: set vllm_enforce_eager: true, or start `rlft vllm-serve` with "
+                "--enforce-eager (docs/moe.md#vllm)", 100 * recorded / expected)
+    return out

@@ -106,7 +106,7 @@ class PolicyUpdater:
         if self.entropy_bonus_on and "entropy" in metrics:
             metrics.update(self._entropy_control(metrics["entropy"]))
         metrics = {**metrics, **correction_metrics(corrections, acc)} if corrections else metrics
-        metrics.update(route_metrics(self.scorer.model, acc))  # MoE routing replay
+        metrics.update(route_metrics(self.scorer.model, acc, rollout))  # MoE routing replay
         return self.objective.end_step(self, metrics)
 
     def _backward(self, batch, keep, num_items, num_sequences, sums: StepSums, corrections: list) -> None:
