@@ -78,11 +78,16 @@ class RouteRecorder:
         """Each request's routes by position, dropped here. vLLM names a request `<prefix><id>-<suffix>`
         inside (a server's completion request `cmpl-<id>-0`); a colocated engine's requests not taken
         (aborted) are dropped too."""
+        inner = {}  # every leading run of a held id's "-"-separated parts -> that id: one lookup a request
+        for key in self.reads:
+            parts = key.split("-")
+            for end in range(len(parts), 0, -1):
+                inner.setdefault("-".join(parts[:end]), key)
         out = []
         for request in request_ids:
             name = prefix + request
-            key = next((k for k in self.reads if k == name or k.startswith(name + "-")), None)
-            out.append(self.reads.pop(key) if key is not None else {})
+            key = name if name in self.reads else inner.get(name)
+            out.append(self.reads.pop(key, {}) if key is not None else {})
             self.finished.pop(key, None)
         if not self.marked:
             self.reads.clear()
