@@ -300,15 +300,11 @@ def test_a_moe_policys_rows_going_on_from_kept_caches_carry_each_tokens_route(to
     on from their caches, nothing prefilled again: the window's first step reads each row's last carried token,
     and that route fills it. Either way every read token has its route and the trainer, replaying them, agrees
     with every choice and scores the sampler's log-probs (which it would not with a route one position off)."""
-    import copy
-
     from rlft.model import routing
-    from rlft.model.scoring import install_scoring, score_rows
-    from rlft.rollout.hf import eos_token_ids
+    from rlft.model.scoring import install_scoring
     from rlft.rollout.kv_carry import KVCarry
-    from rlft.rollout.partial import window_routes
-    from rlft.rollout.vllm import engine_rollout
     from rlft.tiny import build_near_tie_moe
+    from tests.route_helpers import assert_replayed_exactly, windows
 
     model = build_near_tie_moe(tokenizer, "qwen3_moe", num_layers=2).float().eval()
     install_scoring(model)
@@ -316,28 +312,9 @@ def test_a_moe_policys_rows_going_on_from_kept_caches_carry_each_tokens_route(to
     engine = engine_for(tokenizer, max_tokens=16)
     engine.kv_carry = KVCarry() if carry else None
     prompts = [tokenizer(f"{a} + {b} = ")["input_ids"] for a in range(2) for b in range(2)]
-    order = {"r0": prompts, "r1": prompts[::-1]}
-    pool = Pool(16)
-    for key, listed in order.items():
-        pool.add(key, listed, 2, False, True)
-    torch.manual_seed(0)
-    pool.advance(model, engine, 3, 0)
-    assert sum(not row.done for c in pool.cohorts.values() for row in c["rows"]) >= 12
-    for key, listed in order.items():
-        rows = pool.window(model, engine, key, 0)
-        if key == "r0":  # (its window carried every row on: the first after the advance)
-            assert (pool.stats["partial/reprefill_tokens"] == 0) == carry
-        rollout = engine_rollout([p for p in listed for _ in range(2)], [r.tokens for r in rows],
-                                 [r.logprobs for r in rows], tokenizer.pad_token_id,
-                                 eos_token_ids(model, tokenizer), torch.device("cpu"), False)
-        prompt_routes, completion_routes = window_routes(rows)
-        rollout.prompt_routes = prompt_routes
-        rollout.completion_routes = completion_routes[:, :rollout.completion_ids.shape[1]]
-        read = rollout.completion_mask.clone()
-        read[torch.arange(read.shape[0]), read.sum(1) - 1] = 0  # each completion's last token: never fed
-        assert bool((rollout.prompt_routes[rollout.prompt_mask.bool()] >= 0).all())
-        assert bool((rollout.completion_routes[read.bool()] >= 0).all())
-        scored = score_rows(model, copy.copy(rollout), slice(None)).logps.detach()
-        mask = rollout.completion_mask[:, :scored.shape[1]].bool()
-        assert state.take_agreement() == 1.0
-        assert (scored - rollout.sampling_logps[:, :scored.shape[1]])[mask].abs().max() < 1e-5
+    carried, rollouts = windows(model, engine, prompts, budget=16)
+    assert carried >= 12
+    # (r0's window carried every row on: the first after the advance)
+    assert (rollouts[0][1]["partial/reprefill_tokens"] == 0) == carry
+    for rollout, _ in rollouts:
+        assert_replayed_exactly(model, state, rollout, only_read=False)

@@ -18,6 +18,7 @@ from rlft.rollout.base import Rollout
 from rlft.rollout.hf import HFGenerator
 from rlft.tiny import build_causal_lm, build_near_tie_moe, build_tokenizer
 from tests.helpers import addition_rows, correct_answer, tiny_grpo_config
+from tests.route_helpers import log_ratios
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +39,6 @@ def sample(sampler, tokenizer, prompts=("hello world 1 2 3", "4 + 5 =", "7 7 7 7
     engine.return_logps = True  # the sampler's own log-prob of each token, read while sampling
     torch.manual_seed(0)
     return engine(sampler, [tokenizer(p)["input_ids"] for p in prompts], group)
-
-
-def log_ratios(trainer, rollout, replayed: bool, packing=None) -> torch.Tensor:
-    """log pi_trainer - log pi_sampler over the completion tokens, from a forward that could train
-    (route agreement is counted there)."""
-    if not replayed:
-        rollout = copy.copy(rollout)
-        rollout.prompt_routes = rollout.completion_routes = None
-    logps = score_rows(trainer, rollout, slice(None), packing=packing).logps.detach()
-    mask = rollout.completion_mask[:, :logps.shape[1]].bool()
-    return (logps.double() - rollout.sampling_logps[:, :logps.shape[1]].double())[mask]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])

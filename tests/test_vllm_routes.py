@@ -4,15 +4,15 @@ weight push (rlft/rollout/vllm_moe.py)."""
 
 from __future__ import annotations
 
-import copy
 import tempfile
 
 import pytest
 import torch
 
 from rlft.model import routing
-from rlft.model.scoring import install_scoring, score_rows
+from rlft.model.scoring import install_scoring
 from rlft.tiny import build_near_tie_moe, build_tokenizer
+from tests.route_helpers import assert_replayed_exactly, log_ratios, windows
 
 pytestmark = pytest.mark.vllm
 
@@ -37,15 +37,6 @@ def policy(tokenizer, experts=None, layers: int = 2):
     return model, routing.install(model)
 
 
-def log_ratios(model, rollout, replayed: bool) -> torch.Tensor:
-    if not replayed:
-        rollout = copy.copy(rollout)
-        rollout.prompt_routes = rollout.completion_routes = None
-    logps = score_rows(model, rollout, slice(None)).logps.detach()
-    mask = rollout.completion_mask[:, :logps.shape[1]].bool()
-    return (logps.double() - rollout.sampling_logps[:, :logps.shape[1]].double())[mask]
-
-
 def prompts_of(tokenizer, count: int = 6):
     return [tokenizer(f"{a} + {b} = ")["input_ids"] for a in range(2) for b in range(count // 2)]
 
@@ -59,14 +50,7 @@ def test_a_float32_engine_records_the_routes_the_trainer_takes_itself(tokenizer)
     torch.manual_seed(0)
     rollout = engine(model, prompts_of(tokenizer), 4)
     assert rollout.prompt_routes.shape[-2:] == (2, 2) and rollout.completion_routes.shape[-2:] == (2, 2)
-    assert bool((rollout.prompt_routes[rollout.prompt_mask.bool()] >= 0).all())
-    read = rollout.completion_mask.clone()
-    read[torch.arange(read.shape[0]), read.sum(1) - 1] = 0  # each completion's last token: never fed
-    assert bool((rollout.completion_routes[read.bool()] >= 0).all())
-    assert bool((rollout.completion_routes[~read.bool()] < 0).all())
-    ratio = log_ratios(model, rollout, True).exp()
-    assert state.take_agreement() == 1.0
-    assert (ratio - 1).abs().max() < 1e-5
+    assert_replayed_exactly(model, state, rollout)
 
 
 def test_at_qwen3_30b_a3bs_routing_replaying_a_bf16_engines_routes_cuts_the_mismatch_over_5x(tokenizer):
@@ -140,51 +124,6 @@ def test_the_async_producers_colocated_engine_records_the_routes_it_samples(tmp_
         assert any(r["partial/carried_share"] > 0 for r in rows)
 
 
-def read_positions(rollout) -> torch.Tensor:
-    """Each completion token a forward read: all but each completion's last."""
-    read = rollout.completion_mask.clone()
-    read[torch.arange(read.shape[0]), read.sum(1) - 1] = 0
-    return read.bool()
-
-
-def assert_replayed_exactly(model, state, rollout) -> None:
-    """Every prompt token and every read completion token has its route, none other has; replayed, a float32
-    trainer agrees with every choice and scores the sampler's log-probs within 1e-5."""
-    assert bool((rollout.prompt_routes[rollout.prompt_mask.bool()] >= 0).all())
-    read = read_positions(rollout)
-    assert bool((rollout.completion_routes[read] >= 0).all())
-    assert bool((rollout.completion_routes[~read] < 0).all())
-    ratio = log_ratios(model, rollout, True).exp()
-    assert state.take_agreement() == 1.0
-    assert (ratio - 1).abs().max() < 1e-5
-
-
-def windows(model, engine, prompts, tokens: int = 3):
-    """Partial rollouts' pool on `engine`: rollouts r0 and r1 (`prompts` x 2, r1's reversed), `tokens` tokens of
-    every row drawn first (an idle advance), then r0's window and r1's; each as a Rollout with its routes."""
-    from rlft.rollout.partial import Pool, window_routes
-    from rlft.rollout.vllm import engine_rollout
-
-    pool = Pool(24)
-    order = {"r0": prompts, "r1": prompts[::-1]}
-    for key, listed in order.items():
-        pool.add(key, listed, 2, engine.replay_mask, True)
-    torch.manual_seed(0)
-    pool.advance(model, engine, tokens, 0)
-    carried = sum(not row.done for cohort in pool.cohorts.values() for row in cohort["rows"])
-    out = []
-    for key, listed in order.items():
-        rows = pool.window(model, engine, key, 0)
-        rollout = engine_rollout([p for p in listed for _ in range(2)], [row.tokens for row in rows],
-                                 [row.logprobs for row in rows], engine.tokenizer.pad_token_id, engine.eos_ids,
-                                 torch.device("cpu"), False, None)
-        prompt_routes, completion_routes = window_routes(rows)
-        rollout.prompt_routes, rollout.completion_routes = prompt_routes, completion_routes[
-            :, :rollout.completion_ids.shape[1]]
-        out.append(rollout)
-    return carried, out
-
-
 def test_a_stepped_engine_records_the_routes_across_a_weight_switch_and_partial_rollouts_windows(tokenizer):
     """A colocated engine driven step by step: the weights reloaded between two steps while requests run
     (in-flight), then partial rollouts' windows with rows carried from an idle advance, in the reproducible mode
@@ -194,27 +133,17 @@ def test_a_stepped_engine_records_the_routes_across_a_weight_switch_and_partial_
     model, state = policy(tokenizer)
     engine = engine_for(tokenizer, model, "float32")
     engine.args.inflight_weight_updates, engine.args.partial_rollouts = True, 1
-    from rlft.rollout.hf import WeightSwitch
+    from tests.test_vllm_steps import switched_at
 
-    def pending(tokens):
-        if tokens == 3:  # (the same weights pushed again: the routes must survive the reload and repack)
-            engine.on_weights_changed()
-            return 1
-        return None
-
-    engine.weight_switch = WeightSwitch(0, pending)
-    torch.manual_seed(0)
-    try:
-        rollout = engine(model, prompts_of(tokenizer), 4)
-    finally:
-        engine.weight_switch = None
+    # (the same weights pushed again after 3 tokens: the routes must survive the reload and repack)
+    rollout = switched_at(engine, model, prompts_of(tokenizer), 4, 3)
     assert engine.syncs == 2 and rollout.token_versions[0, :4].tolist() == [0, 0, 0, 1]
     assert_replayed_exactly(model, state, rollout)
     for switch_tokens in (4, None):  # reproducible, throughput
         engine.args.inflight_switch_tokens = switch_tokens
         carried, rollouts = windows(model, engine, prompts_of(tokenizer))
         assert carried >= 20
-        for rollout in rollouts:
+        for rollout, _ in rollouts:
             assert_replayed_exactly(model, state, rollout)
 
 
@@ -269,7 +198,7 @@ def test_a_vllm_server_hands_over_the_routes_of_whole_interrupted_and_windowed_r
     assert_replayed_exactly(model, state, rollout)
     carried, rollouts = windows(model, engine, prompts_of(tokenizer))
     assert carried >= 20
-    for rollout in rollouts:
+    for rollout, _ in rollouts:
         assert_replayed_exactly(model, state, rollout)
 
 

@@ -55,6 +55,26 @@ def two_rollouts_pool(model, engine, older, budget: int, prompts: list[list[int]
     return pool
 
 
+def switched_at(engine, model, prompts, count: int, at: int, newer: dict | None = None):
+    """`count` completions of each prompt on the stepped engine (torch's seed 0), version 1 loaded between two
+    of its steps once `at` tokens are drawn: `newer`'s weights, or (None) the same ones pushed again."""
+
+    def pending(tokens):
+        if tokens != at:
+            return None
+        if newer is not None:
+            load(model, newer)
+        engine.on_weights_changed()
+        return 1
+
+    engine.weight_switch = WeightSwitch(0, pending)
+    torch.manual_seed(0)
+    try:
+        return engine(model, prompts, count)
+    finally:
+        engine.weight_switch = None
+
+
 def test_weights_loaded_between_two_vllm_steps_reach_the_running_requests_which_keep_their_cache(stepped):
     """The switch loads version 1 after the 2nd token: tokens 0-1 record version 0, the rest version 1, and each
     recorded log-prob equals version 0's forward over the prefix and version 1's over the rest on version 0's
@@ -62,20 +82,7 @@ def test_weights_loaded_between_two_vllm_steps_reach_the_running_requests_which_
     model, tokenizer, engine, older, newer = stepped
     load(model, older)
     engine.on_weights_changed()
-
-    def pending(tokens):
-        if tokens == 2:
-            load(model, newer)
-            engine.on_weights_changed()
-            return 1
-        return None
-
-    engine.weight_switch = WeightSwitch(0, pending)
-    torch.manual_seed(0)
-    try:
-        rollout = engine(model, prompts_of(tokenizer), 2)
-    finally:
-        engine.weight_switch = None
+    rollout = switched_at(engine, model, prompts_of(tokenizer), 2, 2, newer)
     width = rollout.completion_ids.shape[1]
     lengths = rollout.completion_mask.sum(1).tolist()
     assert width > 3
