@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from rlft.errors import RlftError
 from rlft.model.routing import route_state
+from rlft.rollout import vllm_routes
 from rlft.rollout.base import Rollout
 from rlft.rollout.hf import eos_token_ids
 from rlft.rollout.producer_worker import SPEC_FILE
@@ -268,12 +269,7 @@ class ProcessProducer:
             rollout.token_versions = row.expand(rollout.completion_ids.shape[0], -1).to(device).masked_fill(
                 rollout.completion_mask == 0, -1)
         if produced.routes is not None:
-            rollout.prompt_routes = produced.routes["prompt"].to(device)
-            completion = produced.routes["completion"]
-            width = rollout.completion_ids.shape[1]
-            out = completion.new_full((completion.shape[0], width, *completion.shape[2:]), -1)
-            out[:, :min(width, completion.shape[1])] = completion[:, :width]
-            rollout.completion_routes = out.to(device)
+            vllm_routes.attach(rollout, (produced.routes["prompt"], produced.routes["completion"]))
         return rollout
 
     def __call__(self, model, prompt_ids: list[list[int]], num_generations: int, greedy: bool = False,

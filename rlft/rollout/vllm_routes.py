@@ -202,8 +202,12 @@ def merge(into: list[dict[int, torch.Tensor]], rows: list[int], reads: list[dict
 
 
 def attach(rollout, routes) -> None:
-    """`assemble`'s routes (or None) onto a Rollout of those requests (prompts left-padded as its own)."""
+    """Routes (prompt [N, P, L, k] left-padded as the rollout's prompts, completion [N, C, L, k]; or None)
+    onto a Rollout of those rows, the completion's cut or padded with -1 to the rollout's width."""
     if routes is not None:
-        device = rollout.prompt_ids.device
-        rollout.prompt_routes = routes[0].to(device)
-        rollout.completion_routes = routes[1][:, :rollout.completion_ids.shape[1]].to(device)
+        device, width = rollout.prompt_ids.device, rollout.completion_ids.shape[1]
+        completion = routes[1][:, :width]
+        if completion.shape[1] < width:
+            completion = torch.cat([completion, completion.new_full(
+                (completion.shape[0], width - completion.shape[1], *completion.shape[2:]), -1)], dim=1)
+        rollout.prompt_routes, rollout.completion_routes = routes[0].to(device), completion.to(device)
